@@ -1,0 +1,75 @@
+"""The mixer interface and the name -> mixer registry."""
+
+from __future__ import annotations
+
+import difflib
+
+import torch
+from torch import nn
+
+
+class Mixer(nn.Module):
+    """Interface of a token mixer (attention variant or recurrent layer).
+
+    forward(x, pos, cache=None) -> y
+        x: (B, T, C) normalised block input; pos: (T,) absolute positions of x's tokens (used for RoPE and
+        position-dependent masks); cache: the object from init_cache, updated in place, during generation.
+    init_cache(batch_size, max_len, device, dtype) -> per-layer generation state (KV cache, recurrent state).
+    mixing_flops(seq_len) -> forward FLOPs per token spent mixing positions, beyond the parameter matmuls
+        (e.g. QK^T and AV for attention), so that MFU reflects the variant's real cost.
+    check_config(config) -> raise ValueError when the model config cannot build this mixer.
+    init_weights() -> variant-specific initialisation, run after the model's generic one.
+    """
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        pass
+
+    def init_cache(self, batch_size: int, max_len: int, device, dtype):
+        raise NotImplementedError(f"{type(self).__name__} does not support cached generation")
+
+    def mixing_flops(self, seq_len: int) -> float:
+        return 0.0
+
+    def init_weights(self) -> None:
+        pass
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, cache=None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+MIXERS: dict[str, type[Mixer]] = {}
+
+
+def register(name: str):
+    def decorator(cls: type[Mixer]) -> type[Mixer]:
+        if name in MIXERS:
+            raise ValueError(f"mixer '{name}' is registered twice")
+        MIXERS[name] = cls
+        return cls
+
+    return decorator
+
+
+def layer_names(config) -> list[str]:
+    """The mixer name of every layer: attn_pattern repeated to n_layer."""
+    pattern = [name.strip() for name in config.attn_pattern.split(",") if name.strip()]
+    if not pattern:
+        raise ValueError("attn_pattern is empty: give a mixer name such as 'full'")
+    for name in pattern:
+        if name not in MIXERS:
+            close = difflib.get_close_matches(name, list(MIXERS), n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise ValueError(f"unknown mixer '{name}' in attn_pattern: {hint}registered: {', '.join(sorted(MIXERS))}")
+    if config.n_layer % len(pattern):
+        raise ValueError(f"attn_pattern has {len(pattern)} entries, which does not divide n_layer={config.n_layer}")
+    return pattern * (config.n_layer // len(pattern))
+
+
+def validate_config(config) -> None:
+    for name in sorted(set(layer_names(config))):
+        MIXERS[name].check_config(config)
+
+
+def build_mixer(config, layer_idx: int) -> Mixer:
+    return MIXERS[layer_names(config)[layer_idx]](config, layer_idx)

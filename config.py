@@ -1,0 +1,285 @@
+"""Typed configuration for training, sampling and evaluation.
+
+A run's configuration is four dataclasses (model, data, train, eval) whose field names are unique across
+groups, so a config file and the command line can use flat names as in nanoGPT:
+
+    python train.py configs/quickstart.py --batch_size=32 --learning_rate=3e-4
+
+A config file is python that assigns fields (`n_layer = 6`); `--key=value` overrides it. Values are checked
+against the field's type; an unknown key or a bad value raises ConfigError naming the closest valid key, and
+the entry points turn that into exit status 2 before anything is written.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import json
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "gpt2"  # gpt2 (LayerNorm, GELU, learned positions) | llama (RMSNorm, SwiGLU, RoPE)
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    block_size: int = 1024  # training context length (and the size of the learned position table)
+    vocab_size: int = 0  # 0: the prepared data's vocabulary, padded up to a multiple of 64
+    bias: bool = True  # biases in linear layers and LayerNorm (gpt2); llama recipes set False
+    dropout: float = 0.0
+    mlp_hidden: int = 0  # 0: 4*n_embd for gpt2, floor(2.67*n_embd) for llama's SwiGLU (paper 000)
+    pos_embedding: str = "auto"  # auto (learned for gpt2, rope for llama) | learned | rope | none
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+    # token mixers: a comma-separated list of registered names, repeated to fill n_layer
+    # (e.g. "full", or "swa,swa,swa,full" for 3 local : 1 full); see attention/__init__.py
+    attn_pattern: str = "full"
+    attn_backend: str = "auto"  # auto | dense | chunked | flex | sdpa (variants accept the ones they implement)
+    attn_gate: bool = False  # sigmoid(W y) * y before the output projection (paper 000's recipe)
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def resolved_pos_embedding(self) -> str:
+        if self.pos_embedding != "auto":
+            return self.pos_embedding
+        return "learned" if self.arch == "gpt2" else "rope"
+
+    @property
+    def resolved_mlp_hidden(self) -> int:
+        if self.mlp_hidden:
+            return self.mlp_hidden
+        return 4 * self.n_embd if self.arch == "gpt2" else int(2.67 * self.n_embd)
+
+
+@dataclass
+class DataConfig:
+    dataset: str = "embedded_byte"  # prepared data lives in data/<dataset> (see data/prepare.py)
+    data_dir: str = ""  # overrides data/<dataset> when set
+
+
+@dataclass
+class TrainConfig:
+    out_dir: str = "out"
+    init_from: str = "scratch"  # scratch | resume
+    batch_size: int = 12  # micro-batch size per process
+    gradient_accumulation_steps: int = 40  # global: divided among DDP processes, as in nanoGPT
+    max_iters: int = 600000
+    learning_rate: float = 6e-4
+    min_lr: float = 6e-5
+    warmup_iters: int = 2000
+    lr_decay_iters: int = 600000
+    decay_lr: bool = True
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # 0 disables clipping
+    log_interval: int = 10
+    ckpt_interval: int = 0  # steps between ckpt_last.pt writes; 0: at every evaluation
+    device: str = "auto"  # auto (cuda when available) | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto (bfloat16 on capable GPUs, float16 on older ones, float32 on CPU)
+    compile: bool = False
+    seed: int = 1337
+    wandb_log: bool = False
+    wandb_project: str = "efficient-attention"
+    wandb_run_name: str = ""  # empty: the out_dir's name
+    wandb_mode: str = "online"  # online | offline (no network needed) | disabled
+
+
+@dataclass
+class EvalConfig:
+    eval_interval: int = 2000
+    eval_iters: int = 200  # validation batches of batch_size windows: a fixed token budget
+    eval_only: bool = False
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Config":
+        """Rebuild a config saved by to_dict (unknown keys from newer versions are ignored with a warning)."""
+        cfg = cls()
+        for group in GROUPS:
+            for key, value in d.get(group, {}).items():
+                if key in _FIELDS and _FIELDS[key][0] == group:
+                    setattr(getattr(cfg, group), key, value)
+                else:
+                    print(f"warning: ignoring unknown saved config key {group}.{key}", file=sys.stderr)
+        return cfg
+
+
+GROUPS = ("model", "data", "train", "eval")
+_GROUP_TYPES = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "eval": EvalConfig}
+# flat key -> (group, type); the assertion keeps flat names unambiguous
+_FIELDS: dict[str, tuple[str, type]] = {}
+for _group, _cls in _GROUP_TYPES.items():
+    for _name, _type in typing.get_type_hints(_cls).items():
+        assert _name not in _FIELDS, f"config key {_name} is defined in two groups"
+        _FIELDS[_name] = (_group, _type)
+
+
+def get_value(cfg: Config, key: str):
+    return getattr(getattr(cfg, _FIELDS[key][0]), key)
+
+
+def _closest(key: str, candidates) -> str:
+    close = difflib.get_close_matches(key, list(candidates), n=3, cutoff=0.5)
+    if close:
+        return "did you mean " + " or ".join(f"'{c}'" for c in close) + "?"
+    return "valid keys: " + ", ".join(sorted(candidates))
+
+
+def coerce(key: str, value, typ: type, from_cli: bool = True):
+    """Convert a command-line string to the field's type, or check a config file's python value."""
+    if from_cli and isinstance(value, str) and typ is not str:
+        text = value.strip()
+        if typ is bool:
+            if text.lower() in ("true", "1", "yes"):
+                return True
+            if text.lower() in ("false", "0", "no"):
+                return False
+            raise ConfigError(f"--{key}={value!r}: expected a boolean (True or False)")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            raise ConfigError(f"--{key}={value!r}: expected {typ.__name__}, got a string") from None
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if typ is int and isinstance(value, float) and value.is_integer():
+        value = int(value)  # 1e6 written for an integer count
+    if type(value) is not typ:
+        raise ConfigError(f"{key}={value!r}: expected {typ.__name__}, got {type(value).__name__}")
+    return value
+
+
+def set_value(target, key: str, value, fields: dict[str, tuple[str, type]] | None = None,
+              from_cli: bool = True) -> None:
+    """Set a flat key on a Config (or on a single dataclass when fields maps its own keys)."""
+    fields = _FIELDS if fields is None else fields
+    if key not in fields:
+        raise ConfigError(f"unknown config key '{key}': {_closest(key, fields)}")
+    group, typ = fields[key]
+    obj = getattr(target, group) if group else target
+    setattr(obj, key, coerce(key, value, typ, from_cli))
+
+
+def apply_file(target, path: str, fields=None) -> None:
+    """Execute a python config file and apply every top-level assignment it makes."""
+    try:
+        with open(path) as f:
+            source = f.read()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    namespace: dict = {}
+    try:
+        exec(compile(source, path, "exec"), namespace)
+    except Exception as e:
+        raise ConfigError(f"config file {path} failed to run: {type(e).__name__}: {e}") from None
+    for key, value in namespace.items():
+        if key.startswith("_") or isinstance(value, (types.ModuleType, types.FunctionType, type)):
+            continue
+        try:
+            set_value(target, key, value, fields, from_cli=False)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+
+
+def apply_args(target, argv: list[str], fields=None) -> None:
+    """Apply config files (positional) and --key=value overrides, in order."""
+    for arg in argv:
+        if arg.startswith("--"):
+            key, sep, value = arg[2:].partition("=")
+            if not sep:
+                raise ConfigError(f"'{arg}': overrides are written --key=value")
+            set_value(target, key.replace("-", "_"), value, fields)
+        elif arg.endswith(".py") or not arg.startswith("-"):
+            apply_file(target, arg, fields)
+        else:
+            raise ConfigError(f"'{arg}': expected a config file or --key=value")
+
+
+def validate(cfg: Config) -> None:
+    """Check values that a type alone does not constrain; raise ConfigError naming the fix."""
+    m, t = cfg.model, cfg.train
+
+    def choice(key, value, allowed):
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r}: expected one of {', '.join(map(repr, allowed))}")
+
+    def positive(key, value, allow_zero=False):
+        if value < 0 or (value == 0 and not allow_zero):
+            raise ConfigError(f"{key}={value}: must be {'>= 0' if allow_zero else '> 0'}")
+
+    choice("arch", m.arch, ("gpt2", "llama"))
+    choice("pos_embedding", m.pos_embedding, ("auto", "learned", "rope", "none"))
+    choice("init_from", t.init_from, ("scratch", "resume"))
+    choice("dtype", t.dtype, ("auto", "float32", "bfloat16", "float16"))
+    choice("wandb_mode", t.wandb_mode, ("online", "offline", "disabled"))
+    if not (t.device in ("auto", "cpu", "cuda", "mps") or t.device.startswith("cuda:")):
+        raise ConfigError(f"device={t.device!r}: expected auto, cpu, cuda or cuda:N")
+    for key in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "gradient_accumulation_steps",
+                "log_interval", "eval_interval", "eval_iters"):
+        positive(key, get_value(cfg, key))
+    for key in ("max_iters", "warmup_iters", "lr_decay_iters", "ckpt_interval", "vocab_size", "mlp_hidden"):
+        positive(key, get_value(cfg, key), allow_zero=True)
+    if m.n_embd % m.n_head:
+        raise ConfigError(f"n_embd={m.n_embd} is not divisible by n_head={m.n_head}")
+    if m.resolved_pos_embedding == "rope" and m.head_dim % 2:
+        raise ConfigError(f"rope needs an even head dimension; n_embd/n_head = {m.head_dim}")
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError(f"dropout={m.dropout}: must be in [0, 1)")
+    if t.learning_rate <= 0 or t.min_lr < 0 or t.min_lr > t.learning_rate:
+        raise ConfigError(f"need 0 <= min_lr <= learning_rate and learning_rate > 0 "
+                          f"(got learning_rate={t.learning_rate}, min_lr={t.min_lr})")
+    from attention import validate_config as validate_attention  # variants check their own fields
+
+    try:
+        validate_attention(m)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def load_config(argv: list[str]) -> Config:
+    cfg = Config()
+    apply_args(cfg, argv)
+    validate(cfg)
+    return cfg
+
+
+def exit_on_config_error(fn, *args):
+    """Run fn(*args); a ConfigError becomes a one-line message and exit status 2."""
+    try:
+        return fn(*args)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def dataclass_fields(cls) -> dict[str, tuple[str, type]]:
+    """Flat field table for a single dataclass (used by sample.py and the eval entry point)."""
+    return {name: ("", typ) for name, typ in typing.get_type_hints(cls).items()}
+
+
+def dumps(cfg: Config, **extra) -> str:
+    return json.dumps({**cfg.to_dict(), **extra}, indent=2, sort_keys=False)

@@ -1,0 +1,33 @@
+# GPT-2 small (124M) with full causal attention on OpenWebText: the setting of paper 004 (App. D).
+#   python data/prepare.py --dataset=openwebtext --tokenizer=gpt2 --max_tokens=2600000000
+#   torchrun --standalone --nproc_per_node=8 train.py configs/owt_124m_full.py --wandb_log=True
+out_dir = "out/owt_124m_full"
+dataset = "openwebtext_gpt2"
+
+arch = "gpt2"
+n_layer = 12
+n_head = 12
+n_embd = 768
+block_size = 1024
+bias = True
+dropout = 0.0
+vocab_size = 50304  # GPT-2's 50257 padded to a multiple of 64
+attn_pattern = "full"
+
+batch_size = 8
+gradient_accumulation_steps = 16  # global; 8 x 16 x 1024 = 131,072 tokens per step
+max_iters = 20000
+learning_rate = 2e-4
+min_lr = 6e-5
+warmup_iters = 1000
+lr_decay_iters = 20000
+weight_decay = 0.1
+beta1, beta2 = 0.9, 0.95
+grad_clip = 1.0
+
+eval_interval = 500
+eval_iters = 100
+log_interval = 10
+compile = True
+seed = 1337  # the paper trains seeds 1337, 2025 and 3047
+wandb_project = "efficient-attention-owt"

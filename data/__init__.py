@@ -1,0 +1,1 @@
+"""Data: tokenizers, the embedded corpus, preparing token memmaps and reading them back."""

@@ -1,0 +1,123 @@
+"""
+Reading prepared data: a folder written by data/prepare.py holds
+
+    train.bin, val.bin   raw token ids, dtype from meta.json, documents separated by eot_id
+    meta.json            tokenizer, vocab_size, eot_id, dtype, token counts, provenance
+
+load_meta() checks the three agree before anything trains on them, because a
+truncated or mismatched bin otherwise trains silently on garbage. Each error
+says what is wrong and how to fix it.
+"""
+
+import json
+import os
+
+import numpy as np
+
+FORMAT_VERSION = 1
+REQUIRED_KEYS = ("format_version", "tokenizer", "vocab_size", "eot_id", "dtype", "train_tokens", "val_tokens")
+DTYPES = {"uint16": np.dtype(np.uint16), "uint32": np.dtype(np.uint32)}
+SPLITS = ("train", "val")
+
+
+class DataError(Exception):
+    """Prepared data is missing or inconsistent, or a dataset cannot be prepared."""
+
+
+def prepare_command(data_dir, meta=None):
+    """The command that (re)creates data_dir, as precisely as meta allows."""
+    dataset = (meta or {}).get("source", "...")
+    tokenizer = (meta or {}).get("tokenizer", "...")
+    return f"python data/prepare.py --dataset={dataset} --tokenizer={tokenizer} --out_dir={data_dir}"
+
+
+def load_meta(data_dir) -> dict:
+    """meta.json of a prepared folder, after checking it against train.bin and val.bin."""
+    data_dir = str(data_dir)
+    if not os.path.isdir(data_dir):
+        raise DataError(f"{data_dir} does not exist: prepare it first with {prepare_command(data_dir)}")
+    meta_path = os.path.join(data_dir, "meta.json")
+    if not os.path.exists(meta_path):
+        raise DataError(f"{meta_path} is missing, so {data_dir} is not (completely) prepared: "
+                        f"run {prepare_command(data_dir)}")
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise DataError(f"{meta_path} is not valid JSON ({e}): re-run {prepare_command(data_dir)}") from e
+    if not isinstance(meta, dict):
+        raise DataError(f"{meta_path} is not a JSON object: re-run {prepare_command(data_dir)}")
+    redo = f"re-run {prepare_command(data_dir, meta)}"
+
+    missing = [k for k in REQUIRED_KEYS if k not in meta]
+    if missing:
+        raise DataError(f"{meta_path} lacks {', '.join(missing)}: it was not written by data/prepare.py "
+                        f"or is from an older version; {redo}")
+    if meta["format_version"] != FORMAT_VERSION:
+        raise DataError(f"{meta_path} has format_version {meta['format_version']}, this code reads "
+                        f"{FORMAT_VERSION}; {redo}")
+    if meta["dtype"] not in DTYPES:
+        raise DataError(f"{meta_path} has unknown dtype {meta['dtype']!r} "
+                        f"(expected one of {', '.join(DTYPES)}); {redo}")
+    dtype = DTYPES[meta["dtype"]]
+    if meta["vocab_size"] - 1 > np.iinfo(dtype).max:
+        raise DataError(f"{meta_path} says dtype {meta['dtype']} but vocab_size {meta['vocab_size']}: "
+                        f"token ids up to {meta['vocab_size'] - 1} do not fit; {redo}")
+
+    for split in SPLITS:
+        path = os.path.join(data_dir, f"{split}.bin")
+        if not os.path.exists(path):
+            raise DataError(f"{path} is missing: {redo}")
+        size = os.path.getsize(path)
+        if size % dtype.itemsize:
+            raise DataError(f"{path} has {size} bytes, not a multiple of {dtype.itemsize} ({meta['dtype']}): "
+                            f"the file is truncated or was written with another dtype; {redo}")
+        tokens, expected = size // dtype.itemsize, meta[f"{split}_tokens"]
+        if tokens != expected:
+            raise DataError(f"{path} holds {tokens} tokens but {meta_path} says {split}_tokens={expected}: "
+                            f"the bins and meta.json are from different or interrupted runs; {redo}")
+        if tokens == 0:
+            raise DataError(f"{path} holds no tokens, so there is nothing to "
+                            f"{'train' if split == 'train' else 'evaluate'} on; {redo}")
+    return meta
+
+
+def open_tokens(data_dir, split) -> np.memmap:
+    """Read-only memmap of a validated split ("train" or "val")."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
+    meta = load_meta(data_dir)
+    return np.memmap(os.path.join(str(data_dir), f"{split}.bin"), dtype=DTYPES[meta["dtype"]], mode="r")
+
+
+def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
+    """Entropy in nats of the token frequencies: the loss of the best model that ignores context."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    chunk = 1 << 24  # bincount copies its input to int64, so count big memmaps a slice at a time
+    for start in range(0, len(tokens), chunk):
+        counts += np.bincount(np.asarray(tokens[start:start + chunk], dtype=np.int64), minlength=vocab_size)
+    total = counts.sum()
+    if total == 0:
+        return 0.0
+    p = counts[counts > 0] / total
+    return float(-(p * np.log(p)).sum())
+
+
+def prepare_embedded_if_missing(data_dir, tokenizer="byte") -> None:
+    """
+    Build the embedded corpus into data_dir if it is the default embedded folder
+    (data/embedded_<tokenizer>) and holds no valid prepared data, so a fresh clone
+    trains without a separate prepare step. Any other folder is left alone: the
+    caller's load_meta() then reports what is wrong with it.
+    """
+    from data.prepare import default_out_dir, prepare
+
+    if os.path.realpath(str(data_dir)) != os.path.realpath(default_out_dir("embedded", tokenizer)):
+        return
+    try:
+        load_meta(data_dir)
+        return
+    except DataError:
+        pass
+    print(f"{data_dir} is not prepared yet: generating the embedded corpus there (a few seconds)")
+    prepare("embedded", tokenizer, out_dir=str(data_dir), num_proc=1, quiet=True)

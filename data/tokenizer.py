@@ -1,0 +1,159 @@
+"""
+Tokenizers behind one small interface, so prepare.py, the trainer and sampling
+never care which one is in use:
+
+    tok = get_tokenizer("byte")     # or "gpt2", or a Hugging Face tokenizer name / tokenizer.json path
+    ids = tok.encode("hello")       # list[int], no special tokens added
+    tok.decode(ids)                 # str
+    tok.name, tok.vocab_size, tok.eot_id
+
+- byte: UTF-8 bytes 0..255 plus an end-of-text id 256. Needs nothing, works offline.
+- gpt2: tiktoken's GPT-2 BPE (50257 tokens, <|endoftext|> = 50256). The BPE
+  files are downloaded once into tiktoken's cache.
+- anything else: loaded with the `tokenizers` package, e.g.
+  "mistralai/Mistral-7B-v0.1" (the 32k Llama/Mistral tokenizer), a local
+  tokenizer.json or a folder holding one.
+
+Tokenizers are picklable: only the name travels, and each process builds its
+own backend on first use (multiprocessing workers in prepare.py rely on this).
+"""
+
+import os
+
+import numpy as np
+
+
+class TokenizerUnavailable(RuntimeError):
+    """The tokenizer's files could not be found or downloaded."""
+
+
+class Tokenizer:
+    name: str
+    vocab_size: int
+    eot_id: int
+
+    def __init__(self, name):
+        self.name = name
+        self._backend = None
+
+    @property
+    def backend(self):
+        if self._backend is None:
+            self._backend = self._load()
+        return self._backend
+
+    def _load(self):
+        return None
+
+    def __getstate__(self):
+        # backends (tiktoken, Rust tokenizers) are rebuilt per process rather than pickled
+        state = self.__dict__.copy()
+        state["_backend"] = None
+        return state
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids) -> str:
+        raise NotImplementedError
+
+    def __repr__(self):
+        return f"{type(self).__name__}(name={self.name!r}, vocab_size={self.vocab_size}, eot_id={self.eot_id})"
+
+
+class ByteTokenizer(Tokenizer):
+    vocab_size = 257
+    eot_id = 256
+
+    def __init__(self):
+        super().__init__("byte")
+
+    def encode(self, text):
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids):
+        # ids >= 256 (end-of-text) carry no bytes; a cut multi-byte character shows as U+FFFD
+        return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
+
+
+class TiktokenTokenizer(Tokenizer):
+    def __init__(self, name="gpt2"):
+        super().__init__(name)
+        enc = self.backend  # load now so a missing download fails here, not inside a worker
+        self.vocab_size = enc.n_vocab
+        self.eot_id = enc.eot_token
+
+    def _load(self):
+        import tiktoken
+
+        try:
+            return tiktoken.get_encoding(self.name)
+        except Exception as e:
+            raise TokenizerUnavailable(
+                f"the GPT-2 tokenizer files could not be downloaded (no network?): {type(e).__name__}: {e}\n"
+                "Set TIKTOKEN_CACHE_DIR to a folder holding them, or use --tokenizer=byte, which works offline."
+            ) from e
+
+    def encode(self, text):
+        # encode_ordinary: text that looks like <|endoftext|> is plain text, not a special token
+        return self.backend.encode_ordinary(text)
+
+    def decode(self, ids):
+        return self.backend.decode([int(i) for i in ids])
+
+
+EOT_CANDIDATES = ("</s>", "<|endoftext|>")
+
+
+class HFTokenizer(Tokenizer):
+    def __init__(self, name):
+        super().__init__(name)
+        tok = self.backend
+        self.vocab_size = tok.get_vocab_size()
+        eot_ids = [tok.token_to_id(t) for t in EOT_CANDIDATES]
+        eot_ids = [i for i in eot_ids if i is not None]
+        if not eot_ids:
+            raise TokenizerUnavailable(
+                f"tokenizer {name!r} has none of the end-of-text tokens {EOT_CANDIDATES}; "
+                "documents could not be separated. Use another tokenizer or --tokenizer=byte."
+            )
+        self.eot_id = eot_ids[0]
+
+    def _load(self):
+        try:
+            from tokenizers import Tokenizer as RustTokenizer
+        except ImportError as e:
+            raise TokenizerUnavailable(
+                f"tokenizer {self.name!r} needs the Hugging Face tokenizers package: pip install tokenizers"
+            ) from e
+        try:
+            if os.path.isdir(self.name):  # a downloaded model folder
+                return RustTokenizer.from_file(os.path.join(self.name, "tokenizer.json"))
+            if os.path.exists(self.name):
+                return RustTokenizer.from_file(self.name)
+            return RustTokenizer.from_pretrained(self.name)
+        except Exception as e:
+            raise TokenizerUnavailable(
+                f"could not load tokenizer {self.name!r} (neither a local tokenizer.json nor reachable on the "
+                f"Hugging Face hub; no network, or a gated model needing a login?): {type(e).__name__}: {e}\n"
+                "Pass a local tokenizer.json path, or use --tokenizer=byte, which works offline."
+            ) from e
+
+    def encode(self, text):
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids):
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def get_tokenizer(name: str) -> Tokenizer:
+    if name == "byte":
+        return ByteTokenizer()
+    if name == "gpt2":
+        return TiktokenTokenizer("gpt2")
+    return HFTokenizer(name)
+
+
+def vocab_dtype(vocab_size: int) -> np.dtype:
+    """Smallest unsigned dtype holding every token id; halves disk and memory for vocabularies under 65536."""
+    return np.dtype(np.uint16) if vocab_size < 65536 else np.dtype(np.uint32)

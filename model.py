@@ -1,0 +1,184 @@
+"""The GPT model: token (and position) embeddings, a stack of blocks, a language-model head.
+
+Two architecture families share one block, x = x + mixer(norm(x)); x = x + mlp(norm(x)):
+  gpt2   LayerNorm, GELU MLP (4x), learned absolute positions, optional biases, tied embeddings
+  llama  RMSNorm, SwiGLU MLP, RoPE (applied inside the mixer), no biases (Transformer++)
+Each layer's token mixer comes from the `attention` registry through `attn_pattern`; this file never looks
+at a mixer's name.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attention import build_mixer
+from config import ModelConfig
+
+
+def make_norm(config: ModelConfig) -> nn.Module:
+    if config.arch == "llama":
+        return nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+    return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
+
+
+class MLP(nn.Module):
+    """GELU MLP (gpt2) or SwiGLU (llama): c_proj(act(c_fc(x)) [* c_gate(x)])."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        hidden = config.resolved_mlp_hidden
+        self.swiglu = config.arch == "llama"
+        self.c_fc = nn.Linear(config.n_embd, hidden, bias=config.bias)
+        self.c_gate = nn.Linear(config.n_embd, hidden, bias=config.bias) if self.swiglu else None
+        self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        if self.swiglu:
+            h = F.silu(self.c_gate(x)) * self.c_fc(x)
+        else:
+            h = F.gelu(self.c_fc(x))
+        return self.dropout(self.c_proj(h))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.ln_1 = make_norm(config)
+        self.mixer = build_mixer(config, layer_idx)
+        self.ln_2 = make_norm(config)
+        self.mlp = MLP(config)
+
+    def forward(self, x, pos, cache=None):
+        x = x + self.mixer(self.ln_1(x), pos, cache)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        assert config.vocab_size > 0, "vocab_size must be resolved (from the data's meta.json) before building"
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        learned = config.resolved_pos_embedding == "learned"
+        self.wpe = nn.Embedding(config.block_size, config.n_embd) if learned else None
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        self.ln_f = make_norm(config)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        if self.wte.weight.device.type != "meta":
+            self.init_weights()
+
+    def init_weights(self):
+        """GPT-2 initialisation: N(0, init_std), residual output projections scaled by 1/sqrt(2 n_layer)."""
+        std = self.config.init_std
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                scale = 1 / math.sqrt(2 * self.config.n_layer) if name.endswith("c_proj.weight") else 1.0
+                nn.init.normal_(p, mean=0.0, std=std * scale)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+        for block in self.blocks:
+            block.mixer.init_weights()
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())  # tied weights are counted once
+        if exclude_embeddings:
+            n -= self.wte.weight.numel() + (self.wpe.weight.numel() if self.wpe is not None else 0)
+        return n
+
+    def forward(self, idx, targets=None, caches=None, start_pos: int = 0):
+        """Logits (B, T, vocab) and, given targets, the mean cross-entropy (targets < 0 are ignored).
+
+        With caches (one per layer, from init_caches) the call continues a sequence whose first start_pos
+        tokens the caches already hold.
+        """
+        B, T = idx.shape
+        pos = torch.arange(start_pos, start_pos + T, device=idx.device)
+        x = self.wte(idx)
+        if self.wpe is not None:
+            if start_pos + T > self.config.block_size:
+                raise ValueError(f"sequence of length {start_pos + T} exceeds block_size {self.config.block_size} "
+                                 "(learned positions cannot extrapolate)")
+            x = x + self.wpe(pos)
+        x = self.drop(x)
+        for i, block in enumerate(self.blocks):
+            x = block(x, pos, None if caches is None else caches[i])
+        x = self.ln_f(x)
+        if targets is None:
+            return self.lm_head(x), None
+        logits = self.lm_head(x)
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        return logits, loss
+
+    def init_caches(self, batch_size: int, max_len: int):
+        p = self.wte.weight
+        return [block.mixer.init_cache(batch_size, max_len, p.device, p.dtype) for block in self.blocks]
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 per parameter (forward + backward) plus 3x each mixer's mixing FLOPs."""
+        n_matmul = self.num_params(exclude_embeddings=True) + self.lm_head.weight.numel()
+        return 6 * n_matmul + 3 * sum(block.mixer.mixing_flops(seq_len) for block in self.blocks)
+
+    def configure_optimizer(self, weight_decay, learning_rate, betas, device_type):
+        """AdamW with weight decay on matrices only (not on biases, norms or other vectors)."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        fused = device_type == "cuda"
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, generator=None,
+                 use_cache=True):
+        """Continue idx (B, T) by max_new_tokens sampled tokens.
+
+        temperature 0 is greedy decoding. With use_cache the prompt is run once and each new token costs one
+        step through the layers' caches; without it every step re-runs the (cropped) context, as nanoGPT does.
+        """
+        limit = self.config.block_size if self.wpe is not None else None  # learned positions cannot extrapolate
+        caches, cached = None, 0
+        for _ in range(max_new_tokens):
+            if limit is not None and idx.size(1) > limit:
+                context, caches = idx[:, -limit:], None  # window slid past the position table: restart
+            else:
+                context = idx
+            if not use_cache:
+                logits, _ = self(context)
+            elif caches is None:
+                remaining = max_new_tokens if limit is None else limit
+                caches = self.init_caches(idx.size(0), min(context.size(1) + remaining, limit or 1 << 62))
+                logits, _ = self(context, caches=caches)
+                cached = context.size(1)
+            else:
+                logits, _ = self(context[:, cached:], caches=caches, start_pos=cached)
+                cached = context.size(1)
+            idx_next = sample_next(logits[:, -1, :], temperature, top_k, top_p, generator)
+            idx = torch.cat((idx, idx_next), dim=1)
+        return idx
+
+
+def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
+    """Draw one token per row from last-position logits with temperature, top-k and nucleus (top-p) filtering."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p  # keep the smallest set reaching top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator)

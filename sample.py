@@ -1,0 +1,69 @@
+"""Sample text from a trained run.
+
+    python sample.py --out_dir=out/quickstart --start="Once upon a time" --num_samples=3 --max_new_tokens=200
+    python sample.py --out_dir=out/quickstart --start=FILE:prompt.txt --temperature=0.8 --top_p=0.9
+"""
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from checkpoint import CheckpointError, load_model
+from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error
+from data.tokenizer import TokenizerUnavailable, get_tokenizer
+
+
+@dataclass
+class SampleConfig:
+    out_dir: str = "out/quickstart"
+    ckpt: str = "best"  # best | last
+    start: str = "\n"  # the prompt, or FILE:path to read it from a file
+    num_samples: int = 3
+    max_new_tokens: int = 200
+    temperature: float = 0.8  # 0: greedy
+    top_k: int = 200  # 0 disables
+    top_p: float = 1.0  # nucleus sampling; 1.0 disables
+    seed: int = 1337
+    device: str = "auto"
+    dtype: str = "auto"  # auto: bfloat16 on capable GPUs, float32 otherwise
+    use_cache: bool = True  # KV / recurrent caches: one step per new token instead of re-running the context
+
+
+def parse(argv) -> SampleConfig:
+    cfg = SampleConfig()
+    apply_args(cfg, argv, dataclass_fields(SampleConfig))
+    if cfg.temperature < 0 or not 0 < cfg.top_p <= 1 or cfg.top_k < 0 or cfg.num_samples < 1:
+        raise ConfigError("need temperature >= 0, 0 < top_p <= 1, top_k >= 0 and num_samples >= 1")
+    return cfg
+
+
+def main(argv):
+    s = exit_on_config_error(parse, argv)
+    device = s.device if s.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        model, cfg, ckpt = load_model(s.out_dir, s.ckpt, device)
+        tokenizer = get_tokenizer(ckpt["tokenizer"])
+    except (CheckpointError, TokenizerUnavailable) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    dtype = s.dtype if s.dtype != "auto" else ("bfloat16" if device == "cuda" and torch.cuda.is_bf16_supported()
+                                                  else "float32")
+    model = model.to(getattr(torch, dtype))
+
+    prompt = s.start
+    if prompt.startswith("FILE:"):
+        with open(prompt[5:], encoding="utf-8") as f:
+            prompt = f.read()
+    ids = tokenizer.encode(prompt) or [tokenizer.eot_id]
+    x = torch.tensor([ids] * s.num_samples, dtype=torch.long, device=device)
+    generator = torch.Generator(device=device).manual_seed(s.seed)
+    y = model.generate(x, s.max_new_tokens, temperature=s.temperature, top_k=s.top_k or None,
+                       top_p=s.top_p, generator=generator, use_cache=s.use_cache)
+    for row in y.tolist():
+        print(tokenizer.decode(row))
+        print("---------------")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,59 @@
+import subprocess
+import sys
+
+import pytest
+
+from config import Config, ConfigError, load_config
+from conftest import REPO
+
+
+def test_file_then_overrides_with_types(tmp_path):
+    path = tmp_path / "c.py"
+    path.write_text("import math\nn_layer = 3\nlearning_rate = 1e-3\nbeta1, beta2 = 0.8, 0.9\n_private = 'x'\n")
+    cfg = load_config([str(path), "--learning_rate=3e-4", "--compile=True", "--max_iters=1e3", "--out_dir=x"])
+    assert cfg.model.n_layer == 3 and cfg.train.beta1 == 0.8 and cfg.train.beta2 == 0.9
+    assert cfg.train.learning_rate == 3e-4 and cfg.train.compile is True
+    assert cfg.train.max_iters == 1000 and isinstance(cfg.train.max_iters, int)
+    assert cfg.train.out_dir == "x"
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--max_iter=5"], "did you mean 'max_iters'"),
+    (["--max_iters=abc"], "expected int"),
+    (["--compile=maybe"], "expected a boolean"),
+    (["--learning_rate=fast"], "expected float"),
+    (["--arch=gpt3"], "expected one of 'gpt2', 'llama'"),
+    (["--n_embd=100", "--n_head=3"], "not divisible"),
+    (["--attn_pattern=ful"], "did you mean 'full'"),
+    (["--n_layer=3", "--attn_pattern=full,full"], "does not divide n_layer"),
+    (["max_iters=5"], "cannot read config file"),
+])
+def test_bad_values_name_the_problem(args, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(args)
+
+
+def test_config_file_with_bad_key_or_type(tmp_path):
+    path = tmp_path / "c.py"
+    path.write_text("n_layers = 4\n")
+    with pytest.raises(ConfigError, match="did you mean 'n_layer'"):
+        load_config([str(path)])
+    path.write_text("max_iters = '100'\n")
+    with pytest.raises(ConfigError, match="expected int"):
+        load_config([str(path)])
+
+
+def test_roundtrip_through_dict():
+    cfg = load_config(["configs/quickstart.py", "--n_layer=2"])
+    again = Config.from_dict(cfg.to_dict())
+    assert again == cfg
+
+
+@pytest.mark.parametrize("override", ["--no_such_key=1", "--max_iters=abc"])
+def test_train_exits_2_and_writes_nothing(tmp_path, override):
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "train.py", "configs/quickstart.py", f"--out_dir={out}", override],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "config error" in proc.stderr and override.split("=")[0][2:] in proc.stderr
+    assert not out.exists()

@@ -1,0 +1,502 @@
+"""Data pipeline: tokenizers, prepare.py on every kind of source, meta.json validation, the embedded corpus."""
+
+import json
+import os
+import pickle
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import data.prepare as prepare_module  # noqa: E402
+from data.embedded import documents  # noqa: E402
+from data.meta import DataError, load_meta, open_tokens, prepare_embedded_if_missing, unigram_entropy  # noqa: E402
+from data.prepare import main, prepare  # noqa: E402
+from data.tokenizer import TokenizerUnavailable, get_tokenizer, vocab_dtype  # noqa: E402
+
+TEXT = "Hello, wörld! Ünïcode: 日本語, emoji 🙂, and a literal <|endoftext|>.\nSecond line\n\n\tIndented third."
+SETS = ["RedPajamaC4", "RedPajamaWikipedia", "RedPajamaC4", "RedPajamaGithub"]
+
+
+def make_docs(n):
+    return [f"Document {i}: {TEXT * (1 + i % 3)} The number is {i * 7919 % 1000}." for i in range(n)]
+
+
+def write_jsonl(path, rows):
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return path
+
+
+def read_split(data_dir, split):
+    return np.asarray(open_tokens(data_dir, split))
+
+
+def split_docs(tokens, eot, offset=0):
+    """Decoded documents of a byte-level token array; the last one may lack its eot (cut by max_tokens)."""
+    docs, start = [], 0
+    for end in np.flatnonzero(tokens == eot):
+        docs.append(bytes((tokens[start:end] - offset).astype(np.uint8)).decode("utf-8"))
+        start = end + 1
+    if start < len(tokens):
+        docs.append(bytes((tokens[start:] - offset).astype(np.uint8)).decode("utf-8", errors="replace"))
+    return docs
+
+
+def run_prepare(source, out_dir, **kwargs):
+    kwargs = {"num_proc": 1, "quiet": True, **kwargs}
+    return prepare(str(source), "byte", out_dir=str(out_dir), **kwargs)
+
+
+# ----------------------------------------------------------------------------
+# tokenizers
+
+
+def test_byte_tokenizer_round_trip():
+    tok = get_tokenizer("byte")
+    assert (tok.name, tok.vocab_size, tok.eot_id) == ("byte", 257, 256)
+    ids = tok.encode(TEXT)
+    assert ids == list(TEXT.encode("utf-8")) and max(ids) < 256
+    assert tok.decode(ids) == TEXT
+    assert tok.decode(ids + [tok.eot_id]) == TEXT  # eot carries no text
+    assert tok.decode(np.array(ids, dtype=np.uint16)) == TEXT
+    assert tok.decode(ids[:-5] + list("🙂".encode())[:2]).endswith("\ufffd")  # a cut character does not raise
+    clone = pickle.loads(pickle.dumps(tok))
+    assert clone.encode(TEXT) == ids
+
+
+def test_vocab_dtype():
+    assert vocab_dtype(257) == np.uint16
+    assert vocab_dtype(50257) == np.uint16
+    assert vocab_dtype(65535) == np.uint16
+    assert vocab_dtype(65536) == np.uint32
+    assert vocab_dtype(128256) == np.uint32
+
+
+def test_gpt2_offline_raises_helpful_error(monkeypatch):
+    import tiktoken
+
+    def offline(name):
+        raise ConnectionError("Failed to resolve 'openaipublic.blob.core.windows.net'")
+
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    with pytest.raises(TokenizerUnavailable) as e:
+        get_tokenizer("gpt2")
+    assert isinstance(e.value, RuntimeError)
+    assert "--tokenizer=byte" in str(e.value) and "TIKTOKEN_CACHE_DIR" in str(e.value)
+
+
+def test_hf_tokenizer_without_package_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # makes `import tokenizers` fail
+    with pytest.raises(TokenizerUnavailable, match="pip install tokenizers"):
+        get_tokenizer("mistralai/Mistral-7B-v0.1")
+
+
+# ----------------------------------------------------------------------------
+# prepare: local sources round-trip exactly
+
+
+def test_prepare_single_txt_round_trips(tmp_path):
+    text = "\n".join(f"{i}: {TEXT}" for i in range(60))
+    source = tmp_path / "book.txt"
+    source.write_text(text, encoding="utf-8")
+    out = tmp_path / "out"
+    meta = run_prepare(source, out)
+
+    assert meta == load_meta(out)
+    assert meta["split"]["method"] == "token_tail"  # one document: the token stream is split
+    train, val = read_split(out, "train"), read_split(out, "val")
+    assert len(train) > 0 and len(val) > 0
+    assert meta["train_tokens"] == len(train) and meta["val_tokens"] == len(val)
+    tokens = np.concatenate([train, val])
+    assert tokens[-1] == 256 and (tokens == 256).sum() == 1
+    assert get_tokenizer("byte").decode(tokens) == text
+    assert bytes(tokens[:-1].astype(np.uint8)).decode("utf-8") == text  # exact, not just after replacement
+
+
+def test_prepare_slimpajama_jsonl_round_trips_and_counts_sets(tmp_path):
+    docs = make_docs(40)
+    rows = [{"text": d, "meta": {"redpajama_set_name": SETS[i % len(SETS)]}} for i, d in enumerate(docs)]
+    source = write_jsonl(tmp_path / "slim.jsonl", rows)
+    out = tmp_path / "out"
+    meta = run_prepare(source, out, val_fraction=0.25, num_proc=2)
+
+    train_docs, val_docs = split_docs(read_split(out, "train"), 256), split_docs(read_split(out, "val"), 256)
+    assert train_docs and val_docs
+    assert sorted(train_docs + val_docs) == sorted(docs)
+    assert [d for d in docs if d in set(train_docs)] == train_docs  # order within a split is kept
+    assert (meta["train_documents"], meta["val_documents"]) == (len(train_docs), len(val_docs))
+    assert meta["sets"] == dict(Counter(SETS[i % len(SETS)] for i in range(len(docs))))
+    assert meta["split"] == {"method": "document", "val_fraction": 0.25, "seed": 0}
+
+    # the split depends on (seed, document index) only, not on the number of processes
+    again = run_prepare(source, tmp_path / "again", val_fraction=0.25, num_proc=1)
+    assert again["val_documents"] == meta["val_documents"]
+    assert np.array_equal(read_split(out, "val"), read_split(tmp_path / "again", "val"))
+
+
+def test_prepare_keeps_only_requested_slimpajama_sets(tmp_path):
+    docs = make_docs(12)
+    rows = [{"text": d, "meta": {"redpajama_set_name": SETS[i % len(SETS)]}} for i, d in enumerate(docs)]
+    source = write_jsonl(tmp_path / "slim.jsonl", rows)
+    out = tmp_path / "out"
+    meta = run_prepare(source, out, slimpajama_sets="RedPajamaWikipedia,RedPajamaGithub")
+
+    kept = [d for i, d in enumerate(docs) if SETS[i % len(SETS)] in ("RedPajamaWikipedia", "RedPajamaGithub")]
+    got = split_docs(read_split(out, "train"), 256) + split_docs(read_split(out, "val"), 256)
+    assert sorted(got) == sorted(kept)
+    assert meta["sets"] == {"RedPajamaGithub": 3, "RedPajamaWikipedia": 3}
+
+
+def test_slimpajama_sets_on_rows_without_the_field_is_an_error(tmp_path):
+    source = write_jsonl(tmp_path / "owt.jsonl", [{"text": d} for d in make_docs(3)])
+    with pytest.raises(DataError, match="redpajama_set_name"):
+        run_prepare(source, tmp_path / "out", slimpajama_sets="RedPajamaC4")
+    assert not (tmp_path / "out").exists()
+
+
+def test_prepare_openwebtext_shaped_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = make_docs(10)
+    folder = tmp_path / "owt"
+    folder.mkdir()
+    pq.write_table(pa.table({"text": docs[:6]}), folder / "part-0.parquet")
+    pq.write_table(pa.table({"text": docs[6:]}), folder / "part-1.parquet")
+    out = tmp_path / "out"
+    meta = run_prepare(folder, out)  # default val_fraction: probably no document drawn for val
+
+    got = split_docs(read_split(out, "train"), 256) + split_docs(read_split(out, "val"), 256)
+    assert sorted(got) == sorted(docs)
+    assert meta["val_documents"] >= 1 and meta["train_documents"] >= 1
+    assert "sets" not in meta
+
+
+@pytest.mark.parametrize("val_fraction", [0.001, 0.999])
+def test_neither_split_is_ever_empty(tmp_path, val_fraction):
+    docs = make_docs(3)
+    folder = tmp_path / "texts"  # a folder of .txt files: one document each
+    folder.mkdir()
+    for i, doc in enumerate(docs):
+        (folder / f"{i}.txt").write_text(doc, encoding="utf-8")
+    out = tmp_path / "out"
+    meta = run_prepare(folder, out, val_fraction=val_fraction)
+
+    assert "note" in meta["split"]  # the hash drew all three documents for one split
+    assert meta["train_documents"] >= 1 and meta["val_documents"] >= 1
+    train_docs, val_docs = split_docs(read_split(out, "train"), 256), split_docs(read_split(out, "val"), 256)
+    assert (len(train_docs), len(val_docs)) == (meta["train_documents"], meta["val_documents"])
+    assert sorted(train_docs + val_docs) == sorted(docs)
+
+
+def test_a_dataset_without_text_is_an_error(tmp_path):
+    source = write_jsonl(tmp_path / "empty.jsonl", [{"text": ""}, {"text": ""}])
+    with pytest.raises(DataError, match="no non-empty documents"):
+        run_prepare(source, tmp_path / "out")
+    source = write_jsonl(tmp_path / "other.jsonl", [{"content": "hello"}])
+    with pytest.raises(DataError, match="no 'text' field"):
+        run_prepare(source, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_default_out_dir_names():
+    root = prepare_module.REPO_ROOT
+    assert prepare_module.default_out_dir("embedded", "byte") == os.path.join(root, "data", "embedded_byte")
+    assert prepare_module.default_out_dir("openwebtext", "gpt2") == os.path.join(root, "data", "openwebtext_gpt2")
+    assert prepare_module.default_out_dir("slimpajama", "mistralai/Mistral-7B-v0.1").endswith(
+        os.path.join("data", "slimpajama_mistralai_Mistral-7B-v0.1"))
+    assert prepare_module.default_out_dir("corpus/*.jsonl", "byte").endswith(os.path.join("data", "corpus_byte"))
+    assert prepare_module.default_out_dir("books/moby.txt", "byte").endswith(os.path.join("data", "moby_byte"))
+
+
+def test_max_tokens_caps_the_total(tmp_path):
+    docs = make_docs(30)
+    source = write_jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in docs])
+    total = sum(len(d.encode()) + 1 for d in docs)
+    cap = total // 3 + 17  # lands inside a document
+    out = tmp_path / "out"
+    meta = run_prepare(source, out, max_tokens=cap, val_fraction=0.2)
+
+    assert meta["max_tokens"] == cap
+    assert meta["train_tokens"] + meta["val_tokens"] == cap
+    got = split_docs(read_split(out, "train"), 256) + split_docs(read_split(out, "val"), 256)
+    assert meta["train_documents"] + meta["val_documents"] == len(got) < len(docs)
+    complete = [d for d in got if d in docs]
+    assert len(complete) == len(got) - 1  # all whole but the one the cap cut
+    assert sorted(complete) == sorted(docs[:len(got) - 1])
+
+
+class WideTokenizer:
+    """A byte tokenizer shifted above 65535, to force uint32 storage."""
+
+    name, vocab_size, eot_id = "wide", 70_000, 69_999
+
+    def encode(self, text):
+        return [60_000 + b for b in text.encode("utf-8")]
+
+
+
+def test_dtype_follows_vocab_size(tmp_path, monkeypatch):
+    source = write_jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in make_docs(8)])
+    small = run_prepare(source, tmp_path / "small")
+    assert small["dtype"] == "uint16" and read_split(tmp_path / "small", "train").dtype == np.uint16
+
+    monkeypatch.setattr(prepare_module, "get_tokenizer", lambda name: WideTokenizer())
+    meta = run_prepare(source, tmp_path / "wide")
+    assert (meta["dtype"], meta["vocab_size"], meta["eot_id"]) == ("uint32", 70_000, 69_999)
+    train = read_split(tmp_path / "wide", "train")
+    assert train.dtype == np.uint32 and train.max() == 69_999
+    assert os.path.getsize(tmp_path / "wide" / "train.bin") == 4 * meta["train_tokens"]
+    tokens = np.concatenate([train, read_split(tmp_path / "wide", "val")])
+    assert sorted(split_docs(tokens, 69_999, offset=60_000)) == sorted(make_docs(8))
+
+
+# ----------------------------------------------------------------------------
+# meta validation
+
+
+@pytest.fixture
+def prepared(tmp_path):
+    source = write_jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in make_docs(10)])
+    out = tmp_path / "prepared"
+    run_prepare(source, out, val_fraction=0.3)
+    return out
+
+
+def edit_meta(folder, **changes):
+    path = folder / "meta.json"
+    meta = json.loads(path.read_text())
+    meta.update(changes)
+    path.write_text(json.dumps(meta))
+
+
+def test_load_meta_accepts_a_prepared_folder(prepared):
+    meta = load_meta(prepared)
+    assert meta["format_version"] == 1 and meta["source"].endswith("docs.jsonl")
+    assert isinstance(open_tokens(prepared, "train"), np.memmap)
+
+
+def test_load_meta_catches_a_truncated_bin(prepared):
+    path = prepared / "train.bin"
+    path.write_bytes(path.read_bytes()[:-1])
+    with pytest.raises(DataError, match=r"train\.bin has \d+ bytes, not a multiple of 2 \(uint16\).*re-run"):
+        load_meta(prepared)
+
+
+def test_load_meta_catches_a_token_count_mismatch(prepared):
+    path = prepared / "val.bin"
+    path.write_bytes(path.read_bytes()[:-2])  # one whole token short
+    with pytest.raises(DataError, match=r"val\.bin holds \d+ tokens but .*val_tokens"):
+        load_meta(prepared)
+
+
+def test_load_meta_catches_a_wrong_dtype(prepared):
+    meta = load_meta(prepared)
+    edit_meta(prepared, dtype="uint32")  # the bins are uint16: sizes or counts no longer add up
+    with pytest.raises(DataError, match=r"(not a multiple of 4 \(uint32\)|holds \d+ tokens but)"):
+        load_meta(prepared)
+    edit_meta(prepared, dtype="float32")
+    with pytest.raises(DataError, match="unknown dtype 'float32'"):
+        load_meta(prepared)
+    edit_meta(prepared, dtype="uint16", vocab_size=100_000)
+    with pytest.raises(DataError, match="vocab_size 100000.*do not fit"):
+        load_meta(prepared)
+    edit_meta(prepared, vocab_size=meta["vocab_size"])
+    load_meta(prepared)
+
+
+def test_load_meta_catches_missing_or_broken_meta(prepared, tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        load_meta(tmp_path / "nowhere")
+    (prepared / "meta.json").write_text("{not json")
+    with pytest.raises(DataError, match="not valid JSON"):
+        load_meta(prepared)
+    (prepared / "meta.json").write_text(json.dumps({"format_version": 1, "tokenizer": "byte"}))
+    with pytest.raises(DataError, match="lacks vocab_size, eot_id, dtype"):
+        load_meta(prepared)
+    (prepared / "meta.json").unlink()
+    with pytest.raises(DataError, match=r"meta\.json is missing.*python data/prepare\.py"):
+        load_meta(prepared)
+
+
+def test_load_meta_catches_a_missing_bin(prepared):
+    (prepared / "val.bin").unlink()
+    with pytest.raises(DataError, match=r"val\.bin is missing"):
+        load_meta(prepared)
+
+
+def test_unigram_entropy():
+    assert unigram_entropy(np.array([3, 3, 3], dtype=np.uint16), 10) == 0.0
+    assert unigram_entropy(np.array([0, 1, 2, 3] * 5, dtype=np.uint16), 10) == pytest.approx(np.log(4))
+
+
+# ----------------------------------------------------------------------------
+# failures leave the previous data intact and nothing behind
+
+
+class FailingTokenizer:
+    """Byte-level, but raises on its n-th document, like a crash or Ctrl-C mid-prepare."""
+
+    name, vocab_size, eot_id = "byte", 257, 256
+
+    def __init__(self, fail_at, error=RuntimeError):
+        self.calls, self.fail_at, self.error = 0, fail_at, error
+
+    def encode(self, text):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise self.error("tokenizer crashed")
+        return list(text.encode("utf-8"))
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_failed_prepare_keeps_previous_data(prepared, monkeypatch, error):
+    before = {name: (prepared / name).read_bytes() for name in ("train.bin", "val.bin", "meta.json")}
+    big = write_jsonl(prepared.parent / "big.jsonl", [{"text": d} for d in make_docs(50)])
+    monkeypatch.setattr(prepare_module, "DOCS_PER_BATCH", 4)  # several batches are written before the failure
+    monkeypatch.setattr(prepare_module, "get_tokenizer", lambda name: FailingTokenizer(fail_at=30, error=error))
+    with pytest.raises(error, match="tokenizer crashed"):
+        run_prepare(big, prepared)
+
+    assert sorted(os.listdir(prepared)) == ["meta.json", "train.bin", "val.bin"]  # no temp files left
+    assert {name: (prepared / name).read_bytes() for name in before} == before
+    load_meta(prepared)
+
+
+def test_failed_prepare_into_a_new_folder_leaves_nothing(tmp_path, monkeypatch):
+    source = write_jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in make_docs(10)])
+    monkeypatch.setattr(prepare_module, "get_tokenizer", lambda name: FailingTokenizer(fail_at=5))
+    with pytest.raises(RuntimeError):
+        run_prepare(source, tmp_path / "new")
+    assert not (tmp_path / "new").exists()
+
+
+def test_crash_between_renames_never_looks_complete(prepared, monkeypatch):
+    source = write_jsonl(prepared.parent / "other.jsonl", [{"text": d} for d in make_docs(20)])
+    real_replace = os.replace
+
+    def replace(src, dst):
+        if str(dst).endswith("val.bin"):
+            raise OSError("disk gone")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(OSError, match="disk gone"):
+        run_prepare(source, prepared, val_fraction=0.3)
+    # new train.bin, old val.bin: no meta.json vouches for that pair
+    with pytest.raises(DataError, match="meta.json is missing"):
+        load_meta(prepared)
+    assert not [name for name in os.listdir(prepared) if name.startswith(".tmp")]
+
+
+def test_unreachable_hub_gives_plain_error_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    import datasets
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'Skylion007/openwebtext' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    out = tmp_path / "owt"
+    with pytest.raises(DataError) as e:
+        prepare("openwebtext", "byte", out_dir=str(out), quiet=True)
+    message = str(e.value)
+    assert "openwebtext" in message and "unreachable" in message and "--dataset=embedded" in message
+    assert not out.exists()
+
+    assert main(["--dataset=slimpajama", "--tokenizer=byte", f"--out_dir={out}"]) == 1
+    err = capsys.readouterr().err
+    assert "slimpajama" in err and "--dataset=embedded" in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_cli_runs_as_a_script_and_as_a_module(tmp_path):
+    source = tmp_path / "tiny.txt"
+    source.write_text(TEXT * 20, encoding="utf-8")
+    for command in (["data/prepare.py"], ["-m", "data.prepare"]):
+        out = tmp_path / command[-1].replace("/", "_")
+        result = subprocess.run(
+            [sys.executable, *command, f"--dataset={source}", "--tokenizer=byte", f"--out_dir={out}", "--num_proc=1"],
+            cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert "tokens" in result.stdout and str(out.name) in result.stdout
+        assert load_meta(out)["train_tokens"] + load_meta(out)["val_tokens"] == len((TEXT * 20).encode()) + 1
+
+    result = subprocess.run([sys.executable, "data/prepare.py", f"--dataset={tmp_path / 'missing.txt'}"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "no files were found" in result.stderr and "Traceback" not in result.stderr
+
+
+# ----------------------------------------------------------------------------
+# the embedded corpus
+
+
+def test_embedded_corpus_is_deterministic():
+    first = list(documents(num_docs=200, seed=0))
+    assert first == list(documents(num_docs=200, seed=0))
+    assert first[:50] == list(documents(num_docs=50, seed=0))  # a prefix does not depend on the total
+    assert first != list(documents(num_docs=200, seed=1))
+    assert all(200 <= len(d) <= 2000 for d in first)
+
+
+def conditional_entropies(text):
+    """Byte unigram entropy and the entropy of a byte given the previous one, in nats."""
+    b = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+
+    def entropy(counts):
+        p = counts[counts > 0] / counts.sum()
+        return float(-(p * np.log(p)).sum())
+
+    unigram = entropy(np.bincount(b, minlength=256))
+    pairs = entropy(np.bincount(b[:-1] * 256 + b[1:], minlength=256 * 256))
+    return unigram, pairs - entropy(np.bincount(b[:-1], minlength=256))
+
+
+def test_embedded_corpus_has_learnable_structure():
+    docs = list(documents(num_docs=1500))
+    unigram, bigram = conditional_entropies("".join(docs))
+    assert 2.5 < unigram < 3.4  # English-like letter statistics
+    assert bigram < 0.75 * unigram  # the previous byte alone already tells a lot
+
+    # long-range structure: the facts asked back at the end of notes match the ones stated earlier
+    checked = 0
+    for doc in docs:
+        for box, code in re.findall(r"What is the code of the (\w+ \w+)\? It is (\d+)\.", doc):
+            assert f"The code of the {box} is {code}." in doc
+            checked += 1
+        # and a story's hero keeps the name it was introduced with
+        intro = re.match(r"Once upon a time there was an? \w+ \w+ named (\w+)\.", doc)
+        if intro:
+            assert doc.count(intro.group(1)) >= 3
+    assert checked > 100
+
+
+def test_embedded_dataset_is_prepared_on_first_use(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(prepare_module, "REPO_ROOT", str(tmp_path))  # default folders now live in tmp_path/data
+    default = tmp_path / "data" / "embedded_byte"
+    other = tmp_path / "data" / "something_else"
+
+    prepare_embedded_if_missing(str(other))  # not the embedded folder: left alone, load_meta reports it
+    assert not other.exists()
+    with pytest.raises(DataError, match="does not exist"):
+        load_meta(other)
+
+    prepare_embedded_if_missing(str(default))
+    assert "embedded" in capsys.readouterr().out
+    meta = load_meta(default)
+    assert meta["source"] == "embedded" and meta["tokenizer"] == "byte"
+    assert 3_000_000 < meta["train_tokens"] + meta["val_tokens"] < 6_000_000
+    assert meta["val_documents"] > 0
+    train = open_tokens(default, "train")
+    assert 2.5 < unigram_entropy(train, meta["vocab_size"]) < 3.4
+    mtime = os.path.getmtime(default / "meta.json")
+    prepare_embedded_if_missing(str(default))  # already valid: nothing is redone
+    assert os.path.getmtime(default / "meta.json") == mtime

@@ -1,0 +1,156 @@
+"""End-to-end training runs in subprocesses, as a user runs them (tiny models on the embedded corpus)."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from checkpoint import atomic_write, load_checkpoint
+from conftest import REPO
+
+TINY = ["configs/quickstart.py", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
+        "--eval_iters=2", "--log_interval=1", "--warmup_iters=2", "--lr_decay_iters=12", "--dropout=0.1"]
+
+
+def run(args, out_dir, timeout=300, check=True, torchrun=False):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun \
+        else [sys.executable]
+    proc = subprocess.run(launcher + ["train.py", *TINY, f"--out_dir={out_dir}", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def metrics(out_dir, key="train_loss"):
+    records = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+    return {r["step"]: r[key] for r in records if key in r}
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+    """12 uninterrupted steps with dropout, evaluating and checkpointing every 4."""
+    out = tmp_path_factory.mktemp("reference")
+    run(["--max_iters=12", "--eval_interval=4"], out)
+    return out
+
+
+def test_run_writes_its_outputs(reference_run):
+    for name in ("ckpt_best.pt", "ckpt_last.pt", "config.json", "metrics.jsonl"):
+        assert (reference_run / name).exists(), name
+    saved = json.load(open(reference_run / "config.json"))
+    assert saved["train"]["max_iters"] == 12 and saved["model"]["vocab_size"] == 320  # 257 padded to 64
+    assert "git_hash" in saved["run"] and "train.py" in saved["run"]["command"]
+    ckpt = load_checkpoint(reference_run / "ckpt_last.pt")
+    assert ckpt["step"] == 12 and ckpt["data_cursor"]["step"] == 12
+    assert set(metrics(reference_run, "val_loss")) == {0, 4, 8, 12}
+    assert len(metrics(reference_run)) == 12
+
+
+def test_resume_reproduces_the_uninterrupted_run(reference_run, tmp_path):
+    run(["--max_iters=6", "--eval_interval=4", "--ckpt_interval=3"], tmp_path)
+    run(["--max_iters=12", "--eval_interval=4", "--init_from=resume"], tmp_path)
+    assert metrics(tmp_path) == metrics(reference_run)  # exact, including dropout noise after step 6
+    resumed_val = metrics(tmp_path, "val_loss")
+    assert resumed_val.pop(6)  # the first run's final evaluation; every other one matches
+    assert resumed_val == metrics(reference_run, "val_loss")
+
+
+def test_sigterm_saves_and_resume_is_exact(reference_run, tmp_path):
+    cmd = [sys.executable, "train.py", *TINY, f"--out_dir={tmp_path}", "--max_iters=12", "--eval_interval=4",
+           "--n_embd=256", "--n_layer=4"]  # a slower model, so the signal lands mid-run
+    ref = tmp_path / "ref"
+    subprocess.run([*cmd, f"--out_dir={ref}"], cwd=REPO, check=True, capture_output=True, timeout=300)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "metrics.jsonl"
+    while not (log.exists() and len(metrics(tmp_path)) >= 2):
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    stopped = load_checkpoint(tmp_path / "ckpt_last.pt")["step"]
+    assert 2 <= stopped < 12 and f"at step {stopped}" in out
+    run(["--max_iters=12", "--eval_interval=4", "--n_embd=256", "--n_layer=4", "--init_from=resume"], tmp_path)
+    assert metrics(tmp_path) == metrics(ref)
+
+
+def test_sigkill_while_checkpointing_keeps_the_last_checkpoint(tmp_path):
+    cmd = [sys.executable, "train.py", *TINY, f"--out_dir={tmp_path}", "--max_iters=1000", "--ckpt_interval=1",
+           "--n_embd=256", "--n_layer=4"]  # a ~13 MB checkpoint written after every step
+    rng = random.Random(0)
+    for attempt in range(3):
+        proc = subprocess.Popen(cmd + (["--init_from=resume"] if attempt else []), cwd=REPO,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        last = tmp_path / "ckpt_last.pt"
+        start = time.time()
+        while not last.exists() or time.time() - start < 4 + 2 * attempt:
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.01)
+        time.sleep(rng.random() * 0.3)
+        proc.kill()
+        proc.wait()
+        ckpt = load_checkpoint(last)  # the previous complete checkpoint, whatever the kill interrupted
+        assert ckpt["step"] >= 1
+
+
+def test_atomic_write_keeps_the_old_file_when_writing_fails(tmp_path):
+    path = tmp_path / "ckpt_last.pt"
+    torch.save({"step": 1}, path)
+
+    def crash(f):
+        f.write(b"partial")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write(path, crash)
+    assert torch.load(path)["step"] == 1
+    assert os.listdir(tmp_path) == ["ckpt_last.pt"]
+
+
+def test_ddp_two_processes_match_one(tmp_path):
+    args = ["--max_iters=4", "--eval_interval=4", "--gradient_accumulation_steps=2", "--dropout=0.0"]
+    run(args, tmp_path / "single")
+    run(args, tmp_path / "ddp", torchrun=True)
+    single, ddp = metrics(tmp_path / "single"), metrics(tmp_path / "ddp")
+    assert single.keys() == ddp.keys() == {1, 2, 3, 4}
+    for step in single:
+        assert abs(single[step] - ddp[step]) < 1e-5, (step, single[step], ddp[step])
+    val_single, val_ddp = metrics(tmp_path / "single", "val_loss"), metrics(tmp_path / "ddp", "val_loss")
+    assert all(abs(val_single[s] - val_ddp[s]) < 1e-5 for s in val_single)
+    assert json.load(open(tmp_path / "ddp" / "config.json"))["run"]["world_size"] == 2
+
+
+def test_non_finite_loss_stops_and_keeps_checkpoints(tmp_path):
+    run(["--max_iters=4", "--eval_interval=2"], tmp_path)
+    before = (tmp_path / "ckpt_last.pt").read_bytes()
+    proc = run(["--max_iters=40", "--eval_interval=2", "--init_from=resume", "--learning_rate=1e9", "--min_lr=1e9",
+                "--grad_clip=0"], tmp_path, check=False)
+    assert proc.returncode == 1 and "training loss is" in proc.stderr and "last good step" in proc.stderr
+    assert (tmp_path / "ckpt_last.pt").read_bytes() == before
+
+
+def test_sample_generates_from_a_checkpoint(reference_run, tmp_path):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("Once upon a time")
+    proc = subprocess.run([sys.executable, "sample.py", f"--out_dir={reference_run}", f"--start=FILE:{prompt}",
+                           "--num_samples=2", "--max_new_tokens=20", "--top_p=0.9", "--seed=3"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("Once upon a time") == 2 and proc.stdout.count("---------------") == 2
+    again = subprocess.run([sys.executable, "sample.py", f"--out_dir={reference_run}", f"--start=FILE:{prompt}",
+                            "--num_samples=2", "--max_new_tokens=20", "--top_p=0.9", "--seed=3"],
+                           cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert again.stdout == proc.stdout  # seeded
+
+
+def test_sample_reports_a_missing_checkpoint(tmp_path):
+    proc = subprocess.run([sys.executable, "sample.py", f"--out_dir={tmp_path}"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1 and "no checkpoint at" in proc.stderr

@@ -1,0 +1,357 @@
+"""Pretrain a GPT whose token mixer is one of the attention variants in attention/.
+
+Single process (CPU or one GPU):
+    python train.py configs/quickstart.py [--key=value ...]
+DDP (NCCL on GPUs, gloo on CPU):
+    torchrun --standalone --nproc_per_node=8 train.py configs/owt_124m_full.py
+Resume the run in out_dir exactly where ckpt_last.pt left it:
+    python train.py configs/quickstart.py --init_from=resume
+"""
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from checkpoint import (CheckpointError, load_checkpoint, remove_stale_temp_files, run_info, save_checkpoint,
+                        write_json)
+from config import Config, ConfigError, exit_on_config_error, load_config
+from data.loader import WindowSampler
+from data.meta import DataError, load_meta, open_tokens, prepare_embedded_if_missing, unigram_entropy
+from model import GPT
+
+# dense 16-bit tensor-core peak FLOP/s by device name, for MFU (float32 runs use the TF32 peak: half of it)
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12,
+              "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12, "A6000": 155e12}
+
+
+def fail(message: str, status: int = 1):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(status)
+
+
+def get_lr(step: int, t) -> float:
+    """Linear warmup to learning_rate, then cosine decay to min_lr at lr_decay_iters, then min_lr."""
+    if not t.decay_lr:
+        return t.learning_rate
+    if step < t.warmup_iters:
+        return t.learning_rate * (step + 1) / (t.warmup_iters + 1)
+    if step >= t.lr_decay_iters:
+        return t.min_lr
+    progress = (step - t.warmup_iters) / max(1, t.lr_decay_iters - t.warmup_iters)
+    return t.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (t.learning_rate - t.min_lr)
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    if device.type != "cuda":
+        return None  # CPU peaks vary too much to be worth a table: report tokens/s only
+    name = torch.cuda.get_device_name(device)
+    peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+    return peak if peak is None or dtype != torch.float32 else peak / 2
+
+
+def rng_state() -> dict:
+    import random
+
+    import numpy as np
+
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": (name, keys.tolist(), pos, has_gauss, cached),
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    import random
+
+    import numpy as np
+
+    random.setstate(state["python"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def format_eta(seconds: float) -> str:
+    seconds = int(seconds)
+    h, m, s = seconds // 3600, seconds // 60 % 60, seconds % 60
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+class MetricsLog:
+    """metrics.jsonl (always) and wandb (when enabled); only rank 0 writes."""
+
+    def __init__(self, path: Path, wandb_run=None):
+        self.path, self.wandb_run = path, wandb_run
+
+    def truncate_after(self, step: int) -> None:
+        """On resume, drop records of steps the interrupted run logged after its last checkpoint."""
+        if self.path.exists():
+            lines = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
+            self.path.write_text("".join(ln + "\n" for ln in lines))
+
+    def log(self, step: int, **values) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **values}) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log(values, step=step)
+
+
+@torch.no_grad()
+def evaluate(model, val_data: WindowSampler, eval_iters: int, rank: int, world_size: int, autocast, device):
+    """Mean validation loss over a fixed set of eval_iters batches, split across ranks and averaged."""
+    model.eval()
+    total = torch.zeros(2, device=device, dtype=torch.float64)
+    for index in range(rank, eval_iters, world_size):
+        x, y = val_data.batch(0, index)
+        with autocast:
+            _, loss = model(x, y)
+        total += torch.stack([loss.double(), torch.ones((), device=device, dtype=torch.float64)])
+    if world_size > 1:
+        dist.all_reduce(total)
+    model.train()
+    return (total[0] / total[1]).item()
+
+
+def main(argv):
+    # ---- configuration: any error here exits 2 before anything is written -------------------------------
+    cfg: Config = exit_on_config_error(load_config, argv)
+    m, t, ev = cfg.model, cfg.train, cfg.eval
+
+    # ---- processes and devices ---------------------------------------------------------------------------
+    ddp = "RANK" in os.environ  # set by torchrun
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    device_name = t.device if t.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if ddp and device_name == "cuda":
+        device_name = f"cuda:{local_rank}"
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if ddp:
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    master = rank == 0
+    if t.dtype == "auto":
+        dtype_name = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if device.type == "cuda" else "float32"
+    else:
+        dtype_name = t.dtype
+    dtype = getattr(torch, dtype_name)
+    autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
+    torch.manual_seed(t.seed + rank)  # dropout differs per rank; data windows come from the sampler's own seed
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+    # ---- data --------------------------------------------------------------------------------------------
+    data_dir = cfg.data.data_dir or str(Path(__file__).resolve().parent / "data" / cfg.data.dataset)
+    try:
+        if master:
+            prepare_embedded_if_missing(data_dir)
+        if ddp:
+            dist.barrier()
+        meta = load_meta(data_dir)
+    except DataError as e:
+        fail(str(e))
+    if m.vocab_size == 0:
+        m.vocab_size = -(-meta["vocab_size"] // 64) * 64  # padded to a multiple of 64 for efficient matmuls
+    elif m.vocab_size < meta["vocab_size"]:
+        fail(f"vocab_size={m.vocab_size} is smaller than the vocabulary of {data_dir} ({meta['vocab_size']}, "
+             f"tokenizer {meta['tokenizer']}): set --vocab_size={meta['vocab_size']} or larger, or 0 to take it "
+             "from the data", status=2)
+    try:
+        train_data = WindowSampler(data_dir, "train", m.block_size, t.batch_size, t.gradient_accumulation_steps,
+                                   rank, world_size, seed=t.seed, device=device_name)
+        val_data = WindowSampler(data_dir, "val", m.block_size, t.batch_size, ev.eval_iters, device=device_name)
+    except ValueError as e:
+        fail(str(e), status=2)
+    local_micro_steps = train_data.local_micro_steps
+    tokens_per_step = t.batch_size * t.gradient_accumulation_steps * m.block_size
+
+    # ---- model, optimizer, and (on resume) their saved state ----------------------------------------------
+    out_dir = Path(t.out_dir)
+    ckpt = None
+    if t.init_from == "resume":
+        try:
+            ckpt = load_checkpoint(out_dir / "ckpt_last.pt", map_location=device)
+        except CheckpointError as e:
+            fail(f"cannot resume: {e}", status=2)
+        saved = Config.from_dict(ckpt["config"]).model
+        changed = [k for k in vars(m) if getattr(saved, k) != getattr(m, k)]
+        if changed:
+            fail("the model config differs from the checkpoint's in " + ", ".join(
+                f"{k} ({getattr(saved, k)!r} saved, {getattr(m, k)!r} now)" for k in changed)
+                + ": resume with the run's own config file", status=2)
+    model = GPT(m).to(device)
+    optimizer = model.configure_optimizer(t.weight_decay, t.learning_rate, (t.beta1, t.beta2), device.type)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    step, best_val_loss, wandb_run_id = 0, float("inf"), None
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scaler.load_state_dict(ckpt["scaler"])
+        step, best_val_loss, wandb_run_id = ckpt["step"], ckpt["best_val_loss"], ckpt.get("wandb_run_id")
+        if len(ckpt["rng"]) == world_size:
+            set_rng_state(ckpt["rng"][rank])
+        elif master:
+            print(f"warning: checkpoint has RNG states for {len(ckpt['rng'])} processes, not {world_size}: "
+                  "dropout noise will differ from the interrupted run")
+        del ckpt
+    raw_model = model
+    if t.compile:
+        model = torch.compile(model)
+    if ddp:
+        model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+
+    # ---- output folder, logs, signals ---------------------------------------------------------------------
+    if master:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_temp_files(out_dir)
+        info = run_info(world_size)
+        write_json({**cfg.to_dict(), "run": info, "data": meta}, out_dir / "config.json")
+        n_params = raw_model.num_params()
+        print(f"model: {m.arch}, {m.n_layer} layers x {m.n_head} heads x {m.n_embd}, mixers {m.attn_pattern!r}: "
+              f"{n_params / 1e6:.2f}M parameters ({raw_model.num_params(exclude_embeddings=True) / 1e6:.2f}M "
+              "without embeddings)")
+        print(f"data: {data_dir} ({meta['tokenizer']} tokenizer, {meta['train_tokens']:,} train / "
+              f"{meta['val_tokens']:,} val tokens); {tokens_per_step:,} tokens per step; "
+              f"{world_size} process(es) on {device_name}, {dtype_name}")
+        unigram = unigram_entropy(open_tokens(data_dir, "val")[:10_000_000], meta["vocab_size"])
+        print(f"unigram baseline (val token entropy): {unigram:.4f} nats")
+        wandb_run = None
+        if t.wandb_log:
+            import wandb
+
+            wandb_run = wandb.init(project=t.wandb_project, name=t.wandb_run_name or out_dir.name,
+                                   config={**cfg.to_dict(), "run": info, "n_params": n_params},
+                                   id=wandb_run_id, resume="allow", dir=str(out_dir), mode=t.wandb_mode)
+            wandb_run_id = wandb_run.id
+        metrics = MetricsLog(out_dir / "metrics.jsonl", wandb_run)
+        if step > 0:
+            metrics.truncate_after(step)
+            print(f"resumed from {out_dir / 'ckpt_last.pt'} at step {step} (best val loss {best_val_loss:.4f})")
+        elif (out_dir / "metrics.jsonl").exists():
+            (out_dir / "metrics.jsonl").unlink()  # a fresh run does not append to an old run's log
+
+    stop_signal = []  # set by the handler; acted on only once all ranks agree (the all-reduce below)
+    stopping = False
+
+    def request_stop(signum, frame):
+        stop_signal.append(signum)
+        signal.signal(signum, signal.SIG_DFL)  # a second signal stops at once
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+
+    def save(name: str) -> None:
+        """Checkpoint state (every rank takes part: RNG states are gathered), written by rank 0."""
+        states = [None] * world_size
+        if ddp:
+            dist.all_gather_object(states, rng_state())
+        else:
+            states = [rng_state()]
+        if master:
+            save_checkpoint({
+                "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
+                "config": cfg.to_dict(), "step": step, "best_val_loss": best_val_loss, "rng": states,
+                "data_cursor": train_data.state_dict(step), "wandb_run_id": wandb_run_id, "run": info,
+                "tokenizer": meta["tokenizer"],
+            }, out_dir / name)
+
+    # ---- the training loop --------------------------------------------------------------------------------
+    flops_per_token = raw_model.flops_per_token(m.block_size)
+    peak = peak_flops(device, dtype)
+    ckpt_interval = t.ckpt_interval or ev.eval_interval
+    start_step, t_start, t_last = step, time.time(), time.time()
+    while True:
+        lr = get_lr(step, t)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+        if step % ev.eval_interval == 0 or step == t.max_iters or ev.eval_only:
+            val_loss = evaluate(model, val_data, ev.eval_iters, rank, world_size, autocast, device)
+            improved = val_loss < best_val_loss
+            best_val_loss = min(best_val_loss, val_loss)
+            if master:
+                print(f"step {step}: val loss {val_loss:.4f} (unigram baseline {unigram:.4f}, best {best_val_loss:.4f})")
+                metrics.log(step, val_loss=val_loss, best_val_loss=best_val_loss)
+            if ev.eval_only:
+                break
+            if improved and step > start_step:
+                save("ckpt_best.pt")
+        if step > start_step and (step % ckpt_interval == 0 or step == t.max_iters or stopping):
+            save("ckpt_last.pt")
+        if step >= t.max_iters or stopping:
+            break
+
+        loss_sum = torch.zeros((), device=device)
+        for micro_step in range(local_micro_steps):
+            x, y = train_data.get(step, micro_step)
+            if ddp:  # gradients are all-reduced only on the last micro-step
+                model.require_backward_grad_sync = micro_step == local_micro_steps - 1
+            with autocast:
+                _, loss = model(x, y)
+            loss_sum += loss.detach()
+            scaler.scale(loss / local_micro_steps).backward()
+        # one small collective per step: the mean loss over ranks, and whether any rank was told to stop
+        status = torch.stack([loss_sum / local_micro_steps, torch.tensor(float(bool(stop_signal)), device=device)])
+        if ddp:
+            dist.all_reduce(status)
+        train_loss, stopping = status[0].item() / world_size, status[1].item() > 0
+        if not math.isfinite(train_loss):
+            fail(f"the training loss is {train_loss} at step {step}: stopping without saving; the checkpoints in "
+                 f"{out_dir} are from the last good step. Lower learning_rate, check the data, or use "
+                 "--dtype=float32 / bfloat16 instead of float16")
+        if t.grad_clip > 0:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+
+        if master and (step % t.log_interval == 0 or step == t.max_iters):
+            now = time.time()
+            dt = (now - t_last) / (step - max(start_step, step - t.log_interval) or 1)
+            t_last = now
+            tokens_per_s = tokens_per_step / dt
+            values = {"train_loss": train_loss, "lr": lr, "tokens_per_s": tokens_per_s}
+            line = f"step {step}/{t.max_iters} | loss {train_loss:.4f} | lr {lr:.2e} | {tokens_per_s / 1e3:.1f}k tok/s"
+            if peak is not None:
+                values["mfu"] = flops_per_token * tokens_per_s / (peak * world_size)
+                line += f" | mfu {100 * values['mfu']:.1f}%"
+            elapsed_per_step = (now - t_start) / (step - start_step)
+            line += f" | {1000 * dt:.0f} ms/step | eta {format_eta(elapsed_per_step * (t.max_iters - step))}"
+            print(line, flush=True)
+            metrics.log(step, **values)
+
+    signum = stop_signal[0] if stop_signal else signal.SIGTERM  # another rank may have received it
+    if master:
+        if stopping and step < t.max_iters:
+            print(f"stopped by signal {signum} at step {step}; ckpt_last.pt saved. Resume with the same "
+                  "command plus --init_from=resume")
+        else:
+            print(f"done: best val loss {best_val_loss:.4f} vs unigram baseline {unigram:.4f}; "
+                  f"checkpoints in {out_dir}")
+        if metrics.wandb_run is not None:
+            metrics.wandb_run.finish()
+    if ddp:
+        dist.destroy_process_group()
+    if stopping and step < t.max_iters:
+        sys.exit(128 + signum)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
