@@ -1,5 +1,5 @@
 # GPT-2 small (124M) with full causal attention on OpenWebText: the setting of paper 004 (App. D).
-#   python data/prepare.py --dataset=openwebtext --tokenizer=gpt2 --max_tokens=2600000000
+#   python data/prepare.py --dataset=openwebtext --tokenizer=gpt2 --max_tokens=2550000000 --val_fraction=0.02
 #   torchrun --standalone --nproc_per_node=8 train.py configs/owt_124m_full.py --wandb_log=True
 out_dir = "out/owt_124m_full"
 dataset = "openwebtext_gpt2"

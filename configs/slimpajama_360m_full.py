@@ -2,7 +2,7 @@
 #   python data/prepare.py --dataset=slimpajama --tokenizer=mistralai/Mistral-7B-v0.1 --max_tokens=6000000000
 #   torchrun --standalone --nproc_per_node=4 train.py configs/slimpajama_360m_full.py --wandb_log=True
 out_dir = "out/slimpajama_360m_full"
-dataset = "slimpajama_mistralai-Mistral-7B-v0.1"
+dataset = "slimpajama_mistralai_Mistral-7B-v0.1"
 
 arch = "llama"  # RMSNorm, SwiGLU, RoPE, no biases
 n_layer = 24

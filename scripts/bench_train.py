@@ -1,0 +1,105 @@
+"""Training throughput (tokens/s, and MFU on GPUs) of model configs, on synthetic tokens.
+
+    python scripts/bench_train.py                                   # CPU: 124M gpt2 and 360M llama at 2 layers
+    python scripts/bench_train.py --device=cuda --n_layer=0 --compile=True   # GPU: full depth
+    python scripts/bench_train.py --configs=configs/owt_124m_full.py --batch_size=4 --json=out/bench.json
+
+Each step is a forward, backward and AdamW update at the config's block_size; the first warmup steps are
+not timed. n_layer=0 keeps each config's own depth.
+"""
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error, load_config  # noqa: E402
+from model import GPT  # noqa: E402
+from train import peak_flops  # noqa: E402
+
+
+@dataclass
+class BenchConfig:
+    configs: str = "configs/owt_124m_full.py,configs/slimpajama_360m_full.py"
+    n_layer: int = 2  # 0: each config's own depth
+    batch_size: int = 1
+    block_size: int = 0  # 0: each config's own
+    steps: int = 5
+    warmup: int = 2
+    device: str = "auto"
+    dtype: str = "auto"  # auto: bfloat16 on GPUs, float32 on CPU
+    compile: bool = False
+    json: str = ""  # also write the results here
+
+
+def parse(argv) -> BenchConfig:
+    b = BenchConfig()
+    apply_args(b, argv, dataclass_fields(BenchConfig))
+    if b.steps < 1 or b.warmup < 0 or b.batch_size < 1:
+        raise ConfigError("need steps >= 1, warmup >= 0 and batch_size >= 1")
+    return b
+
+
+def bench(config_file: str, b: BenchConfig, device: torch.device, dtype: torch.dtype) -> dict:
+    overrides = [f"--n_layer={b.n_layer}"] if b.n_layer else []
+    overrides += [f"--block_size={b.block_size}"] if b.block_size else []
+    cfg = load_config([config_file, *overrides, "--dropout=0.0"])
+    m = cfg.model
+    m.vocab_size = m.vocab_size or 50304
+    torch.manual_seed(0)
+    model = GPT(m).to(device)
+    optimizer = model.configure_optimizer(0.1, 1e-4, (0.9, 0.95), device.type)
+    step_fn = torch.compile(model) if b.compile else model
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    x = torch.randint(0, m.vocab_size, (b.batch_size, m.block_size + 1), device=device)
+    times = []
+    for i in range(b.warmup + b.steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with autocast:
+            _, loss = step_fn(x[:, :-1], x[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= b.warmup:
+            times.append(time.perf_counter() - t0)
+    seconds = sorted(times)[len(times) // 2]  # median step
+    tokens_per_s = b.batch_size * m.block_size / seconds
+    peak = peak_flops(device, dtype)
+    result = {"config": config_file, "arch": m.arch, "n_layer": m.n_layer, "n_embd": m.n_embd,
+              "params_M": round(model.num_params() / 1e6, 2), "block_size": m.block_size, "batch_size": b.batch_size,
+              "step_ms": round(1000 * seconds, 1), "tokens_per_s": round(tokens_per_s, 1)}
+    if peak:
+        result["mfu"] = round(model.flops_per_token(m.block_size) * tokens_per_s / peak, 4)
+    return result
+
+
+def main(argv):
+    b = exit_on_config_error(parse, argv)
+    device = torch.device(b.device if b.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype_name = b.dtype if b.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    dtype = getattr(torch, dtype_name)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    print(f"device: {where}; dtype {dtype_name}; torch {torch.__version__}")
+    results = [bench(f, b, device, dtype) for f in b.configs.split(",")]
+    columns = list(results[0])
+    print(" | ".join(columns))
+    for r in results:
+        print(" | ".join(str(r.get(c, "")) for c in columns))
+    if b.json:
+        os.makedirs(os.path.dirname(b.json) or ".", exist_ok=True)
+        with open(b.json, "w") as f:
+            json.dump({"device": where, "dtype": dtype_name, "torch": str(torch.__version__), "results": results}, f,
+                      indent=2)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
