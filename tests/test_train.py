@@ -154,3 +154,13 @@ def test_sample_reports_a_missing_checkpoint(tmp_path):
     proc = subprocess.run([sys.executable, "sample.py", f"--out_dir={tmp_path}"], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 1 and "no checkpoint at" in proc.stderr
+
+
+def test_wandb_offline_logs_and_resume_keeps_the_run_id(tmp_path):
+    args = ["--eval_interval=2", "--wandb_log=True", "--wandb_mode=offline"]
+    run(["--max_iters=2", *args], tmp_path)
+    first = load_checkpoint(tmp_path / "ckpt_last.pt")["wandb_run_id"]
+    run(["--max_iters=4", "--init_from=resume", *args], tmp_path)
+    assert first and load_checkpoint(tmp_path / "ckpt_last.pt")["wandb_run_id"] == first
+    runs = list((tmp_path / "wandb").glob(f"offline-run-*-{first}"))
+    assert len(runs) == 2  # one folder per process lifetime, both for the same run id
