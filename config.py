@@ -45,8 +45,10 @@ class ModelConfig:
     # token mixers: a comma-separated list of registered names, repeated to fill n_layer
     # (e.g. "full", or "swa,swa,swa,full" for 3 local : 1 full); see attention/__init__.py
     attn_pattern: str = "full"
-    attn_backend: str = "auto"  # auto | dense | chunked | flex | sdpa (variants accept the ones they implement)
+    attn_backend: str = "auto"  # auto (flex on CUDA, chunked on CPU, sdpa for full) | dense | chunked | flex | sdpa
     attn_gate: bool = False  # sigmoid(W y) * y before the output projection (paper 000's recipe)
+    swa_window: int = 256  # swa(w): the w most recent positions, the query included
+    block_len: int = 128  # block(b): causal attention within fixed blocks of b positions
 
     @property
     def head_dim(self) -> int:

@@ -17,6 +17,7 @@ class Mixer(nn.Module):
     init_cache(batch_size, max_len, device, dtype) -> per-layer generation state (KV cache, recurrent state).
     mixing_flops(seq_len) -> forward FLOPs per token spent mixing positions, beyond the parameter matmuls
         (e.g. QK^T and AV for attention), so that MFU reflects the variant's real cost.
+    edge_counts(seq_len), edge_mask(seq_len) -> score accounting and reachability (scripts/mask_stats.py).
     check_config(config) -> raise ValueError when the model config cannot build this mixer.
     init_weights() -> variant-specific initialisation, run after the model's generic one.
     """
@@ -33,6 +34,16 @@ class Mixer(nn.Module):
 
     def init_weights(self) -> None:
         pass
+
+    def edge_counts(self, seq_len: int) -> list[tuple[int, int]]:
+        """Per head: (attention scores computed, unique allowed edges) over a sequence of seq_len tokens.
+        They differ for variants with several separately normalised branches (branch vs union form)."""
+        raise NotImplementedError(f"{type(self).__name__} has no attention edges")
+
+    def edge_mask(self, seq_len: int, device="cpu") -> torch.Tensor:
+        """(seq_len, seq_len) boolean: can information move from key position k to query position q in this
+        layer through any head (the union of its edges; all causal pairs for recurrent mixers)."""
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cache=None) -> torch.Tensor:
         raise NotImplementedError

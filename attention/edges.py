@@ -1,0 +1,133 @@
+"""Edge rules: the one definition of each attention variant.
+
+An edge rule says which key positions k a query at position q may attend to (per head h when the rule
+varies across heads): `allowed(q, k, h)` over broadcastable integer tensors. Everything else is derived from
+that single predicate, never written again:
+
+    dense_mask(positions)      the reference mask of the dense backend and of cached decoding
+    mask_mod()                 FlexAttention's mask_mod(b, h, q_idx, kv_idx) for block masks
+    the chunked kernel's tiles attention/kernels.py evaluates allowed() on (query chunk, key band) grids
+    count_edges(n)             score accounting (scripts/mask_stats.py)
+
+Besides the predicate a rule states `lookback`, the largest q - k it allows (None when unbounded), and
+`lookahead`, the largest k - q (0 for causal rules). They only size things (the chunked kernel's key band,
+the rolling KV cache) and tests check them against the predicate.
+Rules are frozen dataclasses, so they are hashable: block masks and edge counts are cached per rule.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class EdgeRule:
+    lookback = None  # largest q - k with an allowed edge; None: unbounded (full causal)
+    lookahead = 0  # largest k - q (positive only for rules over permuted slots, where later slots can be
+    #                earlier tokens); the chunked kernel's key band extends this far past each chunk
+    per_head = False  # True when allowed() depends on the head index
+
+    def allowed(self, q: torch.Tensor, k: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def chunk_lookback(self, chunk: int, offset: int) -> int | None:
+        """Keys before a query chunk's first position that any query of the chunk may need, for chunks of
+        `chunk` positions starting at multiples of `chunk` plus `offset`. The default is the rule's lookback."""
+        return self.lookback
+
+    def chunk_size(self) -> int:
+        """The query chunk of the chunked kernel: small enough to waste little on masked-out tile entries,
+        large enough for efficient matmuls (128 measured best for w=256 on CPU, see docs/benchmarks.md)."""
+        if self.lookback is None:
+            return 128
+        return max(16, min(128, _pow2_floor(max(1, (self.lookback + 1) // 2))))
+
+    # ---- derived from allowed() -------------------------------------------------------------------------
+    def dense_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor | None = None, n_head: int | None = None):
+        """Boolean mask (Tq, Tk), or (H, Tq, Tk) for per-head rules, of allowed (query, key) pairs."""
+        k_pos = q_pos if k_pos is None else k_pos
+        if self.per_head:
+            h = torch.arange(n_head, device=q_pos.device)[:, None, None]
+            return self.allowed(q_pos[None, :, None], k_pos[None, None, :], h)
+        return self.allowed(q_pos[:, None], k_pos[None, :])
+
+    def mask_mod(self):
+        """FlexAttention mask_mod over absolute positions q_idx, kv_idx."""
+        if self.per_head:
+            return lambda b, h, q_idx, kv_idx: self.allowed(q_idx, kv_idx, h)
+        return lambda b, h, q_idx, kv_idx: self.allowed(q_idx, kv_idx)
+
+    def count_edges(self, n: int, head: int = 0) -> int:
+        """Number of allowed (query, key) pairs in a sequence of n tokens (for one head)."""
+        return _count_edges(self, n, head)
+
+
+@functools.lru_cache(maxsize=256)
+def _count_edges(rule: EdgeRule, n: int, head: int) -> int:
+    total, rows = 0, max(1, (1 << 22) // max(1, n if rule.lookback is None else rule.lookback + 1))
+    h = torch.tensor(head) if rule.per_head else None
+    for start in range(0, n, rows):
+        q = torch.arange(start, min(n, start + rows))
+        if rule.lookback is None:
+            k = torch.arange(n)
+        else:  # only the band [q - lookback, q + lookahead] can hold edges
+            k = torch.arange(max(0, start - rule.lookback), min(n, start + rows + rule.lookahead))
+        total += int(rule.allowed(q[:, None], k[None, :], h).sum())
+    return total
+
+
+def _pow2_floor(x: int) -> int:
+    return 1 << (x.bit_length() - 1)
+
+
+# ---- the rules (torchtitan-style factories: small, composable, reused by every backend) -------------------
+
+@dataclass(frozen=True)
+class Causal(EdgeRule):
+    """full: every earlier position and the query itself."""
+
+    def allowed(self, q, k, h=None):
+        return k <= q
+
+
+@dataclass(frozen=True)
+class SlidingWindow(EdgeRule):
+    """swa(w): the w most recent positions including the query itself, 0 <= q - k < w."""
+
+    window: int = 256
+
+    @property
+    def lookback(self):
+        return self.window - 1
+
+    def allowed(self, q, k, h=None):
+        return (k <= q) & (q - k < self.window)
+
+
+@dataclass(frozen=True)
+class FixedBlock(EdgeRule):
+    """block(b): causal attention inside fixed blocks [m b, (m + 1) b)."""
+
+    block: int = 128
+
+    @property
+    def lookback(self):
+        return self.block - 1
+
+    def allowed(self, q, k, h=None):
+        return (k <= q) & (q // self.block == k // self.block)
+
+    def chunk_lookback(self, chunk, offset):
+        # chunks aligned with the blocks and dividing them only look back to their block's start
+        if offset % self.block == 0 and self.block % chunk == 0:
+            return self.block - chunk
+        return self.lookback
+
+    def chunk_size(self):
+        if self.block <= 256:
+            return self.block
+        largest_pow2_divisor = self.block & -self.block
+        return min(256, largest_pow2_divisor) if largest_pow2_divisor >= 32 else 128

@@ -1,0 +1,322 @@
+"""Attention kernels over an edge rule (attention/edges.py).
+
+    dense    reference: explicit (B, H, Tq, Tk) scores in float32 or better, any device, O(n^2)
+    chunked  O(n * lookback) time and memory with autograd on any device (the CPU training path): queries in
+             chunks of c, each attending to a key band of its own chunk plus the ceil(lookback / c) chunks
+             before it (and ceil(lookahead / c) after it). Plain softmax on CPU runs groups of tiles through
+             PyTorch's fused CPU flash kernel, forward and backward (ChunkedFlashCPU); elsewhere all tiles go
+             through one batched SDPA call, or explicit math for score_mod / sigmoid
+    flex     FlexAttention with a block mask built once per (rule, length) and shared by all layers;
+             compiled on CUDA; forward-only on CPU (torch 2.13 has no CPU backward for it)
+    sdpa     PyTorch's fused SDPA: is_causal for the causal rule, else a dense boolean mask (O(n^2) memory)
+
+Every kernel takes the same optional `score_mod(score, b, h, q_idx, kv_idx)` (FlexAttention's signature, over
+absolute positions, so one definition serves all backends) and `activation` ("softmax" or "sigmoid": no
+normalisation), for variants that add position biases or change the score nonlinearity.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+
+from attention.edges import Causal, EdgeRule
+
+BACKENDS = ("auto", "dense", "chunked", "flex", "sdpa")
+TILE_QUERIES_PER_CALL = 2048  # chunked kernel on CPU: query positions per fused call (see ChunkedFlashCPU)
+
+
+def resolve_backend(name: str, rule: EdgeRule, device: torch.device) -> str:
+    if name != "auto":
+        return name
+    if rule.lookback is None:
+        return "sdpa"
+    return "flex" if device.type == "cuda" else "chunked"
+
+
+def attend(q, k, v, rule: EdgeRule, backend: str, start: int = 0, score_mod=None, activation="softmax",
+           dropout_p: float = 0.0, chunk: int = 0):
+    """Attention of q over k, v (B, H, T, D) at positions start..start+T-1 under rule, with one backend."""
+    backend = resolve_backend(backend, rule, q.device)
+    if backend == "dense":
+        pos = torch.arange(start, start + q.shape[2], device=q.device)
+        return dense_attention(q, k, v, rule, pos, score_mod=score_mod, activation=activation, dropout_p=dropout_p)
+    if backend == "chunked":
+        return chunked_attention(q, k, v, rule, start, chunk or rule.chunk_size(), score_mod, activation, dropout_p)
+    if backend == "flex":
+        return flex(q, k, v, rule, start, score_mod, activation, dropout_p)
+    if backend == "sdpa":
+        if score_mod is not None or activation != "softmax":
+            raise ValueError("attn_backend=sdpa supports plain softmax attention only; use dense, chunked or flex")
+        if isinstance(rule, Causal) and start == 0:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        pos = torch.arange(start, start + q.shape[2], device=q.device)
+        return _fused_softmax(q, k, v, rule.dense_mask(pos, n_head=q.shape[1]), dropout_p)
+    raise ValueError(f"unknown attention backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+
+
+def _apply_score_mod(scores, score_mod, q_pos, k_pos):
+    """scores (B, H, ..., Tq, Tk); q_pos (..., Tq, 1) and k_pos (..., 1, Tk) broadcast against its tail."""
+    B, H = scores.shape[:2]
+    extra = scores.dim() - 2
+    b = torch.arange(B, device=scores.device).view(B, *([1] * (extra + 1)))
+    h = torch.arange(H, device=scores.device).view(1, H, *([1] * extra))
+    return score_mod(scores, b, h, q_pos, k_pos)
+
+
+def masked_attention(q, k, v, mask, q_pos=None, k_pos=None, score_mod=None, activation="softmax",
+                     dropout_p: float = 0.0, fused: bool = True):
+    """Attention of q over k, v under a boolean mask broadcastable to (B, H, Tq, Tk) (or tiles of it).
+
+    fused: plain softmax goes through SDPA; otherwise explicit math in float32 (float64 for float64 inputs),
+    where a query with no allowed key gets a zero output (never NaN).
+    """
+    if fused and score_mod is None and activation == "softmax":
+        return _fused_softmax(q, k, v, mask, dropout_p)
+    compute = torch.promote_types(q.dtype, torch.float32)  # at least float32, float64 when given
+    scores = (q.to(compute) @ k.to(compute).transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if score_mod is not None:
+        scores = _apply_score_mod(scores, score_mod, q_pos.unsqueeze(-1), k_pos.unsqueeze(-2))
+    if activation == "softmax":
+        # the finite minimum (not -inf) keeps rows without any allowed key at exactly zero instead of NaN
+        probs = torch.softmax(scores.masked_fill(~mask, torch.finfo(scores.dtype).min), dim=-1) * mask
+    elif activation == "sigmoid":
+        probs = torch.sigmoid(scores) * mask
+    else:
+        raise ValueError(f"unknown attention activation {activation!r}: expected softmax or sigmoid")
+    if dropout_p > 0:
+        probs = F.dropout(probs, dropout_p)
+    return (probs @ v.to(compute)).to(q.dtype)
+
+
+def _fused_softmax(q, k, v, mask, dropout_p=0.0):
+    """SDPA under a boolean mask; a query with no allowed key gets a zero output, as in the explicit path.
+
+    (SDPA alone returns NaN for such rows: here they attend to every key and their output is zeroed.)
+    """
+    has_key = mask.any(-1, keepdim=True)  # applied unconditionally: a data-dependent branch would sync GPUs
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~has_key, dropout_p=dropout_p)
+    return y * has_key
+
+
+def dense_attention(q, k, v, rule: EdgeRule, q_pos, k_pos=None, key_valid=None, score_mod=None,
+                    activation="softmax", dropout_p: float = 0.0, fused: bool = False):
+    """The reference: explicit scores over all (query, key) pairs, masked by the rule."""
+    k_pos = q_pos if k_pos is None else k_pos
+    mask = rule.dense_mask(q_pos, k_pos, n_head=q.shape[1])
+    if key_valid is not None:
+        mask = mask & key_valid
+    return masked_attention(q, k, v, mask, q_pos, k_pos, score_mod, activation, dropout_p, fused=fused)
+
+
+class KeyTiles(torch.autograd.Function):
+    """Key (or value) bands of a _TileGroup's chunks, with a backward that adds each tile slot's gradient
+    back in place (autograd through slices would zero-fill a full-size buffer per slice)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, ctx.shape = group, x.shape
+        return group.key_tiles(x)
+
+    @staticmethod
+    def backward(ctx, grad_tiles):
+        grad = grad_tiles.new_zeros(ctx.shape)
+        ctx.group.accumulate_keys(grad, grad_tiles)
+        return grad, None
+
+
+def _per_batch_head(mask, B):
+    """A tile mask (nc, c, K) or per-head (H, nc, c, K) in the (B * H, nc, c, K) layout of the tiles."""
+    return mask.expand(B, *mask.shape).flatten(0, 1) if mask.dim() == 4 else mask[None]
+
+
+def _tile_mask(rule: EdgeRule, n: int, start: int, c: int, prev: int, ahead: int, n_chunks: int, n_head: int,
+               device) -> torch.Tensor:
+    """Allowed (query, key) pairs of every tile: (nc, c, K), or (H, nc, c, K) for per-head rules."""
+    tile_start = start + c * torch.arange(n_chunks, device=device)[:, None]
+    q_pos = tile_start + torch.arange(c, device=device)  # (nc, c)
+    k_pos = tile_start - prev * c + torch.arange((prev + 1 + ahead) * c, device=device)  # (nc, K)
+    h = torch.arange(n_head, device=device)[:, None, None, None] if rule.per_head else None
+    inside = (k_pos >= start) & (k_pos < start + n)  # keys padded before or after the sequence never count
+    last = start + n - 1  # clamped positions keep rules that index tensors by position in range
+    mask = rule.allowed(q_pos.clamp(max=last)[:, :, None], k_pos.clamp(start, last)[:, None, :], h)
+    mask = mask & inside[:, None, :]
+    # padded queries past the end attend to every key of their tile: their outputs are dropped, and a full
+    # row keeps the fused kernels free of empty rows
+    return mask | (q_pos > last)[:, :, None]
+
+
+def chunked_attention(q, k, v, rule: EdgeRule, start: int = 0, chunk: int = 128, score_mod=None,
+                      activation="softmax", dropout_p: float = 0.0, fused_cpu: bool = True):
+    """O(n * lookback) attention: query chunks of `chunk` positions, each over its band of keys.
+
+    Plain softmax on CPU (without dropout) runs ChunkedFlashCPU, groups of tiles through PyTorch's fused CPU
+    flash kernel forward and backward; other cases build all tiles at once and use autograd.
+    """
+    B, H, n, D = q.shape
+    lookback = rule.chunk_lookback(chunk, start)
+    if lookback is None:
+        raise ValueError(f"{type(rule).__name__} has no bounded lookback: the chunked kernel would be O(n^2); "
+                         "use attn_backend=sdpa (or flex on CUDA)")
+    c = chunk
+    prev = -(-lookback // c)  # earlier chunks in each tile's key band
+    ahead = -(-rule.lookahead // c)  # later chunks (rules over permuted slots only)
+    n_chunks = -(-n // c)
+    mask = _tile_mask(rule, n, start, c, prev, ahead, n_chunks, H, q.device)
+    plain = score_mod is None and activation == "softmax"
+    if plain and fused_cpu and q.device.type == "cpu" and dropout_p == 0.0:
+        return ChunkedFlashCPU.apply(q, k, v, mask, c, prev, ahead)
+
+    group = _TileGroup(0, n_chunks, n, c, prev, ahead)  # every chunk at once: (B * H, nc, c or K, D) tiles
+    q_tiles, k_tiles, v_tiles = group.query_tiles(q), KeyTiles.apply(k, group), KeyTiles.apply(v, group)
+    if plain:  # one batched fused SDPA over all tiles
+        y = _fused_softmax(q_tiles, k_tiles, v_tiles, _per_batch_head(mask, B), dropout_p)
+    else:
+        tile_start = start + c * torch.arange(n_chunks, device=q.device)[:, None]
+        q_pos = tile_start + torch.arange(c, device=q.device)
+        k_pos = tile_start - prev * c + torch.arange(k_tiles.shape[2], device=q.device)
+        y = masked_attention(*(t.view(B, H, *t.shape[1:]) for t in (q_tiles, k_tiles, v_tiles)), mask, q_pos,
+                             k_pos, score_mod, activation, dropout_p, fused=False)
+    return y.reshape(B, H, n_chunks * c, D)[:, :, :n]
+
+
+class ChunkedFlashCPU(torch.autograd.Function):
+    """Chunked softmax attention through the fused CPU flash kernel, a fixed number of query positions per
+    call in forward and backward.
+
+    Only the inputs, output and gradients are full-size; tiles, masks and padding are built per group of
+    chunks, so large temporaries are neither allocated nor page-faulted at every call, and time stays linear
+    in n (one call over all tiles grew ~2.5x from n=8K to 16K on a 2-core CPU; see docs/benchmarks.md).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, c: int, prev: int, ahead: int):
+        B, H, n, D = q.shape
+        ctx.c, ctx.prev, ctx.ahead = c, prev, ahead
+        out = torch.empty_like(q)
+        lse = q.new_empty(B * H, mask.shape[-3], c, dtype=torch.promote_types(q.dtype, torch.float32))
+        for g in ChunkedFlashCPU._groups(n, mask.shape[-3], c, prev, ahead):
+            y, lse[:, g.i0:g.i1] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                g.query_tiles(q), g.key_tiles(k), g.key_tiles(v), 0.0, False, attn_mask=g.bias(mask, q.dtype, B))
+            g.scatter_queries(out, y)
+        empty_rows = ~mask.any(-1)
+        if empty_rows.any():  # such rows attended everywhere inside the kernel: their output is zero
+            out = out * ChunkedFlashCPU._rows_to_keep(empty_rows, out, c)
+        ctx.save_for_backward(q, k, v, mask, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        q, k, v, mask, out, lse = ctx.saved_tensors
+        B, H, n, D = q.shape
+        c, prev, ahead = ctx.c, ctx.prev, ctx.ahead
+        empty_rows = ~mask.any(-1)
+        if empty_rows.any():
+            grad_y = grad_y * ChunkedFlashCPU._rows_to_keep(empty_rows, grad_y, c)
+        grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for g in ChunkedFlashCPU._groups(n, mask.shape[-3], c, prev, ahead):
+            g_q, g_k, g_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                g.query_tiles(grad_y), g.query_tiles(q), g.key_tiles(k), g.key_tiles(v), g.query_tiles(out),
+                lse[:, g.i0:g.i1].contiguous(), 0.0, False, attn_mask=g.bias(mask, q.dtype, B))
+            g.scatter_queries(grad_q, g_q)
+            g.accumulate_keys(grad_k, g_k)
+            g.accumulate_keys(grad_v, g_v)
+        return grad_q, grad_k, grad_v, None, None, None, None
+
+    @staticmethod
+    def _rows_to_keep(empty_rows, like, c):
+        n = like.shape[2]
+        keep = (~empty_rows).reshape(*empty_rows.shape[:-2], -1)[..., :n]  # (n,) or (H, n)
+        return keep.to(like.dtype)[..., None]
+
+    @staticmethod
+    def _groups(n, n_chunks, c, prev, ahead):
+        per_call = max(1, TILE_QUERIES_PER_CALL // c)
+        for i0 in range(0, n_chunks, per_call):
+            yield _TileGroup(i0, min(n_chunks, i0 + per_call), n, c, prev, ahead)
+
+
+class _TileGroup:
+    """Chunks i0..i1 of a chunked attention call: their query rows and key band, padded locally."""
+
+    def __init__(self, i0, i1, n, c, prev, ahead):
+        self.i0, self.i1, self.n, self.c, self.prev, self.span = i0, i1, n, c, prev, prev + 1 + ahead
+        self.q_lo, self.q_hi = i0 * c, min(n, i1 * c)
+        first, last = (i0 - prev) * c, (i1 + ahead) * c  # key band in (possibly out-of-range) positions
+        self.k_lo, self.k_hi = max(0, first), min(n, last)
+        self.k_pad = (self.k_lo - first, last - self.k_hi)
+
+    def query_tiles(self, x):
+        B, H, _, D = x.shape
+        part = F.pad(x[:, :, self.q_lo:self.q_hi], (0, 0, 0, (self.i1 - self.i0) * self.c - (self.q_hi - self.q_lo)))
+        return part.reshape(B * H, self.i1 - self.i0, self.c, D)
+
+    def key_tiles(self, x):
+        B, H, _, D = x.shape
+        part = F.pad(x[:, :, self.k_lo:self.k_hi], (0, 0, *self.k_pad)).reshape(B * H, -1, self.c, D)
+        g = self.i1 - self.i0
+        return torch.cat([part[:, j:j + g] for j in range(self.span)], dim=2)
+
+    def bias(self, mask, dtype, B):
+        """Additive mask of the group (rows without any allowed key open everywhere; zeroed by the caller)."""
+        allowed = mask[..., self.i0:self.i1, :, :]
+        allowed = allowed | ~allowed.any(-1, keepdim=True)
+        bias = torch.zeros(allowed.shape, dtype=dtype, device=mask.device).masked_fill_(~allowed, float("-inf"))
+        return _per_batch_head(bias, B)
+
+    def scatter_queries(self, full, tiles):
+        B, H, _, D = full.shape
+        full[:, :, self.q_lo:self.q_hi] = tiles.reshape(B, H, -1, D)[:, :, :self.q_hi - self.q_lo]
+
+    def accumulate_keys(self, full, tile_grads):
+        """Add the gradients of every tile slot back onto the key positions they were copied from."""
+        B, H, _, D = full.shape
+        g, c = self.i1 - self.i0, self.c
+        local = tile_grads.new_zeros(B * H, g + self.span - 1, c, D)
+        for j in range(self.span):  # slot j of chunk i holds band chunk i - i0 + j
+            local[:, j:j + g] += tile_grads[:, :, j * c:(j + 1) * c]
+        local = local.reshape(B, H, -1, D)
+        full[:, :, self.k_lo:self.k_hi] += local[:, :, self.k_pad[0]:local.shape[2] - self.k_pad[1]]
+
+
+# ---- FlexAttention ---------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=64)
+def flex_block_mask(rule: EdgeRule, n: int, n_head: int | None, device: str, start: int = 0):
+    """The block mask of a rule at one length: built once and shared by every layer using the rule."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    mask_mod = rule.mask_mod()
+    shifted = mask_mod if start == 0 else (lambda b, h, q_idx, kv_idx: mask_mod(b, h, q_idx + start, kv_idx + start))
+    return create_block_mask(shifted, B=None, H=n_head if rule.per_head else None, Q_LEN=n, KV_LEN=n,
+                             device=device)
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex(q, k, v, rule: EdgeRule, start: int = 0, score_mod=None, activation="softmax", dropout_p: float = 0.0):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if activation != "softmax":
+        raise ValueError(f"the flex backend computes softmax attention; activation={activation!r} needs "
+                         "attn_backend=chunked or dense")
+    if dropout_p > 0:
+        raise ValueError("the flex backend has no attention dropout: set dropout=0 or use attn_backend=chunked")
+    on_cuda = q.device.type == "cuda"
+    if not on_cuda and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise RuntimeError("FlexAttention has no CPU backward in this torch version: train on CPU with "
+                           "attn_backend=chunked (or auto)")
+    block_mask = flex_block_mask(rule, q.shape[2], q.shape[1], str(q.device), start)
+    mod = None
+    if score_mod is not None:
+        mod = score_mod if start == 0 else (lambda s, b, h, qi, ki: score_mod(s, b, h, qi + start, ki + start))
+    fn = _compiled_flex() if on_cuda else flex_attention  # eager on CPU: forward checks and inference only
+    return fn(q, k, v, score_mod=mod, block_mask=block_mask)

@@ -1,0 +1,110 @@
+"""Multi-head self-attention: the plumbing every attention variant shares, and attention under an edge rule.
+
+`Attention` owns the q/k/v projection, RoPE at the tokens' original positions, the optional sigmoid output
+gate and the output projection; a subclass implements `attend`, mapping per-head q, k, v (B, H, T, D) to
+per-head outputs. `MaskedAttention` is attention under one edge rule, run by the configured kernel backend,
+with the matching generation cache; most variants only say which rule (see attention/local.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from attention.cache import KVCache, RollingKVCache
+from attention.edges import EdgeRule
+from attention.kernels import BACKENDS, attend, masked_attention
+from attention.registry import Mixer
+from attention.rope import apply_rope
+
+
+class Attention(Mixer):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_head = config.n_head
+        self.head_dim = config.head_dim
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        # gate of paper 000 (Alg. 2): y <- sigmoid(W y) * y, W d x d without bias, before the output projection
+        self.gate = nn.Linear(config.n_embd, config.n_embd, bias=False) if config.attn_gate else None
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.rope_theta = config.rope_theta if config.resolved_pos_embedding == "rope" else None
+        self.dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, pos, cache=None):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+                   for t in self.c_attn(x).split(C, dim=2))
+        if self.rope_theta is not None:
+            q, k = apply_rope(q, pos, self.rope_theta), apply_rope(k, pos, self.rope_theta)
+        y = self.attend(q, k, v, pos, cache).transpose(1, 2).reshape(B, T, C)
+        if self.gate is not None:
+            y = torch.sigmoid(self.gate(y)) * y
+        return self.resid_dropout(self.c_proj(y))
+
+    def attend(self, q, k, v, pos, cache):
+        raise NotImplementedError
+
+
+class MaskedAttention(Attention):
+    """Attention under one edge rule (self.rule), with softmax or another activation and an optional score_mod."""
+
+    activation = "softmax"
+
+    @classmethod
+    def check_config(cls, config):
+        if config.attn_backend not in BACKENDS:
+            raise ValueError(f"attn_backend={config.attn_backend!r}: expected one of {', '.join(BACKENDS)}")
+
+    def __init__(self, config, layer_idx: int, rule: EdgeRule):
+        super().__init__(config, layer_idx)
+        self.rule = rule
+        self.backend = config.attn_backend
+
+    def score_mod(self):
+        """FlexAttention-style score_mod(score, b, h, q_idx, kv_idx), or None (see attention/kernels.py)."""
+        return None
+
+    def token_order(self, seq_len: int, device):
+        """(rule, order) for one uncached forward: attend with `rule` over the tokens gathered in `order`
+        (slot s holds token order[s]; RoPE was applied at the original positions), then scatter back.
+        The default keeps the sequence order; a permuted variant (stochastic attention) overrides it."""
+        return self.rule, None
+
+    def attend(self, q, k, v, pos, cache):
+        dropout_p = self.dropout if self.training else 0.0
+        if cache is None:
+            rule, order = self.token_order(q.shape[2], q.device)
+            if order is not None:
+                q, k, v = (t[:, :, order] for t in (q, k, v))
+                y = attend(q, k, v, rule, self.backend, 0, self.score_mod(), self.activation, dropout_p)
+                return torch.empty_like(y).index_copy_(2, order, y)
+        start = int(pos[0])
+        if cache is None or (cache.empty and q.shape[2] > 1):  # training, or a prompt's first pass
+            y = attend(q, k, v, self.rule, self.backend, start, self.score_mod(), self.activation, dropout_p)
+            if cache is not None:
+                cache.update(k, v, pos)
+            return y
+        keys, values, key_pos = cache.update(k, v, pos)
+        mask = self.rule.dense_mask(pos, key_pos, self.n_head) & (key_pos >= 0)
+        return masked_attention(q, keys, values, mask, pos, key_pos, self.score_mod(), self.activation)
+
+    def init_cache(self, batch_size, max_len, device, dtype):
+        lookback = self.rule.lookback
+        size = max_len if lookback is None else min(max_len, lookback + 1)
+        cache_type = KVCache if lookback is None else RollingKVCache
+        return cache_type((batch_size, self.n_head, size, self.head_dim), device, dtype)
+
+    def edge_counts(self, seq_len):
+        heads = range(self.n_head) if self.rule.per_head else [0] * self.n_head
+        return [(self.rule.count_edges(seq_len, h),) * 2 for h in heads]  # one branch: computed == allowed
+
+    def edge_mask(self, seq_len, device="cpu"):
+        mask = self.rule.dense_mask(torch.arange(seq_len, device=device), n_head=self.n_head)
+        return mask.any(0) if self.rule.per_head else mask
+
+    def mixing_flops(self, seq_len):
+        # QK^T and AV: 2 matmuls x 2 FLOPs per multiply-add, over the rule's allowed keys per query
+        edges = sum(computed for computed, _ in self.edge_counts(seq_len))
+        return 4 * self.head_dim * edges / seq_len

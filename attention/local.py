@@ -1,0 +1,49 @@
+"""Local attention variants defined by one edge rule each: full causal, sliding window, fixed blocks."""
+
+from __future__ import annotations
+
+from attention.edges import Causal, FixedBlock, SlidingWindow
+from attention.layer import MaskedAttention
+from attention.registry import register
+
+
+@register("full")
+class CausalSelfAttention(MaskedAttention):
+    """Every earlier position (auto backend: PyTorch SDPA, flash / memory-efficient kernels)."""
+
+    @classmethod
+    def check_config(cls, config):
+        super().check_config(config)
+        if config.attn_backend == "chunked":
+            raise ValueError("attn_backend=chunked needs a bounded window; full attention uses sdpa, flex or dense")
+
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx, Causal())
+
+
+@register("swa")
+class SlidingWindowAttention(MaskedAttention):
+    """The swa_window most recent positions, the query included."""
+
+    @classmethod
+    def check_config(cls, config):
+        super().check_config(config)
+        if config.swa_window < 1:
+            raise ValueError(f"swa_window={config.swa_window}: must be >= 1")
+
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx, SlidingWindow(config.swa_window))
+
+
+@register("block")
+class BlockAttention(MaskedAttention):
+    """Causal attention within fixed blocks of block_len positions."""
+
+    @classmethod
+    def check_config(cls, config):
+        super().check_config(config)
+        if config.block_len < 1:
+            raise ValueError(f"block_len={config.block_len}: must be >= 1")
+
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx, FixedBlock(config.block_len))

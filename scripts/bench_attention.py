@@ -1,0 +1,146 @@
+"""Forward + backward time and peak memory of attention variants against full causal SDPA.
+
+    python scripts/bench_attention.py                                     # CPU: n = 1K..32K, B=1, H=8, d_h=64
+    python scripts/bench_attention.py --device=cuda --batch=16 --heads=16 --dtype=bfloat16 --json=out/bench_gpu.json
+    python scripts/bench_attention.py --variants=swa,block --lengths=4096,16384 --window=128
+
+Each variant runs its attention kernel (q, k, v -> output, the same dispatch the model's layers use, with
+`--backend`, default auto: flex on CUDA, chunked on CPU, SDPA for full) on random inputs; the projections,
+identical across variants, are left out. Time is the best of --repeats timed runs after one warmup (the least
+disturbed by other work on the machine; the JSON keeps every run). Peak
+memory is the extra memory a forward + backward takes: torch.cuda.max_memory_allocated on GPUs; on CPU each
+case runs in its own process and reports its resident-set high-water mark above the inputs.
+"""
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from attention.edges import Causal, FixedBlock, SlidingWindow  # noqa: E402
+from attention.kernels import attend, resolve_backend  # noqa: E402
+from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
+
+
+@dataclass
+class BenchConfig:
+    variants: str = "full,swa,block"
+    lengths: str = "1024,2048,4096,8192,16384,32768"
+    batch: int = 1
+    heads: int = 8
+    head_dim: int = 64
+    window: int = 256  # swa(w)
+    block: int = 256  # block(b)
+    dtype: str = "float32"
+    device: str = "auto"
+    backend: str = "auto"  # for the variants; full always runs PyTorch's causal SDPA
+    repeats: int = 5
+    json: str = ""
+    case: str = ""  # internal: run one "variant:n" case and print its JSON
+
+
+def rule_of(name: str, b: BenchConfig):
+    rules = {"full": Causal(), "swa": SlidingWindow(b.window), "block": FixedBlock(b.block)}
+    if name not in rules:
+        raise ConfigError(f"unknown variant {name!r}: expected one of {', '.join(rules)}")
+    return rules[name]
+
+
+def rss_kib() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+
+
+def run_case(name: str, n: int, b: BenchConfig, device: torch.device) -> dict:
+    rule = rule_of(name, b)
+    backend = "sdpa" if name == "full" else resolve_backend(b.backend, rule, device)
+    dtype = getattr(torch, b.dtype)
+    shape = (b.batch, b.heads, n, b.head_dim)
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    grad = torch.randn(shape, device=device, dtype=dtype)
+
+    def step():
+        out = attend(q, k, v, rule, backend)
+        out.backward(grad)
+        q.grad = k.grad = v.grad = None
+
+    step()  # warmup (and compilation, for flex)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        base = rss_kib() * 1024
+    times = []
+    for _ in range(b.repeats):
+        t0 = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        peak = max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base)
+    return {"variant": name, "backend": backend, "n": n, "ms": 1000 * min(times),
+            "runs_ms": [round(1000 * t, 1) for t in times], "peak_mib": peak / 2**20}
+
+
+def parse(argv) -> BenchConfig:
+    b = BenchConfig()
+    apply_args(b, argv, dataclass_fields(BenchConfig))
+    for name in b.variants.split(","):
+        rule_of(name, b)
+    if b.repeats < 1:
+        raise ConfigError("repeats must be >= 1")
+    return b
+
+
+def main(argv):
+    b = exit_on_config_error(parse, argv)
+    device = torch.device(b.device if b.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if b.case:
+        name, n = b.case.split(":")
+        print(json.dumps(run_case(name, int(n), b, device)))
+        return
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
+    print(f"device: {where}; B={b.batch} H={b.heads} d_h={b.head_dim} {b.dtype}; window {b.window}, "
+          f"block {b.block}; torch {torch.__version__}")
+    results = []
+    lengths = [int(x) for x in b.lengths.split(",")]
+    for n in lengths:
+        for name in b.variants.split(","):
+            if device.type == "cuda":
+                r = run_case(name, n, b, device)
+            else:  # a fresh process per case, so its memory high-water mark is its own
+                proc = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, f"--case={name}:{n}"],
+                                      capture_output=True, text=True)
+                if proc.returncode != 0:
+                    raise SystemExit(f"case {name}:{n} failed:\n{proc.stderr[-2000:]}")
+                r = json.loads(proc.stdout.strip().splitlines()[-1])
+            results.append(r)
+            full = next((x for x in results if x["variant"] == "full" and x["n"] == n), None)
+            r["speedup_vs_full"] = full["ms"] / r["ms"] if full else None
+            print(f"n={n:>6} {name:<6} {r['backend']:<8} {r['ms']:>10.1f} ms {r['peak_mib']:>9.1f} MiB"
+                  + (f"  {r['speedup_vs_full']:5.1f}x vs full" if full and name != "full" else ""), flush=True)
+    for name in b.variants.split(","):
+        rows = {r["n"]: r for r in results if r["variant"] == name}
+        growth = [f"{rows[m]['ms'] / rows[n]['ms']:.2f}x ({n}->{m})" for n, m in zip(lengths, lengths[1:])
+                  if m == 2 * n]
+        print(f"{name}: time growth per doubling of n: {', '.join(growth)}")
+    if b.json:
+        os.makedirs(os.path.dirname(b.json) or ".", exist_ok=True)
+        with open(b.json, "w") as f:
+            json.dump({"device": where, "torch": str(torch.__version__), "config": asdict(b), "results": results},
+                      f, indent=2)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

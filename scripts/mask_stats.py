@@ -1,0 +1,119 @@
+"""Score accounting and receptive fields of a model config's attention layers (paper 004, Table 2 style).
+
+    python scripts/mask_stats.py --config configs/quickstart.py --seq_len 1024 --attn_pattern=swa --swa_window=128
+    python scripts/mask_stats.py --config configs/quickstart.py --seq_len 1024 --attn_pattern=block --json
+
+Per layer and head: the attention scores the variant computes (branch form: every score of every
+separately normalised branch) and its unique allowed edges (union form), with their ratios to full causal
+attention and to SWA with the config's swa_window. Then the all-depth receptive field (004 Sec. 3.1): which
+source positions can reach each target through the layer stack, residual connections included. Everything is
+counted from the layers' own edge rules; nothing is hard-coded. Extra --key=value arguments override the
+config as in train.py.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from attention.edges import Causal, SlidingWindow  # noqa: E402
+from config import exit_on_config_error, load_config  # noqa: E402
+from model import GPT  # noqa: E402
+
+
+def layer_stats(model, seq_len: int, swa_window: int) -> list[dict]:
+    full = Causal().count_edges(seq_len)
+    swa = SlidingWindow(swa_window).count_edges(seq_len)
+    rows = []
+    for i, block in enumerate(model.blocks):
+        mixer = block.mixer
+        try:
+            heads = mixer.edge_counts(seq_len)
+        except NotImplementedError:
+            rows.append({"layer": i, "mixer": type(mixer).__name__, "heads": None})
+            continue
+        computed = sum(c for c, _ in heads) / len(heads)
+        edges = sum(e for _, e in heads) / len(heads)
+        rows.append({
+            "layer": i, "mixer": type(mixer).__name__, "rule": repr(getattr(mixer, "rule", None)),
+            "heads": [{"head": h, "scores": c, "edges": e} for h, (c, e) in enumerate(heads)],
+            "scores_per_head": computed, "edges_per_head": edges,
+            "scores_vs_full": computed / full, "scores_vs_swa": computed / swa,
+            "edges_vs_full": edges / full, "edges_vs_swa": edges / swa,
+        })
+    return rows
+
+
+def receptive_field(model, seq_len: int) -> list[dict]:
+    """Reachability through the stack: reach[q, s] after layer l, with the residual path (identity) kept."""
+    eye = torch.eye(seq_len, dtype=torch.bool)
+    reach = eye.clone()
+    causal_pairs = seq_len * (seq_len + 1) / 2
+    rows = []
+    for i, block in enumerate(model.blocks):
+        try:
+            step = block.mixer.edge_mask(seq_len) | eye
+        except NotImplementedError:
+            step = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+        reach = (step.float() @ reach.float()) > 0
+        sources = reach.sum(1)  # per target position
+        rows.append({"layer": i, "mean_sources": sources.float().mean().item(),
+                     "sources_of_last": int(sources[-1]), "min_sources_last_quarter":
+                     int(sources[3 * seq_len // 4:].min()),
+                     "coverage": reach.sum().item() / causal_pairs,
+                     "targets_fully_covered": (sources == torch.arange(1, seq_len + 1)).float().mean().item()})
+    return rows
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="a model config file (configs/*.py)")
+    parser.add_argument("--seq_len", type=int, required=True)
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--receptive_field", choices=("auto", "yes", "no"), default="auto",
+                        help="compute the all-depth receptive field (auto: when seq_len <= 2048; O(L n^3))")
+    args, overrides = parser.parse_known_args(argv)
+    cfg = exit_on_config_error(load_config, [args.config, *overrides])
+    m = cfg.model
+    m.vocab_size = m.vocab_size or 64  # irrelevant to the attention edges
+    with torch.device("meta"):  # rules and counts need no weights
+        model = GPT(m)
+    layers = layer_stats(model, args.seq_len, m.swa_window)
+    want_rf = args.receptive_field == "yes" or (args.receptive_field == "auto" and args.seq_len <= 2048)
+    rf = receptive_field(model, args.seq_len) if want_rf else None
+    reference = {"full": Causal().count_edges(args.seq_len), "swa": SlidingWindow(m.swa_window).count_edges(args.seq_len)}
+
+    if args.json:
+        print(json.dumps({"config": args.config, "overrides": overrides, "seq_len": args.seq_len,
+                          "attn_pattern": m.attn_pattern, "reference_per_head": reference,
+                          "layers": layers, "receptive_field": rf}, indent=2))
+        return
+    n = args.seq_len
+    print(f"{args.config} {' '.join(overrides)}: seq_len {n}, {m.n_layer} layers x {m.n_head} heads, "
+          f"pattern {m.attn_pattern!r}")
+    print(f"reference per head: full causal {reference['full']:,} scores; swa({m.swa_window}) {reference['swa']:,}")
+    print(f"{'layer':>5} {'mixer':<24} {'scores/head':>12} {'edges/head':>12} {'vs full':>8} {'vs swa':>8}")
+    for row in layers:
+        if row["heads"] is None:
+            print(f"{row['layer']:>5} {row['mixer']:<24} (no attention edges)")
+            continue
+        per_head = {h["scores"] for h in row["heads"]}
+        scores = f"{row['scores_per_head']:,.0f}" if len(per_head) == 1 else f"{row['scores_per_head']:,.1f}*"
+        print(f"{row['layer']:>5} {row['mixer']:<24} {scores:>12} {row['edges_per_head']:>12,.0f} "
+              f"{row['scores_vs_full']:>8.4f} {row['scores_vs_swa']:>8.4f}")
+        if len(per_head) > 1:
+            print("      * mean over heads; per head: " + ", ".join(f"{h['scores']:,}" for h in row["heads"]))
+    if rf:
+        print(f"\nall-depth receptive field (sources reachable per target, residuals included; n = {n}):")
+        print(f"{'layer':>5} {'mean':>10} {'last target':>12} {'coverage':>9} {'fully covered targets':>22}")
+        for row in rf:
+            print(f"{row['layer']:>5} {row['mean_sources']:>10.1f} {row['sources_of_last']:>12,} "
+                  f"{row['coverage']:>9.4f} {row['targets_fully_covered']:>22.4f}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
