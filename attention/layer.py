@@ -63,7 +63,8 @@ class MaskedAttention(Attention):
         self.backend = config.attn_backend
 
     def score_mod(self):
-        """FlexAttention-style score_mod(score, b, h, q_idx, kv_idx), or None (see attention/kernels.py)."""
+        """FlexAttention-style score_mod(score, b, h, q_idx, kv_idx), or None (see attention/kernels.py).
+        Return the same function object at every call: compiled flex recompiles for a new one."""
         return None
 
     def token_order(self, seq_len: int, device):

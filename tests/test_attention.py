@@ -356,3 +356,26 @@ def test_permuted_token_order_attends_in_slot_space_and_scatters_back():
     for backend in ("chunked", "dense"):
         layer.backend = backend
         torch.testing.assert_close(layer.attend(q, k, v, torch.arange(40), None), ref)
+
+
+if torch.cuda.is_available():  # the GPU checks; defined only where CUDA exists, so CPU runs neither run nor skip them
+
+    @pytest.mark.parametrize("rule", RULES, ids=repr)
+    @pytest.mark.parametrize("backend", ["flex", "chunked"])
+    def test_cuda_backends_equal_dense_forward_and_backward(rule, backend):
+        if backend == "chunked" and rule.lookback is None:
+            return
+        q, k, v = (t.detach().float().cuda().requires_grad_() for t in qkv(300, dtype=torch.float32))
+        pos = torch.arange(300, device="cuda")
+        ref, ref_grads = fwd_bwd(lambda a, b, c: dense_attention(a, b, c, rule, pos), [q, k, v])
+        out, grads = fwd_bwd(lambda a, b, c: attend(a, b, c, rule, backend), [q, k, v])
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g, r, atol=2e-5, rtol=1e-4)
+
+    @pytest.mark.parametrize("rule", [SlidingWindow(64), FixedBlock(64)], ids=repr)
+    def test_cuda_flex_bfloat16_is_close_to_float32(rule):
+        q, k, v = (t.detach().float().cuda() for t in qkv(1024, heads=4, dim=64, dtype=torch.float32))
+        ref = dense_attention(q, k, v, rule, torch.arange(1024, device="cuda"))
+        out = attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), rule, "flex")
+        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
