@@ -57,6 +57,8 @@ def load_checkpoint(path, map_location="cpu") -> dict:
     if not path.exists():
         raise CheckpointError(f"no checkpoint at {path}: train a model first (python train.py CONFIG "
                               f"--out_dir={path.parent}), or pick the other one with --ckpt=best|last")
+    if str(map_location).startswith("cuda") and not torch.cuda.is_available():
+        raise CheckpointError(f"cannot load {path} onto {map_location}: CUDA is not available here; use --device=cpu")
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:

@@ -106,6 +106,11 @@ class EvalConfig:
     eval_interval: int = 2000
     eval_iters: int = 200  # validation batches of batch_size windows: a fixed token budget
     eval_only: bool = False
+    # probes during training (eval/probes.py): comma-separated tasks (ppl, niah) at eval_task_lengths
+    # (default: block_size), every eval_tasks_interval steps (0: at every evaluation)
+    eval_tasks: str = ""
+    eval_task_lengths: str = ""
+    eval_tasks_interval: int = 0
 
 
 @dataclass
@@ -243,7 +248,8 @@ def validate(cfg: Config) -> None:
     for key in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "gradient_accumulation_steps",
                 "log_interval", "eval_interval", "eval_iters"):
         positive(key, get_value(cfg, key))
-    for key in ("max_iters", "warmup_iters", "lr_decay_iters", "ckpt_interval", "vocab_size", "mlp_hidden"):
+    for key in ("max_iters", "warmup_iters", "lr_decay_iters", "ckpt_interval", "vocab_size", "mlp_hidden",
+                "eval_tasks_interval"):
         positive(key, get_value(cfg, key), allow_zero=True)
     if m.n_embd % m.n_head:
         raise ConfigError(f"n_embd={m.n_embd} is not divisible by n_head={m.n_head}")
@@ -254,6 +260,13 @@ def validate(cfg: Config) -> None:
     if t.learning_rate <= 0 or t.min_lr < 0 or t.min_lr > t.learning_rate:
         raise ConfigError(f"need 0 <= min_lr <= learning_rate and learning_rate > 0 "
                           f"(got learning_rate={t.learning_rate}, min_lr={t.min_lr})")
+    unknown = {task for task in cfg.eval.eval_tasks.split(",") if task} - {"ppl", "niah"}
+    if unknown:
+        raise ConfigError(f"eval_tasks: unknown {', '.join(sorted(unknown))}; expected ppl and/or niah")
+    try:
+        [int(x) for x in cfg.eval.eval_task_lengths.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"eval_task_lengths={cfg.eval.eval_task_lengths!r}: expected integers, e.g. 256,1024") from None
     from attention import validate_config as validate_attention  # variants check their own fields
 
     try:

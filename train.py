@@ -26,6 +26,7 @@ from checkpoint import (CheckpointError, load_checkpoint, remove_stale_temp_file
 from config import Config, ConfigError, exit_on_config_error, load_config
 from data.loader import WindowSampler
 from data.meta import DataError, load_meta, open_tokens, prepare_embedded_if_missing, unigram_entropy
+from eval.probes import training_probes
 from model import GPT
 
 # dense 16-bit tensor-core peak FLOP/s by device name, for MFU (float32 runs use the TF32 peak: half of it)
@@ -272,6 +273,7 @@ def main(argv):
 
     # ---- the training loop --------------------------------------------------------------------------------
     flops_per_token = raw_model.flops_per_token(m.block_size)
+    task_lengths = [int(x) for x in ev.eval_task_lengths.split(",") if x.strip()] or [m.block_size]
     peak = peak_flops(device, dtype)
     ckpt_interval = t.ckpt_interval or ev.eval_interval
     start_step, t_start, t_last = step, time.time(), time.time()
@@ -287,6 +289,16 @@ def main(argv):
             if master:
                 print(f"step {step}: val loss {val_loss:.4f} (unigram baseline {unigram:.4f}, best {best_val_loss:.4f})")
                 metrics.log(step, val_loss=val_loss, best_val_loss=best_val_loss)
+            if ev.eval_tasks and step % (ev.eval_tasks_interval or ev.eval_interval) == 0:
+                if master:  # retrieval / perplexity probes at several lengths (eval/probes.py)
+                    with autocast:
+                        probes = training_probes(raw_model, ev.eval_tasks.split(","), task_lengths,
+                                                 open_tokens(data_dir, "val"), meta["eot_id"], meta["tokenizer"],
+                                                 t.seed, device)
+                    print(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in probes.items()))
+                    metrics.log(step, **probes)
+                if ddp:
+                    dist.barrier()
             if ev.eval_only:
                 break
             if improved and step > start_step:

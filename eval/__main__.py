@@ -1,0 +1,213 @@
+"""Evaluate a trained run: writes OUT_DIR/eval/<task>.json and OUT_DIR/eval/summary.md.
+
+    python -m eval --out_dir=out/quickstart --tasks=ppl,niah
+    python -m eval --out_dir=out/swat --tasks=ppl --ppl_lengths=128,512,2048,8192 --ppl_windows=128,512
+    python -m eval --out_dir=out/quickstart --tasks=niah --niah_lengths=256 --niah_kinds=single,multikey --niah_samples=20
+
+Tasks:
+    ppl   perplexity of the validation split at each of ppl_lengths, and for window variants at each of
+          ppl_windows (the model config field named by window_key, swa_window by default, is set to each)
+    niah  RULER-style needle-in-a-haystack retrieval (eval/niah.py), scored by generation and by ranking
+Every JSON carries the command, git hash, config hash, checkpoint step and seed that produced it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from checkpoint import CheckpointError, atomic_write, checkpoint_path, git_hash, load_model, write_json
+from config import Config, ConfigError, apply_args, dataclass_fields, exit_on_config_error
+from data.meta import DataError, load_meta, open_tokens
+from data.tokenizer import TokenizerUnavailable, get_tokenizer
+from eval import niah as niah_task
+from eval import ppl as ppl_task
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class EvalRunConfig:
+    out_dir: str = ""
+    tasks: str = "ppl"
+    ckpt: str = "best"  # best | last
+    device: str = "auto"
+    dtype: str = "auto"  # auto: bfloat16 on capable GPUs, float32 otherwise
+    batch_size: int = 8
+    seed: int = 1337
+    data_dir: str = ""  # default: the run's own prepared data
+    # ppl
+    ppl_lengths: str = ""  # comma-separated; default: the run's block_size
+    ppl_windows: str = ""  # comma-separated values for window_key; default: the trained window only
+    window_key: str = "swa_window"
+    ppl_max_tokens: int = 200_000  # validation tokens scored per (length, window)
+    # niah
+    niah_lengths: str = ""  # default: the run's block_size
+    niah_depths: str = "0,0.25,0.5,0.75,1"
+    niah_kinds: str = "single,multikey,multivalue,multiquery"
+    niah_samples: int = 10
+    niah_candidates: int = 4
+    niah_needles: int = 4  # needles in multikey / multivalue / multiquery contexts
+    niah_digits: int = 7
+    niah_haystack: str = "val"  # val (the run's validation text) | embedded (the built-in corpus)
+    progress: bool = True
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def parse(argv) -> EvalRunConfig:
+    e = EvalRunConfig()
+    apply_args(e, argv, dataclass_fields(EvalRunConfig))
+    if not e.out_dir:
+        raise ConfigError("--out_dir is required: the run folder to evaluate")
+    unknown = set(e.tasks.split(",")) - set(TASKS)
+    if unknown:
+        raise ConfigError(f"unknown task(s) {', '.join(sorted(unknown))}: expected some of {', '.join(TASKS)}")
+    unknown = set(e.niah_kinds.split(",")) - set(niah_task.KINDS)
+    if unknown:
+        raise ConfigError(f"unknown niah kind(s) {', '.join(sorted(unknown))}: expected {', '.join(niah_task.KINDS)}")
+    if e.niah_haystack not in ("val", "embedded"):
+        raise ConfigError(f"niah_haystack={e.niah_haystack!r}: expected val or embedded")
+    if e.batch_size < 1 or e.niah_samples < 1 or e.niah_candidates < 2 or e.ppl_max_tokens < 2 or e.niah_needles < 2:
+        raise ConfigError("need batch_size >= 1, niah_samples >= 1, niah_candidates >= 2, niah_needles >= 2, "
+                          "ppl_max_tokens >= 2")
+    return e
+
+
+def config_hash(cfg: Config) -> str:
+    return hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def run_ppl(e: EvalRunConfig, ctx) -> dict:
+    cfg, meta = ctx["cfg"], ctx["meta"]
+    if e.window_key not in dataclass_fields(type(cfg.model)):
+        raise ConfigError(f"window_key={e.window_key!r} is not a model config field")
+    lengths = ints(e.ppl_lengths) or [cfg.model.block_size]
+    trained = getattr(cfg.model, e.window_key)
+    docs = ppl_task.documents(open_tokens(ctx["data_dir"], "val"), meta["eot_id"], e.ppl_max_tokens)
+    rows = []
+    for window in ints(e.ppl_windows) or [None]:  # None: the model as trained
+        model = ctx["model"] if window in (None, trained) else ctx["with_config"](**{e.window_key: window})
+        for length in lengths:
+            if model.wpe is not None and length > cfg.model.block_size:
+                rows.append({"length": length, "window": window, "ppl": None, "nll": None, "tokens": 0,
+                             "note": f"longer than block_size {cfg.model.block_size} (learned positions)"})
+                continue
+            row = ppl_task.perplexity(model, docs, length, e.batch_size, ctx["device"], e.progress)
+            rows.append({**row, "window": window})
+            where = f"{e.window_key}={window:<6} " if window is not None else ""
+            print(f"ppl  L={length:<6} {where}{row['ppl']:10.4f}  ({row['tokens']:,} tokens)")
+    return {"rows": rows, "trained_window": trained}
+
+
+def run_niah(e: EvalRunConfig, ctx) -> dict:
+    cfg, meta = ctx["cfg"], ctx["meta"]
+    if e.niah_haystack == "val":
+        haystack = open_tokens(ctx["data_dir"], "val")
+    else:
+        from data.embedded import documents
+
+        haystack = ctx["tokenizer"].encode("\n".join(documents(200, seed=e.seed)))
+    haystack = [t for t in haystack[:2_000_000] if t != meta["eot_id"]]
+    import numpy as np
+
+    result = niah_task.run(ctx["model"], ctx["tokenizer"], np.asarray(haystack, dtype=np.int64),
+                           ints(e.niah_lengths) or [cfg.model.block_size],
+                           [float(d) for d in e.niah_depths.split(",")], e.niah_kinds.split(","),
+                           e.niah_samples, e.seed, e.batch_size, e.niah_digits, e.niah_candidates, e.progress,
+                           e.niah_needles)
+    for row in result["rows"]:
+        if row["n"]:
+            print(f"niah {row['kind']:<10} L={row['length']:<6} depth={row['depth']:<5} "
+                  f"generate {row['acc_generate']:.2f}  rank {row['acc_rank']:.2f}")
+    return result
+
+
+TASKS = {"ppl": run_ppl, "niah": run_niah}
+
+
+def summary_markdown(eval_dir: Path) -> str:
+    """A markdown summary of every eval/<task>.json in the folder."""
+    lines = ["# Evaluation summary", ""]
+    for path in sorted(eval_dir.glob("*.json")):
+        report = json.loads(path.read_text())
+        prov = report["provenance"]
+        lines += [f"## {report['task']}", "", f"`{prov['command']}`  ", f"checkpoint {prov['ckpt']} at step "
+                  f"{prov['step']}, git {prov['git_hash']}, config {prov['config_hash']}, seed {prov['seed']}", ""]
+        rows = report["results"]["rows"]
+        if rows:
+            keys = [k for k in rows[0] if k not in ("note",)]
+            lines += ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+            for row in rows:
+                cells = [f"{row.get(k):.4g}" if isinstance(row.get(k), float) else str(row.get(k)) for k in keys]
+                lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv):
+    e = exit_on_config_error(parse, argv)
+    device = e.device if e.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype_name = e.dtype if e.dtype != "auto" else (
+        "bfloat16" if device == "cuda" and torch.cuda.is_bf16_supported() else "float32")
+    torch.manual_seed(e.seed)
+    try:
+        model, cfg, ckpt = load_model(e.out_dir, e.ckpt, device)
+        tokenizer = get_tokenizer(ckpt["tokenizer"])
+        data_dir = e.data_dir or cfg.data.data_dir or str(REPO / "data" / cfg.data.dataset)
+        meta = load_meta(data_dir)
+    except (CheckpointError, TokenizerUnavailable, DataError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
+    dtype = getattr(torch, dtype_name)
+    model = model.to(dtype)
+
+    def with_config(**changes):
+        """The same weights under a changed model config (e.g. another evaluation window)."""
+        from model import GPT
+
+        other = GPT(dataclasses.replace(cfg.model, **changes))
+        other.load_state_dict(model.state_dict())
+        return other.to(device=device, dtype=dtype).eval()
+
+    ctx = {"model": model, "cfg": cfg, "meta": meta, "tokenizer": tokenizer, "data_dir": data_dir,
+           "device": device, "with_config": with_config}
+    eval_dir = Path(e.out_dir) / "eval"
+    eval_dir.mkdir(parents=True, exist_ok=True)
+    provenance = {"command": " ".join([os.path.basename(sys.executable), "-m", "eval", *argv]),
+                  "git_hash": git_hash(), "config_hash": config_hash(cfg), "seed": e.seed,
+                  "ckpt": str(checkpoint_path(e.out_dir, e.ckpt)), "step": ckpt["step"],
+                  "eval_config": dataclasses.asdict(e), "device": device, "dtype": dtype_name}
+    failed = []
+    for task in e.tasks.split(","):
+        started = time.time()
+        try:
+            result = TASKS[task](e, ctx)
+        except (ConfigError, ValueError) as err:  # report, and still finish the other tasks
+            print(f"error in task {task}: {err}", file=sys.stderr)
+            failed.append(task)
+            continue
+        per_example = result.pop("per_example", None)
+        report = {"task": task, "results": result, "provenance": {**provenance, "seconds": time.time() - started}}
+        if per_example is not None:
+            report["per_example"] = per_example
+        write_json(report, eval_dir / f"{task}.json")
+    atomic_write(eval_dir / "summary.md", lambda f: f.write(summary_markdown(eval_dir).encode()))
+    done = [t for t in e.tasks.split(",") if t not in failed]
+    print(f"wrote {', '.join(f'{t}.json' for t in done) or 'no task result'}; summary.md in {eval_dir}")
+    if failed:
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

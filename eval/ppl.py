@@ -1,0 +1,67 @@
+"""Held-out perplexity at several evaluation lengths (and windows), as in paper 001's Table 2.
+
+The validation tokens are split into documents at the end-of-text token (each document keeps its trailing
+end-of-text); every document is cut into non-overlapping windows of the evaluation length, and every token
+after a document's first is predicted exactly once, from the window it falls in. Perplexity is
+exp(total NLL / predicted tokens) with both counted exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+
+def documents(tokens: np.ndarray, eot_id: int, max_tokens: int | None = None) -> list[np.ndarray]:
+    """Documents in order (each ending with eot_id, except a trailing unterminated one), up to max_tokens."""
+    ends = np.flatnonzero(tokens == eot_id)
+    docs, start, total = [], 0, 0
+    for end in list(ends) + [len(tokens) - 1]:
+        if end < start:
+            continue
+        doc = np.asarray(tokens[start:end + 1], dtype=np.int64)
+        start = end + 1
+        if max_tokens is not None:
+            doc = doc[:max_tokens - total]  # the budget cuts the last document
+        if len(doc) < 2:  # nothing to predict
+            continue
+        docs.append(doc)
+        total += len(doc)
+        if max_tokens is not None and total >= max_tokens:
+            break
+    return docs
+
+
+def windows(docs: list[np.ndarray], length: int):
+    """(inputs, targets) pairs: non-overlapping windows of up to `length` predicted tokens per document."""
+    for doc in docs:
+        for s in range(0, len(doc) - 1, length):
+            chunk = doc[s:s + length + 1]
+            yield chunk[:-1], chunk[1:]
+
+
+@torch.no_grad()
+def perplexity(model, docs: list[np.ndarray], length: int, batch_size: int = 8, device="cpu",
+               progress: bool = True) -> dict:
+    """Perplexity of the model over the documents, evaluated in windows of `length` tokens."""
+    pairs = list(windows(docs, length))
+    total_nll, total_tokens = 0.0, 0
+    bar = tqdm(range(0, len(pairs), batch_size), desc=f"ppl L={length}", disable=not progress, leave=False)
+    for start in bar:
+        batch = pairs[start:start + batch_size]
+        width = max(len(x) for x, _ in batch)
+        x = torch.zeros(len(batch), width, dtype=torch.long)
+        y = torch.full((len(batch), width), -1, dtype=torch.long)  # -1: padding, not predicted
+        for row, (inputs, targets) in enumerate(batch):
+            x[row, :len(inputs)] = torch.from_numpy(inputs)
+            y[row, :len(targets)] = torch.from_numpy(targets)
+        logits, _ = model(x.to(device))
+        y = y.to(device)
+        total_nll += float(F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-1, reduction="sum"))
+        total_tokens += int((y != -1).sum())
+    nll = total_nll / total_tokens
+    return {"length": length, "ppl": math.exp(nll), "nll": nll, "tokens": total_tokens, "windows": len(pairs)}

@@ -1,0 +1,37 @@
+"""Evaluation during training: small perplexity and retrieval probes at several lengths, logged with the
+validation loss (train.py calls training_probes at every eval_tasks_interval steps)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from eval import niah as niah_task
+from eval import ppl as ppl_task
+
+
+def training_probes(model, tasks: list[str], lengths: list[int], val_tokens: np.ndarray, eot_id: int,
+                    tokenizer_name: str, seed: int, device, ppl_max_tokens: int = 50_000,
+                    niah_samples: int = 8) -> dict:
+    """{"ppl@L": ..., "niah@L": ...} for each requested task and length the model can take."""
+    was_training = model.training
+    model.eval()
+    values = {}
+    limit = model.config.block_size if model.wpe is not None else None
+    lengths = [L for L in lengths if limit is None or L <= limit]
+    if "ppl" in tasks:
+        docs = ppl_task.documents(val_tokens, eot_id, ppl_max_tokens)
+        for L in lengths:
+            values[f"ppl@{L}"] = ppl_task.perplexity(model, docs, L, device=device, progress=False)["ppl"]
+    if "niah" in tasks:
+        from data.tokenizer import get_tokenizer
+
+        haystack = np.asarray(val_tokens[:500_000], dtype=np.int64)
+        haystack = haystack[haystack != eot_id]
+        result = niah_task.run(model, get_tokenizer(tokenizer_name), haystack, lengths, [0.0, 0.5, 1.0],
+                               ["single"], niah_samples, seed, digits=3, progress=False)
+        for L in lengths:
+            accs = [r["acc_rank"] for r in result["rows"] if r["length"] == L and r["n"]]
+            if accs:
+                values[f"niah@{L}"] = float(np.mean(accs))
+    model.train(was_training)
+    return values

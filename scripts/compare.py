@@ -1,0 +1,729 @@
+"""Compare training runs: one markdown table, seed groups, plots and paired statistics.
+
+    python scripts/compare.py out/full_s1 out/full_s2 out/swa_s1                 # table of runs and seed groups
+    python scripts/compare.py out/*/ --plot --out out/compare                    # + PNGs and compare.md
+    python scripts/compare.py --paired out/full_s1 out/swa_s1 --task niah        # McNemar + bootstrap on examples
+    python scripts/compare.py --wandb ENTITY/PROJECT --runs full_s1,swa_s1       # the same table from wandb
+
+A run folder is a train.py out_dir: config.json and metrics.jsonl, plus eval/<task>.json from `python -m
+eval`. The table shows the config keys that differ across the runs, parameters, tokens seen (last training
+step x batch_size x gradient_accumulation_steps x block_size), best validation loss, final training loss and
+one summary column per evaluation result (ppl per length and window, NIAH rank accuracy per length averaged
+over depth and kind, other tasks per length or overall). Runs whose configs differ only in `seed` form a
+group; a second table gives each group's mean +- sample std over its seeds.
+
+Local folders and wandb runs are both turned into the same plain record (see `load_local_run` and
+`wandb_record`), and everything after that (tables, groups, plots) works on those records only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from eval.stats import mean_std, paired_comparison  # noqa: E402
+
+# metrics.jsonl keys with a column of their own (or none); any other numeric key becomes a column (last value)
+STANDARD_METRICS = {"step", "train_loss", "val_loss", "best_val_loss", "lr", "tokens_per_s", "mfu"}
+# config keys that name or log a run without changing what it computes
+IGNORED_KEYS = {"out_dir", "wandb_run_name", "wandb_project", "wandb_log", "wandb_mode", "init_from", "data.created"}
+IGNORED_GROUPS = {"run", "provenance", "n_params"}
+SEED_KEY = "seed"
+# eval row fields that identify a row even when numeric, and counts that weight it (never metrics)
+ROW_ID_KEYS = {"kind", "length", "window", "depth", "task", "name", "split", "subset"}
+ROW_COUNT_KEYS = {"n", "tokens", "count", "total", "n_examples"}
+FIXED_COLUMNS = ["params", "tokens", "best val loss", "final train loss"]
+
+
+class CompareError(Exception):
+    """A problem with the inputs: printed as one line, exit status 2."""
+
+
+def warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+# ---- records ----------------------------------------------------------------------------------------------
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CompareError(f"{path} is not valid JSON (line {e.lineno}: {e.msg})") from None
+    except OSError as e:
+        raise CompareError(f"cannot read {path}: {e.strerror}") from None
+
+
+def load_metrics(path: Path) -> list[dict]:
+    """metrics.jsonl as a list of dicts; an unreadable line (e.g. cut by a killed run) is skipped with a warning."""
+    records = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError:
+            warn(f"{path}:{lineno} is not valid JSON; skipped")
+            continue
+        if isinstance(item, dict) and isinstance(item.get("step"), (int, float)):
+            records.append(item)
+    return records
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def make_record(name: str, source: str, config: dict, train: list, val: list, extra: dict | None = None,
+                evals: dict | None = None, n_params: int | None = None, best_val_loss: float | None = None,
+                final_train_loss: float | None = None) -> dict:
+    """The internal record of one run, built from plain values (local folders and wandb runs alike).
+
+    train / val: [(step, loss), ...]; extra: {metric: last value}; evals: {task: {"rows": [...],
+    "per_example": [...] or None, "provenance": {...}}}. best_val_loss defaults to min(val) and
+    final_train_loss to the loss at the last training step.
+    """
+    train = sorted((int(s), float(v)) for s, v in train)
+    val = sorted((int(s), float(v)) for s, v in val)
+    if best_val_loss is None and val:
+        best_val_loss = min(v for _, v in val)
+    if final_train_loss is None and train:
+        final_train_loss = train[-1][1]
+    return {"name": name, "source": source, "config": config, "n_params": n_params, "train": train, "val": val,
+            "best_val_loss": best_val_loss, "final_train_loss": final_train_loss,
+            "last_train_step": train[-1][0] if train else None, "extra": extra or {}, "evals": evals or {}}
+
+
+def load_evals(run_dir: Path) -> dict:
+    evals = {}
+    for path in sorted((run_dir / "eval").glob("*.json")):
+        try:
+            data = _read_json(path)
+        except CompareError as e:
+            warn(f"{e}; skipped")
+            continue
+        if not isinstance(data, dict):
+            warn(f"{path} is not an evaluation result; skipped")
+            continue
+        results = data.get("results") or {}
+        rows = results.get("rows", []) if isinstance(results, dict) else []
+        evals[data.get("task") or path.stem] = {"rows": [r for r in rows if isinstance(r, dict)],
+                                                "per_example": data.get("per_example"),
+                                                "provenance": data.get("provenance") or {}, "path": str(path)}
+    return evals
+
+
+def check_run_dir(path: Path) -> None:
+    if not path.exists():
+        raise CompareError(f"{path}: no such run folder")
+    if not path.is_dir():
+        raise CompareError(f"{path} is not a run folder (it is a file; give the out_dir of a train.py run)")
+    missing = [f for f in ("config.json", "metrics.jsonl") if not (path / f).is_file()]
+    if missing:
+        raise CompareError(f"{path} is not a run folder: missing {' and '.join(missing)} "
+                           "(a train.py out_dir has both)")
+
+
+def load_local_run(path) -> dict:
+    path = Path(path)
+    check_run_dir(path)
+    config = _read_json(path / "config.json")
+    if not isinstance(config, dict):
+        raise CompareError(f"{path / 'config.json'} does not hold a config object")
+    metrics = load_metrics(path / "metrics.jsonl")
+    train = [(m["step"], m["train_loss"]) for m in metrics if _is_number(m.get("train_loss"))]
+    val = [(m["step"], m["val_loss"]) for m in metrics if _is_number(m.get("val_loss"))]
+    extra = {}
+    for m in sorted(metrics, key=lambda m: m["step"]):  # last value of every other numeric key
+        for key, value in m.items():
+            if key not in STANDARD_METRICS and _is_number(value):
+                extra[key] = float(value)
+    name = path.resolve().name
+    return make_record(name, str(path), config, train, val, extra, load_evals(path))
+
+
+def _unpack_history(rows) -> list[dict]:
+    if hasattr(rows, "to_dict"):  # a pandas DataFrame
+        rows = rows.to_dict("records")
+    return [dict(r) for r in rows or []]
+
+
+def wandb_record(run, history_samples: int = 2000) -> dict:
+    """A wandb run (public API object) as the internal record: run.config holds the same {model, data, train,
+    eval} groups as config.json (data being the data config there, not the prepared data's meta), run.summary
+    the last value of each metric, run.history the sampled curves."""
+    config = dict(run.config)
+    try:
+        summary = dict(run.summary.items())
+    except AttributeError:
+        summary = dict(run.summary)
+
+    def curve(key):
+        rows = _unpack_history(run.history(keys=[key], samples=history_samples, pandas=False))
+        return [(r["_step"], r[key]) for r in rows if _is_number(r.get(key)) and _is_number(r.get("_step"))]
+
+    train, val = curve("train_loss"), curve("val_loss")
+    best = [v for v in [summary.get("best_val_loss"), *(v for _, v in val)] if _is_number(v)]
+    extra = {k: float(v) for k, v in summary.items()
+             if not k.startswith("_") and k not in STANDARD_METRICS and _is_number(v)}
+    n_params = config.get("n_params") if _is_number(config.get("n_params")) else None
+    final = summary.get("train_loss") if _is_number(summary.get("train_loss")) else None
+    return make_record(run.name, f"wandb:{'/'.join(run.path) if isinstance(run.path, (list, tuple)) else run.path}",
+                       config, train, val, extra, {}, n_params=n_params, best_val_loss=min(best) if best else None,
+                       final_train_loss=final)
+
+
+def load_wandb_runs(path: str, names: list[str] | None = None) -> list[dict]:
+    import wandb
+
+    records = []
+    for run in wandb.Api().runs(path):
+        if names and run.name not in names:
+            continue
+        records.append(wandb_record(run))
+    if not records:
+        raise CompareError(f"no wandb runs in {path}" + (f" named {', '.join(names)}" if names else ""))
+    return records
+
+
+# ---- config diff and derived values -----------------------------------------------------------------------
+
+def _flatten(values: dict, prefix: str, out: dict) -> None:
+    for key, value in values.items():
+        if isinstance(value, dict):
+            _flatten(value, f"{prefix}{key}.", out)
+        else:
+            out[f"{prefix}{key}"] = tuple(value) if isinstance(value, list) else value
+
+
+def _defaults() -> dict:
+    try:
+        from config import Config
+
+        return Config().to_dict()
+    except Exception:
+        return {}
+
+
+def flat_config(config: dict, defaults: dict | None = None) -> dict:
+    """{flat key: value}: model/train/eval keys by their own (unique) names, data keys as data.KEY (they hold
+    the prepared data's meta, whose vocab_size would clash), any other group as GROUP.KEY. Keys a run's saved
+    config lacks (written before the field existed) take the current default, as Config.from_dict does."""
+    out: dict = {}
+    for group, values in config.items():
+        if group in IGNORED_GROUPS or not isinstance(values, dict):
+            continue
+        merged = {**(defaults or {}).get(group, {}), **values} if group in ("model", "train", "eval") else values
+        _flatten(merged, "" if group in ("model", "train", "eval") else f"{group}.", out)
+    return out
+
+
+_PARAMS_CACHE: dict = {}
+
+
+def count_params(config: dict) -> int | None:
+    """Parameters of the run's model, built on the meta device (no memory, no init); None if it cannot be built.
+    vocab_size comes from the model config, or (when 0) from the data meta padded to a multiple of 64."""
+    model_cfg = config.get("model")
+    if not isinstance(model_cfg, dict):
+        return None
+    vocab = model_cfg.get("vocab_size") or (config.get("data") or {}).get("vocab_size")
+    if not isinstance(vocab, int) or vocab <= 0:
+        return None
+    key = json.dumps({**model_cfg, "vocab_size": vocab}, sort_keys=True, default=str)
+    if key not in _PARAMS_CACHE:
+        try:
+            import torch
+            from config import Config
+            from model import GPT
+
+            with contextlib.redirect_stderr(io.StringIO()):  # from_dict warns about keys of other versions
+                cfg = Config.from_dict({"model": model_cfg})
+            cfg.model.vocab_size = vocab if model_cfg.get("vocab_size") else -(-vocab // 64) * 64
+            with torch.device("meta"):
+                _PARAMS_CACHE[key] = GPT(cfg.model).num_params()
+        except Exception:
+            _PARAMS_CACHE[key] = None
+    return _PARAMS_CACHE[key]
+
+
+def tokens_seen(record: dict, flat: dict) -> int | None:
+    """last training step x batch_size x gradient_accumulation_steps x block_size (global batch: DDP divides
+    gradient_accumulation_steps among processes)."""
+    step = record["last_train_step"]
+    factors = [flat.get(k) for k in ("batch_size", "gradient_accumulation_steps", "block_size")]
+    if step is None or not all(_is_number(f) for f in factors):
+        return None
+    return int(step * factors[0] * factors[1] * factors[2])
+
+
+def _weighted_mean(rows: list[dict], metric: str) -> float | None:
+    """Mean of a metric over rows, weighted by each row's n when rows have one (rows with n = 0 drop out)."""
+    pairs = [(r[metric], r["n"] if _is_number(r.get("n")) else 1) for r in rows if _is_number(r.get(metric))]
+    total = sum(w for _, w in pairs)
+    return sum(v * w for v, w in pairs) / total if total else None
+
+
+def _row_fields(row: dict) -> tuple[list[str], list[str]]:
+    """(identifying fields, metric fields) of a generic eval row: str/int fields and ROW_ID_KEYS identify it,
+    other numeric (float) fields are metrics; counts and booleans are neither."""
+    ids, metrics = [], []
+    for key, value in row.items():
+        if key in ROW_COUNT_KEYS or isinstance(value, bool):
+            continue
+        if key in ROW_ID_KEYS or isinstance(value, (str, int)) or value is None:
+            ids.append(key)
+        elif _is_number(value):
+            metrics.append(key)
+    return ids, metrics
+
+
+def eval_summaries(evals: dict) -> dict:
+    """{column: (sort key, value)}: one summary per (task, metric, length[, window]), not one per row.
+
+    ppl: ppl per (length, window) -> "ppl@L=1024,w=128" ("ppl@L=1024" without a window).
+    niah: acc_rank per length, averaged over depth and kind weighted by n -> "niah_rank@L=1024".
+    other tasks: each float metric per length when rows have one ("TASK_METRIC@L=..."), else over all rows.
+    """
+    out = {}
+    for task, result in evals.items():
+        rows = result.get("rows") or []
+        if task == "ppl":
+            for r in rows:
+                if _is_number(r.get("ppl")) and _is_number(r.get("length")):
+                    w = r.get("window")
+                    name = f"ppl@L={r['length']}" + (f",w={w}" if w is not None else "")
+                    out[name] = ((task, "ppl", -1 if w is None else w, r["length"]), float(r["ppl"]))
+            continue
+        metrics = ["acc_rank"] if task == "niah" else sorted({m for r in rows for m in _row_fields(r)[1]})
+        label = {"acc_rank": "niah_rank"} if task == "niah" else {}
+        for metric in metrics:
+            prefix = label.get(metric, f"{task}_{metric}")
+            lengths = sorted({r["length"] for r in rows if _is_number(r.get("length")) and metric in r})
+            if lengths:
+                for length in lengths:
+                    value = _weighted_mean([r for r in rows if r.get("length") == length], metric)
+                    if value is not None:
+                        out[f"{prefix}@L={length}"] = ((task, metric, -1, length), value)
+            else:
+                value = _weighted_mean(rows, metric)
+                if value is not None:
+                    out[prefix] = ((task, metric, -1, -1), value)
+    return out
+
+
+def _group_label(flat: dict, keys: list[str]) -> str:
+    return ", ".join(f"{k}={_fmt_config(flat.get(k, MISSING))}" for k in keys) or "all"
+
+
+class _Missing:
+    def __repr__(self):
+        return "-"
+
+
+MISSING = _Missing()
+
+
+def _fmt_config(value) -> str:
+    if value is MISSING:
+        return "-"
+    if isinstance(value, tuple):
+        return json.dumps(list(value))
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def build_tables(records: list[dict], columns: list[str] | None = None) -> dict:
+    """Everything the output needs, from records only: {"diff_keys", "columns", "rows", "groups"}.
+
+    rows: one dict per run {"run", "flat", "cells": {column: number}}; groups: seed groups (runs whose flat
+    configs agree on every key but seed and IGNORED_KEYS), each {"label", "runs", "seeds", "flat",
+    "stats": {column: (mean, std, count)}}. columns (substrings) filters the eval/metric columns.
+    """
+    defaults = _defaults()
+    flats = [flat_config(r["config"], defaults) for r in records]
+    keys: list[str] = []
+    for flat in flats:
+        keys += [k for k in flat if k not in keys]
+    diff_keys = [k for k in keys if k not in IGNORED_KEYS
+                 and len({json.dumps(f.get(k, "\0missing"), default=str) for f in flats}) > 1]
+    rows, extra_cols = [], {}
+    for record, flat in zip(records, flats):
+        n_params = record["n_params"] if record["n_params"] is not None else count_params(record["config"])
+        cells = {"params": n_params, "tokens": tokens_seen(record, flat), "best val loss": record["best_val_loss"],
+                 "final train loss": record["final_train_loss"]}
+        summaries = eval_summaries(record["evals"])
+        summaries.update({k: (("~", k, -1, -1), v) for k, v in record["extra"].items() if k not in summaries})
+        for name, (sort_key, value) in summaries.items():
+            extra_cols.setdefault(name, sort_key)
+            cells[name] = value
+        rows.append({"run": record["name"], "flat": flat, "cells": cells})
+    task_order = {"ppl": 0, "niah": 1, "~": 3}  # ppl, niah, other tasks, then metrics.jsonl/summary values
+    eval_cols = sorted(extra_cols, key=lambda c: (task_order.get(extra_cols[c][0], 2), extra_cols[c], c))
+    if columns:
+        eval_cols = [c for c in eval_cols if any(s in c for s in columns)]
+    numeric_cols = FIXED_COLUMNS + eval_cols
+
+    group_keys = [k for k in diff_keys if k != SEED_KEY]
+    groups: dict[str, dict] = {}
+    for row in rows:
+        label = _group_label(row["flat"], group_keys)
+        g = groups.setdefault(label, {"label": label, "runs": [], "seeds": [], "flat": row["flat"], "members": []})
+        g["runs"].append(row["run"])
+        g["seeds"].append(row["flat"].get(SEED_KEY))
+        g["members"].append(row)
+    for g in groups.values():
+        members = g.pop("members")
+        g["stats"] = {}
+        for col in numeric_cols:
+            values = [m["cells"][col] for m in members if _is_number(m["cells"].get(col))]
+            if values:
+                mean, std = mean_std(values)
+                g["stats"][col] = (mean, std, len(values))
+    return {"diff_keys": diff_keys, "group_keys": group_keys, "columns": numeric_cols, "rows": rows,
+            "groups": list(groups.values())}
+
+
+# ---- formatting -------------------------------------------------------------------------------------------
+
+def fmt_value(column: str, value) -> str:
+    if not _is_number(value):
+        return ""
+    if column == "params":
+        return f"{value / 1e6:.2f}M"
+    if column == "tokens":
+        if value >= 1e9:
+            return f"{value / 1e9:.2f}B"
+        return f"{value / 1e6:.2f}M" if value >= 1e7 else f"{round(value):,}"
+    if "loss" in column:
+        return f"{value:.4f}"
+    if column.startswith("ppl") or "acc" in column or "rank" in column:
+        return f"{value:.3f}"
+    return f"{value:.4g}"
+
+
+def markdown_table(headers: list[str], rows: list[list[str]], right: set[int] = frozenset()) -> str:
+    def esc(s):
+        return str(s).replace("|", "\\|")
+
+    cells = [[esc(h) for h in headers]] + [[esc(c) for c in row] for row in rows]
+    widths = [max(3, *(len(r[i]) for r in cells)) for i in range(len(headers))]
+    lines = []
+    for n, row in enumerate(cells):
+        padded = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        lines.append("| " + " | ".join(padded) + " |")
+        if n == 0:
+            lines.append("|" + "|".join((("-" * (w + 1) + ":") if i in right else (":" + "-" * (w + 1)))
+                                        for i, w in enumerate(widths)) + "|")
+    return "\n".join(lines)
+
+
+def render_runs(tables: dict) -> str:
+    headers = ["run", *tables["diff_keys"], *tables["columns"]]
+    first_num = 1 + len(tables["diff_keys"])
+    body = [[row["run"], *(_fmt_config(row["flat"].get(k, MISSING)) for k in tables["diff_keys"]),
+             *(fmt_value(c, row["cells"].get(c)) for c in tables["columns"])] for row in tables["rows"]]
+    return markdown_table(headers, body, right=set(range(first_num, len(headers))))
+
+
+def render_groups(tables: dict) -> str:
+    key_headers = tables["group_keys"] or ["group"]
+    headers = [*key_headers, "seeds", "runs", *tables["columns"]]
+    first_num = 2 + len(key_headers)
+    body = []
+    for g in tables["groups"]:
+        n = len(g["runs"])
+        seeds = [s for s in g["seeds"] if s is not None]
+        cells = []
+        for col in tables["columns"]:
+            if col not in g["stats"]:
+                cells.append("")
+                continue
+            mean, std, count = g["stats"][col]
+            text = fmt_value(col, mean)
+            if count > 1 and std > 0:
+                text += f" ± {fmt_value(col, std)}"
+            if count != n:
+                text += f" (n={count})"
+            cells.append(text)
+        keys = [_fmt_config(g["flat"].get(k, MISSING)) for k in tables["group_keys"]] or [g["label"]]
+        body.append([*keys,
+                     f"{n} seed{'s' if n != 1 else ''}" + (f" ({', '.join(map(str, seeds))})" if seeds else ""),
+                     ", ".join(g["runs"]), *cells])
+    return markdown_table(headers, body, right=set(range(first_num, len(headers))))
+
+
+def render(tables: dict) -> str:
+    out = ["## Runs", "", render_runs(tables)]
+    if any(len(g["runs"]) > 1 for g in tables["groups"]):
+        out += ["", "## Seed groups (mean ± sample std over seeds)", "", render_groups(tables)]
+    return "\n".join(out) + "\n"
+
+
+# ---- plots ------------------------------------------------------------------------------------------------
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise CompareError("--plot needs matplotlib: pip install matplotlib") from None
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _colors(plt, n):
+    cmap = plt.get_cmap("tab10" if n <= 10 else "tab20")
+    return [cmap(i % cmap.N) for i in range(n)]
+
+
+def _log2_lengths(ax, lengths):
+    ax.set_xscale("log", base=2)
+    ticks = sorted(set(lengths))
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([f"{t // 1024}K" if t >= 1024 and t % 1024 == 0 else str(t) for t in ticks])
+    ax.minorticks_off()
+
+
+def plot_all(records: list[dict], out_dir: Path) -> list[Path]:
+    plt = _pyplot()
+    from matplotlib import ticker
+
+    colors = _colors(plt, len(records))
+    written = []
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for record, color in zip(records, colors):
+        for ax, curve in zip(axes, (record["train"], record["val"])):
+            if curve:
+                ax.plot(*zip(*curve), color=color, label=record["name"], marker="o" if len(curve) < 15 else None,
+                        markersize=3)
+    for ax, title in zip(axes, ("Training loss", "Validation loss")):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (nats per token)")
+        ax.set_yscale("log")  # early losses are several times the final ones
+        ax.yaxis.set_major_locator(ticker.MaxNLocator(8))
+        ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%.3g"))
+        ax.yaxis.set_minor_formatter(ticker.NullFormatter())
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    written.append(out_dir / "loss_curves.png")
+    fig.savefig(written[-1], dpi=120)
+    plt.close(fig)
+
+    ppl = [(r, c, [row for row in r["evals"].get("ppl", {}).get("rows", [])
+                   if _is_number(row.get("length")) and _is_number(row.get("ppl"))]) for r, c in zip(records, colors)]
+    if any(rows for _, _, rows in ppl):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        styles, markers = ["-", "--", ":", "-."], ["o", "s", "^", "D"]
+        windows = sorted({row.get("window") for _, _, rows in ppl for row in rows},
+                         key=lambda w: (w is not None, w or 0))
+        for record, color, rows in ppl:
+            for i, window in enumerate(windows):
+                points = sorted((row["length"], row["ppl"]) for row in rows if row.get("window") == window)
+                if points:
+                    label = record["name"] + (f" (window {window})" if window is not None else "")
+                    ax.plot(*zip(*points), color=color, linestyle=styles[i % 4], marker=markers[i % 4], label=label)
+        _log2_lengths(ax, [row["length"] for _, _, rows in ppl for row in rows])
+        ax.set_title("Perplexity vs evaluation length")
+        ax.set_xlabel("evaluation length (tokens)")
+        ax.set_ylabel("perplexity")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        written.append(out_dir / "ppl_vs_length.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+
+    niah = [(r, c, r["evals"].get("niah", {}).get("rows", [])) for r, c in zip(records, colors)]
+    if any(rows for _, _, rows in niah):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        all_lengths = []
+        for record, color, rows in niah:
+            lengths = sorted({row["length"] for row in rows if _is_number(row.get("length"))})
+            points = [(n, _weighted_mean([row for row in rows if row.get("length") == n], "acc_rank")) for n in lengths]
+            points = [(n, v) for n, v in points if v is not None]
+            if points:
+                all_lengths += [n for n, _ in points]
+                ax.plot(*zip(*points), color=color, marker="o", label=record["name"])
+        _log2_lengths(ax, all_lengths)
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_title("Needle retrieval vs context length (rank accuracy, mean over depth and kind)")
+        ax.title.set_fontsize(10)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("accuracy (acc_rank)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        written.append(out_dir / "retrieval_vs_distance.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+    return written
+
+
+# ---- paired comparison ------------------------------------------------------------------------------------
+
+def _sort_key(value):
+    return (0, value, "") if _is_number(value) else (1, 0, str(value))
+
+
+def paired(run_a: dict, run_b: dict, task: str, key: str = "correct", by: str | None = None,
+           n_boot: int = 10000, seed: int = 0) -> dict:
+    """Paired statistics of two run records on one task's per_example results (overall, and per value of by)."""
+    examples = []
+    for record in (run_a, run_b):
+        result = record["evals"].get(task)
+        if result is None:
+            raise CompareError(f"{record['source']} has no eval/{task}.json (run: python -m eval "
+                               f"--out_dir={record['source']} --tasks={task})")
+        if not result.get("per_example"):
+            raise CompareError(f"{result.get('path', record['source'])} has no per_example results to pair")
+        examples.append(result["per_example"])
+    try:
+        out = {"task": task, "key": key, "a": {"name": run_a["name"], "source": run_a["source"],
+                                               "provenance": run_a["evals"][task].get("provenance")},
+               "b": {"name": run_b["name"], "source": run_b["source"],
+                     "provenance": run_b["evals"][task].get("provenance")},
+               "all": paired_comparison(*examples, key=key, n_boot=n_boot, seed=seed)}
+        if by:
+            values = sorted({e.get(by) for e in examples[0]}, key=_sort_key)
+            if None in values:
+                raise CompareError(f"--by {by}: some per_example items of {run_a['source']} lack '{by}'")
+            out["by"] = by
+            out["groups"] = {str(v): paired_comparison([e for e in examples[0] if e.get(by) == v],
+                                                       [e for e in examples[1] if e.get(by) == v],
+                                                       key=key, n_boot=n_boot, seed=seed) for v in values}
+    except ValueError as e:
+        raise CompareError(f"{run_a['name']} vs {run_b['name']} on {task}: {e}") from None
+    return out
+
+
+def render_paired(result: dict) -> str:
+    headers = ["A", "B", "task", "subset", "n", "acc A", "acc B", "A only", "B only", "McNemar p", "A - B [95% CI]"]
+    items = [("all", result["all"])] + [(f"{result['by']}={k}", v) for k, v in result.get("groups", {}).items()]
+    rows = []
+    for subset, r in items:
+        bs = r["bootstrap"]
+        level = round(100 * (1 - bs["alpha"]))
+        headers[-1] = f"A - B [{level}% CI]"
+        rows.append([result["a"]["name"], result["b"]["name"], result["task"], subset, str(r["n"]),
+                     f"{r['acc_a']:.3f}", f"{r['acc_b']:.3f}", str(r["a_only"]), str(r["b_only"]),
+                     f"{r['mcnemar']['p_value']:.3g}",
+                     f"{bs['diff']:+.3f} [{bs['ci_low']:+.3f}, {bs['ci_high']:+.3f}]"])
+    return markdown_table(headers, rows, right=set(range(4, len(headers))))
+
+
+# ---- command line -----------------------------------------------------------------------------------------
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python scripts/compare.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dirs", nargs="*", metavar="RUN_DIR", help="run folders (train.py out_dirs)")
+    p.add_argument("--plot", action="store_true", help="write loss/ppl/retrieval PNGs and compare.md into --out")
+    p.add_argument("--out", default=None, help="folder for compare.md, the PNGs and the paired JSON (default: "
+                                               "the first run's parent/compare, or ./compare_out for --wandb)")
+    p.add_argument("--wandb", metavar="ENTITY/PROJECT", help="read the runs from wandb instead of folders")
+    p.add_argument("--runs", default="", help="comma-separated run names to keep")
+    p.add_argument("--columns", default="", help="comma-separated substrings: keep only the eval columns "
+                                                 "containing one (e.g. ppl@L=4096,niah)")
+    p.add_argument("--paired", nargs=2, metavar=("RUN_A", "RUN_B"),
+                   help="paired statistics of two runs' per-example results (folders, or names of given runs)")
+    p.add_argument("--task", help="the eval task for --paired (eval/TASK.json)")
+    p.add_argument("--key", default="correct", help="the per_example field to pair (default: correct)")
+    p.add_argument("--by", default=None, help="also pair within each value of this per_example field (e.g. length)")
+    p.add_argument("--n_boot", type=int, default=10000, help="bootstrap replicates (default 10000)")
+    p.add_argument("--boot_seed", type=int, default=0, help="bootstrap seed (default 0)")
+    args = p.parse_args(argv)
+    if args.paired and not args.task:
+        p.error("--paired needs --task (e.g. --task niah)")
+    if args.task and not args.paired:
+        p.error("--task is used with --paired RUN_A RUN_B")
+    if not (args.run_dirs or args.wandb or args.paired):
+        p.error("give run folders, --wandb ENTITY/PROJECT, or --paired RUN_A RUN_B --task TASK")
+    if args.wandb and args.run_dirs:
+        p.error("give run folders or --wandb, not both")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    names = [n for n in args.runs.split(",") if n]
+    if args.wandb:
+        records = load_wandb_runs(args.wandb, names)
+    else:
+        records = []
+        for path in args.run_dirs:
+            if (Path(path) / "compare.md").is_file() and not (Path(path) / "config.json").exists():
+                warn(f"{path} is a compare output folder; skipped")  # `out/*` after a --plot into out/compare
+                continue
+            records.append(load_local_run(path))
+    if names:
+        found = {r["name"] for r in records}
+        missing = [n for n in names if n not in found]
+        if missing:
+            raise CompareError(f"--runs: no run named {', '.join(missing)} (runs: {', '.join(sorted(found))})")
+        records = [r for r in records if r["name"] in names]
+    seen: dict[str, int] = {}
+    for r in records:  # the same folder name under different parents: name them parent/name
+        seen[r["name"]] = seen.get(r["name"], 0) + 1
+    for r in records:
+        if seen[r["name"]] > 1 and not r["source"].startswith("wandb:"):
+            r["name"] = "/".join(Path(r["source"]).resolve().parts[-2:])
+
+    if args.out:
+        out_dir = Path(args.out)
+    elif args.run_dirs:
+        out_dir = Path(args.run_dirs[0]).resolve().parent / "compare"
+    elif args.paired:
+        out_dir = Path(args.paired[0]).resolve().parent / "compare"
+    else:
+        out_dir = Path("compare_out")
+
+    if records:
+        tables = build_tables(records, [c for c in args.columns.split(",") if c])
+        text = render(tables)
+        print(text, end="")
+        if args.plot or args.out:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "compare.md").write_text(text)
+            print(f"wrote {out_dir / 'compare.md'}", file=sys.stderr)
+        if args.plot:
+            for path in plot_all(records, out_dir):
+                print(f"wrote {path}", file=sys.stderr)
+
+    if args.paired:
+        by_name = {r["name"]: r for r in records}
+        pair = [by_name[p] if p in by_name and not Path(p).is_dir() else load_local_run(p) for p in args.paired]
+        result = paired(*pair, task=args.task, key=args.key, by=args.by, n_boot=args.n_boot, seed=args.boot_seed)
+        if records:
+            print()
+        print(f"## Paired comparison on {args.task} ({args.key}; exact McNemar, paired bootstrap "
+              f"n_boot={args.n_boot})\n")
+        print(render_paired(result))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{pair[0]['name']}_vs_{pair[1]['name']}")
+        path = out_dir / f"paired_{args.task}_{safe}.json"
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"\nwrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except CompareError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,323 @@
+"""Run comparison: eval/stats.py and scripts/compare.py (tables, seed groups, plots, paired tests, wandb)."""
+
+import importlib.util
+import json
+import math
+import random
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from config import Config
+from eval.stats import mcnemar_exact, mean_std, paired_bootstrap_ci, paired_comparison
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "scripts" / "compare.py"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+# ---- fake runs --------------------------------------------------------------------------------------------
+
+VAL = {"full_s1": [5.0, 2.0, 1.5], "full_s2": [5.0, 1.6, 1.7], "swa_s1": [5.0, 2.2, 1.8]}  # best: 1.5, 1.6, 1.8
+FINAL_TRAIN = {"full_s1": 1.40, "full_s2": 1.45, "swa_s1": 1.75}
+NIAH_ACC = {"full_s1": 0.75, "full_s2": 0.5, "swa_s1": 0.25}
+N_EXAMPLES = 12
+
+
+def model_overrides(name):
+    return {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 64, "vocab_size": 320, "swa_window": 16,
+            "attn_pattern": "swa" if name.startswith("swa") else "full"}
+
+
+def per_example(name):
+    """full_s1 gets examples 0-5 right (and 6-11 wrong); swa_s1 gets 0-11 right: a_only=0, b_only=6."""
+    right = {"full_s1": range(6), "full_s2": range(4), "swa_s1": range(12)}[name]
+    return [{"id": f"single/L=64/d=0.0/i={i}", "kind": "single", "length": 64, "correct": i in right}
+            for i in range(N_EXAMPLES)]
+
+
+def make_run(root: Path, name: str, seed: int) -> Path:
+    run = root / name
+    (run / "eval").mkdir(parents=True)
+    cfg = Config().to_dict()
+    cfg["model"].update(model_overrides(name))
+    cfg["train"].update({"seed": seed, "out_dir": str(run), "batch_size": 4, "gradient_accumulation_steps": 2,
+                         "max_iters": 100, "wandb_run_name": name})
+    meta = {"tokenizer": "byte", "vocab_size": 257, "train_tokens": 10000, "created": f"2026-01-0{seed}"}
+    info = {"command": f"python train.py --seed={seed}", "git_hash": f"abc{seed}", "world_size": 1,
+            "torch": "2.13.0", "started": f"2026-01-0{seed}T00:00:00"}
+    (run / "config.json").write_text(json.dumps({**cfg, "run": info, "data": meta}, indent=2))
+    lines = []
+    for step, val in zip((0, 50, 100), VAL[name]):
+        lines.append({"step": step, "val_loss": val, "best_val_loss": min(VAL[name][:(step // 50) + 1])})
+        if step:
+            for s in range(step - 40, step + 1, 10):
+                loss = FINAL_TRAIN[name] if s == 100 else 3.0 - s / 100
+                lines.append({"step": s, "train_loss": loss, "lr": 1e-3, "tokens_per_s": 1000.0})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    ppl_rows = [{"length": n, "window": w, "ppl": 3.0 + 0.1 * seed + (0.3 if w else 0) + n / 512,
+                 "nll": 1.0, "tokens": 1000} for n in (64, 128, 256) for w in (None, 32)]
+    niah_rows = [{"kind": kind, "length": n, "depth": d, "n": 4,
+                  "acc_generate": 0.0, "acc_rank": NIAH_ACC[name] * (1 if kind == "single" else 0.5)}
+                 for kind in ("single", "multikey") for n in (64, 128) for d in (0.0, 0.5, 1.0)]
+    provenance = {"command": "python -m eval", "git_hash": "abc", "config_hash": "x", "seed": 1337,
+                  "ckpt": str(run / "ckpt_best.pt"), "step": 100}
+    (run / "eval" / "ppl.json").write_text(json.dumps(
+        {"task": "ppl", "results": {"rows": ppl_rows}, "provenance": provenance}))
+    (run / "eval" / "niah.json").write_text(json.dumps(
+        {"task": "niah", "results": {"rows": niah_rows}, "per_example": per_example(name), "provenance": provenance}))
+    return run
+
+
+@pytest.fixture
+def runs(tmp_path):
+    root = tmp_path / "out"
+    return [make_run(root, "full_s1", 1), make_run(root, "full_s2", 2), make_run(root, "swa_s1", 1)]
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+
+
+def table_rows(text, section="## Runs"):
+    """{first cell: {header: cell}} of the markdown table under a section heading."""
+    lines = text.split(section, 1)[1].splitlines()
+    lines = lines[next(i for i, line in enumerate(lines) if line.startswith("|")):]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = {}
+    for line in lines[2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[0]] = dict(zip(header, cells))
+    return header, rows
+
+
+def load_compare():
+    spec = importlib.util.spec_from_file_location("compare_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---- stats ------------------------------------------------------------------------------------------------
+
+def test_mcnemar_exact_known_values():
+    # a_only=0, b_only=6: p = 2 * 0.5**6
+    r = mcnemar_exact([True] * 3 + [False] * 6 + [False], [True] * 3 + [True] * 6 + [False])
+    assert (r["both_correct"], r["a_only"], r["b_only"], r["neither"]) == (3, 0, 6, 1)
+    assert r["p_value"] == pytest.approx(0.03125, abs=1e-15)
+    # a_only=1, b_only=8: p = 2 * (C(9,0) + C(9,1)) / 2^9, computed independently
+    a = [True] + [False] * 8 + [True] * 5
+    b = [False] + [True] * 8 + [True] * 5
+    r = mcnemar_exact(a, b)
+    assert (r["a_only"], r["b_only"], r["both_correct"], r["neither"]) == (1, 8, 5, 0)
+    assert r["p_value"] == pytest.approx(2 * (math.comb(9, 0) + math.comb(9, 1)) / 2**9, abs=1e-15)
+    assert mcnemar_exact(b, a)["p_value"] == r["p_value"]  # symmetric
+    assert mcnemar_exact([True, False], [True, False])["p_value"] == 1.0  # no discordant pairs
+    assert mcnemar_exact([True] * 5 + [False] * 5, [False] * 5 + [True] * 5)["p_value"] == 1.0  # capped at 1
+    with pytest.raises(ValueError):
+        mcnemar_exact([True], [True, False])
+
+
+def test_paired_bootstrap_ci_covers_truth_and_is_deterministic():
+    rng = random.Random(0)
+    a = [1.0] * 90 + [0.0] * 10
+    b = [1.0] * 50 + [0.0] * 50
+    rng.shuffle(b)
+    true_diff = sum(a) / 100 - sum(b) / 100  # 0.4
+    r = paired_bootstrap_ci(a, b, n_boot=2000, seed=3)
+    assert r["diff"] == pytest.approx(true_diff)
+    assert r["ci_low"] < true_diff < r["ci_high"]
+    assert r["ci_low"] > 0.2 and r["ci_high"] < 0.6  # a clear difference: the interval excludes 0
+    assert paired_bootstrap_ci(a, b, n_boot=2000, seed=3) == r
+    assert paired_bootstrap_ci(a, b, n_boot=2000, seed=4) != r
+    booleans = paired_bootstrap_ci([x > 0 for x in a], [x > 0 for x in b], n_boot=2000, seed=3)
+    assert (booleans["ci_low"], booleans["ci_high"]) == (r["ci_low"], r["ci_high"])
+    # a constant difference has a zero-width interval
+    const = paired_bootstrap_ci([2.0, 3.0, 4.0], [1.0, 2.0, 3.0], n_boot=100)
+    assert const["ci_low"] == pytest.approx(1.0) and const["ci_high"] == pytest.approx(1.0)
+
+
+def test_mean_std():
+    assert mean_std([1, 2, 3, 4]) == pytest.approx((2.5, math.sqrt(5 / 3)))
+    assert mean_std([5.0]) == (5.0, 0.0)
+
+
+def test_paired_comparison_counts_and_id_join():
+    a = [{"id": f"x{i}", "correct": i < 6} for i in range(10)]             # right on 0-5
+    b = [{"id": f"x{i}", "correct": 3 <= i < 10} for i in reversed(range(10))]  # right on 3-9, other order
+    r = paired_comparison(a, b)
+    assert r["n"] == 10
+    assert (r["acc_a"], r["acc_b"]) == (0.6, 0.7)
+    assert (r["a_only"], r["b_only"], r["both_correct"], r["neither"]) == (3, 4, 3, 0)
+    assert r["mcnemar"]["p_value"] == pytest.approx(1.0)
+    assert r["bootstrap"]["diff"] == pytest.approx(-0.1)
+    with pytest.raises(ValueError, match=r"1 of A's 10 ids are missing from B.*1 of B's 10 ids"):
+        paired_comparison(a, b[:-1] + [{"id": "other", "correct": True}])
+    with pytest.raises(ValueError, match="twice"):
+        paired_comparison(a, b + [b[0]])
+
+
+# ---- the command line -------------------------------------------------------------------------------------
+
+def test_table_groups_and_plots(runs, tmp_path):
+    out = tmp_path / "cmp"
+    proc = run_cli(*runs, "--plot", "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    header, rows = table_rows(text)
+    # the config diff: seed and attn_pattern differ; nothing else (out_dir, run info, data.created are ignored)
+    assert header[:3] == ["run", "attn_pattern", "seed"]
+    for unchanged in ("n_layer", "learning_rate", "out_dir", "wandb_run_name", "command", "git_hash",
+                      "data.created", "block_size"):
+        assert unchanged not in header
+    assert rows["swa_s1"]["attn_pattern"] == "swa" and rows["full_s2"]["seed"] == "2"
+    # best val loss is the minimum (full_s2's is at step 50, not the last evaluation), final train loss the last
+    assert [rows[n]["best val loss"] for n in ("full_s1", "full_s2", "swa_s1")] == ["1.5000", "1.6000", "1.8000"]
+    assert rows["full_s2"]["final train loss"] == "1.4500"
+    assert rows["full_s1"]["tokens"] == f"{100 * 4 * 2 * 64:,}"  # last train step x batch x accumulation x block
+    # parameters: the model built from the config
+    import torch
+
+    from model import GPT
+    cfg = Config()
+    for key, value in model_overrides("full").items():
+        setattr(cfg.model, key, value)
+    with torch.device("meta"):
+        n_params = GPT(cfg.model).num_params()
+    assert rows["full_s1"]["params"] == f"{n_params / 1e6:.2f}M" != ""
+    # eval summaries: ppl per (length, window); niah rank accuracy per length, averaged over depth and kind
+    assert rows["full_s1"]["ppl@L=64"] == f"{3.1 + 64 / 512:.3f}"
+    assert rows["full_s1"]["ppl@L=256,w=32"] == f"{3.1 + 0.3 + 256 / 512:.3f}"
+    assert rows["full_s1"]["niah_rank@L=128"] == f"{(0.75 + 0.375) / 2:.3f}"
+    assert not any(c.startswith("niah_rank@L=128,") or "depth" in c for c in header)
+    # seed groups: the two full runs, mean +- sample std
+    gheader, groups = table_rows(text, "## Seed groups")
+    full = groups["full"]
+    assert full["seeds"].startswith("2 seeds")
+    mean, std = mean_std([1.5, 1.6])
+    assert full["best val loss"] == f"{mean:.4f} ± {std:.4f}" == "1.5500 ± 0.0707"
+    assert groups["swa"]["seeds"].startswith("1 seed")
+    assert groups["swa"]["best val loss"] == "1.8000"
+    # files
+    assert (out / "compare.md").read_text() == text
+    for name in ("loss_curves.png", "ppl_vs_length.png", "retrieval_vs_distance.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == PNG_SIGNATURE, name
+        assert len(data) > 5000, f"{name} is only {len(data)} bytes"
+
+
+def test_not_a_run_folder(runs, tmp_path):
+    (runs[0] / "metrics.jsonl").unlink()
+    proc = run_cli(runs[0], runs[1])
+    assert proc.returncode == 2
+    assert str(runs[0]) in proc.stderr and "metrics.jsonl" in proc.stderr and "config.json" not in proc.stderr
+    proc = run_cli(tmp_path / "nowhere")
+    assert proc.returncode == 2 and "nowhere" in proc.stderr
+
+
+def test_paired_cli(runs, tmp_path):
+    out = tmp_path / "paired"
+    proc = run_cli("--paired", runs[0], runs[2], "--task", "niah", "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    header, rows = table_rows(proc.stdout, "## Paired comparison")
+    row = rows["full_s1"]
+    assert (row["B"], row["n"], row["acc A"], row["acc B"], row["A only"], row["B only"]) == \
+        ("swa_s1", "12", "0.500", "1.000", "0", "6")
+    assert row["McNemar p"] == "0.0312"
+    saved = json.loads((out / "paired_niah_full_s1_vs_swa_s1.json").read_text())
+    assert saved["all"]["mcnemar"]["p_value"] == 0.03125
+    assert (saved["all"]["a_only"], saved["all"]["b_only"]) == (0, 6)
+    assert saved["all"]["bootstrap"]["diff"] == pytest.approx(-0.5)
+    assert saved["a"]["provenance"]["step"] == 100
+    # mismatched ids: a clear error, exit 2
+    data = json.loads((runs[2] / "eval" / "niah.json").read_text())
+    data["per_example"][0]["id"] = "renamed"
+    (runs[2] / "eval" / "niah.json").write_text(json.dumps(data))
+    proc = run_cli("--paired", runs[0], runs[2], "--task", "niah", "--out", out)
+    assert proc.returncode == 2 and "ids do not match" in proc.stderr
+    proc = run_cli("--paired", runs[0], runs[2], "--task", "lambada", "--out", out)
+    assert proc.returncode == 2 and "eval/lambada.json" in proc.stderr
+
+
+class FakeRun:
+    def __init__(self, name, seed, attn, val, train):
+        cfg = Config().to_dict()
+        cfg["model"].update({**model_overrides(attn), "attn_pattern": attn})
+        cfg["train"].update({"seed": seed, "batch_size": 2, "gradient_accumulation_steps": 3})
+        cfg["data"] = {"dataset": "embedded_byte", "data_dir": ""}
+        self.name, self.id, self.path = name, name + "id", ["ent", "proj", name + "id"]
+        self.config = {**cfg, "run": {"git_hash": name}, "n_params": 123456}
+        self.summary = {"train_loss": train[-1], "best_val_loss": min(val), "val_loss": val[-1], "_step": 30,
+                        "_runtime": 5.0, "lr": 1e-4, "ppl@1024": 2.5}
+        self.curves = {"train_loss": [{"_step": 10 * (i + 1), "train_loss": v} for i, v in enumerate(train)],
+                       "val_loss": [{"_step": 15 * i, "val_loss": v} for i, v in enumerate(val)]}
+        self.history_calls = []
+
+    def history(self, samples=500, keys=None, x_axis="_step", pandas=True, stream="default"):
+        self.history_calls.append(keys)
+        assert len(keys) == 1
+        return list(self.curves[keys[0]])
+
+
+def test_wandb_path_with_fake_api(monkeypatch, capsys, tmp_path):
+    fake_runs = [FakeRun("w_full_1", 1, "full", [4.0, 2.5, 2.0], [3.0, 2.2, 2.1]),
+                 FakeRun("w_full_2", 2, "full", [4.0, 2.4, 2.2], [3.0, 2.3, 2.0]),
+                 FakeRun("w_swa", 1, "swa", [4.0, 3.0, 2.6], [3.0, 2.8, 2.7]),
+                 FakeRun("other", 3, "swa", [1.0], [1.0])]
+    paths = []
+
+    class FakeApi:
+        def runs(self, path, filters=None, **kwargs):
+            paths.append(path)
+            return iter(fake_runs)
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(Api=FakeApi))
+    compare = load_compare()
+    rc = compare.main(["--wandb", "ent/proj", "--runs", "w_full_1,w_full_2,w_swa", "--out", str(tmp_path / "w"),
+                       "--plot"])
+    assert rc == 0 and paths == ["ent/proj"]
+    text = capsys.readouterr().out
+    header, rows = table_rows(text)
+    assert set(rows) == {"w_full_1", "w_full_2", "w_swa"}  # --runs filters by name
+    assert header[:3] == ["run", "attn_pattern", "seed"] and "git_hash" not in header
+    assert rows["w_full_1"]["best val loss"] == "2.0000" and rows["w_full_2"]["best val loss"] == "2.2000"
+    assert rows["w_full_2"]["final train loss"] == "2.0000"
+    assert rows["w_swa"]["tokens"] == f"{30 * 2 * 3 * 64:,}"
+    assert rows["w_swa"]["params"] == "0.12M"  # run.config's n_params
+    assert rows["w_swa"]["ppl@1024"] == "2.500"  # a summary metric becomes a column
+    assert "lr" not in header and "_runtime" not in header
+    assert ["train_loss"] in fake_runs[0].history_calls and ["val_loss"] in fake_runs[0].history_calls
+    _, groups = table_rows(text, "## Seed groups")
+    assert groups["full"]["seeds"].startswith("2 seeds")
+    assert groups["full"]["best val loss"] == "2.1000 ± 0.1414"
+    assert (tmp_path / "w" / "loss_curves.png").read_bytes()[:8] == PNG_SIGNATURE
+    # the record is the same shape as a local run's: the table code takes plain dicts
+    record = compare.wandb_record(fake_runs[2])
+    assert record["train"] == [(10, 3.0), (20, 2.8), (30, 2.7)] and record["best_val_loss"] == 2.6
+    with pytest.raises(compare.CompareError, match="no wandb runs"):
+        compare.main(["--wandb", "ent/proj", "--runs", "missing"])
+
+
+def test_eval_summaries_are_per_length_and_generic():
+    compare = load_compare()
+    evals = {
+        "niah": {"rows": [{"kind": "single", "length": 64, "depth": 0.0, "n": 4, "acc_generate": 0.0, "acc_rank": 1.0},
+                          {"kind": "multikey", "length": 64, "depth": 0.5, "n": 12, "acc_generate": 0.0,
+                           "acc_rank": 0.5},
+                          {"kind": "single", "length": 64, "depth": 1.0, "n": 0, "acc_generate": 0.0,
+                           "acc_rank": 0.0}]},  # an empty cell carries no weight
+        "ppl": {"rows": [{"length": 512, "window": None, "ppl": None, "nll": None, "tokens": 0, "note": "too long"},
+                         {"length": 128, "window": None, "ppl": 2.5, "nll": 0.9, "tokens": 100}]},
+        "probes": {"rows": [{"kind": "copy", "length": 128, "acc": 0.5, "n": 10},
+                            {"kind": "copy", "length": 128, "acc": 1.0, "n": 30},
+                            {"kind": "copy", "length": 256, "acc": 0.25, "n": 10},
+                            {"name": "overall", "score": 0.3}]},
+    }
+    values = {k: v for k, (_, v) in compare.eval_summaries(evals).items()}
+    assert values == {"niah_rank@L=64": pytest.approx((4 * 1.0 + 12 * 0.5) / 16), "ppl@L=128": 2.5,
+                      "probes_acc@L=128": pytest.approx(0.875), "probes_acc@L=256": 0.25, "probes_score": 0.3}

@@ -1,0 +1,162 @@
+"""Evaluation: perplexity counted exactly, candidate ranking, retrieval probes, provenance, the CLI."""
+
+import json
+import math
+import shlex
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from checkpoint import load_model
+from config import ModelConfig
+from conftest import REPO
+from data.meta import load_meta, open_tokens
+from data.tokenizer import get_tokenizer
+from eval import niah
+from eval.ranking import continuation_logprobs, rank_candidates
+from model import GPT
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A tiny llama (RoPE: no length limit) trained for a few steps on the embedded corpus."""
+    out = tmp_path_factory.mktemp("run")
+    proc = subprocess.run([sys.executable, "train.py", "configs/quickstart.py", f"--out_dir={out}", "--arch=llama",
+                           "--bias=False", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=64",
+                           "--max_iters=30", "--eval_interval=30", "--eval_iters=2", "--log_interval=10",
+                           "--eval_tasks=ppl,niah", "--eval_task_lengths=32,256"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def run_eval(out, *args, check=True):
+    proc = subprocess.run([sys.executable, "-m", "eval", f"--out_dir={out}", "--progress=False", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_ppl_is_exp_of_mean_nll_counted_independently(tiny_run):
+    run_eval(tiny_run, "--tasks=ppl", "--ppl_lengths=16,50", "--ppl_max_tokens=3000")
+    report = json.load(open(tiny_run / "eval" / "ppl.json"))
+    model, cfg, _ = load_model(tiny_run, "best")
+    meta = load_meta(REPO / "data" / cfg.data.dataset)
+    tokens = np.asarray(open_tokens(REPO / "data" / cfg.data.dataset, "val"), dtype=np.int64)
+    # independently: documents end at each end-of-text; each scored one window at a time, no batching
+    docs, start = [], 0
+    for end in np.flatnonzero(tokens == meta["eot_id"]):
+        docs.append(tokens[start:end + 1])
+        start = end + 1
+    for row in report["results"]["rows"]:
+        L, budget, nll, count = row["length"], 3000, 0.0, 0
+        for doc in docs:
+            doc = doc[:budget]
+            budget -= len(doc)
+            for s in range(0, len(doc) - 1, L):
+                y = torch.from_numpy(doc[s + 1:s + L + 1])
+                x = torch.from_numpy(doc[s:s + len(y)])
+                with torch.no_grad():
+                    logits, _ = model(x[None])
+                nll += F.cross_entropy(logits[0], y, reduction="sum").item()
+                count += len(y)
+            if budget <= 0:
+                break
+        assert row["tokens"] == count
+        assert row["ppl"] == pytest.approx(math.exp(nll / count), rel=1e-5)
+        assert row["nll"] == pytest.approx(nll / count, rel=1e-5)
+
+
+def test_every_result_carries_a_command_that_reproduces_it(tiny_run):
+    run_eval(tiny_run, "--tasks=ppl,niah", "--ppl_lengths=32", "--niah_lengths=256", "--niah_kinds=single,multikey",
+             "--niah_needles=2", "--niah_samples=3", "--niah_digits=3", "--niah_depths=0,1")
+    first = {t: json.load(open(tiny_run / "eval" / f"{t}.json")) for t in ("ppl", "niah")}
+    prov = first["niah"]["provenance"]
+    assert {"command", "git_hash", "config_hash", "seed", "step"} <= set(prov)
+    command = shlex.split(prov["command"])
+    assert command[:3] == [command[0], "-m", "eval"]
+    subprocess.run([sys.executable, *command[1:]], cwd=REPO, check=True, capture_output=True, timeout=300)
+    for task in ("ppl", "niah"):
+        again = json.load(open(tiny_run / "eval" / f"{task}.json"))
+        assert again["results"] == first[task]["results"]
+    assert len(first["niah"]["per_example"]) == 2 * 2 * 3
+    summary = (tiny_run / "eval" / "summary.md").read_text()
+    assert "## ppl" in summary and "## niah" in summary and prov["command"] in summary
+
+
+def test_training_probes_are_logged(tiny_run):
+    records = [json.loads(line) for line in open(tiny_run / "metrics.jsonl")]
+    probes = [r for r in records if "ppl@32" in r]
+    assert [r["step"] for r in probes] == [0, 30]
+    assert all(r["ppl@32"] > 1 and "ppl@256" in r and 0 <= r["niah@256"] <= 1 for r in probes)
+
+
+def test_eval_cli_errors(tiny_run, tmp_path):
+    proc = run_eval(tiny_run, "--tasks=ppl,mmlu", check=False)
+    assert proc.returncode == 2 and "unknown task(s) mmlu" in proc.stderr
+    proc = run_eval(tmp_path, "--tasks=ppl", check=False)
+    assert proc.returncode == 1 and "no checkpoint at" in proc.stderr
+
+
+def test_continuation_logprobs_match_a_plain_forward():
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=50)).eval()
+    pairs = [([1, 2, 3], [4, 5]), ([7], [8, 9, 10, 11]), (list(range(1, 45)), [3, 4])]  # the last is cut to fit
+    scores = continuation_logprobs(model, pairs, batch_size=2)
+    for (context, continuation), score in zip(pairs, scores):
+        seq = torch.tensor(context + continuation)[-33:]
+        with torch.no_grad():
+            logp = F.log_softmax(model(seq[None, :-1])[0][0], -1)
+        n = len(continuation)
+        expected = logp[-n:].gather(1, seq[-n:, None]).sum().item()
+        assert score["logprob"] == pytest.approx(expected, abs=1e-5)
+        assert score["greedy"] == bool((logp[-n:].argmax(-1) == seq[-n:]).all())
+
+
+def test_candidate_ranking_finds_the_planted_answer_of_a_copy_model():
+    # a model trained to copy: sequences are 8 random tokens twice; the answer is the repeat
+    torch.manual_seed(0)
+    vocab, half = 16, 8
+    model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=2 * half, vocab_size=vocab))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(300):
+        first = torch.randint(0, vocab, (32, half))
+        seq = torch.cat([first, first], dim=1)
+        _, loss = model(seq[:, :-1], seq[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    rng = np.random.default_rng(1)
+    hits = 0
+    for _ in range(20):
+        planted = rng.integers(0, vocab, half).tolist()
+        context = planted + planted[:4]
+        candidates = [planted[4:]] + [rng.integers(0, vocab, 4).tolist() for _ in range(3)]
+        order = rng.permutation(4)
+        ranked = rank_candidates(model, context, [candidates[i] for i in order])
+        hits += order[ranked["best_sum"]] == 0
+    assert hits >= 18, hits
+
+
+def test_niah_examples_are_exact_and_deterministic():
+    tok = get_tokenizer("byte")
+    hay = np.frombuffer(("lorem ipsum dolor sit amet " * 200).encode(), dtype=np.uint8).astype(np.int64)
+    for kind in niah.KINDS:
+        e = niah.make_example(tok, hay, kind, 600, 0.5, 3, seed=7, n_needles=3, digits=5)
+        again = niah.make_example(tok, hay, kind, 600, 0.5, 3, seed=7, n_needles=3, digits=5)
+        assert e == again and len(e["context"]) == 600
+        text = tok.decode(e["context"])
+        assert all(f"is: {v}." in text for v in e["expected"])
+        assert not any(d in text for d in e["distractors"])
+        assert {"single": 1, "multikey": 1, "multivalue": 3, "multiquery": 2}[kind] == len(e["expected"])
+    deep = niah.make_example(tok, hay, "single", 600, 0.0, 0, seed=7)
+    shallow = niah.make_example(tok, hay, "single", 600, 1.0, 0, seed=7)
+    assert tok.decode(deep["context"]).startswith(" The special magic number for")  # depth 0: first
+    shallow_text = tok.decode(shallow["context"])
+    assert shallow_text.index("The special magic") > 0.6 * len(shallow_text)  # depth 1: just before the question
