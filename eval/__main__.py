@@ -43,6 +43,7 @@ class EvalRunConfig:
     dtype: str = "auto"  # auto: bfloat16 on capable GPUs, float32 otherwise
     batch_size: int = 8
     seed: int = 1337
+    limit: int = 0  # quick checks: at most this many windows per ppl cell and examples per niah cell (0: all)
     data_dir: str = ""  # default: the run's own prepared data
     # ppl
     ppl_lengths: str = ""  # comma-separated; default: the run's block_size
@@ -78,8 +79,8 @@ def parse(argv) -> EvalRunConfig:
         raise ConfigError(f"unknown niah kind(s) {', '.join(sorted(unknown))}: expected {', '.join(niah_task.KINDS)}")
     if e.niah_haystack not in ("val", "embedded"):
         raise ConfigError(f"niah_haystack={e.niah_haystack!r}: expected val or embedded")
-    if e.batch_size < 1 or e.niah_samples < 1 or e.niah_candidates < 2 or e.ppl_max_tokens < 2 or e.niah_needles < 2:
-        raise ConfigError("need batch_size >= 1, niah_samples >= 1, niah_candidates >= 2, niah_needles >= 2, "
+    if e.limit < 0 or e.batch_size < 1 or e.niah_samples < 1 or e.niah_candidates < 2 or e.ppl_max_tokens < 2 or e.niah_needles < 2:
+        raise ConfigError("need limit >= 0, batch_size >= 1, niah_samples >= 1, niah_candidates >= 2, niah_needles >= 2, "
                           "ppl_max_tokens >= 2")
     return e
 
@@ -103,7 +104,7 @@ def run_ppl(e: EvalRunConfig, ctx) -> dict:
                 rows.append({"length": length, "window": window, "ppl": None, "nll": None, "tokens": 0,
                              "note": f"longer than block_size {cfg.model.block_size} (learned positions)"})
                 continue
-            row = ppl_task.perplexity(model, docs, length, e.batch_size, ctx["device"], e.progress)
+            row = ppl_task.perplexity(model, docs, length, e.batch_size, ctx["device"], e.progress, e.limit or None)
             rows.append({**row, "window": window})
             where = f"{e.window_key}={window:<6} " if window is not None else ""
             print(f"ppl  L={length:<6} {where}{row['ppl']:10.4f}  ({row['tokens']:,} tokens)")
@@ -124,7 +125,8 @@ def run_niah(e: EvalRunConfig, ctx) -> dict:
     result = niah_task.run(ctx["model"], ctx["tokenizer"], np.asarray(haystack, dtype=np.int64),
                            ints(e.niah_lengths) or [cfg.model.block_size],
                            [float(d) for d in e.niah_depths.split(",")], e.niah_kinds.split(","),
-                           e.niah_samples, e.seed, e.batch_size, e.niah_digits, e.niah_candidates, e.progress,
+                           min(e.niah_samples, e.limit or e.niah_samples), e.seed, e.batch_size, e.niah_digits,
+                           e.niah_candidates, e.progress,
                            e.niah_needles)
     for row in result["rows"]:
         if row["n"]:

@@ -46,9 +46,10 @@ def windows(docs: list[np.ndarray], length: int):
 
 @torch.no_grad()
 def perplexity(model, docs: list[np.ndarray], length: int, batch_size: int = 8, device="cpu",
-               progress: bool = True) -> dict:
-    """Perplexity of the model over the documents, evaluated in windows of `length` tokens."""
-    pairs = list(windows(docs, length))
+               progress: bool = True, limit: int | None = None) -> dict:
+    """Perplexity of the model over the documents, evaluated in windows of `length` tokens (the first
+    `limit` windows when given)."""
+    pairs = list(windows(docs, length))[:limit]
     total_nll, total_tokens = 0.0, 0
     bar = tqdm(range(0, len(pairs), batch_size), desc=f"ppl L={length}", disable=not progress, leave=False)
     for start in bar:

@@ -96,6 +96,13 @@ def test_training_probes_are_logged(tiny_run):
     assert all(r["ppl@32"] > 1 and "ppl@256" in r and 0 <= r["niah@256"] <= 1 for r in probes)
 
 
+def test_limit_caps_the_work(tiny_run):
+    run_eval(tiny_run, "--tasks=ppl,niah", "--ppl_lengths=16", "--limit=3", "--niah_lengths=256",
+             "--niah_kinds=single", "--niah_depths=0.5", "--niah_digits=3", "--niah_samples=10")
+    assert json.load(open(tiny_run / "eval" / "ppl.json"))["results"]["rows"][0]["windows"] == 3
+    assert len(json.load(open(tiny_run / "eval" / "niah.json"))["per_example"]) == 3
+
+
 def test_eval_cli_errors(tiny_run, tmp_path):
     proc = run_eval(tiny_run, "--tasks=ppl,mmlu", check=False)
     assert proc.returncode == 2 and "unknown task(s) mmlu" in proc.stderr
