@@ -49,6 +49,8 @@ class ModelConfig:
     attn_gate: bool = False  # sigmoid(W y) * y before the output projection (paper 000's recipe)
     swa_window: int = 256  # swa(w): the w most recent positions, the query included
     block_len: int = 128  # block(b): causal attention within fixed blocks of b positions
+    mswa_variation: str = "geometric"  # mswa: group factors 1/4,1/2,1,2 (geometric) or 1/2,3/4,1,5/4 (arithmetic)
+    mswa_layer_order: str = "increasing"  # mswa: windows grow with depth (increasing) or shrink (reverse)
 
     @property
     def head_dim(self) -> int:

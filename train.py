@@ -226,6 +226,9 @@ def main(argv):
         print(f"model: {m.arch}, {m.n_layer} layers x {m.n_head} heads x {m.n_embd}, mixers {m.attn_pattern!r}: "
               f"{n_params / 1e6:.2f}M parameters ({raw_model.num_params(exclude_embeddings=True) / 1e6:.2f}M "
               "without embeddings)")
+        for i, block in enumerate(raw_model.blocks):  # e.g. per-head windows of multi-scale variants
+            if block.mixer.describe():
+                print(f"  layer {i}: {block.mixer.describe()}")
         print(f"data: {data_dir} ({meta['tokenizer']} tokenizer, {meta['train_tokens']:,} train / "
               f"{meta['val_tokens']:,} val tokens); {tokens_per_step:,} tokens per step; "
               f"{world_size} process(es) on {device_name}, {dtype_name}")

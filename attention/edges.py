@@ -38,6 +38,15 @@ class EdgeRule:
         `chunk` positions starting at multiples of `chunk` plus `offset`. The default is the rule's lookback."""
         return self.lookback
 
+    def head_groups(self):
+        """For per-head rules made of plain rules: [(head indices, rule)] so kernels can run each group at its
+        own cost (the chunked kernel's band is set by the largest lookback it serves). None otherwise."""
+        return None
+
+    def head_windows(self, n_head: int) -> list[int] | None:
+        """The window of each head, for rules that are sliding windows (summed-window cost accounting)."""
+        return None
+
     def chunk_size(self) -> int:
         """The query chunk of the chunked kernel: small enough to waste little on masked-out tile entries,
         large enough for efficient matmuls (128 measured best for w=256 on CPU, see docs/benchmarks.md)."""
@@ -93,9 +102,15 @@ class Causal(EdgeRule):
         return k <= q
 
 
+def window_edges(q, k, window):
+    """The sliding-window edge: the `window` most recent positions including the query, 0 <= q - k < window
+    (window an int, or a tensor of per-head windows broadcast against q and k)."""
+    return (k <= q) & (q - k < window)
+
+
 @dataclass(frozen=True)
 class SlidingWindow(EdgeRule):
-    """swa(w): the w most recent positions including the query itself, 0 <= q - k < w."""
+    """swa(w): the w most recent positions including the query itself."""
 
     window: int = 256
 
@@ -104,7 +119,37 @@ class SlidingWindow(EdgeRule):
         return self.window - 1
 
     def allowed(self, q, k, h=None):
-        return (k <= q) & (q - k < self.window)
+        return window_edges(q, k, self.window)
+
+    def head_windows(self, n_head):
+        return [self.window] * n_head
+
+
+@dataclass(frozen=True)
+class HeadWindows(EdgeRule):
+    """Sliding windows that differ by head (multi-scale window attention): head h sees windows[h] positions."""
+
+    windows: tuple = (256,)
+    per_head = True
+
+    @property
+    def lookback(self):
+        return max(self.windows) - 1
+
+    def allowed(self, q, k, h=None):
+        return window_edges(q, k, torch.tensor(self.windows, device=q.device)[h])
+
+    def head_groups(self):
+        heads_of = {}
+        for head, window in enumerate(self.windows):
+            heads_of.setdefault(window, []).append(head)
+        return [(heads, SlidingWindow(window)) for window, heads in sorted(heads_of.items())]
+
+    def head_windows(self, n_head):
+        return list(self.windows)
+
+    def chunk_size(self):
+        return SlidingWindow(min(self.windows)).chunk_size()
 
 
 @dataclass(frozen=True)

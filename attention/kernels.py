@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from attention.edges import Causal, EdgeRule
 
 BACKENDS = ("auto", "dense", "chunked", "flex", "sdpa")
-TILE_QUERIES_PER_CALL = 2048  # chunked kernel on CPU: query positions per fused call (see ChunkedFlashCPU)
+TILE_ROWS_PER_CALL = 16384  # chunked kernel on CPU: batch x heads x query positions per fused call
 
 
 def resolve_backend(name: str, rule: EdgeRule, device: torch.device) -> str:
@@ -45,6 +45,29 @@ def attend(q, k, v, rule: EdgeRule, backend: str, start: int = 0, score_mod=None
         pos = torch.arange(start, start + q.shape[2], device=q.device)
         return dense_attention(q, k, v, rule, pos, score_mod=score_mod, activation=activation, dropout_p=dropout_p)
     if backend == "chunked":
+        groups = rule.head_groups()
+        if groups and len(groups) > 1:  # each head group at its own window's cost, not the largest one's
+            heads = [torch.tensor(h, device=q.device) for h, _ in groups]
+            order = torch.cat(heads)
+            in_order = bool((order == torch.arange(q.shape[1], device=q.device)).all())
+            if in_order and score_mod is None and activation == "softmax" and dropout_p == 0.0 \
+                    and q.device.type == "cpu":  # one fused call writing every group into the same output
+                plans, first = [], 0
+                for h, sub_rule in groups:
+                    plan = _chunk_plan(sub_rule, q.shape[2], start, chunk or sub_rule.chunk_size(), len(h), q.device)
+                    plans.append((first, first + len(h), *plan))
+                    first += len(h)
+                return ChunkedFlashCPU.apply(q, k, v, tuple(plans))
+            if in_order:  # consecutive groups: split, whose backward is one concatenation (no zero-filled
+                sizes = [len(h) for h, _ in groups]  # full-size gradient per group, as indexing has)
+                pieces = zip(q.split(sizes, 1), k.split(sizes, 1), v.split(sizes, 1))
+            else:
+                pieces = ((q[:, h], k[:, h], v[:, h]) for h in heads)
+            parts = [chunked_attention(q_g, k_g, v_g, sub_rule, start, chunk or sub_rule.chunk_size(),
+                                       _head_subset(score_mod, h), activation, dropout_p)
+                     for (q_g, k_g, v_g), h, (_, sub_rule) in zip(pieces, heads, groups)]
+            y = torch.cat(parts, dim=1)
+            return y if in_order else y[:, torch.argsort(order)]
         return chunked_attention(q, k, v, rule, start, chunk or rule.chunk_size(), score_mod, activation, dropout_p)
     if backend == "flex":
         return flex(q, k, v, rule, start, score_mod, activation, dropout_p)
@@ -56,6 +79,13 @@ def attend(q, k, v, rule: EdgeRule, backend: str, start: int = 0, score_mod=None
         pos = torch.arange(start, start + q.shape[2], device=q.device)
         return _fused_softmax(q, k, v, rule.dense_mask(pos, n_head=q.shape[1]), dropout_p)
     raise ValueError(f"unknown attention backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+
+
+def _head_subset(score_mod, heads):
+    """score_mod for a subset of heads: local head index i is global head heads[i]."""
+    if score_mod is None:
+        return None
+    return lambda score, b, h, q_idx, kv_idx: score_mod(score, b, heads[h], q_idx, kv_idx)
 
 
 def _apply_score_mod(scores, score_mod, q_pos, k_pos):
@@ -149,6 +179,18 @@ def _tile_mask(rule: EdgeRule, n: int, start: int, c: int, prev: int, ahead: int
     return mask | (q_pos > last)[:, :, None]
 
 
+def _chunk_plan(rule: EdgeRule, n: int, start: int, chunk: int, n_head: int, device):
+    """(tile mask, chunk, earlier chunks, later chunks) of a rule's chunked attention over n positions."""
+    lookback = rule.chunk_lookback(chunk, start)
+    if lookback is None:
+        raise ValueError(f"{type(rule).__name__} has no bounded lookback: the chunked kernel would be O(n^2); "
+                         "use attn_backend=sdpa (or flex on CUDA)")
+    prev = -(-lookback // chunk)  # earlier chunks in each tile's key band
+    ahead = -(-rule.lookahead // chunk)  # later chunks (rules over permuted slots only)
+    mask = _tile_mask(rule, n, start, chunk, prev, ahead, -(-n // chunk), n_head, device)
+    return mask, chunk, prev, ahead
+
+
 def chunked_attention(q, k, v, rule: EdgeRule, start: int = 0, chunk: int = 128, score_mod=None,
                       activation="softmax", dropout_p: float = 0.0, fused_cpu: bool = True):
     """O(n * lookback) attention: query chunks of `chunk` positions, each over its band of keys.
@@ -157,18 +199,11 @@ def chunked_attention(q, k, v, rule: EdgeRule, start: int = 0, chunk: int = 128,
     flash kernel forward and backward; other cases build all tiles at once and use autograd.
     """
     B, H, n, D = q.shape
-    lookback = rule.chunk_lookback(chunk, start)
-    if lookback is None:
-        raise ValueError(f"{type(rule).__name__} has no bounded lookback: the chunked kernel would be O(n^2); "
-                         "use attn_backend=sdpa (or flex on CUDA)")
-    c = chunk
-    prev = -(-lookback // c)  # earlier chunks in each tile's key band
-    ahead = -(-rule.lookahead // c)  # later chunks (rules over permuted slots only)
-    n_chunks = -(-n // c)
-    mask = _tile_mask(rule, n, start, c, prev, ahead, n_chunks, H, q.device)
+    mask, c, prev, ahead = _chunk_plan(rule, n, start, chunk, H, q.device)
+    n_chunks = mask.shape[-3]
     plain = score_mod is None and activation == "softmax"
     if plain and fused_cpu and q.device.type == "cpu" and dropout_p == 0.0:
-        return ChunkedFlashCPU.apply(q, k, v, mask, c, prev, ahead)
+        return ChunkedFlashCPU.apply(q, k, v, ((0, H, mask, c, prev, ahead),))
 
     group = _TileGroup(0, n_chunks, n, c, prev, ahead)  # every chunk at once: (B * H, nc, c or K, D) tiles
     q_tiles, k_tiles, v_tiles = group.query_tiles(q), KeyTiles.apply(k, group), KeyTiles.apply(v, group)
@@ -187,44 +222,54 @@ class ChunkedFlashCPU(torch.autograd.Function):
     """Chunked softmax attention through the fused CPU flash kernel, a fixed number of query positions per
     call in forward and backward.
 
-    Only the inputs, output and gradients are full-size; tiles, masks and padding are built per group of
-    chunks, so large temporaries are neither allocated nor page-faulted at every call, and time stays linear
-    in n (one call over all tiles grew ~2.5x from n=8K to 16K on a 2-core CPU; see docs/benchmarks.md).
+    plans: one (first head, end head, tile mask, chunk, earlier chunks, later chunks) per group of heads
+    (one group for a plain rule; one per window for multi-scale windows), each written straight into the
+    shared output and gradients. Only the inputs, output and gradients are full-size; tiles, masks and padding
+    are built per group of chunks, so large temporaries are neither allocated nor page-faulted at every call,
+    and time stays linear in n (one call over all tiles grew ~2.5x from n=8K to 16K on a 2-core CPU; see
+    docs/benchmarks.md).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, c: int, prev: int, ahead: int):
-        B, H, n, D = q.shape
-        ctx.c, ctx.prev, ctx.ahead = c, prev, ahead
+    def forward(ctx, q, k, v, plans):
+        B, _, n, _ = q.shape
         out = torch.empty_like(q)
-        lse = q.new_empty(B * H, mask.shape[-3], c, dtype=torch.promote_types(q.dtype, torch.float32))
-        for g in ChunkedFlashCPU._groups(n, mask.shape[-3], c, prev, ahead):
-            y, lse[:, g.i0:g.i1] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                g.query_tiles(q), g.key_tiles(k), g.key_tiles(v), 0.0, False, attn_mask=g.bias(mask, q.dtype, B))
-            g.scatter_queries(out, y)
-        empty_rows = ~mask.any(-1)
-        if empty_rows.any():  # such rows attended everywhere inside the kernel: their output is zero
-            out = out * ChunkedFlashCPU._rows_to_keep(empty_rows, out, c)
-        ctx.save_for_backward(q, k, v, mask, out, lse)
+        lses = []
+        for h0, h1, mask, c, prev, ahead in plans:
+            q_h, k_h, v_h, out_h = (t[:, h0:h1] for t in (q, k, v, out))
+            lse = q.new_empty(B * (h1 - h0), mask.shape[-3], c, dtype=torch.promote_types(q.dtype, torch.float32))
+            for g in ChunkedFlashCPU._groups(n, mask.shape[-3], c, prev, ahead, B * (h1 - h0)):
+                y, lse[:, g.i0:g.i1] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    g.query_tiles(q_h), g.key_tiles(k_h), g.key_tiles(v_h), 0.0, False,
+                    attn_mask=g.bias(mask, q.dtype, B))
+                g.scatter_queries(out_h, y)
+            empty_rows = ~mask.any(-1)
+            if empty_rows.any():  # such rows attended everywhere inside the kernel: their output is zero
+                out_h.mul_(ChunkedFlashCPU._rows_to_keep(empty_rows, out_h, c))
+            lses.append(lse)
+        ctx.plans = plans
+        ctx.save_for_backward(q, k, v, out, *lses)
         return out
 
     @staticmethod
     def backward(ctx, grad_y):
-        q, k, v, mask, out, lse = ctx.saved_tensors
-        B, H, n, D = q.shape
-        c, prev, ahead = ctx.c, ctx.prev, ctx.ahead
-        empty_rows = ~mask.any(-1)
-        if empty_rows.any():
-            grad_y = grad_y * ChunkedFlashCPU._rows_to_keep(empty_rows, grad_y, c)
+        q, k, v, out, *lses = ctx.saved_tensors
+        B, _, n, _ = q.shape
         grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for g in ChunkedFlashCPU._groups(n, mask.shape[-3], c, prev, ahead):
-            g_q, g_k, g_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                g.query_tiles(grad_y), g.query_tiles(q), g.key_tiles(k), g.key_tiles(v), g.query_tiles(out),
-                lse[:, g.i0:g.i1].contiguous(), 0.0, False, attn_mask=g.bias(mask, q.dtype, B))
-            g.scatter_queries(grad_q, g_q)
-            g.accumulate_keys(grad_k, g_k)
-            g.accumulate_keys(grad_v, g_v)
-        return grad_q, grad_k, grad_v, None, None, None, None
+        for (h0, h1, mask, c, prev, ahead), lse in zip(ctx.plans, lses):
+            q_h, k_h, v_h, out_h, grad_y_h = (t[:, h0:h1] for t in (q, k, v, out, grad_y))
+            empty_rows = ~mask.any(-1)
+            if empty_rows.any():
+                grad_y_h = grad_y_h * ChunkedFlashCPU._rows_to_keep(empty_rows, grad_y_h, c)
+            for g in ChunkedFlashCPU._groups(n, mask.shape[-3], c, prev, ahead, B * (h1 - h0)):
+                g_q, g_k, g_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    g.query_tiles(grad_y_h), g.query_tiles(q_h), g.key_tiles(k_h), g.key_tiles(v_h),
+                    g.query_tiles(out_h), lse[:, g.i0:g.i1].contiguous(), 0.0, False,
+                    attn_mask=g.bias(mask, q.dtype, B))
+                g.scatter_queries(grad_q[:, h0:h1], g_q)
+                g.accumulate_keys(grad_k[:, h0:h1], g_k)
+                g.accumulate_keys(grad_v[:, h0:h1], g_v)
+        return grad_q, grad_k, grad_v, None
 
     @staticmethod
     def _rows_to_keep(empty_rows, like, c):
@@ -233,8 +278,8 @@ class ChunkedFlashCPU(torch.autograd.Function):
         return keep.to(like.dtype)[..., None]
 
     @staticmethod
-    def _groups(n, n_chunks, c, prev, ahead):
-        per_call = max(1, TILE_QUERIES_PER_CALL // c)
+    def _groups(n, n_chunks, c, prev, ahead, batch_heads):
+        per_call = max(1, TILE_ROWS_PER_CALL // (batch_heads * c))  # narrow head groups take more chunks
         for i0 in range(0, n_chunks, per_call):
             yield _TileGroup(i0, min(n_chunks, i0 + per_call), n, c, prev, ahead)
 

@@ -35,6 +35,10 @@ class Mixer(nn.Module):
     def init_weights(self) -> None:
         pass
 
+    def describe(self) -> str:
+        """A line for the start-up summary (e.g. per-head windows); empty when there is nothing to add."""
+        return ""
+
     def edge_counts(self, seq_len: int) -> list[tuple[int, int]]:
         """Per head: (attention scores computed, unique allowed edges) over a sequence of seq_len tokens.
         They differ for variants with several separately normalised branches (branch vs union form)."""

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from attention.edges import Causal, FixedBlock, SlidingWindow  # noqa: E402
+from attention.edges import Causal, FixedBlock, HeadWindows, SlidingWindow  # noqa: E402
 from attention.kernels import attend, resolve_backend  # noqa: E402
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
 
@@ -47,7 +47,10 @@ class BenchConfig:
 
 
 def rule_of(name: str, b: BenchConfig):
-    rules = {"full": Causal(), "swa": SlidingWindow(b.window), "block": FixedBlock(b.block)}
+    # mswa: the layer of an MSWA stack whose base window is w (heads w/4, w/2, w, 2w; summed windows 15/16 of swa)
+    quarter = b.heads // 4 or 1
+    mswa = HeadWindows(tuple(int(b.window * f) for f in (0.25, 0.5, 1, 2) for _ in range(quarter))[:b.heads])
+    rules = {"full": Causal(), "swa": SlidingWindow(b.window), "block": FixedBlock(b.block), "mswa": mswa}
     if name not in rules:
         raise ConfigError(f"unknown variant {name!r}: expected one of {', '.join(rules)}")
     return rules[name]

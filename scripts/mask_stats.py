@@ -36,6 +36,8 @@ def layer_stats(model, seq_len: int, swa_window: int) -> list[dict]:
         except NotImplementedError:
             rows.append({"layer": i, "mixer": type(mixer).__name__, "heads": None})
             continue
+        rule = getattr(mixer, "rule", None)
+        windows = rule.head_windows(len(heads)) if rule is not None else None
         computed = sum(c for c, _ in heads) / len(heads)
         edges = sum(e for _, e in heads) / len(heads)
         rows.append({
@@ -44,6 +46,7 @@ def layer_stats(model, seq_len: int, swa_window: int) -> list[dict]:
             "scores_per_head": computed, "edges_per_head": edges,
             "scores_vs_full": computed / full, "scores_vs_swa": computed / swa,
             "edges_vs_full": edges / full, "edges_vs_swa": edges / swa,
+            "head_windows": windows, "describe": mixer.describe(),
         })
     return rows
 
@@ -87,10 +90,16 @@ def main(argv):
     rf = receptive_field(model, args.seq_len) if want_rf else None
     reference = {"full": Causal().count_edges(args.seq_len), "swa": SlidingWindow(m.swa_window).count_edges(args.seq_len)}
 
+    windowed = [row for row in layers if row.get("head_windows")]
+    window_sum = sum(sum(row["head_windows"]) for row in windowed)
+    swa_sum = m.swa_window * m.n_head * len(windowed)
+    # paper 002's relative cost: the sum of the window sizes over all heads and layers (Eq. 8-10)
+    summed = {"windowed_layers": len(windowed), "sum": window_sum, "swa_sum": swa_sum,
+              "swa_over_this": swa_sum / window_sum if window_sum else None}
     if args.json:
         print(json.dumps({"config": args.config, "overrides": overrides, "seq_len": args.seq_len,
                           "attn_pattern": m.attn_pattern, "reference_per_head": reference,
-                          "layers": layers, "receptive_field": rf}, indent=2))
+                          "layers": layers, "summed_windows": summed, "receptive_field": rf}, indent=2))
         return
     n = args.seq_len
     print(f"{args.config} {' '.join(overrides)}: seq_len {n}, {m.n_layer} layers x {m.n_head} heads, "
@@ -107,6 +116,11 @@ def main(argv):
               f"{row['scores_vs_full']:>8.4f} {row['scores_vs_swa']:>8.4f}")
         if len(per_head) > 1:
             print("      * mean over heads; per head: " + ", ".join(f"{h['scores']:,}" for h in row["heads"]))
+        if row["describe"]:
+            print(f"      {row['describe']}")
+    if windowed:
+        print(f"summed window sizes over {len(windowed)} windowed layers x {m.n_head} heads: {window_sum:,} "
+              f"(SWA with w={m.swa_window}: {swa_sum:,}; relative cost SWA / this = {summed['swa_over_this']:.4f})")
     if rf:
         print(f"\nall-depth receptive field (sources reachable per target, residuals included; n = {n}):")
         print(f"{'layer':>5} {'mean':>10} {'last target':>12} {'coverage':>9} {'fully covered targets':>22}")

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without to
 
 
 @dataclass(frozen=True)
-class HeadWindows(EdgeRule):
+class PerHeadRule(EdgeRule):
     """A per-head rule (head h sees the windows[h] most recent keys), as multi-scale variants need."""
 
     windows: tuple = (3, 8, 17, 40)
@@ -47,7 +47,7 @@ class EveryThirdQuery(EdgeRule):
         return (k <= q) & (q - k < 5) & (q % 3 == 0)
 
 
-RULES = [Causal(), SlidingWindow(16), SlidingWindow(33), FixedBlock(16), FixedBlock(20), HeadWindows()]
+RULES = [Causal(), SlidingWindow(16), SlidingWindow(33), FixedBlock(16), FixedBlock(20), PerHeadRule()]
 LENGTHS = [64, 100, 257]  # multiples of 16 and not
 
 
@@ -99,7 +99,7 @@ def test_chunked_equals_dense_forward_and_backward(rule, n, chunk):
         torch.testing.assert_close(g, r)
 
 
-@pytest.mark.parametrize("rule", [SlidingWindow(33), FixedBlock(20), HeadWindows(), EveryThirdQuery()], ids=repr)
+@pytest.mark.parametrize("rule", [SlidingWindow(33), FixedBlock(20), PerHeadRule(), EveryThirdQuery()], ids=repr)
 def test_chunked_autograd_sdpa_path_equals_dense(rule):
     # the path CUDA and attention dropout use (on CPU the fused flash Function is the default)
     tensors = qkv(100)
@@ -119,7 +119,7 @@ def test_chunked_bfloat16_is_close_to_float32_reference():
 
 
 @pytest.mark.parametrize("activation", ["softmax", "sigmoid"])
-@pytest.mark.parametrize("rule", [SlidingWindow(16), FixedBlock(20), HeadWindows()], ids=repr)
+@pytest.mark.parametrize("rule", [SlidingWindow(16), FixedBlock(20), PerHeadRule()], ids=repr)
 def test_chunked_score_mod_and_sigmoid_equal_dense(rule, activation):
     n = 100
     tensors = qkv(n)
