@@ -5,7 +5,8 @@ groups, so a config file and the command line can use flat names as in nanoGPT:
 
     python train.py configs/quickstart.py --batch_size=32 --learning_rate=3e-4
 
-A config file is python that assigns fields (`n_layer = 6`); `--key=value` overrides it. Values are checked
+A config file is python that assigns fields (`n_layer = 6`), optionally after `include("configs/other.py")`;
+`--key=value` overrides it. Values are checked
 against the field's type; an unknown key or a bad value raises ConfigError naming the closest valid key, and
 the entry points turn that into exit status 2 before anything is written.
 """
@@ -51,6 +52,8 @@ class ModelConfig:
     block_len: int = 128  # block(b): causal attention within fixed blocks of b positions
     mswa_variation: str = "geometric"  # mswa: group factors 1/4,1/2,1,2 (geometric) or 1/2,3/4,1,5/4 (arithmetic)
     mswa_layer_order: str = "increasing"  # mswa: windows grow with depth (increasing) or shrink (reverse)
+    linear_feature_dim: int = 16  # linear: q/k feature dimension of Taylor linear attention (paper 002)
+    linear_chunk: int = 64  # linear: chunk length of the chunked training form
 
     @property
     def head_dim(self) -> int:
@@ -200,7 +203,8 @@ def apply_file(target, path: str, fields=None) -> None:
             source = f.read()
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
-    namespace: dict = {}
+    # include("configs/base.py") applies another config file first; this file's assignments then override it
+    namespace: dict = {"include": lambda other: apply_file(target, other, fields)}
     try:
         exec(compile(source, path, "exec"), namespace)
     except Exception as e:

@@ -57,3 +57,15 @@ def test_train_exits_2_and_writes_nothing(tmp_path, override):
     assert proc.returncode == 2, proc.stderr
     assert "config error" in proc.stderr and override.split("=")[0][2:] in proc.stderr
     assert not out.exists()
+
+
+def test_include_applies_another_file_first(tmp_path):
+    base = tmp_path / "base.py"
+    base.write_text("n_layer = 3\nlearning_rate = 1e-3\n")
+    child = tmp_path / "child.py"
+    child.write_text(f"include({str(base)!r})\nlearning_rate = 5e-4\n")
+    cfg = load_config([str(child), "--max_iters=7"])
+    assert cfg.model.n_layer == 3 and cfg.train.learning_rate == 5e-4 and cfg.train.max_iters == 7
+    child.write_text("include('no/such/file.py')\n")
+    with pytest.raises(ConfigError, match="cannot read config file no/such/file.py"):
+        load_config([str(child)])

@@ -1,0 +1,152 @@
+"""Linear attention with the 2nd-order Taylor feature map (paper 002 Sec. 4.4 and App. B.2.1, after Based).
+
+Per head, q and k are projected to `linear_feature_dim` (16) dimensions and rotated by RoPE; the feature map
+    phi(x) = [1, x / d^(1/4), vec(x x^T) / (sqrt(2) sqrt(d))]        (d = feature dim)
+gives phi(q) . phi(k) = 1 + t + t^2 / 2 with t = q . k / sqrt(d), the Taylor expansion of exp(t), which is
+at least 1/2, so the normalised read o_i = phi(q_i) S_i / (phi(q_i) z_i), with S_i = sum_{j<=i} phi(k_j)^T v_j
+and z_i = sum_{j<=i} phi(k_j), never divides by zero. Three forms, equal to float tolerance (tests):
+    quadratic   the reference, O(n^2): (1 + t + t^2/2) causally masked, rows normalised
+    chunked     training, O(n): exact within chunks, the running state (S, z) between them
+    recurrent   generation: one token at a time from the state, constant memory
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from attention.registry import Mixer, register
+from attention.rope import apply_rope
+
+
+def taylor_features(x: torch.Tensor) -> torch.Tensor:
+    """phi(x) for x (..., d): (..., 1 + d + d^2)."""
+    d = x.shape[-1]
+    second = (x.unsqueeze(-1) * x.unsqueeze(-2)).flatten(-2) / (2 ** 0.5 * d ** 0.5)
+    return torch.cat([torch.ones_like(x[..., :1]), x / d ** 0.25, second], dim=-1)
+
+
+def taylor_kernel(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """phi(q) . phi(k) for all pairs, computed from q . k directly: (..., Tq, Tk)."""
+    t = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    return 1 + t + t * t / 2
+
+
+def quadratic_linear_attention(q, k, v):
+    """The O(n^2) reference: causal kernel matrix, each row normalised."""
+    n = q.shape[-2]
+    weights = taylor_kernel(q, k) * torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    return (weights @ v) / weights.sum(-1, keepdim=True)
+
+
+def chunked_linear_attention(q, k, v, state=None, chunk: int = 64):
+    """O(n) causal Taylor linear attention of q, k (B, H, n, d) and v (B, H, n, D).
+
+    state: (S, z) with S (B, H, F, D) and z (B, H, F) summarising earlier tokens, or None. Returns the output
+    and the state after the last token.
+    """
+    B, H, n, d = q.shape
+    D = v.shape[-1]
+    pad = -n % chunk
+    if pad:
+        q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    nc = (n + pad) // chunk
+    qc, kc, vc = (t.reshape(B, H, nc, chunk, -1) for t in (q, k, v))
+    valid = (torch.arange(n + pad, device=q.device) < n).to(q.dtype).view(nc, chunk, 1)
+    phi_k = taylor_features(kc) * valid  # padded keys contribute nothing to the state
+    kv = phi_k.transpose(-1, -2) @ vc  # (B, H, nc, F, D): each chunk's contribution
+    ksum = phi_k.sum(-2)  # (B, H, nc, F)
+    S0 = torch.zeros(B, H, kv.shape[-2], D, dtype=q.dtype, device=q.device) if state is None else state[0]
+    z0 = torch.zeros(B, H, ksum.shape[-1], dtype=q.dtype, device=q.device) if state is None else state[1]
+    S_before = S0.unsqueeze(2) + kv.cumsum(2) - kv  # state at the start of each chunk
+    z_before = z0.unsqueeze(2) + ksum.cumsum(2) - ksum
+    phi_q = taylor_features(qc)
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    within = taylor_kernel(qc, kc) * causal * valid.transpose(-1, -2)
+    numerator = within @ vc + phi_q @ S_before
+    denominator = within.sum(-1) + (phi_q @ z_before.unsqueeze(-1)).squeeze(-1)
+    y = (numerator / denominator.unsqueeze(-1)).reshape(B, H, n + pad, D)[:, :, :n]
+    return y, (S_before[:, :, -1] + kv[:, :, -1], z_before[:, :, -1] + ksum[:, :, -1])
+
+
+def recurrent_linear_attention(q, k, v, state=None):
+    """Token by token from the state: the generation form (and a third reference in tests)."""
+    B, H, n, d = q.shape
+    F_dim = 1 + d + d * d
+    S = torch.zeros(B, H, F_dim, v.shape[-1], dtype=q.dtype, device=q.device) if state is None else state[0]
+    z = torch.zeros(B, H, F_dim, dtype=q.dtype, device=q.device) if state is None else state[1]
+    outputs = []
+    for t in range(n):
+        phi_k, phi_q = taylor_features(k[:, :, t]), taylor_features(q[:, :, t])
+        S = S + phi_k.unsqueeze(-1) * v[:, :, t].unsqueeze(-2)
+        z = z + phi_k
+        outputs.append((phi_q.unsqueeze(-2) @ S).squeeze(-2) / (phi_q * z).sum(-1, keepdim=True))
+    return torch.stack(outputs, dim=2), (S, z)
+
+
+@dataclass
+class LinearState:
+    """Generation state of a linear-attention layer: (S, z), or None before the first token."""
+
+    state: tuple | None = None
+
+    @property
+    def empty(self) -> bool:
+        return self.state is None
+
+
+@register("linear")
+class TaylorLinearAttention(Mixer):
+    @classmethod
+    def check_config(cls, config):
+        if config.linear_feature_dim < 2 or config.linear_feature_dim % 2:
+            raise ValueError(f"linear_feature_dim={config.linear_feature_dim}: must be even (RoPE) and >= 2")
+        if config.linear_chunk < 1:
+            raise ValueError(f"linear_chunk={config.linear_chunk}: must be >= 1")
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.n_head, self.head_dim, self.feature_dim = config.n_head, config.head_dim, config.linear_feature_dim
+        self.chunk = config.linear_chunk
+        self.c_qk = nn.Linear(config.n_embd, 2 * config.n_head * self.feature_dim, bias=config.bias)
+        self.c_v = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.rope_theta = config.rope_theta if config.resolved_pos_embedding == "rope" else None
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, pos, cache=None):
+        B, T, C = x.shape
+        q, k = (t.view(B, T, self.n_head, self.feature_dim).transpose(1, 2)
+                for t in self.c_qk(x).split(self.n_head * self.feature_dim, dim=2))
+        v = self.c_v(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        if self.rope_theta is not None:
+            q, k = apply_rope(q, pos, self.rope_theta), apply_rope(k, pos, self.rope_theta)
+        # the state sums many terms: keep it in float32 or better under autocast
+        compute = torch.promote_types(q.dtype, torch.float32)
+        q, k, v32 = q.to(compute), k.to(compute), v.to(compute)
+        previous = None if cache is None else cache.state
+        if cache is not None and T == 1:
+            y, state = recurrent_linear_attention(q, k, v32, previous)
+        else:
+            y, state = chunked_linear_attention(q, k, v32, previous, self.chunk)
+        if cache is not None:
+            cache.state = state
+        y = y.to(v.dtype).transpose(1, 2).reshape(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+    def init_cache(self, batch_size, max_len, device, dtype):
+        return LinearState()
+
+    def edge_mask(self, seq_len, device="cpu"):
+        return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()  # every earlier token
+
+    def mixing_flops(self, seq_len):
+        features = 1 + self.feature_dim + self.feature_dim ** 2
+        within = 2 * self.chunk / 2 * (self.feature_dim + self.head_dim)  # intra-chunk kernel and read
+        across = 2 * 2 * features * self.head_dim  # state update and read
+        return self.n_head * 2 * (within + across)
+
+    def describe(self):
+        return f"Taylor linear attention, feature dim {self.feature_dim} ({1 + self.feature_dim + self.feature_dim ** 2} features)"

@@ -1,0 +1,74 @@
+"""Train a list of configs (x seeds), optionally evaluate them, and write one comparison table.
+
+    python scripts/sweep.py configs/mswa_cpu_swa.py configs/mswa_cpu_mswa.py --out=out/sweeps/mswa_table2
+    python scripts/sweep.py configs/mswa_cpu_*.py --seeds=1337,2025 --eval="--tasks=ppl --ppl_lengths=64,256"
+
+Each run goes to OUT/<config name>_s<seed>; a run whose ckpt_last.pt already reached max_iters is kept, so an
+interrupted sweep picks up where it stopped. The table (scripts/compare.py) and the exact command of the
+sweep are written to OUT/results.md.
+"""
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def finished(run_dir: Path) -> bool:
+    config, metrics = run_dir / "config.json", run_dir / "metrics.jsonl"
+    if not (config.exists() and metrics.exists() and (run_dir / "ckpt_last.pt").exists()):
+        return False
+    max_iters = json.loads(config.read_text())["train"]["max_iters"]
+    steps = [json.loads(line).get("step", -1) for line in metrics.read_text().splitlines() if line.strip()]
+    return bool(steps) and max(steps) >= max_iters
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("configs", nargs="+")
+    parser.add_argument("--out", default="out/sweep", help="folder for the runs and results.md")
+    parser.add_argument("--seeds", default="", help="comma-separated seeds (default: each config's own)")
+    parser.add_argument("--extra", default="", help="--key=value overrides added to every run")
+    parser.add_argument("--eval", default="", help="arguments of `python -m eval` run on every finished run")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    seeds = [s for s in args.seeds.split(",") if s] or [None]
+    runs = []
+    for config in args.configs:
+        for seed in seeds:
+            name = Path(config).stem + (f"_s{seed}" if seed else "")
+            run_dir = out / name
+            runs.append(run_dir)
+            if finished(run_dir):
+                print(f"[sweep] {name}: already finished, kept")
+                continue
+            resume = ["--init_from=resume"] if (run_dir / "ckpt_last.pt").exists() else []
+            command = [sys.executable, "train.py", config, f"--out_dir={run_dir}", *shlex.split(args.extra),
+                       *([f"--seed={seed}"] if seed else []), *resume]
+            print(f"[sweep] {name}: {' '.join(command[1:])}", flush=True)
+            started = time.time()
+            result = subprocess.run(command, cwd=REPO)
+            if result.returncode != 0:
+                sys.exit(f"[sweep] {name} failed (exit {result.returncode}); rerun the sweep to resume it")
+            print(f"[sweep] {name}: trained in {time.time() - started:.0f} s", flush=True)
+            if args.eval:
+                subprocess.run([sys.executable, "-m", "eval", f"--out_dir={run_dir}", "--progress=False",
+                                *shlex.split(args.eval)], cwd=REPO, check=True)
+    table = subprocess.run([sys.executable, "scripts/compare.py", *map(str, runs), "--plot", "--out", str(out)],
+                           cwd=REPO, capture_output=True, text=True)
+    if table.returncode != 0:
+        sys.exit(f"[sweep] compare.py failed:\n{table.stderr}")
+    command = " ".join(["python", "scripts/sweep.py", *map(shlex.quote, argv)])
+    (out / "results.md").write_text(f"# Sweep results\n\nCommand: `{command}`\n\n{table.stdout}")
+    print(table.stdout)
+    print(f"[sweep] wrote {out / 'results.md'} and plots in {out}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,23 @@
+import subprocess
+import sys
+
+from conftest import REPO
+
+
+def test_sweep_trains_compares_and_resumes(tmp_path):
+    configs = []
+    for pattern in ("full", "swa"):
+        path = tmp_path / f"tiny_{pattern}.py"
+        path.write_text(f'include("configs/quickstart.py")\nn_layer = 2\nn_head = 2\nn_embd = 32\nblock_size = 32\n'
+                        f'batch_size = 4\nmax_iters = 4\neval_interval = 4\neval_iters = 2\nlog_interval = 2\n'
+                        f'attn_pattern = "{pattern}"\nswa_window = 8\n')
+        configs.append(str(path))
+    out = tmp_path / "sweep"
+    command = [sys.executable, "scripts/sweep.py", *configs, f"--out={out}", "--eval=--tasks=ppl --ppl_lengths=16"]
+    first = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    results = (out / "results.md").read_text()
+    assert "scripts/sweep.py" in results and "tiny_full" in results and "tiny_swa" in results
+    assert "ppl@L=16" in results and (out / "loss_curves.png").exists()
+    again = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and again.stdout.count("already finished, kept") == 2
