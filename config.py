@@ -17,6 +17,7 @@ import ast
 import dataclasses
 import difflib
 import json
+import os
 import sys
 import types
 import typing
@@ -204,7 +205,12 @@ def apply_file(target, path: str, fields=None) -> None:
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
     # include("configs/base.py") applies another config file first; this file's assignments then override it
-    namespace: dict = {"include": lambda other: apply_file(target, other, fields)}
+    # (a relative path is looked up from the working directory, then from the repository root)
+    def include(other):
+        repo_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), other)
+        apply_file(target, other if os.path.exists(other) or not os.path.exists(repo_path) else repo_path, fields)
+
+    namespace: dict = {"include": include}
     try:
         exec(compile(source, path, "exec"), namespace)
     except Exception as e:
