@@ -483,6 +483,19 @@ def _pyplot():
     return plt
 
 
+def _save(fig, axes, path):
+    """Grid, legend, layout, then write the figure as a PNG and close it; returns the path."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def _colors(plt, n):
     cmap = plt.get_cmap("tab10" if n <= 10 else "tab20")
     return [cmap(i % cmap.N) for i in range(n)]
@@ -517,12 +530,7 @@ def plot_all(records: list[dict], out_dir: Path) -> list[Path]:
         ax.yaxis.set_major_locator(ticker.MaxNLocator(8))
         ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%.3g"))
         ax.yaxis.set_minor_formatter(ticker.NullFormatter())
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    written.append(out_dir / "loss_curves.png")
-    fig.savefig(written[-1], dpi=120)
-    plt.close(fig)
+    written.append(_save(fig, axes, out_dir / "loss_curves.png"))
 
     ppl = [(r, c, [row for row in r["evals"].get("ppl", {}).get("rows", [])
                    if _is_number(row.get("length")) and _is_number(row.get("ppl"))]) for r, c in zip(records, colors)]
@@ -541,12 +549,7 @@ def plot_all(records: list[dict], out_dir: Path) -> list[Path]:
         ax.set_title("Perplexity vs evaluation length")
         ax.set_xlabel("evaluation length (tokens)")
         ax.set_ylabel("perplexity")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        written.append(out_dir / "ppl_vs_length.png")
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
+        written.append(_save(fig, [ax], out_dir / "ppl_vs_length.png"))
 
     niah = [(r, c, r["evals"].get("niah", {}).get("rows", [])) for r, c in zip(records, colors)]
     if any(rows for _, _, rows in niah):
@@ -565,12 +568,7 @@ def plot_all(records: list[dict], out_dir: Path) -> list[Path]:
         ax.title.set_fontsize(10)
         ax.set_xlabel("context length (tokens)")
         ax.set_ylabel("accuracy (acc_rank)")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        written.append(out_dir / "retrieval_vs_distance.png")
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
+        written.append(_save(fig, [ax], out_dir / "retrieval_vs_distance.png"))
     return written
 
 
