@@ -100,6 +100,8 @@ class GPT(nn.Module):
         tokens the caches already hold.
         """
         B, T = idx.shape
+        if start_pos and caches is None:
+            raise ValueError("start_pos continues a sequence held in caches; without caches a sequence starts at 0")
         pos = torch.arange(start_pos, start_pos + T, device=idx.device)
         x = self.wte(idx)
         if self.wpe is not None:

@@ -81,7 +81,8 @@ class MaskedAttention(Attention):
                 q, k, v = (t[:, :, order] for t in (q, k, v))
                 y = attend(q, k, v, rule, self.backend, 0, self.score_mod(), self.activation, dropout_p)
                 return torch.empty_like(y).index_copy_(2, order, y)
-        start = int(pos[0])
+        # without a cache a sequence starts at 0 (GPT.forward enforces it): no device sync on the training path
+        start = 0 if cache is None else int(pos[0])
         if cache is None or (cache.empty and q.shape[2] > 1):  # training, or a prompt's first pass
             y = attend(q, k, v, self.rule, self.backend, start, self.score_mod(), self.activation, dropout_p)
             if cache is not None:
