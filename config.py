@@ -53,6 +53,9 @@ class ModelConfig:
     block_len: int = 128  # block(b): causal attention within fixed blocks of b positions
     mswa_variation: str = "geometric"  # mswa: group factors 1/4,1/2,1,2 (geometric) or 1/2,3/4,1,5/4 (arithmetic)
     mswa_layer_order: str = "increasing"  # mswa: windows grow with depth (increasing) or shrink (reverse)
+    sa_mode: str = "stochastic"  # sa at inference: a fresh permutation every forward | deterministic (fixed per layer)
+    sa_shared_batch: bool = True  # sa: one permutation for the whole batch (paper 000) or one per sequence
+    sa_seed: int = 0  # sa_mode=deterministic: the fixed permutations come from this seed (training draws from the run's RNG)
     linear_feature_dim: int = 16  # linear: q/k feature dimension of Taylor linear attention (paper 002)
     linear_chunk: int = 64  # linear: chunk length of the chunked training form
 

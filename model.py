@@ -144,9 +144,11 @@ class GPT(nn.Module):
         """Continue idx (B, T) by max_new_tokens sampled tokens.
 
         temperature 0 is greedy decoding. With use_cache the prompt is run once and each new token costs one
-        step through the layers' caches; without it every step re-runs the (cropped) context, as nanoGPT does.
+        step through the layers' caches; without it (or when a mixer has none, as sa) every step re-runs the
+        (cropped) context, as nanoGPT does.
         """
         limit = self.config.block_size if self.wpe is not None else None  # learned positions cannot extrapolate
+        use_cache = use_cache and all(block.mixer.supports_cache for block in self.blocks)
         caches, cached = None, 0
         for _ in range(max_new_tokens):
             if limit is not None and idx.size(1) > limit:

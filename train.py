@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -25,7 +25,7 @@ from checkpoint import (CheckpointError, load_checkpoint, remove_stale_temp_file
                         write_json)
 from config import Config, ConfigError, exit_on_config_error, load_config
 from data.loader import WindowSampler
-from data.meta import DataError, load_meta, open_tokens, prepare_embedded_if_missing, unigram_entropy
+from data.meta import DataError, load_meta, open_tokens, prepare_generated_if_missing, unigram_entropy
 from eval.probes import training_probes
 from model import GPT
 
@@ -111,6 +111,16 @@ class MetricsLog:
 
 
 @torch.no_grad()
+@contextmanager
+def isolated_rng(seed: int, device):
+    """Evaluation draws (sa's permutations) from its own seeded RNG: the training RNG stream is left as it
+    was, so a resumed run (which re-evaluates at its first step) draws what the uninterrupted one drew, and
+    every evaluation of a run uses the same draws."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
+
+
 def evaluate(model, val_data: WindowSampler, eval_iters: int, rank: int, world_size: int, autocast, device):
     """Mean validation loss over a fixed set of eval_iters batches, split across ranks and averaged."""
     model.eval()
@@ -160,7 +170,7 @@ def main(argv):
     data_dir = cfg.data.data_dir or str(Path(__file__).resolve().parent / "data" / cfg.data.dataset)
     try:
         if master:
-            prepare_embedded_if_missing(data_dir)
+            prepare_generated_if_missing(data_dir)
         if ddp:
             dist.barrier()
         meta = load_meta(data_dir)
@@ -286,22 +296,23 @@ def main(argv):
             group["lr"] = lr
 
         if step % ev.eval_interval == 0 or step == t.max_iters or ev.eval_only:
-            val_loss = evaluate(model, val_data, ev.eval_iters, rank, world_size, autocast, device)
-            improved = val_loss < best_val_loss
-            best_val_loss = min(best_val_loss, val_loss)
-            if master:
-                print(f"step {step}: val loss {val_loss:.4f} (unigram baseline {unigram:.4f}, best {best_val_loss:.4f})")
-                metrics.log(step, val_loss=val_loss, best_val_loss=best_val_loss)
-            if ev.eval_tasks and step % (ev.eval_tasks_interval or ev.eval_interval) == 0:
-                if master:  # retrieval / perplexity probes at several lengths (eval/probes.py)
-                    with autocast:
-                        probes = training_probes(raw_model, ev.eval_tasks.split(","), task_lengths,
-                                                 open_tokens(data_dir, "val"), meta["eot_id"], meta["tokenizer"],
-                                                 t.seed, device)
-                    print(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in probes.items()))
-                    metrics.log(step, **probes)
-                if ddp:
-                    dist.barrier()
+            with isolated_rng(t.seed + rank, device):
+                val_loss = evaluate(model, val_data, ev.eval_iters, rank, world_size, autocast, device)
+                improved = val_loss < best_val_loss
+                best_val_loss = min(best_val_loss, val_loss)
+                if master:
+                    print(f"step {step}: val loss {val_loss:.4f} (unigram baseline {unigram:.4f}, best {best_val_loss:.4f})")
+                    metrics.log(step, val_loss=val_loss, best_val_loss=best_val_loss)
+                if ev.eval_tasks and step % (ev.eval_tasks_interval or ev.eval_interval) == 0:
+                    if master:  # retrieval / perplexity probes at several lengths (eval/probes.py)
+                        with autocast:
+                            probes = training_probes(raw_model, ev.eval_tasks.split(","), task_lengths,
+                                                     open_tokens(data_dir, "val"), meta["eot_id"], meta["tokenizer"],
+                                                     t.seed, device)
+                        print(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in probes.items()))
+                        metrics.log(step, **probes)
+                    if ddp:
+                        dist.barrier()
             if ev.eval_only:
                 break
             if improved and step > start_step:

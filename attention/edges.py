@@ -12,7 +12,9 @@ that single predicate, never written again:
 Besides the predicate a rule states `lookback`, the largest q - k it allows (None when unbounded), and
 `lookahead`, the largest k - q (0 for causal rules). They only size things (the chunked kernel's key band,
 the rolling KV cache) and tests check them against the predicate.
-Rules are frozen dataclasses, so they are hashable: block masks and edge counts are cached per rule.
+Rules are frozen dataclasses, so they are hashable: block masks and edge counts are cached per rule. Rules
+drawn afresh at every forward (stochastic attention's permutations) are `static = False`: kernels build
+their masks per call instead of caching them.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class EdgeRule:
     lookahead = 0  # largest k - q (positive only for rules over permuted slots, where later slots can be
     #                earlier tokens); the chunked kernel's key band extends this far past each chunk
     per_head = False  # True when allowed() depends on the head index
+    static = True  # False for rules holding per-forward state (a permutation): never cached by kernels
 
     def allowed(self, q: torch.Tensor, k: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
@@ -176,3 +179,84 @@ class FixedBlock(EdgeRule):
             return self.block
         largest_pow2_divisor = self.block & -self.block
         return min(256, largest_pow2_divisor) if largest_pow2_divisor >= 32 else 128
+
+
+# ---- stochastic attention (paper 000): a sliding window over a random permutation ----------------------
+
+def circular_distance(a, b, n):
+    """|a - b|_n: distance between slots a and b on a ring of n slots (n None: a line, |a - b|)."""
+    if n is None:
+        return (a - b).abs()
+    d = (a - b) % n
+    return torch.minimum(d, n - d)
+
+
+def in_circular_window(q_slot, k_slot, window, n):
+    """Paper 000's circular window N_w (Eq. 3): slots at circular distance < window/2, the query's own included."""
+    return 2 * circular_distance(q_slot, k_slot, n) < window
+
+
+def stochastic_window_edges(q_slot, k_slot, q_pos, k_pos, window, n):
+    """The SA edge (paper 000, Eq. 3 and App. B): the key's slot lies in the circular window of the query's
+    slot in permuted space, and the key is not after the query in original positions."""
+    return (k_pos <= q_pos) & in_circular_window(q_slot, k_slot, window, n)
+
+
+def stochastic_halo(window: int) -> int:
+    """The largest slot distance the circular window admits: distance d is inside iff 2 d < window."""
+    return (window - 1) // 2
+
+
+@dataclass(frozen=True, eq=False)
+class StochasticWindow(EdgeRule):
+    """sa(w) in original positions, for one permutation: token t sits in slot slot_of[t] (the reference form,
+    used by the dense backend and the analysis tools; O(n^2) to evaluate over all pairs)."""
+
+    slot_of: torch.Tensor = None  # (n,) slot of every token
+    window: int = 256
+    static = False
+
+    def allowed(self, q, k, h=None):
+        n = self.slot_of.shape[0]
+        return stochastic_window_edges(self.slot_of[q], self.slot_of[k], q, k, self.window, n)
+
+
+@dataclass(frozen=True, eq=False)
+class PermutedWindow(EdgeRule):
+    """sa(w) laid out in permuted space, where it is a band: the efficient kernels' form.
+
+    The n slots (slot s holds token order[s]) are extended circularly by `halo` slots at both ends:
+    extended slot e holds slot (e - halo) mod n, so the ring is unrolled into a line and the circular window
+    becomes the band |e_q - e_k| <= halo. Queries at extended slots halo .. halo + n - 1 are the real ones;
+    each finds every slot of its window exactly once inside the band (this needs 2 halo + 1 <= n: below that
+    length sa is causal attention). The edge is stochastic_window_edges over the unrolled line, with the
+    tokens' original positions, as in StochasticWindow.
+    """
+
+    order: torch.Tensor = None  # (n,) token in every slot
+    window: int = 256
+    static = False
+
+    def __post_init__(self):
+        # the original position of the token at every extended slot (the gather index of the layout)
+        object.__setattr__(self, "token", self.order[self.extended_slots()])
+
+    @property
+    def halo(self):
+        return stochastic_halo(self.window)
+
+    @property
+    def lookback(self):
+        return self.halo
+
+    @property
+    def lookahead(self):
+        return self.halo
+
+    def extended_slots(self) -> torch.Tensor:
+        """The slot held by every extended position."""
+        n = self.order.shape[0]
+        return (torch.arange(n + 2 * self.halo, device=self.order.device) - self.halo) % n
+
+    def allowed(self, q, k, h=None):
+        return stochastic_window_edges(q, k, self.token[q], self.token[k], self.window, None)

@@ -328,15 +328,50 @@ class _TileGroup:
 
 # ---- FlexAttention ---------------------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=64)
+FLEX_BLOCK = 128  # FlexAttention's default block size
+
+
 def flex_block_mask(rule: EdgeRule, n: int, n_head: int | None, device: str, start: int = 0):
-    """The block mask of a rule at one length: built once and shared by every layer using the rule."""
+    """The block mask of a rule at one length. A static rule's is built once and shared by every layer using
+    it; a per-forward rule (a permutation) gets the block structure of its band, which depends only on the
+    length and the band, with the rule's mask_mod evaluated inside every block of it."""
+    if rule.static:
+        return _static_block_mask(rule, n, n_head, device, start)
+    if rule.lookback is None:
+        raise ValueError(f"{type(rule).__name__} is drawn per forward and unbounded: flex needs a banded layout")
+    from torch.nn.attention.flex_attention import BlockMask
+
+    kv_num_blocks, kv_indices = _band_blocks(n, rule.lookback, rule.lookahead, device)
+    return BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=FLEX_BLOCK,
+                                    mask_mod=_shifted_mask_mod(rule, start), seq_lengths=(n, n))
+
+
+def _shifted_mask_mod(rule, start):
+    mask_mod = rule.mask_mod()
+    return mask_mod if start == 0 else (lambda b, h, q_idx, kv_idx: mask_mod(b, h, q_idx + start, kv_idx + start))
+
+
+@functools.lru_cache(maxsize=64)
+def _static_block_mask(rule, n, n_head, device, start):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    mask_mod = rule.mask_mod()
-    shifted = mask_mod if start == 0 else (lambda b, h, q_idx, kv_idx: mask_mod(b, h, q_idx + start, kv_idx + start))
-    return create_block_mask(shifted, B=None, H=n_head if rule.per_head else None, Q_LEN=n, KV_LEN=n,
+    return create_block_mask(_shifted_mask_mod(rule, start), B=None, H=n_head if rule.per_head else None, Q_LEN=n, KV_LEN=n,
                              device=device)
+
+
+@functools.lru_cache(maxsize=64)
+def _band_blocks(n: int, lookback: int, lookahead: int, device: str):
+    """kv_num_blocks and kv_indices (1, 1, query blocks, kv blocks) of the band -lookback <= k - q <=
+    lookahead: every block it touches is partial (its mask_mod decides inside). Entries past a row's count
+    are padding, as in create_block_mask's output."""
+    n_blocks = -(-n // FLEX_BLOCK)
+    first_query = torch.arange(n_blocks) * FLEX_BLOCK
+    lo = (first_query - lookback).clamp(min=0) // FLEX_BLOCK
+    hi = (first_query + FLEX_BLOCK - 1 + lookahead).clamp(max=n - 1) // FLEX_BLOCK
+    count = hi - lo + 1
+    indices = (lo[:, None] + torch.arange(n_blocks)).clamp(max=n_blocks - 1)
+    as_mask = lambda t: t.to(device=device, dtype=torch.int32)[None, None].contiguous()
+    return as_mask(count), as_mask(indices)
 
 
 @functools.cache

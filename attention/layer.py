@@ -38,13 +38,25 @@ class Attention(Mixer):
                    for t in self.c_attn(x).split(C, dim=2))
         if self.rope_theta is not None:
             q, k = apply_rope(q, pos, self.rope_theta), apply_rope(k, pos, self.rope_theta)
-        y = self.attend(q, k, v, pos, cache).transpose(1, 2).reshape(B, T, C)
-        if self.gate is not None:
-            y = torch.sigmoid(self.gate(y)) * y
-        return self.resid_dropout(self.c_proj(y))
+        return self.resid_dropout(self.c_proj(self.mix(q, k, v, pos, cache)))
+
+    def mix(self, q, k, v, pos, cache):
+        """Per-head q, k, v (B, H, T, D) -> the (B, T, C) input of the output projection: attention, heads
+        merged, then the gate. Multi-path variants (sa_swa) override it to gate and sum their paths."""
+        return gated(self.gate, merge_heads(self.attend(q, k, v, pos, cache)))
 
     def attend(self, q, k, v, pos, cache):
         raise NotImplementedError
+
+
+def merge_heads(y):
+    B, H, T, D = y.shape
+    return y.transpose(1, 2).reshape(B, T, H * D)
+
+
+def gated(gate, y):
+    """Paper 000's attention gate sigmoid(W y) * y (no gate: y)."""
+    return y if gate is None else torch.sigmoid(gate(y)) * y
 
 
 class MaskedAttention(Attention):
@@ -67,20 +79,8 @@ class MaskedAttention(Attention):
         Return the same function object at every call: compiled flex recompiles for a new one."""
         return None
 
-    def token_order(self, seq_len: int, device):
-        """(rule, order) for one uncached forward: attend with `rule` over the tokens gathered in `order`
-        (slot s holds token order[s]; RoPE was applied at the original positions), then scatter back.
-        The default keeps the sequence order; a permuted variant (stochastic attention) overrides it."""
-        return self.rule, None
-
     def attend(self, q, k, v, pos, cache):
         dropout_p = self.dropout if self.training else 0.0
-        if cache is None:
-            rule, order = self.token_order(q.shape[2], q.device)
-            if order is not None:
-                q, k, v = (t[:, :, order] for t in (q, k, v))
-                y = attend(q, k, v, rule, self.backend, 0, self.score_mod(), self.activation, dropout_p)
-                return torch.empty_like(y).index_copy_(2, order, y)
         # without a cache a sequence starts at 0 (GPT.forward enforces it): no device sync on the training path
         start = 0 if cache is None else int(pos[0])
         if cache is None or (cache.empty and q.shape[2] > 1):  # training, or a prompt's first pass

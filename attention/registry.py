@@ -15,12 +15,16 @@ class Mixer(nn.Module):
         x: (B, T, C) normalised block input; pos: (T,) absolute positions of x's tokens (used for RoPE and
         position-dependent masks); cache: the object from init_cache, updated in place, during generation.
     init_cache(batch_size, max_len, device, dtype) -> per-layer generation state (KV cache, recurrent state).
+    supports_cache: False for mixers whose edges are redrawn at every forward (sa): generation then re-runs
+        the context for each new token.
     mixing_flops(seq_len) -> forward FLOPs per token spent mixing positions, beyond the parameter matmuls
         (e.g. QK^T and AV for attention), so that MFU reflects the variant's real cost.
     edge_counts(seq_len), edge_mask(seq_len) -> score accounting and reachability (scripts/mask_stats.py).
     check_config(config) -> raise ValueError when the model config cannot build this mixer.
     init_weights() -> variant-specific initialisation, run after the model's generic one.
     """
+
+    supports_cache = True
 
     @classmethod
     def check_config(cls, config) -> None:

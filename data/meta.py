@@ -103,21 +103,23 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-def prepare_embedded_if_missing(data_dir, tokenizer="byte") -> None:
+def prepare_generated_if_missing(data_dir, tokenizer="byte") -> None:
     """
-    Build the embedded corpus into data_dir if it is the default embedded folder
-    (data/embedded_<tokenizer>) and holds no valid prepared data, so a fresh clone
-    trains without a separate prepare step. Any other folder is left alone: the
-    caller's load_meta() then reports what is wrong with it.
+    Build a generated corpus (embedded, recall) into data_dir if it is that corpus's
+    default folder (data/<name>_<tokenizer>) and holds no valid prepared data, so a
+    fresh clone trains without a separate prepare step. Any other folder is left
+    alone: the caller's load_meta() then reports what is wrong with it.
     """
-    from data.prepare import default_out_dir, prepare
+    from data.prepare import GENERATED, default_out_dir, prepare
 
-    if os.path.realpath(str(data_dir)) != os.path.realpath(default_out_dir("embedded", tokenizer)):
+    names = [name for name in GENERATED
+             if os.path.realpath(str(data_dir)) == os.path.realpath(default_out_dir(name, tokenizer))]
+    if not names:
         return
     try:
         load_meta(data_dir)
         return
     except DataError:
         pass
-    print(f"{data_dir} is not prepared yet: generating the embedded corpus there (a few seconds)")
-    prepare("embedded", tokenizer, out_dir=str(data_dir), num_proc=1, quiet=True)
+    print(f"{data_dir} is not prepared yet: generating the {names[0]} corpus there (a few seconds)")
+    prepare(names[0], tokenizer, out_dir=str(data_dir), num_proc=1, quiet=True)

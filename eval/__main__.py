@@ -8,6 +8,7 @@ Tasks:
     ppl   perplexity of the validation split at each of ppl_lengths, and for window variants at each of
           ppl_windows (the model config field named by window_key, swa_window by default, is set to each)
     niah  RULER-style needle-in-a-haystack retrieval (eval/niah.py), scored by generation and by ranking
+    recall  associative recall over a distance (eval/recall.py) for runs trained on --dataset=recall
 Every JSON carries the command, git hash, config hash, checkpoint step and seed that produced it.
 """
 
@@ -30,6 +31,7 @@ from data.meta import DataError, load_meta, open_tokens
 from data.tokenizer import TokenizerUnavailable, get_tokenizer
 from eval import niah as niah_task
 from eval import ppl as ppl_task
+from eval import recall as recall_task
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -58,6 +60,10 @@ class EvalRunConfig:
     niah_candidates: int = 4
     niah_needles: int = 4  # needles in multikey / multivalue / multiquery contexts
     niah_digits: int = 7
+    # recall
+    recall_lengths: str = ""  # default: the run's block_size
+    recall_samples: int = 500
+    recall_pairs: int = 1  # key-value pairs per document, as in data/recall.py (1 for the training corpus)
     niah_haystack: str = "val"  # val (the run's validation text) | embedded (the built-in corpus)
     progress: bool = True
 
@@ -135,7 +141,20 @@ def run_niah(e: EvalRunConfig, ctx) -> dict:
     return result
 
 
-TASKS = {"ppl": run_ppl, "niah": run_niah}
+def run_recall(e: EvalRunConfig, ctx) -> dict:
+    cfg, meta = ctx["cfg"], ctx["meta"]
+    rows = []
+    for length in ints(e.recall_lengths) or [cfg.model.block_size]:
+        row = recall_task.accuracy(ctx["model"], ctx["tokenizer"], meta["eot_id"], length,
+                                   min(e.recall_samples, e.limit or e.recall_samples), e.seed, e.batch_size,
+                                   ctx["device"], e.progress, pairs=e.recall_pairs)
+        rows.append(row)
+        print(f"recall L={length:<6} accuracy {row['accuracy']:.3f} +- {row['stderr']:.3f} "
+              f"(chance {row['chance']:.3f}, {row['n']} documents)")
+    return {"rows": rows}
+
+
+TASKS = {"ppl": run_ppl, "niah": run_niah, "recall": run_recall}
 
 
 def summary_markdown(eval_dir: Path) -> str:
@@ -148,7 +167,7 @@ def summary_markdown(eval_dir: Path) -> str:
                   f"{prov['step']}, git {prov['git_hash']}, config {prov['config_hash']}, seed {prov['seed']}", ""]
         rows = report["results"]["rows"]
         if rows:
-            keys = [k for k in rows[0] if k not in ("note",)]
+            keys = [k for k in rows[0] if k != "note" and not isinstance(rows[0][k], list)]
             lines += ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
             for row in rows:
                 cells = [f"{row.get(k):.4g}" if isinstance(row.get(k), float) else str(row.get(k)) for k in keys]

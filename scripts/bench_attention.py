@@ -3,10 +3,12 @@
     python scripts/bench_attention.py                                     # CPU: n = 1K..32K, B=1, H=8, d_h=64
     python scripts/bench_attention.py --device=cuda --batch=16 --heads=16 --dtype=bfloat16 --json=out/bench_gpu.json
     python scripts/bench_attention.py --variants=swa,block --lengths=4096,16384 --window=128
+    python scripts/bench_attention.py --variants=full,swa,sa,sa_swa --lengths=2048,4096,8192,16384,32768
 
 Each variant runs its attention kernel (q, k, v -> output, the same dispatch the model's layers use, with
 `--backend`, default auto: flex on CUDA, chunked on CPU, SDPA for full) on random inputs; the projections,
-identical across variants, are left out. Time is the best of --repeats timed runs after one warmup (the least
+identical across variants, are left out (sa draws a fresh permutation and gathers / scatters inside each
+step, as its layer does; sa_swa runs both paths). Time is the best of --repeats timed runs after one warmup (the least
 disturbed by other work on the machine; the JSON keeps every run). Peak
 memory is the extra memory a forward + backward takes: torch.cuda.max_memory_allocated on GPUs; on CPU each
 case runs in its own process and reports its resident-set high-water mark above the inputs.
@@ -24,8 +26,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from attention.edges import Causal, FixedBlock, HeadWindows, SlidingWindow  # noqa: E402
+from attention.edges import Causal, FixedBlock, HeadWindows, PermutedWindow, SlidingWindow  # noqa: E402
 from attention.kernels import attend, resolve_backend  # noqa: E402
+from attention.stochastic import stochastic_attention  # noqa: E402
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
 
 
@@ -50,10 +53,27 @@ def rule_of(name: str, b: BenchConfig):
     # mswa: the layer of an MSWA stack whose base window is w (heads w/4, w/2, w, 2w; summed windows 15/16 of swa)
     quarter = b.heads // 4 or 1
     mswa = HeadWindows(tuple(int(b.window * f) for f in (0.25, 0.5, 1, 2) for _ in range(quarter))[:b.heads])
-    rules = {"full": Causal(), "swa": SlidingWindow(b.window), "block": FixedBlock(b.block), "mswa": mswa}
+    # sa, sa_swa: the permuted-space band of stochastic attention (a fresh permutation every step)
+    rules = {"full": Causal(), "swa": SlidingWindow(b.window), "block": FixedBlock(b.block), "mswa": mswa,
+             "sa": PermutedWindow(torch.arange(2), b.window), "sa_swa": SlidingWindow(b.window)}
     if name not in rules:
         raise ConfigError(f"unknown variant {name!r}: expected one of {', '.join(rules)}")
     return rules[name]
+
+
+def attention_of(name: str, b: BenchConfig, backend: str):
+    """q, k, v -> output as the variant's layer computes it (sa draws its permutation inside the step)."""
+    rule = rule_of(name, b)
+
+    def sa(q, k, v):
+        order = torch.randperm(q.shape[2], device=q.device)
+        return stochastic_attention(q, k, v, order, b.window, backend)
+
+    if name == "sa":
+        return sa
+    if name == "sa_swa":  # both paths over the same q, k, v (their gates are projections, left out)
+        return lambda q, k, v: sa(q, k, v) + attend(q, k, v, rule, backend)
+    return lambda q, k, v: attend(q, k, v, rule, backend)
 
 
 def rss_kib() -> int:
@@ -69,8 +89,10 @@ def run_case(name: str, n: int, b: BenchConfig, device: torch.device) -> dict:
     q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     grad = torch.randn(shape, device=device, dtype=dtype)
 
+    attention = attention_of(name, b, backend)
+
     def step():
-        out = attend(q, k, v, rule, backend)
+        out = attention(q, k, v)
         out.backward(grad)
         q.grad = k.grad = v.grad = None
 

@@ -311,53 +311,6 @@ def test_queries_without_keys_get_zero_output_and_gradient(backend):
         torch.testing.assert_close(g, r)
 
 
-@dataclass(frozen=True, eq=False)
-class BandInSlotOrder(EdgeRule):
-    """A rule over slots of a permuted sequence: slot distance below w, causal in original positions."""
-
-    original: torch.Tensor = None  # original position of the token in each slot
-    window: int = 6
-
-    @property
-    def lookback(self):
-        return self.window - 1
-
-    @property
-    def lookahead(self):  # later slots can hold earlier tokens
-        return self.window - 1
-
-    def allowed(self, q, k, h=None):
-        return (self.original[k] <= self.original[q]) & ((q - k).abs() < self.window)
-
-
-def test_permuted_token_order_attends_in_slot_space_and_scatters_back():
-    # the interface stochastic attention uses: gather by a permutation, attend under a slot rule, scatter back
-    from attention.layer import MaskedAttention
-
-    cfg = ModelConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=61, arch="llama", bias=False)
-    order = torch.randperm(40, generator=torch.Generator().manual_seed(0))
-    rule = BandInSlotOrder(order, 6)
-
-    class Permuted(MaskedAttention):
-        def token_order(self, seq_len, device):
-            return rule, order
-
-    layer = Permuted(cfg, 0, rule).double()
-    q, k, v = qkv(40, heads=2)
-    slot_of = torch.empty_like(order).index_copy_(0, order, torch.arange(40))  # token -> slot
-    i, j = torch.arange(40)[:, None], torch.arange(40)[None, :]
-    in_original_space = (j <= i) & ((slot_of[i] - slot_of[j]).abs() < 6)
-
-    class Explicit(EdgeRule):
-        def allowed(self, q_, k_, h=None):
-            return in_original_space[q_, k_]
-
-    ref = dense_attention(q, k, v, Explicit(), torch.arange(40))
-    for backend in ("chunked", "dense"):
-        layer.backend = backend
-        torch.testing.assert_close(layer.attend(q, k, v, torch.arange(40), None), ref)
-
-
 if torch.cuda.is_available():  # the GPU checks; defined only where CUDA exists, so CPU runs neither run nor skip them
 
     @pytest.mark.parametrize("rule", RULES, ids=repr)

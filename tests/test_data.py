@@ -17,7 +17,7 @@ sys.path.insert(0, str(REPO))
 
 import data.prepare as prepare_module  # noqa: E402
 from data.embedded import documents  # noqa: E402
-from data.meta import DataError, load_meta, open_tokens, prepare_embedded_if_missing, unigram_entropy  # noqa: E402
+from data.meta import DataError, load_meta, open_tokens, prepare_generated_if_missing, unigram_entropy  # noqa: E402
 from data.prepare import main, prepare  # noqa: E402
 from data.tokenizer import TokenizerUnavailable, get_tokenizer, vocab_dtype  # noqa: E402
 
@@ -484,12 +484,12 @@ def test_embedded_dataset_is_prepared_on_first_use(tmp_path, monkeypatch, capsys
     default = tmp_path / "data" / "embedded_byte"
     other = tmp_path / "data" / "something_else"
 
-    prepare_embedded_if_missing(str(other))  # not the embedded folder: left alone, load_meta reports it
+    prepare_generated_if_missing(str(other))  # not the embedded folder: left alone, load_meta reports it
     assert not other.exists()
     with pytest.raises(DataError, match="does not exist"):
         load_meta(other)
 
-    prepare_embedded_if_missing(str(default))
+    prepare_generated_if_missing(str(default))
     assert "embedded" in capsys.readouterr().out
     meta = load_meta(default)
     assert meta["source"] == "embedded" and meta["tokenizer"] == "byte"
@@ -498,5 +498,5 @@ def test_embedded_dataset_is_prepared_on_first_use(tmp_path, monkeypatch, capsys
     train = open_tokens(default, "train")
     assert 2.5 < unigram_entropy(train, meta["vocab_size"]) < 3.4
     mtime = os.path.getmtime(default / "meta.json")
-    prepare_embedded_if_missing(str(default))  # already valid: nothing is redone
+    prepare_generated_if_missing(str(default))  # already valid: nothing is redone
     assert os.path.getmtime(default / "meta.json") == mtime

@@ -1,0 +1,199 @@
+"""Stochastic attention (paper 000): sliding-window attention over a random permutation of the tokens.
+
+    sa       each layer draws a uniform permutation sigma per forward, shared by its heads; tokens are gathered
+             into slot order, attend within the circular window |sigma(i) - sigma(j)|_n < w/2 of slot space
+             intersected with causality in original positions (j <= i), and are scattered back. RoPE was
+             applied at the original positions before the gather.
+    sa_swa   shared q/k/v, an sa path and an swa path, each through its own sigmoid gate sigmoid(W Y) * Y
+             (W d x d, no bias), summed, then the output projection (Alg. 2). attn_gate does not apply:
+             the two path gates replace the single gate of the one-path variants.
+
+The edge is defined once (attention/edges.py: stochastic_window_edges). The dense backend evaluates it over
+all (query, key) pairs in original positions (StochasticWindow, the O(n^2) reference); every other backend
+runs in permuted space, where it is a band (PermutedWindow): the chunked kernel and FlexAttention cost
+O(n w) plus an O(n) gather and scatter.
+
+Permutations: training always draws fresh ones from the torch RNG (seeded per rank by train.py and restored
+on resume, so a run and its resumption draw the same ones). At inference sa_mode=stochastic keeps drawing;
+sa_mode=deterministic uses one fixed permutation per layer and length, from sa_seed. sa_shared_batch=False
+draws one permutation per sequence instead of one per batch (deterministic mode has one per layer).
+Generation re-runs the context for every token: a permutation over the grown sequence is a new one, so there
+is no cache to extend.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from attention.edges import PermutedWindow, SlidingWindow, StochasticWindow, stochastic_halo
+from attention.kernels import attend
+from attention.layer import MaskedAttention, merge_heads
+from attention.registry import register
+
+SA_MODES = ("stochastic", "deterministic")
+
+
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """slot_of[t] = s where order[s] = t."""
+    return torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device)
+                                            .expand_as(order).contiguous())
+
+
+class ToSlots(torch.autograd.Function):
+    """Tokens (B, H, n, D) -> the circularly extended slot sequence (B, H, n + 2 halo, D): index_select by
+    order[extended slots]. The backward folds the halo copies back onto their slots and gathers by the
+    inverse permutation (indexing's generic backward would scatter-add into a zero-filled buffer)."""
+
+    @staticmethod
+    def forward(ctx, x, gather, slot_of, halo):
+        ctx.save_for_backward(slot_of)
+        ctx.halo = halo
+        return x.index_select(2, gather)
+
+    @staticmethod
+    def backward(ctx, grad):
+        slot_of, = ctx.saved_tensors
+        h, n = ctx.halo, slot_of.shape[0]
+        per_slot = grad[:, :, h:h + n].clone()
+        if h:
+            per_slot[:, :, :h] += grad[:, :, n + h:]  # copies of the first slots, after the end
+            per_slot[:, :, n - h:] += grad[:, :, :h]  # copies of the last slots, before the start
+        return per_slot.index_select(2, slot_of), None, None, None
+
+
+class FromSlots(torch.autograd.Function):
+    """The extended slot sequence's outputs -> tokens: token t's output is at extended slot halo + slot_of[t]."""
+
+    @staticmethod
+    def forward(ctx, y, slot_of, order, halo):
+        ctx.save_for_backward(order)
+        ctx.halo, ctx.length = halo, y.shape[2]
+        return y.index_select(2, slot_of + halo)
+
+    @staticmethod
+    def backward(ctx, grad):
+        order, = ctx.saved_tensors
+        h, n = ctx.halo, order.shape[0]
+        grad_slots = grad.new_zeros(*grad.shape[:2], ctx.length, grad.shape[3])
+        grad_slots[:, :, h:h + n] = grad.index_select(2, order)  # the halo queries' outputs are unused
+        return grad_slots, None, None, None
+
+
+def stochastic_attention(q, k, v, order, window: int, backend: str, dropout_p: float = 0.0):
+    """sa(window) of q, k, v (B, H, n, D) with the tokens in slot order `order` (n,): slot s holds token
+    order[s], shared by the batch and the heads."""
+    n = q.shape[2]
+    slot_of = inverse_permutation(order)
+    if backend == "dense":  # the reference: every pair, in original positions
+        return attend(q, k, v, StochasticWindow(slot_of, window), "dense", dropout_p=dropout_p)
+    if n // 2 <= stochastic_halo(window):  # every slot is inside every window: plain causal attention
+        return attend(q, k, v, SlidingWindow(n), backend, dropout_p=dropout_p)
+    rule = PermutedWindow(order, window)
+    q, k, v = (ToSlots.apply(t, rule.token, slot_of, rule.halo) for t in (q, k, v))
+    return FromSlots.apply(attend(q, k, v, rule, backend, dropout_p=dropout_p), slot_of, order, rule.halo)
+
+
+def stochastic_edge_count(n: int, window: int) -> int:
+    """Allowed sa edges over n tokens, the same for every permutation: each token's window holds
+    m = min(2 halo + 1, n) slots, a symmetric relation, and each unordered pair of distinct tokens in it is
+    causal in exactly one direction: n + n (m - 1) / 2."""
+    m = min(2 * stochastic_halo(window) + 1, n)
+    return n + n * (m - 1) // 2
+
+
+@register("sa")
+class StochasticAttention(MaskedAttention):
+    """Sliding-window attention in the slot space of a random permutation, redrawn every forward."""
+
+    supports_cache = False
+
+    @classmethod
+    def check_config(cls, config):
+        super().check_config(config)
+        if config.swa_window < 2:
+            raise ValueError(f"swa_window={config.swa_window}: sa needs a window of at least 2 slots")
+        if config.sa_mode not in SA_MODES:
+            raise ValueError(f"sa_mode={config.sa_mode!r}: expected one of {', '.join(SA_MODES)}")
+
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx, SlidingWindow(config.swa_window))  # the window (and its swa path)
+        self.window = config.swa_window
+        self.mode = config.sa_mode
+        self.shared_batch = config.sa_shared_batch
+        self.seed = config.sa_seed
+        self._fixed_orders = {}
+        self.last_order = None  # the permutation(s) of the latest forward, (n,) or (B, n): for inspection
+
+    def draw_orders(self, batch_size: int, n: int, device) -> torch.Tensor:
+        """The slot order of this forward: (n,) shared by the batch, or (batch_size, n)."""
+        if not self.training and self.mode == "deterministic":
+            key = (n, str(device))
+            if key not in self._fixed_orders:
+                generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.layer_idx)
+                self._fixed_orders[key] = torch.randperm(n, generator=generator).to(device)
+            return self._fixed_orders[key]
+        if self.shared_batch:
+            return torch.randperm(n, device=device)
+        return torch.rand(batch_size, n, device=device).argsort(dim=-1)
+
+    def attend(self, q, k, v, pos, cache):
+        if cache is not None:
+            raise NotImplementedError("sa draws a new permutation every forward: generate without a cache")
+        dropout_p = self.dropout if self.training else 0.0
+        orders = self.draw_orders(q.shape[0], q.shape[2], q.device)
+        self.last_order = orders
+        if orders.dim() == 1:
+            return stochastic_attention(q, k, v, orders, self.window, self.backend, dropout_p)
+        return torch.cat([stochastic_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], orders[b], self.window,
+                                               self.backend, dropout_p) for b in range(q.shape[0])])
+
+    def init_cache(self, batch_size, max_len, device, dtype):
+        raise NotImplementedError("sa draws a new permutation every forward: generate with use_cache=False")
+
+    def describe(self):
+        return f"sa window {self.window} ({self.mode} at inference, " \
+               f"{'one permutation per batch' if self.shared_batch else 'one permutation per sequence'})"
+
+    def edge_counts(self, seq_len):
+        count = stochastic_edge_count(seq_len, self.window)
+        return [(count, count)] * self.n_head
+
+    def edge_mask(self, seq_len, device="cpu"):
+        """The edges of one freshly drawn permutation (each call draws again, as each layer does)."""
+        slot_of = inverse_permutation(torch.randperm(seq_len, device=device))
+        return StochasticWindow(slot_of, self.window).dense_mask(torch.arange(seq_len, device=device))
+
+
+@register("sa_swa")
+class GatedStochasticSlidingAttention(StochasticAttention):
+    """sa and swa over shared q, k, v, each path through its own sigmoid gate, summed (paper 000, Alg. 2)."""
+
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx)
+        self.gate = None  # replaced by one gate per path
+        self.gate_sa = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        self.gate_swa = nn.Linear(config.n_embd, config.n_embd, bias=False)
+
+    def mix(self, q, k, v, pos, cache):
+        dropout_p = self.dropout if self.training else 0.0
+        y_sa = merge_heads(self.attend(q, k, v, pos, cache))
+        y_swa = merge_heads(attend(q, k, v, self.rule, self.backend, dropout_p=dropout_p))
+        return torch.sigmoid(self.gate_sa(y_sa)) * y_sa + torch.sigmoid(self.gate_swa(y_swa)) * y_swa
+
+    def describe(self):
+        return f"sa + swa, window {self.window}, one sigmoid gate per path"
+
+    def edge_counts(self, seq_len):
+        """(sa + swa scores computed, edges in their union) per head; the union is counted for one seeded
+        permutation (sa and swa overlap where a token's random window holds one of its w recent tokens)."""
+        sa = stochastic_edge_count(seq_len, self.window)
+        swa = self.rule.count_edges(seq_len)
+        order = torch.randperm(seq_len, generator=torch.Generator().manual_seed(self.seed))
+        sa_rule = StochasticWindow(inverse_permutation(order), self.window)
+        overlap = sum(int(sa_rule.allowed(torch.arange(d, seq_len), torch.arange(seq_len - d)).sum())
+                      for d in range(min(self.window, seq_len)))  # swa's edges are q - k = d < w
+        return [(sa + swa, sa + swa - overlap)] * self.n_head
+
+    def edge_mask(self, seq_len, device="cpu"):
+        return super().edge_mask(seq_len, device) | self.rule.dense_mask(torch.arange(seq_len, device=device))
