@@ -47,19 +47,20 @@ class ToSlots(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, gather, slot_of, halo):
-        ctx.save_for_backward(slot_of)
+        ctx.save_for_backward(gather, slot_of)
         ctx.halo = halo
         return x.index_select(2, gather)
 
     @staticmethod
     def backward(ctx, grad):
-        slot_of, = ctx.saved_tensors
+        gather, slot_of = ctx.saved_tensors
         h, n = ctx.halo, slot_of.shape[0]
-        per_slot = grad[:, :, h:h + n].clone()
-        if h:
-            per_slot[:, :, :h] += grad[:, :, n + h:]  # copies of the first slots, after the end
-            per_slot[:, :, n - h:] += grad[:, :, :h]  # copies of the last slots, before the start
-        return per_slot.index_select(2, slot_of), None, None, None
+        grad_x = grad.index_select(2, slot_of + h)  # each token's main copy
+        if h:  # plus its halo copies: the first slots repeated after the end, the last ones before the start
+            rows = torch.arange(h, device=grad.device)
+            halo_rows = torch.cat([rows, rows + n + h])
+            grad_x.index_add_(2, gather[halo_rows], grad.index_select(2, halo_rows))
+        return grad_x, None, None, None
 
 
 class FromSlots(torch.autograd.Function):
