@@ -118,8 +118,9 @@ class StochasticAttention(MaskedAttention):
             raise ValueError(f"sa_mode={config.sa_mode!r}: expected one of {', '.join(SA_MODES)}")
 
     def __init__(self, config, layer_idx):
-        super().__init__(config, layer_idx, SlidingWindow(config.swa_window))  # the window (and its swa path)
+        super().__init__(config, layer_idx, None)  # no fixed rule: one is drawn per forward
         self.window = config.swa_window
+        self.swa_rule = SlidingWindow(config.swa_window)  # sa_swa's local path
         self.mode = config.sa_mode
         self.shared_batch = config.sa_shared_batch
         self.seed = config.sa_seed
@@ -179,7 +180,7 @@ class GatedStochasticSlidingAttention(StochasticAttention):
     def mix(self, q, k, v, pos, cache):
         dropout_p = self.dropout if self.training else 0.0
         y_sa = merge_heads(self.attend(q, k, v, pos, cache))
-        y_swa = merge_heads(attend(q, k, v, self.rule, self.backend, dropout_p=dropout_p))
+        y_swa = merge_heads(attend(q, k, v, self.swa_rule, self.backend, dropout_p=dropout_p))
         return torch.sigmoid(self.gate_sa(y_sa)) * y_sa + torch.sigmoid(self.gate_swa(y_swa)) * y_swa
 
     def describe(self):
@@ -189,7 +190,7 @@ class GatedStochasticSlidingAttention(StochasticAttention):
         """(sa + swa scores computed, edges in their union) per head; the union is counted for one seeded
         permutation (sa and swa overlap where a token's random window holds one of its w recent tokens)."""
         sa = stochastic_edge_count(seq_len, self.window)
-        swa = self.rule.count_edges(seq_len)
+        swa = self.swa_rule.count_edges(seq_len)
         order = torch.randperm(seq_len, generator=torch.Generator().manual_seed(self.seed))
         sa_rule = StochasticWindow(inverse_permutation(order), self.window)
         overlap = sum(int(sa_rule.allowed(torch.arange(d, seq_len), torch.arange(seq_len - d)).sum())
@@ -197,4 +198,4 @@ class GatedStochasticSlidingAttention(StochasticAttention):
         return [(sa + swa, sa + swa - overlap)] * self.n_head
 
     def edge_mask(self, seq_len, device="cpu"):
-        return super().edge_mask(seq_len, device) | self.rule.dense_mask(torch.arange(seq_len, device=device))
+        return super().edge_mask(seq_len, device) | self.swa_rule.dense_mask(torch.arange(seq_len, device=device))
