@@ -56,6 +56,11 @@ class ModelConfig:
     sa_mode: str = "stochastic"  # sa at inference: a fresh permutation every forward | deterministic (fixed per layer)
     sa_shared_batch: bool = True  # sa: one permutation for the whole batch (paper 000) or one per sequence
     sa_seed: int = 0  # sa_mode=deterministic: the fixed permutations come from this seed (training draws from the run's RNG)
+    swat_activation: str = "sigmoid"  # swat: sigmoid (paper 001, no normalisation) | softmax (the ablations' counterpart)
+    swat_rope: bool = True  # swat: RoPE on q, k (with ALiBi: the paper's AliRope); False: ALiBi alone
+    swat_slopes: str = "paper"  # swat ALiBi magnitudes: paper (2^-k, k = 1.. per direction) | alibi (2^(-8k/H)) | none
+    swat_split: str = ""  # swat "neg:pos" heads with negative (classic ALiBi) and positive slopes; "": half and half
+    swat_bias: str = "0"  # swat constant score bias b: a number, or "-log(w)"
     linear_feature_dim: int = 16  # linear: q/k feature dimension of Taylor linear attention (paper 002)
     linear_chunk: int = 64  # linear: chunk length of the chunked training form
 
@@ -80,6 +85,9 @@ class ModelConfig:
 class DataConfig:
     dataset: str = "embedded_byte"  # prepared data lives in data/<dataset> (see data/prepare.py)
     data_dir: str = ""  # overrides data/<dataset> when set
+    # train and validate only on the targets that follow this text's token (a task corpus's answer marker,
+    # e.g. ">" for the recall corpus); empty: every target, as usual
+    loss_after: str = ""
 
 
 @dataclass

@@ -26,6 +26,7 @@ from checkpoint import (CheckpointError, load_checkpoint, remove_stale_temp_file
 from config import Config, ConfigError, exit_on_config_error, load_config
 from data.loader import WindowSampler
 from data.meta import DataError, load_meta, open_tokens, prepare_generated_if_missing, unigram_entropy
+from data.tokenizer import TokenizerUnavailable, get_tokenizer
 from eval.probes import training_probes
 from model import GPT
 
@@ -182,10 +183,25 @@ def main(argv):
         fail(f"vocab_size={m.vocab_size} is smaller than the vocabulary of {data_dir} ({meta['vocab_size']}, "
              f"tokenizer {meta['tokenizer']}): set --vocab_size={meta['vocab_size']} or larger, or 0 to take it "
              "from the data", status=2)
+    loss_after = None
+    if cfg.data.loss_after:
+        try:
+            marker = get_tokenizer(meta["tokenizer"]).encode(cfg.data.loss_after)
+        except TokenizerUnavailable as e:
+            fail(str(e))
+        if len(marker) != 1:
+            fail(f"loss_after={cfg.data.loss_after!r} is {len(marker)} tokens under the {meta['tokenizer']} "
+                 "tokenizer: it must be exactly one token (the answer marker of the task corpus)", status=2)
+        loss_after = marker[0]
+        if not (open_tokens(data_dir, "val")[:1_000_000] == loss_after).any():
+            fail(f"loss_after={cfg.data.loss_after!r} never occurs in {data_dir}'s validation text, so no target would "
+                 "count: check the marker, or re-prepare the data (python data/prepare.py) if its format changed",
+                 status=2)
     try:
         train_data = WindowSampler(data_dir, "train", m.block_size, t.batch_size, t.gradient_accumulation_steps,
-                                   rank, world_size, seed=t.seed, device=device_name)
-        val_data = WindowSampler(data_dir, "val", m.block_size, t.batch_size, ev.eval_iters, device=device_name)
+                                   rank, world_size, seed=t.seed, device=device_name, loss_after=loss_after)
+        val_data = WindowSampler(data_dir, "val", m.block_size, t.batch_size, ev.eval_iters, device=device_name,
+                                 loss_after=loss_after)
     except ValueError as e:
         fail(str(e), status=2)
     local_micro_steps = train_data.local_micro_steps

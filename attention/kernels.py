@@ -12,7 +12,10 @@
 
 Every kernel takes the same optional `score_mod(score, b, h, q_idx, kv_idx)` (FlexAttention's signature, over
 absolute positions, so one definition serves all backends) and `activation` ("softmax" or "sigmoid": no
-normalisation), for variants that add position biases or change the score nonlinearity.
+normalisation), for variants that add position biases or change the score nonlinearity. A score_mod that is a
+`ScoreBias` (an additive bias from head and positions only, such as ALiBi) stays on the fused paths: the CPU
+flash kernel takes it in its additive mask, and sigmoid attention runs ChunkedSigmoid (tiles recomputed in
+backward) on the chunked backend and FlexAttention's softmax of log-sigmoid scores rescaled by exp(lse) on flex.
 """
 
 from __future__ import annotations
@@ -27,6 +30,21 @@ from attention.edges import Causal, EdgeRule
 
 BACKENDS = ("auto", "dense", "chunked", "flex", "sdpa")
 TILE_ROWS_PER_CALL = 16384  # chunked kernel on CPU: batch x heads x query positions per fused call
+
+
+class ScoreBias:
+    """A score_mod that adds bias(h, q_idx, kv_idx) to every score, independent of the score and the batch
+    (ALiBi and other position biases). It is an ordinary FlexAttention score_mod; kernels that can add a
+    precomputed bias tile (the fused CPU paths) recognise it and keep their fast path. `relative`: the bias
+    depends on q_idx - kv_idx only, so one tile serves every chunk."""
+
+    relative = False
+
+    def bias(self, h, q_idx, kv_idx):
+        raise NotImplementedError
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        return score + self.bias(h, q_idx, kv_idx)
 
 
 def resolve_backend(name: str, rule: EdgeRule, device: torch.device) -> str:
@@ -49,14 +67,14 @@ def attend(q, k, v, rule: EdgeRule, backend: str, start: int = 0, score_mod=None
         if groups and len(groups) > 1:  # each head group at its own window's cost, not the largest one's
             heads = [torch.tensor(h, device=q.device) for h, _ in groups]
             in_order = [i for h, _ in groups for i in h] == list(range(q.shape[1]))  # plain lists: no device sync
-            if in_order and score_mod is None and activation == "softmax" and dropout_p == 0.0 \
+            if in_order and _fusable(score_mod) and activation == "softmax" and dropout_p == 0.0 \
                     and q.device.type == "cpu":  # one fused call writing every group into the same output
                 plans, first = [], 0
                 for h, sub_rule in groups:
                     plan = _chunk_plan(sub_rule, q.shape[2], start, chunk or sub_rule.chunk_size(), len(h), q.device)
                     plans.append((first, first + len(h), *plan))
                     first += len(h)
-                return ChunkedFlashCPU.apply(q, k, v, tuple(plans))
+                return ChunkedFlashCPU.apply(q, k, v, tuple(plans), score_mod, start)
             if in_order:  # consecutive groups: split, whose backward is one concatenation (no zero-filled
                 sizes = [len(h) for h, _ in groups]  # full-size gradient per group, as indexing has)
                 pieces = zip(q.split(sizes, 1), k.split(sizes, 1), v.split(sizes, 1))
@@ -78,6 +96,11 @@ def attend(q, k, v, rule: EdgeRule, backend: str, start: int = 0, score_mod=None
         pos = torch.arange(start, start + q.shape[2], device=q.device)
         return _fused_softmax(q, k, v, rule.dense_mask(pos, n_head=q.shape[1]), dropout_p)
     raise ValueError(f"unknown attention backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+
+
+def _fusable(score_mod) -> bool:
+    """Whether the fused chunked kernels can take score_mod (none, or an additive ScoreBias)."""
+    return score_mod is None or isinstance(score_mod, ScoreBias)
 
 
 def _head_subset(score_mod, heads):
@@ -191,18 +214,22 @@ def _chunk_plan(rule: EdgeRule, n: int, start: int, chunk: int, n_head: int, dev
 
 
 def chunked_attention(q, k, v, rule: EdgeRule, start: int = 0, chunk: int = 128, score_mod=None,
-                      activation="softmax", dropout_p: float = 0.0, fused_cpu: bool = True):
+                      activation="softmax", dropout_p: float = 0.0, fused: bool = True):
     """O(n * lookback) attention: query chunks of `chunk` positions, each over its band of keys.
 
-    Plain softmax on CPU (without dropout) runs ChunkedFlashCPU, groups of tiles through PyTorch's fused CPU
-    flash kernel forward and backward; other cases build all tiles at once and use autograd.
+    Without dropout and with no score_mod or a ScoreBias, softmax on CPU runs ChunkedFlashCPU (groups of tiles
+    through PyTorch's fused CPU flash kernel, forward and backward) and sigmoid runs ChunkedSigmoid on any
+    device; other cases build all tiles at once and use autograd (`fused=False` forces that path, for tests).
     """
     B, H, n, D = q.shape
     mask, c, prev, ahead = _chunk_plan(rule, n, start, chunk, H, q.device)
     n_chunks = mask.shape[-3]
     plain = score_mod is None and activation == "softmax"
-    if plain and fused_cpu and q.device.type == "cpu" and dropout_p == 0.0:
-        return ChunkedFlashCPU.apply(q, k, v, ((0, H, mask, c, prev, ahead),))
+    if fused and _fusable(score_mod) and dropout_p == 0.0:
+        if activation == "softmax" and q.device.type == "cpu":
+            return ChunkedFlashCPU.apply(q, k, v, ((0, H, mask, c, prev, ahead),), score_mod, start)
+        if activation == "sigmoid":
+            return ChunkedSigmoid.apply(q, k, v, (mask, c, prev, ahead), score_mod, start)
 
     group = _TileGroup(0, n_chunks, n, c, prev, ahead)  # every chunk at once: (B * H, nc, c or K, D) tiles
     q_tiles, k_tiles, v_tiles = group.query_tiles(q), KeyTiles.apply(k, group), KeyTiles.apply(v, group)
@@ -230,7 +257,7 @@ class ChunkedFlashCPU(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, plans):
+    def forward(ctx, q, k, v, plans, score_bias=None, start=0):
         B, _, n, _ = q.shape
         out = torch.empty_like(q)
         lses = []
@@ -240,13 +267,13 @@ class ChunkedFlashCPU(torch.autograd.Function):
             for g in ChunkedFlashCPU._groups(n, mask.shape[-3], c, prev, ahead, B * (h1 - h0)):
                 y, lse[:, g.i0:g.i1] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                     g.query_tiles(q_h), g.key_tiles(k_h), g.key_tiles(v_h), 0.0, False,
-                    attn_mask=g.bias(mask, q.dtype, B))
+                    attn_mask=g.bias(mask, q.dtype, B, score_bias, range(h0, h1), start))
                 g.scatter_queries(out_h, y)
             empty_rows = ~mask.any(-1)
             if empty_rows.any():  # such rows attended everywhere inside the kernel: their output is zero
                 out_h.mul_(ChunkedFlashCPU._rows_to_keep(empty_rows, out_h, c))
             lses.append(lse)
-        ctx.plans = plans
+        ctx.plans, ctx.score_bias, ctx.start = plans, score_bias, start
         ctx.save_for_backward(q, k, v, out, *lses)
         return out
 
@@ -264,11 +291,11 @@ class ChunkedFlashCPU(torch.autograd.Function):
                 g_q, g_k, g_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                     g.query_tiles(grad_y_h), g.query_tiles(q_h), g.key_tiles(k_h), g.key_tiles(v_h),
                     g.query_tiles(out_h), lse[:, g.i0:g.i1].contiguous(), 0.0, False,
-                    attn_mask=g.bias(mask, q.dtype, B))
+                    attn_mask=g.bias(mask, q.dtype, B, ctx.score_bias, range(h0, h1), ctx.start))
                 g.scatter_queries(grad_q[:, h0:h1], g_q)
                 g.accumulate_keys(grad_k[:, h0:h1], g_k)
                 g.accumulate_keys(grad_v[:, h0:h1], g_v)
-        return grad_q, grad_k, grad_v, None
+        return grad_q, grad_k, grad_v, None, None, None
 
     @staticmethod
     def _rows_to_keep(empty_rows, like, c):
@@ -281,6 +308,68 @@ class ChunkedFlashCPU(torch.autograd.Function):
         per_call = max(1, TILE_ROWS_PER_CALL // (batch_heads * c))  # narrow head groups take more chunks
         for i0 in range(0, n_chunks, per_call):
             yield _TileGroup(i0, min(n_chunks, i0 + per_call), n, c, prev, ahead)
+
+
+class ChunkedSigmoid(torch.autograd.Function):
+    """Chunked sigmoid attention y_i = sum_j sigmoid(s_ij) v_j over the rule's edges (s = q.k / sqrt(d) plus an
+    optional ScoreBias), in groups of chunks as ChunkedFlashCPU, on any device.
+
+    Forward keeps each group's probabilities p = sigmoid(s) for backward when gradients are needed (O(n * band)
+    memory, as autograd over the tiles; recomputing them cost a sixth more time on CPU). dv = p^T dy,
+    ds = (dy v^T) p (1 - p), dq = ds k / sqrt(d), dk = ds^T q / sqrt(d). Scores are in float32 (float64 for
+    float64 inputs); disallowed scores are -inf, so their p and ds are exactly zero.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan, score_bias=None, start=0):
+        mask, c, prev, ahead = plan
+        B, H, n, D = q.shape
+        out = torch.empty_like(q)
+        keep = any(ctx.needs_input_grad[:3])
+        ctx.probs = []
+        for g in ChunkedFlashCPU._groups(n, mask.shape[-3], c, prev, ahead, B * H):
+            probs = ChunkedSigmoid._probs(g, q, k, mask, score_bias, start)
+            g.scatter_queries(out, (probs @ ChunkedSigmoid._tiles(g.key_tiles(v), B, probs.dtype)).flatten(0, 1).to(q.dtype))
+            if keep:
+                ctx.probs.append(probs)
+        ctx.plan = plan
+        ctx.save_for_backward(q, k, v)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        q, k, v = ctx.saved_tensors
+        mask, c, prev, ahead = ctx.plan
+        B, H, n, D = q.shape
+        grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        scale = 1 / math.sqrt(D)
+        groups = ChunkedFlashCPU._groups(n, mask.shape[-3], c, prev, ahead, B * H)
+        for g, probs in zip(groups, ctx.probs):
+            tiles = lambda x, group_of: ChunkedSigmoid._tiles(group_of(x), B, probs.dtype)
+            dy, q_t = tiles(grad_y, g.query_tiles), tiles(q, g.query_tiles)
+            k_t, v_t = tiles(k, g.key_tiles), tiles(v, g.key_tiles)
+            d_scores = torch.ops.aten.sigmoid_backward(dy @ v_t.transpose(-1, -2), probs)  # dp * p * (1 - p)
+            g.scatter_queries(grad_q, (d_scores @ k_t * scale).flatten(0, 1).to(q.dtype))
+            g.accumulate_keys(grad_k, (d_scores.transpose(-1, -2) @ q_t * scale).flatten(0, 1).to(k.dtype))
+            g.accumulate_keys(grad_v, (probs.transpose(-1, -2) @ dy).flatten(0, 1).to(v.dtype))
+        ctx.probs = None
+        return grad_q, grad_k, grad_v, None, None, None
+
+    @staticmethod
+    def _tiles(tiles, B, dtype):
+        """(B * H, g, rows, D) tiles as (B, H, g, rows, D) in the compute dtype."""
+        return tiles.view(B, -1, *tiles.shape[1:]).to(dtype)
+
+    @staticmethod
+    def _probs(g, q, k, mask, score_bias, start):
+        B, H, n, D = q.shape
+        compute = torch.promote_types(q.dtype, torch.float32)
+        q_t = ChunkedSigmoid._tiles(g.query_tiles(q), B, compute)
+        k_t = ChunkedSigmoid._tiles(g.key_tiles(k), B, compute)
+        scores = (q_t * (1 / math.sqrt(D))) @ k_t.transpose(-1, -2)  # (B, H, chunks, c, K)
+        if score_bias is not None:
+            scores.add_(g.score_bias(score_bias, range(H), start, mask.device))
+        return scores.masked_fill_(~mask[..., g.i0:g.i1, :, :], float("-inf")).sigmoid_()
 
 
 class _TileGroup:
@@ -304,12 +393,36 @@ class _TileGroup:
         g = self.i1 - self.i0
         return torch.cat([part[:, j:j + g] for j in range(self.span)], dim=2)
 
-    def bias(self, mask, dtype, B):
-        """Additive mask of the group (rows without any allowed key open everywhere; zeroed by the caller)."""
+    def bias(self, mask, dtype, B, score_bias=None, heads=None, start=0, open_empty_rows=True):
+        """Additive mask of the group: -inf outside the rule's edges, plus score_bias (a ScoreBias) of the given
+        heads inside them. For the fused softmax kernel, rows without any allowed key are opened everywhere
+        (their outputs are zeroed by the caller). B: laid out as (B * H, ...) tiles; None: (H or 1, ...)."""
         allowed = mask[..., self.i0:self.i1, :, :]
-        allowed = allowed | ~allowed.any(-1, keepdim=True)
-        bias = torch.zeros(allowed.shape, dtype=dtype, device=mask.device).masked_fill_(~allowed, float("-inf"))
-        return _per_batch_head(bias, B)
+        if open_empty_rows:
+            allowed = allowed | ~allowed.any(-1, keepdim=True)
+        if score_bias is None:
+            bias = torch.zeros(allowed.shape, dtype=dtype, device=mask.device)
+        else:
+            bias = self.score_bias(score_bias, heads, start, mask.device).to(dtype).expand(-1, allowed.shape[-3], -1, -1)
+        bias = bias.masked_fill(~allowed, float("-inf"))
+        return bias if B is None else _per_batch_head(bias, B)
+
+    def score_bias(self, score_bias, heads, start, device):
+        """A ScoreBias over the group's tiles for the given heads: (H, chunks, c, K), or (H, 1, c, K) when it
+        depends on q - k only (`relative`), since every tile then has the same offsets."""
+        h = torch.tensor(list(heads), device=device)[:, None, None, None]
+        if score_bias.relative:
+            q_pos = self.prev * self.c + torch.arange(self.c, device=device)
+            k_pos = torch.arange(self.span * self.c, device=device)
+            return score_bias.bias(h, q_pos[None, :, None], k_pos[None, None, :])
+        q_pos, k_pos = self.positions(start, device)
+        return score_bias.bias(h, q_pos[:, :, None], k_pos[:, None, :])
+
+    def positions(self, start, device):
+        """Absolute positions of the group's query rows (chunks, c) and key bands (chunks, K)."""
+        first = start + self.c * torch.arange(self.i0, self.i1, device=device)[:, None]
+        return first + torch.arange(self.c, device=device), first - self.prev * self.c + torch.arange(
+            self.span * self.c, device=device)
 
     def scatter_queries(self, full, tiles):
         B, H, _, D = full.shape
@@ -382,11 +495,13 @@ def _compiled_flex():
 
 
 def flex(q, k, v, rule: EdgeRule, start: int = 0, score_mod=None, activation="softmax", dropout_p: float = 0.0):
-    from torch.nn.attention.flex_attention import flex_attention
+    """FlexAttention under the rule's block mask. Sigmoid attention is computed by the softmax kernel: with
+    scores replaced by log sigmoid(s), softmax gives sigmoid(s_j) / sum_k sigmoid(s_k), and the row's
+    log-sum-exp is log sum_k sigmoid(s_k), so out * exp(lse) = sum_j sigmoid(s_j) v_j (rows without keys: 0)."""
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
-    if activation != "softmax":
-        raise ValueError(f"the flex backend computes softmax attention; activation={activation!r} needs "
-                         "attn_backend=chunked or dense")
+    if activation not in ("softmax", "sigmoid"):
+        raise ValueError(f"unknown attention activation {activation!r}: expected softmax or sigmoid")
     if dropout_p > 0:
         raise ValueError("the flex backend has no attention dropout: set dropout=0 or use attn_backend=chunked")
     on_cuda = q.device.type == "cuda"
@@ -394,8 +509,22 @@ def flex(q, k, v, rule: EdgeRule, start: int = 0, score_mod=None, activation="so
         raise RuntimeError("FlexAttention has no CPU backward in this torch version: train on CPU with "
                            "attn_backend=chunked (or auto)")
     block_mask = flex_block_mask(rule, q.shape[2], q.shape[1], str(q.device), start)
-    mod = None
-    if score_mod is not None:
-        mod = score_mod if start == 0 else (lambda s, b, h, qi, ki: score_mod(s, b, h, qi + start, ki + start))
+    mod = _flex_score_mod(score_mod, start, activation)
     fn = _compiled_flex() if on_cuda else flex_attention  # eager on CPU: forward checks and inference only
-    return fn(q, k, v, score_mod=mod, block_mask=block_mask)
+    if activation == "softmax":
+        return fn(q, k, v, score_mod=mod, block_mask=block_mask)
+    out, aux = fn(q, k, v, score_mod=mod, block_mask=block_mask, return_aux=AuxRequest(lse=True))
+    return (out.float() * aux.lse.float().exp()[..., None]).to(q.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _flex_score_mod(score_mod, start, activation):
+    """The score_mod handed to FlexAttention, one object per (score_mod, start, activation): compiled flex
+    recompiles for a new function object."""
+    mod = score_mod
+    if mod is not None and start:
+        mod = lambda s, b, h, qi, ki: score_mod(s, b, h, qi + start, ki + start)
+    if activation == "sigmoid":
+        inner = mod
+        mod = lambda s, b, h, qi, ki: F.logsigmoid(s if inner is None else inner(s, b, h, qi, ki))
+    return mod

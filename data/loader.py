@@ -20,13 +20,15 @@ _VAL_SEED = 0x5EED  # validation windows are the same for every run on the same 
 
 class WindowSampler:
     def __init__(self, data_dir: str, split: str, block_size: int, batch_size: int, micro_steps: int,
-                 rank: int = 0, world_size: int = 1, seed: int = 0, device: str = "cpu"):
-        """micro_steps: the global number of micro-batches per step (gradient_accumulation_steps)."""
+                 rank: int = 0, world_size: int = 1, seed: int = 0, device: str = "cpu",
+                 loss_after: int | None = None):
+        """micro_steps: the global number of micro-batches per step (gradient_accumulation_steps).
+        loss_after: a token id; when given, only targets whose input token is it count (others are -1)."""
         self.tokens = open_tokens(data_dir, split)
         self.split = split
         self.block_size, self.batch_size = block_size, batch_size
         self.micro_steps, self.rank, self.world_size = micro_steps, rank, world_size
-        self.seed, self.device = seed, device
+        self.seed, self.device, self.loss_after = seed, device, loss_after
         self.num_windows = len(self.tokens) - block_size  # each window needs block_size + 1 tokens
         if self.num_windows < 1:
             raise ValueError(f"the {split} split has {len(self.tokens)} tokens, fewer than block_size + 1 = "
@@ -52,6 +54,8 @@ class WindowSampler:
         windows = np.stack([self.tokens[o:o + self.block_size + 1] for o in offsets]).astype(np.int64)
         chunk = torch.from_numpy(windows)
         x, y = chunk[:, :-1], chunk[:, 1:]
+        if self.loss_after is not None:
+            y = y.masked_fill(x != self.loss_after, -1)  # the model's loss ignores targets < 0
         if self.device.startswith("cuda"):
             return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
         return x.to(self.device), y.to(self.device)

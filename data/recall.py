@@ -1,14 +1,17 @@
 """
 The recall corpus: associative recall over a distance, generated on the fly (no download).
 
-A document states a few key-value pairs, then a long stretch of filler, then asks for one key's value:
+A document states key-value pairs (one by default), then a long stretch of filler, then asks for one key's
+value after the answer marker '>':
 
-    #c=Q k=D|4071938265...1843?k=D
+    #c=Q k=D|4567890123...0123?k>D
 
-Keys are distinct lowercase letters, values uppercase letters, the filler random digits. The filler is long
-enough (`min_filler`, 100 by default) that the pairs lie beyond the receptive field of a small sliding-window
-model (layers x window, e.g. 4 x 16 = 64 positions): only a mixer that moves information further, such as
-full or stochastic attention, can answer above chance (1/26).
+Keys are distinct lowercase letters, values uppercase letters, the filler digits counting up (predictable,
+so it costs little to learn). The filler is long enough (`min_filler`, 60 by default: the value lies 64 or
+more positions before the answer) that the pairs lie beyond the receptive field of a small sliding-window
+model (layers x (window - 1), e.g. 4 x 15 = 60 positions): only a mixer that moves information further, such
+as full or stochastic attention, can answer above chance (1/26). Training on the answers alone
+(`--loss_after='>'`) gives the task its whole gradient.
 
 The training data is many such documents (`python data/prepare.py --dataset=recall`, or automatically on
 first use of data/recall_byte); the `recall` evaluation task (eval/recall.py) draws fresh ones from another
@@ -24,18 +27,19 @@ DEFAULT_NUM_DOCS = 20000
 KEYS = string.ascii_lowercase[:16]
 VALUES = string.ascii_uppercase
 QUERY = "?"
+ANSWER = ">"  # the answer marker: the value is the token after it
 
 
-def document_parts(seed: int, index: int, pairs: int = 1, min_filler: int = 70, max_filler: int = 90):
-    """(context, answer): the document up to and including the query's '=', and the value it asks for."""
+def document_parts(seed: int, index: int, pairs: int = 1, min_filler: int = 60, max_filler: int = 80):
+    """(context, answer): the document up to and including the answer marker, and the value it asks for."""
     rng = random.Random(seed * 1_000_003 + index)
     keys = rng.sample(KEYS, pairs)
     values = [rng.choice(VALUES) for _ in keys]
     asked = rng.randrange(pairs)
-    first = rng.randrange(10)  # the filler counts through the digits: predictable, so that once it is learnt
+    first = rng.randrange(10)
     filler = "".join(string.digits[(first + i) % 10] for i in range(rng.randint(min_filler, max_filler)))
     stated = " ".join(f"{k}={v}" for k, v in zip(keys, values))
-    return f"#{stated}|{filler}{QUERY}{keys[asked]}=", values[asked]
+    return f"#{stated}|{filler}{QUERY}{keys[asked]}{ANSWER}", values[asked]
 
 
 def document(seed: int, index: int, **options) -> str:

@@ -1,12 +1,13 @@
 """Evaluate a trained run: writes OUT_DIR/eval/<task>.json and OUT_DIR/eval/summary.md.
 
     python -m eval --out_dir=out/quickstart --tasks=ppl,niah
-    python -m eval --out_dir=out/swat --tasks=ppl --ppl_lengths=128,512,2048,8192 --ppl_windows=128,512
+    python -m eval --out_dir=out/swat --tasks=ppl --ppl_lengths=128,512,2048,8192 --ppl_windows=128,512 --ppl_stream=True
     python -m eval --out_dir=out/quickstart --tasks=niah --niah_lengths=256 --niah_kinds=single,multikey --niah_samples=20
 
 Tasks:
     ppl   perplexity of the validation split at each of ppl_lengths, and for window variants at each of
-          ppl_windows (the model config field named by window_key, swa_window by default, is set to each)
+          ppl_windows (the model config field named by window_key, swa_window by default, is set to each);
+          by document, or with ppl_stream as one stream (paper 001's long evaluation lengths)
     niah  RULER-style needle-in-a-haystack retrieval (eval/niah.py), scored by generation and by ranking
     recall  associative recall over a distance (eval/recall.py) for runs trained on --dataset=recall
 Every JSON carries the command, git hash, config hash, checkpoint step and seed that produced it.
@@ -52,6 +53,8 @@ class EvalRunConfig:
     ppl_windows: str = ""  # comma-separated values for window_key; default: the trained window only
     window_key: str = "swa_window"
     ppl_max_tokens: int = 200_000  # validation tokens scored per (length, window)
+    ppl_stream: bool = False  # score the validation text as one stream (documents back to back, as training
+    #                           windows see them) instead of document by document: lengths beyond the documents
     # niah
     niah_lengths: str = ""  # default: the run's block_size
     niah_depths: str = "0,0.25,0.5,0.75,1"
@@ -101,7 +104,11 @@ def run_ppl(e: EvalRunConfig, ctx) -> dict:
         raise ConfigError(f"window_key={e.window_key!r} is not a model config field")
     lengths = ints(e.ppl_lengths) or [cfg.model.block_size]
     trained = getattr(cfg.model, e.window_key)
-    docs = ppl_task.documents(open_tokens(ctx["data_dir"], "val"), meta["eot_id"], e.ppl_max_tokens)
+    tokens = open_tokens(ctx["data_dir"], "val")
+    if e.ppl_stream:
+        docs = [ppl_task.stream(tokens, e.ppl_max_tokens)]
+    else:
+        docs = ppl_task.documents(tokens, meta["eot_id"], e.ppl_max_tokens)
     rows = []
     for window in ints(e.ppl_windows) or [None]:  # None: the model as trained
         model = ctx["model"] if window in (None, trained) else ctx["with_config"](**{e.window_key: window})
@@ -172,8 +179,24 @@ def summary_markdown(eval_dir: Path) -> str:
             for row in rows:
                 cells = [f"{row.get(k):.4g}" if isinstance(row.get(k), float) else str(row.get(k)) for k in keys]
                 lines.append("| " + " | ".join(cells) + " |")
+        if report["task"] == "ppl" and rows:
+            lines += ["", *ppl_grid(rows, report["results"].get("trained_window"))]
         lines.append("")
     return "\n".join(lines)
+
+
+def ppl_grid(rows: list[dict], trained_window=None) -> list[str]:
+    """Loss (mean NLL) with one row per evaluation window and one column per evaluation length: the layout
+    of paper 001's Table 2."""
+    lengths = sorted({row["length"] for row in rows})
+    windows = list(dict.fromkeys(row["window"] for row in rows))
+    cell = {(row["window"], row["length"]): row["nll"] for row in rows}
+    label = lambda w: f"window {trained_window if w is None else w}" + (" (trained)" if w in (None, trained_window) else "")
+    lines = ["| loss | " + " | ".join(f"L={length}" for length in lengths) + " |", "|---|" + "---|" * len(lengths)]
+    for window in windows:
+        values = [cell.get((window, length)) for length in lengths]
+        lines.append(f"| {label(window)} | " + " | ".join("-" if v is None else f"{v:.4f}" for v in values) + " |")
+    return lines
 
 
 def main(argv):

@@ -1,8 +1,9 @@
 """Held-out perplexity at several evaluation lengths (and windows), as in paper 001's Table 2.
 
 The validation tokens are split into documents at the end-of-text token (each document keeps its trailing
-end-of-text); every document is cut into non-overlapping windows of the evaluation length, and every token
-after a document's first is predicted exactly once, from the window it falls in. Perplexity is
+end-of-text), or taken as one stream of documents back to back (`stream`, for evaluation lengths beyond the
+documents' lengths); every document (or the stream) is cut into non-overlapping windows of the evaluation
+length, and every token after the first is predicted exactly once, from the window it falls in. Perplexity is
 exp(total NLL / predicted tokens) with both counted exactly.
 """
 
@@ -34,6 +35,12 @@ def documents(tokens: np.ndarray, eot_id: int, max_tokens: int | None = None) ->
         if max_tokens is not None and total >= max_tokens:
             break
     return docs
+
+
+def stream(tokens: np.ndarray, max_tokens: int | None = None) -> np.ndarray:
+    """The first max_tokens tokens as one sequence, documents back to back with their end-of-text tokens (how
+    training windows see them): evaluation lengths are then not capped by the documents' lengths."""
+    return np.asarray(tokens[:max_tokens], dtype=np.int64)
 
 
 def windows(docs: list[np.ndarray], length: int):

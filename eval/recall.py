@@ -1,7 +1,7 @@
 """Associative recall over a distance (the corpus of data/recall.py), scored on fresh documents.
 
 Each context holds exactly `length` tokens: earlier recall documents (as in a training window), then one
-document up to its query's '='. The prediction is the value letter with the highest logit at the last
+document up to its answer marker '>'. The prediction is the value letter with the highest logit at the last
 position; chance is 1/26. Every example's correctness is kept, so runs can be compared pairwise
 (eval/stats.py) on the same examples.
 """

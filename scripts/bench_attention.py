@@ -4,11 +4,13 @@
     python scripts/bench_attention.py --device=cuda --batch=16 --heads=16 --dtype=bfloat16 --json=out/bench_gpu.json
     python scripts/bench_attention.py --variants=swa,block --lengths=4096,16384 --window=128
     python scripts/bench_attention.py --variants=full,swa,sa,sa_swa --lengths=2048,4096,8192,16384,32768
+    python scripts/bench_attention.py --variants=swa,swat,swat_softmax --lengths=4096,16384
 
 Each variant runs its attention kernel (q, k, v -> output, the same dispatch the model's layers use, with
 `--backend`, default auto: flex on CUDA, chunked on CPU, SDPA for full) on random inputs; the projections,
 identical across variants, are left out (sa draws a fresh permutation and gathers / scatters inside each
-step, as its layer does; sa_swa runs both paths). Time is the best of --repeats timed runs after one warmup (the least
+step, as its layer does; sa_swa runs both paths; swat is sigmoid attention with balanced ALiBi in the
+kernel, swat_softmax its softmax counterpart). Time is the best of --repeats timed runs after one warmup (the least
 disturbed by other work on the machine; the JSON keeps every run). Peak
 memory is the extra memory a forward + backward takes: torch.cuda.max_memory_allocated on GPUs; on CPU each
 case runs in its own process and reports its resident-set high-water mark above the inputs.
@@ -29,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from attention.edges import Causal, FixedBlock, HeadWindows, PermutedWindow, SlidingWindow  # noqa: E402
 from attention.kernels import attend, resolve_backend  # noqa: E402
 from attention.stochastic import stochastic_attention  # noqa: E402
+from attention.swat import AlibiBias, swat_slopes  # noqa: E402
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
 
 
@@ -55,13 +58,14 @@ def rule_of(name: str, b: BenchConfig):
     mswa = HeadWindows(tuple(int(b.window * f) for f in (0.25, 0.5, 1, 2) for _ in range(quarter))[:b.heads])
     # sa, sa_swa: the permuted-space band of stochastic attention (a fresh permutation every step)
     rules = {"full": Causal(), "swa": SlidingWindow(b.window), "block": FixedBlock(b.block), "mswa": mswa,
-             "sa": PermutedWindow(torch.arange(2), b.window), "sa_swa": SlidingWindow(b.window)}
+             "sa": PermutedWindow(torch.arange(2), b.window), "sa_swa": SlidingWindow(b.window),
+             "swat": SlidingWindow(b.window), "swat_softmax": SlidingWindow(b.window)}
     if name not in rules:
         raise ConfigError(f"unknown variant {name!r}: expected one of {', '.join(rules)}")
     return rules[name]
 
 
-def attention_of(name: str, b: BenchConfig, backend: str):
+def attention_of(name: str, b: BenchConfig, backend: str, device=None):
     """q, k, v -> output as the variant's layer computes it (sa draws its permutation inside the step)."""
     rule = rule_of(name, b)
 
@@ -73,6 +77,10 @@ def attention_of(name: str, b: BenchConfig, backend: str):
         return sa
     if name == "sa_swa":  # both paths over the same q, k, v (their gates are projections, left out)
         return lambda q, k, v: sa(q, k, v) + attend(q, k, v, rule, backend)
+    if name in ("swat", "swat_softmax"):  # balanced ALiBi (half the heads each way) inside the kernel
+        alibi = AlibiBias(torch.tensor(swat_slopes(b.heads, "paper", ""), device=device), 0.0)
+        activation = "sigmoid" if name == "swat" else "softmax"
+        return lambda q, k, v: attend(q, k, v, rule, backend, score_mod=alibi, activation=activation)
     return lambda q, k, v: attend(q, k, v, rule, backend)
 
 
@@ -89,7 +97,7 @@ def run_case(name: str, n: int, b: BenchConfig, device: torch.device) -> dict:
     q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     grad = torch.randn(shape, device=device, dtype=dtype)
 
-    attention = attention_of(name, b, backend)
+    attention = attention_of(name, b, backend, device)
 
     def step():
         out = attention(q, k, v)

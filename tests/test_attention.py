@@ -104,7 +104,7 @@ def test_chunked_autograd_sdpa_path_equals_dense(rule):
     # the path CUDA and attention dropout use (on CPU the fused flash Function is the default)
     tensors = qkv(100)
     ref, ref_grads = fwd_bwd(lambda q, k, v: dense_attention(q, k, v, rule, torch.arange(100)), tensors)
-    out, grads = fwd_bwd(lambda q, k, v: chunked_attention(q, k, v, rule, chunk=16, fused_cpu=False), tensors)
+    out, grads = fwd_bwd(lambda q, k, v: chunked_attention(q, k, v, rule, chunk=16, fused=False), tensors)
     torch.testing.assert_close(out, ref)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r)

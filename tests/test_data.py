@@ -500,3 +500,21 @@ def test_embedded_dataset_is_prepared_on_first_use(tmp_path, monkeypatch, capsys
     mtime = os.path.getmtime(default / "meta.json")
     prepare_generated_if_missing(str(default))  # already valid: nothing is redone
     assert os.path.getmtime(default / "meta.json") == mtime
+
+
+def test_fineweb_edu_streams_the_sample_subset_of_paper_001(tmp_path, monkeypatch):
+    import datasets
+
+    calls = []
+
+    def fake_hub(*args, **kwargs):
+        calls.append((args, kwargs))
+        return [{"text": f"document {i} " * 20} for i in range(50)]
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_hub)
+    out = tmp_path / "fineweb"
+    prepare("fineweb_edu", "byte", out_dir=str(out), quiet=True)
+    assert calls[0][0] == ("HuggingFaceFW/fineweb-edu", "sample-100BT")
+    assert calls[0][1]["streaming"] is True
+    meta = load_meta(out)
+    assert meta["train_documents"] + meta["val_documents"] == 50

@@ -1,0 +1,121 @@
+"""SWAT (paper 001): sigmoid sliding-window attention with balanced ALiBi and RoPE.
+
+    o_i = sum_{0 <= i-j < w} sigmoid(q_i . k_j / sqrt(d) + s_h (i - j) + b) v_j
+
+q and k are rotated by RoPE when swat_rope (the paper's AliRope); s_h is head h's ALiBi slope; b a constant
+bias (0 by default, -log(w) offered); the output is not normalised. swat_activation=softmax gives the
+softmax counterpart with the same position options, for the paper's ablations (Table 3).
+
+Slopes follow the paper's sign convention: the bias is s_h (i - j), so a negative slope is classic ALiBi
+(favours recent keys) and a positive one favours older keys. swat_split="neg:pos" says how many heads get
+each sign (the first `neg` heads are negative). Magnitudes:
+    paper  2^-k, k = 1..count within each direction (Eq. 4: 6:6 gives -1/2..-1/64 and +1/2..+1/64)
+    alibi  the classic ALiBi sequence 2^(-8k/H), k = 1..H over all heads in order (the authors' code)
+    none   no ALiBi (RoPE alone, or no position information at all)
+The bias lives in the kernels as a ScoreBias (attention/kernels.py), computed inside each chunk, never as an
+n x n matrix. Sliding-window training is plain: block_size (the training length T) is independent of
+swa_window (w), and evaluation may use other lengths and windows (python -m eval --ppl_windows).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from attention.edges import SlidingWindow
+from attention.kernels import ScoreBias
+from attention.layer import MaskedAttention
+from attention.registry import register
+
+ACTIVATIONS = ("sigmoid", "softmax")
+SLOPE_SCHEDULES = ("paper", "alibi", "none")
+
+
+def parse_split(split: str, n_head: int) -> tuple[int, int]:
+    """(heads with negative slopes, heads with positive slopes) from "neg:pos" ("" = half and half)."""
+    if not split:
+        if n_head % 2:
+            raise ValueError(f"swat_split='' splits the heads half and half, but n_head={n_head} is odd: "
+                             f"give swat_split explicitly, e.g. '{n_head // 2 + 1}:{n_head // 2}'")
+        return n_head // 2, n_head // 2
+    try:
+        neg, pos = (int(part) for part in split.split(":"))
+    except ValueError:
+        raise ValueError(f"swat_split={split!r}: expected 'neg:pos' head counts such as '6:6' or '12:0'") from None
+    if neg < 0 or pos < 0 or neg + pos != n_head:
+        raise ValueError(f"swat_split={split!r}: the two counts must be >= 0 and add up to n_head={n_head}")
+    return neg, pos
+
+
+def swat_slopes(n_head: int, schedule: str = "paper", split: str = "") -> list[float]:
+    """The ALiBi slope s_h of every head (bias s_h * (i - j); negative = classic ALiBi)."""
+    if schedule == "none":
+        return [0.0] * n_head
+    neg, pos = parse_split(split, n_head)
+    if schedule == "paper":
+        return [-2.0 ** -k for k in range(1, neg + 1)] + [2.0 ** -k for k in range(1, pos + 1)]
+    if schedule == "alibi":
+        magnitudes = [2.0 ** (-8 * k / n_head) for k in range(1, n_head + 1)]
+        return [-m for m in magnitudes[:neg]] + magnitudes[neg:]
+    raise ValueError(f"swat_slopes={schedule!r}: expected one of {', '.join(SLOPE_SCHEDULES)}")
+
+
+def parse_bias(text: str, window: int) -> float:
+    """The constant score bias b: a number, or -log(w)."""
+    if text.replace(" ", "") == "-log(w)":
+        return -math.log(window)
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"swat_bias={text!r}: expected a number or '-log(w)'") from None
+
+
+class AlibiBias(ScoreBias):
+    """score + s_h (q - k) + b: ALiBi with signed per-head slopes and a constant offset."""
+
+    relative = True
+
+    def __init__(self, slopes: torch.Tensor, offset: float):
+        self.slopes, self.offset = slopes, offset
+
+    def bias(self, h, q_idx, kv_idx):
+        return self.slopes[h] * (q_idx - kv_idx) + self.offset
+
+
+@register("swat")
+class SigmoidWindowAttention(MaskedAttention):
+    @classmethod
+    def check_config(cls, config):
+        super().check_config(config)
+        if config.swa_window < 1:
+            raise ValueError(f"swa_window={config.swa_window}: must be >= 1")
+        if config.swat_activation not in ACTIVATIONS:
+            raise ValueError(f"swat_activation={config.swat_activation!r}: expected sigmoid or softmax")
+        if config.swat_activation == "sigmoid" and config.attn_backend == "sdpa":
+            raise ValueError("attn_backend=sdpa has no sigmoid attention: use auto, chunked, flex or dense")
+        swat_slopes(config.n_head, config.swat_slopes, config.swat_split)
+        parse_bias(config.swat_bias, config.swa_window)
+
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx, SlidingWindow(config.swa_window))
+        self.activation = config.swat_activation
+        # RoPE is this layer's choice (swat_rope), whatever the model's default position embedding
+        self.rope_theta = config.rope_theta if config.swat_rope else None
+        slopes = swat_slopes(config.n_head, config.swat_slopes, config.swat_split)
+        self.register_buffer("slopes", torch.tensor(slopes, dtype=torch.float32), persistent=False)
+        self.offset = parse_bias(config.swat_bias, config.swa_window)
+        self.has_bias = any(slopes) or self.offset != 0
+        self._score_mod = None
+
+    def score_mod(self):
+        if not self.has_bias:
+            return None
+        if self._score_mod is None or self._score_mod.slopes is not self.slopes:  # rebuilt after .to(device)
+            self._score_mod = AlibiBias(self.slopes, self.offset)
+        return self._score_mod
+
+    def describe(self):
+        slopes = " ".join(f"{s:+g}" for s in self.slopes.tolist())
+        rope = "RoPE" if self.rope_theta is not None else "no RoPE"
+        return f"{self.activation}, {rope}, bias {self.offset:+g}, ALiBi slopes per head: {slopes}"

@@ -1,0 +1,11 @@
+# Paper 001, Table 3 No. 11 at CPU scale (configs/owt_swat_base.py): Vanilla, sigmoid, ALiBi-12:0, training window
+# 128, training length 128, evaluation window 128 (the paper's 1024 / 1024 / 1024).
+include("configs/owt_swat_base.py")
+out_dir = "out/owt_swat_11_vanilla_sigmoid_alibi_w128"
+swat_activation = "sigmoid"
+swat_rope = False
+swat_slopes = "paper"
+swat_split = "12:0"
+swa_window = 128
+block_size = 128
+batch_size = 32

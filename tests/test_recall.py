@@ -1,0 +1,79 @@
+"""The recall corpus and task: the answer lies beyond a small sliding-window model's reach, training can count
+only the answers (loss_after), and the recall evaluation scores fresh documents."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import REPO
+from data.loader import WindowSampler
+from data.prepare import prepare
+from data.recall import ANSWER, VALUES, document_parts
+from data.tokenizer import ByteTokenizer
+from eval.recall import contexts
+
+
+def test_documents_put_the_value_beyond_four_window_16_layers():
+    for index in range(300):
+        context, answer = document_parts(0, index)
+        assert context.endswith(ANSWER) and answer in VALUES
+        stated = context.index("=") + 1  # "#k=V|...": the value follows the first '='
+        assert context[stated] == answer
+        assert len(context) - stated > 4 * 15  # the answer's prediction sits beyond 4 layers x (w - 1)
+        assert context.count(ANSWER) == 1
+
+
+def test_loss_after_keeps_only_the_answers(tmp_path):
+    prepare("recall", "byte", out_dir=str(tmp_path), quiet=True)
+    marker = ByteTokenizer().encode(ANSWER)[0]
+    plain = WindowSampler(str(tmp_path), "train", 128, 8, 1)
+    masked = WindowSampler(str(tmp_path), "train", 128, 8, 1, loss_after=marker)
+    (x, y), (x2, y2) = plain.get(0, 0), masked.get(0, 0)
+    assert torch.equal(x, x2)
+    counted = y2 >= 0
+    assert counted.any() and torch.equal(counted, x == marker)
+    assert torch.equal(y2[counted], y[counted])
+    letters = set(ByteTokenizer().encode("".join(VALUES)))
+    assert set(y2[counted].tolist()) <= letters
+
+
+def train(out, *args):
+    return subprocess.run([sys.executable, "train.py", "configs/sa_small_swa.py", f"--out_dir={out}", "--n_layer=2",
+                           "--n_embd=32", "--max_iters=4", "--eval_interval=4", "--eval_iters=2", "--batch_size=4",
+                           *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_training_on_answers_only_and_a_marker_that_is_not_one_token(tmp_path):
+    proc = train(tmp_path / "ok")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    val = [json.loads(line)["val_loss"] for line in (tmp_path / "ok" / "metrics.jsonl").read_text().splitlines()
+           if "val_loss" in line]
+    assert 2.5 < val[0] < 6.5  # the answers alone: about log(26) at the start, not the easy filler's loss
+    bad = train(tmp_path / "bad", "--loss_after=>>")
+    assert bad.returncode == 2 and "exactly one token" in bad.stderr
+    absent = train(tmp_path / "absent", "--loss_after=@")
+    assert absent.returncode == 2 and "never occurs" in absent.stderr
+
+
+def test_recall_contexts_have_the_length_and_end_at_the_marker():
+    tok = ByteTokenizer()
+    examples = contexts(tok, tok.eot_id, 128, 20, seed=0)
+    for ids, answer in examples:
+        assert len(ids) == 128 and ids[-1] == tok.encode(ANSWER)[0] and answer in VALUES
+    assert len({a for _, a in examples}) > 5
+    np.testing.assert_equal(examples[0][0], contexts(tok, tok.eot_id, 128, 20, seed=0)[0][0])  # seeded
+
+
+@pytest.mark.parametrize("pattern", ["swa"])
+def test_recall_eval_task_runs_on_a_trained_checkpoint(tmp_path, pattern):
+    out = tmp_path / "run"
+    assert train(out).returncode == 0
+    proc = subprocess.run([sys.executable, "-m", "eval", f"--out_dir={out}", "--progress=False", "--tasks=recall",
+                           "--recall_samples=30"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((out / "eval" / "recall.json").read_text())["results"]["rows"]
+    assert rows[0]["n"] == 30 and 0 <= rows[0]["accuracy"] <= 1 and len(rows[0]["correct"]) == 30
