@@ -116,8 +116,10 @@ class GPT(nn.Module):
         if targets is None:
             return self.lm_head(x), None
         logits = self.lm_head(x)
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
-        return logits, loss
+        # mean over the counted targets; 0 (not NaN) when a batch has none, e.g. answer-only training (loss_after)
+        nll = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
+                              reduction="sum")
+        return logits, nll / (targets != -1).sum().clamp(min=1)
 
     def init_caches(self, batch_size: int, max_len: int):
         p = self.wte.weight

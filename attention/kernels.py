@@ -4,8 +4,9 @@
     chunked  O(n * lookback) time and memory with autograd on any device (the CPU training path): queries in
              chunks of c, each attending to a key band of its own chunk plus the ceil(lookback / c) chunks
              before it (and ceil(lookahead / c) after it). Plain softmax on CPU runs groups of tiles through
-             PyTorch's fused CPU flash kernel, forward and backward (ChunkedFlashCPU); elsewhere all tiles go
-             through one batched SDPA call, or explicit math for score_mod / sigmoid
+             PyTorch's fused CPU flash kernel, forward and backward (ChunkedFlashCPU), sigmoid attention runs
+             ChunkedSigmoid on any device (both take a ScoreBias); elsewhere all tiles go through one batched
+             SDPA call, or explicit math for other score_mods
     flex     FlexAttention with a block mask built once per (rule, length) and shared by all layers;
              compiled on CUDA; forward-only on CPU (torch 2.13 has no CPU backward for it)
     sdpa     PyTorch's fused SDPA: is_causal for the causal rule, else a dense boolean mask (O(n^2) memory)
@@ -14,8 +15,9 @@ Every kernel takes the same optional `score_mod(score, b, h, q_idx, kv_idx)` (Fl
 absolute positions, so one definition serves all backends) and `activation` ("softmax" or "sigmoid": no
 normalisation), for variants that add position biases or change the score nonlinearity. A score_mod that is a
 `ScoreBias` (an additive bias from head and positions only, such as ALiBi) stays on the fused paths: the CPU
-flash kernel takes it in its additive mask, and sigmoid attention runs ChunkedSigmoid (tiles recomputed in
-backward) on the chunked backend and FlexAttention's softmax of log-sigmoid scores rescaled by exp(lse) on flex.
+flash kernel takes it in its additive mask, and sigmoid attention runs ChunkedSigmoid (groups of chunks, a
+hand-written backward) on the chunked backend and FlexAttention's softmax of log-sigmoid scores rescaled
+by exp(lse) on flex.
 """
 
 from __future__ import annotations
@@ -325,35 +327,39 @@ class ChunkedSigmoid(torch.autograd.Function):
         mask, c, prev, ahead = plan
         B, H, n, D = q.shape
         out = torch.empty_like(q)
-        keep = any(ctx.needs_input_grad[:3])
-        ctx.probs = []
-        for g in ChunkedFlashCPU._groups(n, mask.shape[-3], c, prev, ahead, B * H):
-            probs = ChunkedSigmoid._probs(g, q, k, mask, score_bias, start)
-            g.scatter_queries(out, (probs @ ChunkedSigmoid._tiles(g.key_tiles(v), B, probs.dtype)).flatten(0, 1).to(q.dtype))
-            if keep:
-                ctx.probs.append(probs)
+        kept = []
+        with torch.autocast(q.device.type, enabled=False):  # scores in float32 even inside an autocast region
+            for g in ChunkedFlashCPU._groups(n, mask.shape[-3], c, prev, ahead, B * H):
+                probs = ChunkedSigmoid._probs(g, q, k, mask, score_bias, start)
+                y = probs @ ChunkedSigmoid._tiles(g.key_tiles(v), B, probs.dtype)
+                g.scatter_queries(out, y.flatten(0, 1).to(q.dtype))
+                if any(ctx.needs_input_grad[:3]):
+                    kept.append(probs)
         ctx.plan = plan
-        ctx.save_for_backward(q, k, v)
+        ctx.save_for_backward(q, k, v, *kept)
         return out
 
     @staticmethod
     def backward(ctx, grad_y):
-        q, k, v = ctx.saved_tensors
+        q, k, v, *kept = ctx.saved_tensors
         mask, c, prev, ahead = ctx.plan
         B, H, n, D = q.shape
-        grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        compute = torch.promote_types(q.dtype, torch.float32)
+        # key and value gradients sum over band slots and groups: accumulated in the compute dtype
+        grad_q = torch.empty_like(q)
+        grad_k, grad_v = torch.zeros_like(k, dtype=compute), torch.zeros_like(v, dtype=compute)
         scale = 1 / math.sqrt(D)
         groups = ChunkedFlashCPU._groups(n, mask.shape[-3], c, prev, ahead, B * H)
-        for g, probs in zip(groups, ctx.probs):
-            tiles = lambda x, group_of: ChunkedSigmoid._tiles(group_of(x), B, probs.dtype)
-            dy, q_t = tiles(grad_y, g.query_tiles), tiles(q, g.query_tiles)
-            k_t, v_t = tiles(k, g.key_tiles), tiles(v, g.key_tiles)
-            d_scores = torch.ops.aten.sigmoid_backward(dy @ v_t.transpose(-1, -2), probs)  # dp * p * (1 - p)
-            g.scatter_queries(grad_q, (d_scores @ k_t * scale).flatten(0, 1).to(q.dtype))
-            g.accumulate_keys(grad_k, (d_scores.transpose(-1, -2) @ q_t * scale).flatten(0, 1).to(k.dtype))
-            g.accumulate_keys(grad_v, (probs.transpose(-1, -2) @ dy).flatten(0, 1).to(v.dtype))
-        ctx.probs = None
-        return grad_q, grad_k, grad_v, None, None, None
+        with torch.autocast(q.device.type, enabled=False):
+            for g, probs in zip(groups, kept):
+                tiles = lambda x, group_of: ChunkedSigmoid._tiles(group_of(x), B, compute)
+                dy, q_t = tiles(grad_y, g.query_tiles), tiles(q, g.query_tiles)
+                k_t, v_t = tiles(k, g.key_tiles), tiles(v, g.key_tiles)
+                d_scores = torch.ops.aten.sigmoid_backward(dy @ v_t.transpose(-1, -2), probs)  # dp * p * (1 - p)
+                g.scatter_queries(grad_q, (d_scores @ k_t * scale).flatten(0, 1).to(q.dtype))
+                g.accumulate_keys(grad_k, (d_scores.transpose(-1, -2) @ q_t * scale).flatten(0, 1))
+                g.accumulate_keys(grad_v, (probs.transpose(-1, -2) @ dy).flatten(0, 1))
+        return grad_q, grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None
 
     @staticmethod
     def _tiles(tiles, B, dtype):
@@ -410,7 +416,7 @@ class _TileGroup:
     def score_bias(self, score_bias, heads, start, device):
         """A ScoreBias over the group's tiles for the given heads: (H, chunks, c, K), or (H, 1, c, K) when it
         depends on q - k only (`relative`), since every tile then has the same offsets."""
-        h = torch.tensor(list(heads), device=device)[:, None, None, None]
+        h = torch.arange(heads.start, heads.stop, device=device)[:, None, None, None]  # a range: no host copy
         if score_bias.relative:
             q_pos = self.prev * self.c + torch.arange(self.c, device=device)
             k_pos = torch.arange(self.span * self.c, device=device)

@@ -3,7 +3,8 @@
     o_i = sum_{0 <= i-j < w} sigmoid(q_i . k_j / sqrt(d) + s_h (i - j) + b) v_j
 
 q and k are rotated by RoPE when swat_rope (the paper's AliRope); s_h is head h's ALiBi slope; b a constant
-bias (0 by default, -log(w) offered); the output is not normalised. swat_activation=softmax gives the
+bias (0 by default; "-log(w)" takes the window in use, so an evaluation with another window gets that
+window's b); the output is not normalised. swat_activation=softmax gives the
 softmax counterpart with the same position options, for the paper's ablations (Table 3).
 
 Slopes follow the paper's sign convention: the bias is s_h (i - j), so a negative slope is classic ALiBi
@@ -92,30 +93,36 @@ class SigmoidWindowAttention(MaskedAttention):
             raise ValueError(f"swa_window={config.swa_window}: must be >= 1")
         if config.swat_activation not in ACTIVATIONS:
             raise ValueError(f"swat_activation={config.swat_activation!r}: expected sigmoid or softmax")
-        if config.swat_activation == "sigmoid" and config.attn_backend == "sdpa":
-            raise ValueError("attn_backend=sdpa has no sigmoid attention: use auto, chunked, flex or dense")
-        swat_slopes(config.n_head, config.swat_slopes, config.swat_split)
-        parse_bias(config.swat_bias, config.swa_window)
+        slopes = swat_slopes(config.n_head, config.swat_slopes, config.swat_split)
+        if config.swat_slopes == "none" and config.swat_split:
+            raise ValueError(f"swat_split={config.swat_split!r} has no effect with swat_slopes=none: leave it empty "
+                             "or choose paper or alibi slopes")
+        offset = parse_bias(config.swat_bias, config.swa_window)
+        has_bias = any(slopes) or offset != 0
+        if config.attn_backend == "sdpa" and (config.swat_activation == "sigmoid" or has_bias):
+            raise ValueError("attn_backend=sdpa has neither sigmoid attention nor score biases: use auto, chunked, "
+                             "flex or dense")
 
     def __init__(self, config, layer_idx):
         super().__init__(config, layer_idx, SlidingWindow(config.swa_window))
         self.activation = config.swat_activation
         # RoPE is this layer's choice (swat_rope), whatever the model's default position embedding
         self.rope_theta = config.rope_theta if config.swat_rope else None
-        slopes = swat_slopes(config.n_head, config.swat_slopes, config.swat_split)
-        self.register_buffer("slopes", torch.tensor(slopes, dtype=torch.float32), persistent=False)
+        self.slopes = swat_slopes(config.n_head, config.swat_slopes, config.swat_split)
         self.offset = parse_bias(config.swat_bias, config.swa_window)
-        self.has_bias = any(slopes) or self.offset != 0
-        self._score_mod = None
+        self.has_bias = any(self.slopes) or self.offset != 0
+        self._score_mods = {}  # device -> AlibiBias: slopes stay float32 whatever the model's dtype
 
     def score_mod(self):
         if not self.has_bias:
             return None
-        if self._score_mod is None or self._score_mod.slopes is not self.slopes:  # rebuilt after .to(device)
-            self._score_mod = AlibiBias(self.slopes, self.offset)
-        return self._score_mod
+        device = self.c_attn.weight.device
+        if device not in self._score_mods:
+            self._score_mods[device] = AlibiBias(torch.tensor(self.slopes, dtype=torch.float32, device=device),
+                                                 self.offset)
+        return self._score_mods[device]
 
     def describe(self):
-        slopes = " ".join(f"{s:+g}" for s in self.slopes.tolist())
+        slopes = " ".join(f"{s:+g}" for s in self.slopes)
         rope = "RoPE" if self.rope_theta is not None else "no RoPE"
         return f"{self.activation}, {rope}, bias {self.offset:+g}, ALiBi slopes per head: {slopes}"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from attention.edges import SlidingWindow
-from attention.kernels import attend, chunked_attention
+from attention.kernels import ScoreBias, attend, chunked_attention
 from attention.swat import AlibiBias, parse_bias, swat_slopes
 from config import ConfigError, ModelConfig, load_config
 from conftest import REPO
@@ -47,7 +47,7 @@ def test_bias_sign_and_slopes_by_hand_two_heads_four_tokens():
                             attn_pattern="swat", swa_window=3, swat_split="1:1", swat_slopes="paper",
                             attn_backend="dense"))
     layer = model.blocks[0].mixer
-    assert layer.slopes.tolist() == [-0.5, 0.5]
+    assert layer.slopes == [-0.5, 0.5]
     assert "-0.5 +0.5" in layer.describe()
     q = k = torch.zeros(1, 2, 4, 4)
     v = torch.eye(4).expand(1, 2, 4, 4)  # value of token j is the one-hot e_j
@@ -94,6 +94,49 @@ def test_flex_forward_equals_dense(schedule, split, activation):  # CPU flex has
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
+class PositionBias(ScoreBias):
+    """An absolute-position bias (not relative): the chunked kernels evaluate it at every tile's positions."""
+
+    def bias(self, h, q_idx, kv_idx):
+        return 0.01 * (h + 1) * torch.cos(0.1 * q_idx.float()) - 0.002 * kv_idx.float()
+
+
+@pytest.mark.parametrize("activation", ["sigmoid", "softmax"])
+def test_absolute_score_bias_with_a_start_offset(activation):
+    n, window, start = 150, 24, 37  # a continued sequence: positions start .. start + n - 1
+    tensors = qkv(n, dtype=torch.float64)
+    rule = SlidingWindow(window)
+    ref, ref_grads = fwd_bwd(lambda q, k, v: attend(q, k, v, rule, "dense", start=start, score_mod=PositionBias(),
+                                                    activation=activation), tensors)
+    out, grads = fwd_bwd(lambda q, k, v: attend(q, k, v, rule, "chunked", start=start, score_mod=PositionBias(),
+                                                activation=activation, chunk=16), tensors)
+    torch.testing.assert_close(out, ref)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r)
+
+
+def test_bf16_sigmoid_attention_stays_close_to_float32():
+    """No normaliser: each output sums up to w sigmoid-weighted values, so bf16 inputs are scored in float32
+    and only the result is rounded; it stays within bf16's precision of the float32 result, gradients too."""
+    n, window = 1024, 256
+    mod = AlibiBias(torch.tensor(swat_slopes(4, "paper", "2:2")), 0.0)
+    tensors = qkv(n)
+    ref, ref_grads = fwd_bwd(lambda q, k, v: attend(q, k, v, SlidingWindow(window), "chunked", score_mod=mod,
+                                                    activation="sigmoid"), tensors)
+    half = [t.detach().bfloat16().requires_grad_() for t in tensors]
+    out, grads = fwd_bwd(lambda q, k, v: attend(q, k, v, SlidingWindow(window), "chunked", score_mod=mod,
+                                                activation="sigmoid"), half)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert ref.abs().max() > 10  # sums of many weights: magnitudes a normalised attention would not reach
+    for got, want in [(out, ref), *zip(grads, ref_grads)]:
+        assert ((got.float() - want).norm() / want.norm()) < 1e-2
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as training runs it: the kernel still scores in float32
+        out, grads = fwd_bwd(lambda q, k, v: attend(q, k, v, SlidingWindow(window), "chunked", score_mod=mod,
+                                                    activation="sigmoid"), half)
+    for got, want in [(out, ref), *zip(grads, ref_grads)]:
+        assert ((got.float() - want).norm() / want.norm()) < 1e-2
+
+
 def test_chunked_sigmoid_never_builds_an_n_by_n_tensor():
     n, window = 16384, 256
     q, k, v = (torch.randn(1, 2, n, 16, requires_grad=True) for _ in range(3))
@@ -117,11 +160,16 @@ def swat_model(n_layer=2, **kw):
 def test_model_backends_agree_and_generation_with_a_rolling_cache_equals_uncached(kw):
     model = swat_model(**kw)
     idx = torch.randint(0, 61, (2, 50))
-    ref, _ = model(idx)
-    for backend in ("chunked", "dense"):
+    logits = {}
+    for backend in ("dense", "chunked", "flex"):  # flex: forward only on CPU
         for block in model.blocks:
             block.mixer.backend = backend
-        torch.testing.assert_close(model(idx)[0], ref, atol=1e-5, rtol=1e-5)
+        with torch.no_grad():
+            logits[backend] = model(idx)[0]
+    for backend in ("chunked", "flex"):
+        torch.testing.assert_close(logits[backend], logits["dense"], atol=1e-5, rtol=1e-5)
+    for block in model.blocks:
+        block.mixer.backend = "chunked"
     caches = model.init_caches(batch_size=1, max_len=10_000)
     assert all(c.k.shape[2] == 8 for c in caches)  # w keys (stored after RoPE), whatever the length
     for prompt_len in (3, 20):  # shorter and longer than the window
@@ -137,13 +185,13 @@ def test_model_backends_agree_and_generation_with_a_rolling_cache_equals_uncache
     torch.testing.assert_close(step[0, -1], model(seq[:, :21])[0][0, -1], atol=1e-5, rtol=1e-5)
 
 
-def test_swat_rope_switch_and_slopes_move_with_the_model():
+def test_swat_rope_switch_and_slopes_stay_float32():
     assert swat_model().blocks[0].mixer.rope_theta is not None
     assert swat_model(swat_rope=False).blocks[0].mixer.rope_theta is None
-    model = swat_model().to(torch.float64)
-    layer = model.blocks[0].mixer
-    assert layer.score_mod().slopes is layer.slopes
-    assert "slopes" not in model.state_dict().keys().__str__()  # derived from the config, not saved
+    model = swat_model(swat_slopes="alibi", swat_split="2:2").to(torch.bfloat16)  # as evaluation casts it
+    slopes = model.blocks[0].mixer.score_mod().slopes
+    assert slopes.dtype == torch.float32 and slopes.tolist() == swat_slopes(4, "alibi", "2:2")
+    assert not any("slope" in key for key in model.state_dict())  # derived from the config, not saved
 
 
 @pytest.mark.parametrize("args, message", [
@@ -152,7 +200,9 @@ def test_swat_rope_switch_and_slopes_move_with_the_model():
     (["--swat_split=two"], "'neg:pos'"),
     (["--swat_slopes=linear"], "swat_slopes='linear'"),
     (["--swat_bias=log(w)"], r"swat_bias='log\(w\)'"),
-    (["--attn_backend=sdpa"], "no sigmoid attention"),
+    (["--attn_backend=sdpa"], "neither sigmoid attention nor score biases"),
+    (["--attn_backend=sdpa", "--swat_activation=softmax"], "neither sigmoid attention nor score biases"),
+    (["--swat_slopes=none", "--swat_split=2:2"], "no effect with swat_slopes=none"),
     (["--n_head=3", "--n_embd=48"], "n_head=3 is odd"),
 ])
 def test_config_errors_name_the_problem(args, message):
