@@ -150,15 +150,17 @@ def run_niah(e: EvalRunConfig, ctx) -> dict:
 
 def run_recall(e: EvalRunConfig, ctx) -> dict:
     cfg, meta = ctx["cfg"], ctx["meta"]
-    rows = []
+    rows, per_example = [], []
     for length in ints(e.recall_lengths) or [cfg.model.block_size]:
         row = recall_task.accuracy(ctx["model"], ctx["tokenizer"], meta["eot_id"], length,
                                    min(e.recall_samples, e.limit or e.recall_samples), e.seed, e.batch_size,
                                    ctx["device"], e.progress, pairs=e.recall_pairs)
         rows.append(row)
+        # the same documents for every run with the same seed: pairable (scripts/compare.py --paired)
+        per_example += [{"id": f"L{length}/{i}", "length": length, "correct": c} for i, c in enumerate(row["correct"])]
         print(f"recall L={length:<6} accuracy {row['accuracy']:.3f} +- {row['stderr']:.3f} "
               f"(chance {row['chance']:.3f}, {row['n']} documents)")
-    return {"rows": rows}
+    return {"rows": rows, "per_example": per_example}
 
 
 TASKS = {"ppl": run_ppl, "niah": run_niah, "recall": run_recall}

@@ -83,5 +83,9 @@ def test_recall_eval_task_runs_on_a_trained_checkpoint(tmp_path, pattern):
     proc = subprocess.run([sys.executable, "-m", "eval", f"--out_dir={out}", "--progress=False", "--tasks=recall",
                            "--recall_samples=30"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads((out / "eval" / "recall.json").read_text())["results"]["rows"]
+    report = json.loads((out / "eval" / "recall.json").read_text())
+    rows = report["results"]["rows"]
     assert rows[0]["n"] == 30 and 0 <= rows[0]["accuracy"] <= 1 and len(rows[0]["correct"]) == 30
+    # per-example results, pairable across runs (scripts/compare.py --paired)
+    assert [x["id"] for x in report["per_example"]] == [f"L128/{i}" for i in range(30)]
+    assert [x["correct"] for x in report["per_example"]] == rows[0]["correct"]
