@@ -24,9 +24,8 @@ import math
 
 import torch
 
-from attention.edges import SlidingWindow
 from attention.kernels import ScoreBias
-from attention.layer import MaskedAttention
+from attention.local import SlidingWindowAttention
 from attention.registry import register
 
 ACTIVATIONS = ("sigmoid", "softmax")
@@ -85,12 +84,12 @@ class AlibiBias(ScoreBias):
 
 
 @register("swat")
-class SigmoidWindowAttention(MaskedAttention):
+class SigmoidWindowAttention(SlidingWindowAttention):
+    """swa's window with SWAT's scores: sigmoid (or softmax), ALiBi slopes, optional RoPE and bias."""
+
     @classmethod
     def check_config(cls, config):
-        super().check_config(config)
-        if config.swa_window < 1:
-            raise ValueError(f"swa_window={config.swa_window}: must be >= 1")
+        super().check_config(config)  # the window
         if config.swat_activation not in ACTIVATIONS:
             raise ValueError(f"swat_activation={config.swat_activation!r}: expected sigmoid or softmax")
         slopes = swat_slopes(config.n_head, config.swat_slopes, config.swat_split)
@@ -104,7 +103,7 @@ class SigmoidWindowAttention(MaskedAttention):
                              "flex or dense")
 
     def __init__(self, config, layer_idx):
-        super().__init__(config, layer_idx, SlidingWindow(config.swa_window))
+        super().__init__(config, layer_idx)
         self.activation = config.swat_activation
         # RoPE is this layer's choice (swat_rope), whatever the model's default position embedding
         self.rope_theta = config.rope_theta if config.swat_rope else None
