@@ -327,13 +327,13 @@ class ChunkedSigmoid(torch.autograd.Function):
         mask, c, prev, ahead = plan
         B, H, n, D = q.shape
         out = torch.empty_like(q)
-        kept = []
+        kept, keep = [], any(ctx.needs_input_grad[:3])  # no gradients needed (evaluation): keep nothing
         with torch.autocast(q.device.type, enabled=False):  # scores in float32 even inside an autocast region
             for g in ChunkedFlashCPU._groups(n, mask.shape[-3], c, prev, ahead, B * H):
                 probs = ChunkedSigmoid._probs(g, q, k, mask, score_bias, start)
                 y = probs @ ChunkedSigmoid._tiles(g.key_tiles(v), B, probs.dtype)
                 g.scatter_queries(out, y.flatten(0, 1).to(q.dtype))
-                if any(ctx.needs_input_grad[:3]):
+                if keep:
                     kept.append(probs)
         ctx.plan = plan
         ctx.save_for_backward(q, k, v, *kept)
