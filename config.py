@@ -63,6 +63,14 @@ class ModelConfig:
     swat_bias: str = "0"  # swat constant score bias b: a number, or "-log(w)"
     linear_feature_dim: int = 16  # linear: q/k feature dimension of Taylor linear attention (paper 002)
     linear_chunk: int = 64  # linear: chunk length of the chunked training form
+    # recurrent mixers of SWAX (paper 003): attn_pattern "swa,mlstm" (or the alias "swax"), "swa,gated_deltanet"
+    mlstm_qk_dim_factor: float = 0.5  # mlstm: q, k width as a fraction of n_embd (v keeps n_embd), xLSTM 7B
+    mlstm_gate_soft_cap: float = 15.0  # mlstm: input/forget gate pre-activations soft-capped to (-cap, cap)
+    mlstm_chunk: int = 64  # mlstm: chunk length of the chunkwise-parallel training form
+    mlstm_kernel: str = "auto"  # mlstm: auto (mlstm_kernels' Triton chunkwise kernel on CUDA when installed) | native
+    gdn_chunk: int = 64  # gated_deltanet: chunk length of the chunked (WY) training form
+    gdn_conv_size: int = 4  # gated_deltanet: width of the short causal convolutions on q, k, v
+    gdn_kernel: str = "auto"  # gated_deltanet: auto (fla's chunk kernel on CUDA when installed) | native
 
     @property
     def head_dim(self) -> int:
@@ -112,6 +120,13 @@ class TrainConfig:
     dtype: str = "auto"  # auto (bfloat16 on capable GPUs, float16 on older ones, float32 on CPU)
     compile: bool = False
     seed: int = 1337
+    # sliding-window size per training step (paper 003): fixed (swa_window) or stochastic: each step uses
+    # swax_short_window with probability swax_short_prob, else swa_window, and only swa_window in the last
+    # swax_anneal_frac of max_iters. The window of each step is a function of (seed, step): resumable.
+    window_schedule: str = "fixed"
+    swax_short_window: int = 128
+    swax_short_prob: float = 0.5
+    swax_anneal_frac: float = 0.1
     wandb_log: bool = False
     wandb_project: str = "efficient-attention"
     wandb_run_name: str = ""  # empty: the out_dir's name

@@ -1,0 +1,247 @@
+"""The mLSTM layer of xLSTM 7B (Beck et al. 2025), the recurrent mixer of SWAX (paper 003).
+
+Per head, with q, k of width d_qk (= mlstm_qk_dim_factor * n_embd / H) and v of width d_v (= n_embd / H),
+an exponential input gate i_t and a sigmoid forget gate f_t (pre-activations, soft-capped to +-15) and a
+stabiliser m (m_0 = 0) that keeps every exponent <= 0:
+
+    m_t = max(log sigmoid(f_t) + m_{t-1}, i_t)
+    C_t = exp(log sigmoid(f_t) + m_{t-1} - m_t) C_{t-1} + exp(i_t - m_t) k_t v_t^T      (d_qk x d_v)
+    n_t = exp(log sigmoid(f_t) + m_{t-1} - m_t) n_{t-1} + exp(i_t - m_t) k_t
+    h_t = C_t^T q~_t / (max(|n_t . q~_t|, exp(-m_t)) + eps),   q~ = q / sqrt(d_qk)
+
+then a LayerNorm per head, the output gate sigmoid(W_o x) and the output projection. C and n are stored
+divided by exp(m_t); the denominator's exp(-m_t) is the stabilised form of max(|n . q|, 1).
+
+Three forms, equal to float tolerance (tests, which also compare with `mlstm_kernels`' own sequence kernel):
+    quadratic   the reference, O(n^2): the whole log-weight matrix at once
+    chunkwise   training, O(n): exact within chunks of mlstm_chunk tokens, the state (C, n, m) between them
+    recurrent   generation: one token at a time, constant memory
+On CUDA the chunkwise form can run as mlstm_kernels' Triton kernel (same layout and state conventions)
+when that package is installed; it is never required.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attention.registry import Mixer, register
+
+EPS = 1e-6
+# an input-gate pre-activation for padding positions: they add nothing to the state (exp underflows to 0)
+# and, with log f = 0, leave C, n and m as they were; finite so that no inf - inf appears
+_NO_INPUT = -1e30
+
+
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    return cap * torch.tanh(x / cap)
+
+
+def _zero_state(q, v):
+    B, H, _, dk = q.shape
+    return (q.new_zeros(B, H, dk, v.shape[-1]), q.new_zeros(B, H, dk), q.new_zeros(B, H, 1))
+
+
+def quadratic_mlstm(q, k, v, i, f, state=None, eps: float = EPS):
+    """Reference form over the whole sequence: q, k (B, H, n, d_qk), v (B, H, n, d_v), gate pre-activations
+    i, f (B, H, n). state: (C, n, m) before the first token, or None (zeros, m = 0). Returns h (B, H, n, d_v)."""
+    C0, n0, m0 = _zero_state(q, v) if state is None else state
+    length = q.shape[2]
+    q = q * q.shape[-1] ** -0.5
+    log_f = F.logsigmoid(f).cumsum(-1)  # B_t = sum_{s <= t} log f_s
+    causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+    # log weight of key j in h_t: B_t - B_j + i_j; of the initial state: B_t + m_0
+    log_weights = torch.where(causal, log_f[..., :, None] - log_f[..., None, :] + i[..., None, :], -torch.inf)
+    log_initial = log_f + m0
+    m = torch.maximum(log_weights.amax(-1), log_initial)  # the recurrent stabiliser m_t
+    weights = torch.exp(log_weights - m[..., None]) * (q @ k.transpose(-1, -2))
+    initial = torch.exp(log_initial - m)[..., None]
+    numerator = weights @ v + initial * (q @ C0)
+    qn = weights.sum(-1, keepdim=True) + initial * (q @ n0[..., None])
+    return numerator / (torch.maximum(qn.abs(), torch.exp(-m)[..., None]) + eps)
+
+
+def recurrent_mlstm(q, k, v, i, f, state=None, eps: float = EPS):
+    """Token by token: the generation form. Returns h (B, H, n, d_v) and the state (C, n, m) after the last token."""
+    C, n, m = _zero_state(q, v) if state is None else state
+    scale = q.shape[-1] ** -0.5
+    outputs = []
+    for t in range(q.shape[2]):
+        log_f, i_t = F.logsigmoid(f[:, :, t, None]), i[:, :, t, None]
+        m_new = torch.maximum(log_f + m, i_t)
+        decay, gain = torch.exp(log_f + m - m_new), torch.exp(i_t - m_new)
+        k_t, q_t = k[:, :, t], q[:, :, t] * scale
+        C = decay[..., None] * C + gain[..., None] * (k_t[..., :, None] * v[:, :, t, None, :])
+        n = decay * n + gain * k_t
+        m = m_new
+        qn = (q_t * n).sum(-1, keepdim=True)
+        outputs.append((q_t[..., None, :] @ C).squeeze(-2) / (torch.maximum(qn.abs(), torch.exp(-m)) + eps))
+    return torch.stack(outputs, dim=2), (C, n, m)
+
+
+def chunkwise_mlstm(q, k, v, i, f, state=None, chunk: int = 64, eps: float = EPS):
+    """O(n) training form: the quadratic form inside chunks of `chunk` tokens, the recurrence between them.
+
+    Returns h (B, H, n, d_v) and the state (C, n, m) after the last token. Memory is O(n * chunk): the
+    chunk states are computed by a scan over chunks, then every chunk's outputs in one batched pass.
+    """
+    B, H, length, dk = q.shape
+    pad = -length % chunk
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        i = F.pad(i, (0, pad), value=_NO_INPUT)
+        f = F.pad(f, (0, pad), value=torch.inf)  # log sigmoid(inf) = 0: no decay
+    nc = (length + pad) // chunk
+    q = q * dk ** -0.5
+    qc, kc, vc = (t.reshape(B, H, nc, chunk, -1) for t in (q, k, v))
+    ic = i.reshape(B, H, nc, chunk)
+    log_f = F.logsigmoid(f).reshape(B, H, nc, chunk).cumsum(-1)  # b_t within each chunk
+    total = log_f[..., -1]  # (B, H, nc): a chunk's whole decay
+    # each chunk's own contribution to the state at its end, stabilised by its largest log weight g
+    log_to_end = total[..., None] - log_f + ic  # b_L - b_j + i_j
+    g = log_to_end.amax(-1)
+    to_end = torch.exp(log_to_end - g[..., None])[..., None] * kc  # (B, H, nc, L, dk)
+    chunk_C, chunk_n = to_end.transpose(-1, -2) @ vc, to_end.sum(-2)
+
+    # the scan over chunks: states before each chunk (C, n, m), as the recurrence would have them
+    C, n, m = _zero_state(q, v) if state is None else state
+    states = []
+    for c in range(nc):
+        states.append((C, n, m))
+        m_new = torch.maximum(total[..., c, None] + m, g[..., c, None])
+        decay, gain = torch.exp(total[..., c, None] + m - m_new), torch.exp(g[..., c, None] - m_new)
+        C = decay[..., None] * C + gain[..., None] * chunk_C[:, :, c]
+        n = decay * n + gain * chunk_n[:, :, c]
+        m = m_new
+    C_before = torch.stack([s[0] for s in states], dim=2)  # (B, H, nc, dk, dv)
+    n_before = torch.stack([s[1] for s in states], dim=2)  # (B, H, nc, dk)
+    m_before = torch.stack([s[2] for s in states], dim=2)  # (B, H, nc, 1)
+
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    log_weights = torch.where(causal, log_f[..., :, None] - log_f[..., None, :] + ic[..., None, :], -torch.inf)
+    log_initial = log_f + m_before  # (B, H, nc, L)
+    m_t = torch.maximum(log_weights.amax(-1), log_initial)
+    weights = torch.exp(log_weights - m_t[..., None]) * (qc @ kc.transpose(-1, -2))
+    initial = torch.exp(log_initial - m_t)[..., None]
+    numerator = weights @ vc + initial * (qc @ C_before)
+    qn = weights.sum(-1, keepdim=True) + initial * (qc @ n_before[..., None])
+    h = numerator / (torch.maximum(qn.abs(), torch.exp(-m_t)[..., None]) + eps)
+    return h.reshape(B, H, nc * chunk, -1)[:, :, :length], (C, n, m)
+
+
+def _triton_chunkwise():
+    """mlstm_kernels' Triton chunkwise kernel, or None when the package (or triton) is not installed."""
+    try:
+        from mlstm_kernels.torch.chunkwise.triton_xl_chunk import mlstm_chunkwise__xl_chunk
+    except ImportError:
+        return None
+    return mlstm_chunkwise__xl_chunk
+
+
+@dataclass
+class MLSTMState:
+    """Generation state of an mLSTM layer: (C, n, m) after the tokens seen so far, or None before the first."""
+
+    state: tuple | None = None
+
+    @property
+    def empty(self) -> bool:
+        return self.state is None
+
+
+@register("mlstm")
+class MLSTMLayer(Mixer):
+    @classmethod
+    def check_config(cls, config):
+        qk_dim = int(config.n_embd * config.mlstm_qk_dim_factor)
+        if qk_dim < config.n_head or qk_dim % config.n_head:
+            raise ValueError(f"mlstm_qk_dim_factor={config.mlstm_qk_dim_factor}: q/k width {qk_dim} must be a "
+                             f"positive multiple of n_head={config.n_head}")
+        if config.mlstm_chunk < 1:
+            raise ValueError(f"mlstm_chunk={config.mlstm_chunk}: must be >= 1")
+        if config.mlstm_gate_soft_cap <= 0:
+            raise ValueError(f"mlstm_gate_soft_cap={config.mlstm_gate_soft_cap}: must be > 0")
+        if config.mlstm_kernel not in ("auto", "native", "triton"):
+            raise ValueError(f"mlstm_kernel={config.mlstm_kernel!r}: expected auto, native or triton")
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.n_head = config.n_head
+        self.qk_dim = int(config.n_embd * config.mlstm_qk_dim_factor)
+        self.v_head_dim = config.n_embd // config.n_head
+        self.chunk, self.soft_cap, self.kernel = config.mlstm_chunk, config.mlstm_gate_soft_cap, config.mlstm_kernel
+        self.q = nn.Linear(config.n_embd, self.qk_dim, bias=config.bias)
+        self.k = nn.Linear(config.n_embd, self.qk_dim, bias=config.bias)
+        self.v = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.o_gate = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.i_gate = nn.Linear(config.n_embd, config.n_head, bias=True)
+        self.f_gate = nn.Linear(config.n_embd, config.n_head, bias=True)
+        self.norm_weight = nn.Parameter(torch.ones(config.n_embd))  # per-head LayerNorm, weight only (xLSTM 7B)
+        self.norm_eps = config.norm_eps
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def init_weights(self):
+        # xLSTM 7B: gates start from their biases alone; a very negative input gate writes little into the
+        # memory early on, and forget biases 3..6 over heads (sigmoid 0.95..0.998) give a range of time scales
+        nn.init.zeros_(self.i_gate.weight)
+        nn.init.zeros_(self.f_gate.weight)
+        nn.init.constant_(self.i_gate.bias, -10.0)
+        with torch.no_grad():
+            self.f_gate.bias.copy_(torch.linspace(3.0, 6.0, self.n_head))
+
+    def forward(self, x, pos, cache=None):
+        B, T, C = x.shape
+        q = self.q(x).view(B, T, self.n_head, -1).transpose(1, 2)
+        k = self.k(x).view(B, T, self.n_head, -1).transpose(1, 2)
+        v = self.v(x).view(B, T, self.n_head, -1).transpose(1, 2)
+        i = soft_cap(self.i_gate(x), self.soft_cap).transpose(1, 2)  # (B, H, T)
+        f = soft_cap(self.f_gate(x), self.soft_cap).transpose(1, 2)
+        # exponential gates and long sums: float32 or better, also under autocast
+        compute = torch.promote_types(q.dtype, torch.float32)
+        with torch.autocast(x.device.type, enabled=False):
+            q, k, v32, i, f = (t.to(compute) for t in (q, k, v, i, f))
+            h = self.cell(q, k, v32, i, f, cache)
+            # per-head LayerNorm without bias, weight shared layout with xLSTM 7B's MultiHeadLayerNorm
+            h = F.layer_norm(h.transpose(1, 2), (self.v_head_dim,), eps=self.norm_eps).reshape(B, T, C)
+        h = (h * self.norm_weight.to(compute)).to(v.dtype)
+        return self.resid_dropout(self.c_proj(torch.sigmoid(self.o_gate(x)) * h))
+
+    def cell(self, q, k, v, i, f, cache):
+        if cache is not None and q.shape[2] == 1:
+            h, cache.state = recurrent_mlstm(q, k, v, i, f, cache.state)
+            return h
+        triton = self.kernel != "native" and q.is_cuda and cache is None and _triton_chunkwise()
+        if self.kernel == "triton" and q.is_cuda and not triton:
+            raise RuntimeError("mlstm_kernel=triton needs the mlstm_kernels package (pip install mlstm_kernels); "
+                               "use mlstm_kernel=native or auto")
+        if triton:
+            length, chunk = q.shape[2], 64
+            pad = -length % chunk  # the kernel wants whole chunks; padding after the end changes no output
+            if pad:
+                q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+                i, f = F.pad(i, (0, pad), value=_NO_INPUT), F.pad(f, (0, pad), value=30.0)
+            return triton(q, k, v, i, f, chunk_size=chunk, eps=EPS)[:, :, :length]
+        h, state = chunkwise_mlstm(q, k, v, i, f, None if cache is None else cache.state, self.chunk)
+        if cache is not None:
+            cache.state = state
+        return h
+
+    def init_cache(self, batch_size, max_len, device, dtype):
+        return MLSTMState()
+
+    def edge_mask(self, seq_len, device="cpu"):
+        return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()  # every earlier token
+
+    def mixing_flops(self, seq_len):
+        qk_head = self.qk_dim // self.n_head
+        within = self.chunk / 2 * (qk_head + self.v_head_dim)  # q.k and the weighted sum over a chunk's keys
+        across = 2 * qk_head * self.v_head_dim  # reading the state and (amortised) writing it
+        return self.n_head * 2 * (within + across)
+
+    def describe(self):
+        return (f"mLSTM: {self.n_head} heads, q/k {self.qk_dim // self.n_head} and v {self.v_head_dim} per head, "
+                f"chunk {self.chunk}, kernel {self.kernel}")

@@ -1,0 +1,159 @@
+"""mLSTM: chunkwise == quadratic == recurrent (and == mlstm_kernels' own sequence kernel), forward and backward;
+prefill then steps; the gate initialisation; no n x n tensor on the training path; the layer in a model."""
+
+import pytest
+import torch
+
+from attention.mlstm import chunkwise_mlstm, quadratic_mlstm, recurrent_mlstm, soft_cap
+from config import ModelConfig
+from model import GPT
+from tests.test_attention import LargestTensor
+
+
+def inputs(n, dk=4, dv=6, seed=0, dtype=torch.float64, realistic=False):
+    """q, k, v and gate pre-activations (B=2, H=3). realistic: gates near the layer's initialisation
+    (input -10, forget 3..6), where the stabiliser matters most."""
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(2, 3, n, dk, generator=g, dtype=dtype) for _ in range(2))
+    v = torch.randn(2, 3, n, dv, generator=g, dtype=dtype)
+    i = torch.randn(2, 3, n, generator=g, dtype=dtype) * 3 + (-10 if realistic else -1)
+    f = torch.randn(2, 3, n, generator=g, dtype=dtype) * 2 + (4 if realistic else 1)
+    return [t.requires_grad_() for t in (q, k, v, i, f)]
+
+
+def initial_state(dk=4, dv=6, dtype=torch.float64):
+    g = torch.Generator().manual_seed(7)
+    return (torch.randn(2, 3, dk, dv, generator=g, dtype=dtype), torch.randn(2, 3, dk, generator=g, dtype=dtype),
+            torch.randn(2, 3, 1, generator=g, dtype=dtype))
+
+
+def grads(y, tensors):
+    probe = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=y.dtype)
+    return torch.autograd.grad(y, tensors, probe)
+
+
+@pytest.mark.parametrize("n, chunk", [(37, 8), (64, 16), (5, 8), (1, 4)])
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("realistic", [False, True])
+def test_three_forms_agree_forward_and_backward_fp64(n, chunk, with_state, realistic):
+    tensors = inputs(n, realistic=realistic)
+    state = initial_state() if with_state else None
+    ref = quadratic_mlstm(*tensors, state)
+    chunked, chunk_state = chunkwise_mlstm(*tensors, state, chunk=chunk)
+    recurrent, rec_state = recurrent_mlstm(*tensors, state)
+    # fp64: torch's default tolerances (rtol 1e-7, atol 1e-7)
+    torch.testing.assert_close(chunked, ref)
+    torch.testing.assert_close(recurrent, ref)
+    for a, b in zip(chunk_state, rec_state):
+        torch.testing.assert_close(a, b)
+    for a, b, c in zip(grads(ref, tensors), grads(chunked, tensors), grads(recurrent, tensors)):
+        torch.testing.assert_close(b, a)
+        torch.testing.assert_close(c, a)
+
+
+def test_forms_agree_in_float32_within_stated_tolerance():
+    tensors = inputs(200, dk=16, dv=16, dtype=torch.float32, realistic=True)
+    ref = quadratic_mlstm(*tensors)
+    chunked, _ = chunkwise_mlstm(*tensors, chunk=64)
+    recurrent, _ = recurrent_mlstm(*tensors)
+    torch.testing.assert_close(chunked, ref, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(recurrent, ref, atol=1e-5, rtol=1e-4)
+    for a, b in zip(grads(ref, tensors), grads(chunked, tensors)):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-3)
+
+
+def test_equals_mlstm_kernels_native_sequence_kernel():
+    from mlstm_kernels.torch.chunkwise.native import mlstm_chunkwise__native_autograd
+    from mlstm_kernels.torch.recurrent.native_sequence import mlstm_recurrent_sequence__native_fw
+
+    q, k, v, i, f = (t.detach() for t in inputs(64, realistic=True))
+    state = initial_state()
+    ours, our_state = chunkwise_mlstm(q, k, v, i, f, state, chunk=16)
+    theirs, their_state = mlstm_recurrent_sequence__native_fw(
+        q, k, v, i, f, *state, return_last_states=True, dtype_state=torch.float64)
+    torch.testing.assert_close(ours, theirs)
+    for a, b in zip(our_state, their_state):
+        torch.testing.assert_close(a, b)
+    # and their chunkwise form, from a zero state, in float32 (their native kernels' working precision)
+    q, k, v, i, f = (t.float() for t in (q, k, v, i, f))
+    theirs = mlstm_chunkwise__native_autograd(q, k, v, i, f, chunk_size=16)
+    torch.testing.assert_close(chunkwise_mlstm(q, k, v, i, f, chunk=16)[0], theirs, atol=1e-5, rtol=1e-4)
+
+
+def test_prefill_then_steps_equals_one_pass():
+    q, k, v, i, f = (t.detach() for t in inputs(30))
+    full, full_state = chunkwise_mlstm(q, k, v, i, f, chunk=8)
+    first, state = chunkwise_mlstm(*(t[:, :, :17] for t in (q, k, v, i, f)), chunk=8)
+    rest, last_state = recurrent_mlstm(*(t[:, :, 17:] for t in (q, k, v, i, f)), state)
+    torch.testing.assert_close(torch.cat([first, rest], dim=2), full)
+    for a, b in zip(last_state, full_state):
+        torch.testing.assert_close(a, b)
+
+
+def test_long_sequence_at_initial_gates_is_finite_and_never_builds_an_n_by_n_tensor():
+    n, chunk = 8192, 64
+    q, k, v, i, f = (t.detach().float()[:1, :1].requires_grad_() for t in inputs(n, realistic=True))
+    with LargestTensor() as largest:
+        h, _ = chunkwise_mlstm(q, k, v, i, f, chunk=chunk)
+        h.sum().backward()
+    assert torch.isfinite(h).all() and torch.isfinite(q.grad).all() and torch.isfinite(f.grad).all()
+    assert largest.numel <= n * chunk, largest.shape  # chunk x chunk tiles per chunk, never n x n
+
+
+def tiny(pattern="mlstm", **kw):
+    cfg = dict(arch="llama", n_layer=2, n_head=2, n_embd=16, block_size=64, vocab_size=50, bias=False,
+               attn_pattern=pattern, swa_window=8, mlstm_chunk=8)
+    cfg.update(kw)
+    torch.manual_seed(0)
+    return GPT(ModelConfig(**cfg)).double().eval()
+
+
+def test_gate_initialisation_and_soft_cap():
+    model = tiny(n_head=4, n_embd=32)
+    for block in model.blocks:
+        mixer = block.mixer
+        assert torch.equal(mixer.i_gate.bias, torch.full((4,), -10.0, dtype=torch.float64))
+        torch.testing.assert_close(mixer.f_gate.bias, torch.tensor([3.0, 4.0, 5.0, 6.0], dtype=torch.float64))
+        assert not mixer.i_gate.weight.any() and not mixer.f_gate.weight.any()
+        assert mixer.q.weight.shape == (16, 32) and mixer.v.weight.shape == (32, 32)  # q, k of width d/2
+    x = torch.tensor([-1000.0, -15.0, 0.0, 15.0, 1000.0])
+    torch.testing.assert_close(soft_cap(x, 15.0), 15 * torch.tanh(x / 15))
+    assert soft_cap(x, 15.0).abs().max() <= 15
+
+
+@pytest.mark.parametrize("pattern", ["mlstm", "swa,mlstm"])
+def test_model_cached_generation_equals_uncached_and_single_pass(pattern):
+    model = tiny(pattern)
+    idx = torch.randint(0, 50, (2, 40), generator=torch.Generator().manual_seed(3))
+    full, _ = model(idx)
+    caches = model.init_caches(2, 40)
+    logits = [model(idx[:, :23], caches=caches)[0]]
+    for t in range(23, 40):
+        logits.append(model(idx[:, t:t + 1], caches=caches, start_pos=t)[0])
+    torch.testing.assert_close(torch.cat(logits, dim=1), full)
+    prompt = idx[:, :10]
+    torch.testing.assert_close(model.generate(prompt, 20, temperature=0, use_cache=True),
+                               model.generate(prompt, 20, temperature=0, use_cache=False))
+
+
+def test_layer_is_causal_and_trains():
+    model = tiny("swa,mlstm").float().train()
+    idx = torch.randint(0, 50, (2, 33), generator=torch.Generator().manual_seed(4))
+    changed = idx.clone()
+    changed[:, 20] = (idx[:, 20] + 1) % 50
+    a, b = model(idx)[0], model(changed)[0]
+    torch.testing.assert_close(a[:, :20], b[:, :20])
+    assert not torch.allclose(a[:, 20:], b[:, 20:])
+    _, loss = model(idx[:, :-1], idx[:, 1:])
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    assert model.blocks[1].mixer.i_gate.weight.grad.abs().sum() > 0  # gradients reach the gates
+
+
+def test_config_errors():
+    from attention import validate_config
+
+    for bad in (dict(mlstm_qk_dim_factor=0.1), dict(mlstm_chunk=0), dict(mlstm_kernel="cuda"),
+                dict(mlstm_gate_soft_cap=0.0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            validate_config(ModelConfig(n_layer=2, n_head=2, n_embd=16, attn_pattern="mlstm", **bad))
