@@ -281,6 +281,14 @@ def validate(cfg: Config) -> None:
     choice("init_from", t.init_from, ("scratch", "resume"))
     choice("dtype", t.dtype, ("auto", "float32", "bfloat16", "float16"))
     choice("wandb_mode", t.wandb_mode, ("online", "offline", "disabled"))
+    choice("window_schedule", t.window_schedule, ("fixed", "stochastic"))
+    positive("swax_short_window", t.swax_short_window)
+    for key in ("swax_short_prob", "swax_anneal_frac"):
+        if not 0.0 <= get_value(cfg, key) <= 1.0:
+            raise ConfigError(f"{key}={get_value(cfg, key)}: must be in [0, 1]")
+    if t.window_schedule == "stochastic" and t.swax_short_window >= m.swa_window:
+        raise ConfigError(f"swax_short_window={t.swax_short_window} must be smaller than swa_window={m.swa_window}, "
+                          "the long window that stochastic training alternates it with (and evaluates with)")
     if not (t.device in ("auto", "cpu", "cuda", "mps") or t.device.startswith("cuda:")):
         raise ConfigError(f"device={t.device!r}: expected auto, cpu, cuda or cuda:N")
     for key in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "gradient_accumulation_steps",

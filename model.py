@@ -121,6 +121,10 @@ class GPT(nn.Module):
                               reduction="sum")
         return logits, nll / (targets != -1).sum().clamp(min=1)
 
+    def set_window(self, window: int) -> int:
+        """Give every sliding-window layer a window of `window` positions; returns how many layers took it."""
+        return sum(block.mixer.set_window(window) for block in self.blocks)
+
     def init_caches(self, batch_size: int, max_len: int):
         p = self.wte.weight
         return [block.mixer.init_cache(batch_size, max_len, p.device, p.dtype) for block in self.blocks]

@@ -11,6 +11,7 @@ Resume the run in out_dir exactly where ckpt_last.pt left it:
 import json
 import math
 import os
+import random
 import signal
 import sys
 import time
@@ -50,6 +51,16 @@ def get_lr(step: int, t) -> float:
         return t.min_lr
     progress = (step - t.warmup_iters) / max(1, t.lr_decay_iters - t.warmup_iters)
     return t.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (t.learning_rate - t.min_lr)
+
+
+def window_for_step(step: int, t, long_window: int) -> int:
+    """The sliding window of a training step (paper 003). stochastic: swax_short_window with probability
+    swax_short_prob, else the long window, and only the long one in the last swax_anneal_frac of max_iters.
+    A function of (seed, step) alone, so a resumed run draws exactly what the uninterrupted one drew."""
+    if t.window_schedule == "fixed" or step >= (1 - t.swax_anneal_frac) * t.max_iters:
+        return long_window
+    draw = random.Random(f"{t.seed}:window:{step}").random()  # str seeds are hashed with SHA-512: stable
+    return t.swax_short_window if draw < t.swax_short_prob else long_window
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
@@ -222,6 +233,10 @@ def main(argv):
                 f"{k} ({getattr(saved, k)!r} saved, {getattr(m, k)!r} now)" for k in changed)
                 + ": resume with the run's own config file", status=2)
     model = GPT(m).to(device)
+    if t.window_schedule != "fixed" and model.set_window(m.swa_window) == 0:
+        fail(f"window_schedule={t.window_schedule} changes the window of sliding-window layers, and "
+             f"attn_pattern={m.attn_pattern!r} has none: add swa layers (e.g. attn_pattern=swax) or use "
+             "window_schedule=fixed", status=2)
     optimizer = model.configure_optimizer(t.weight_decay, t.learning_rate, (t.beta1, t.beta2), device.type)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     step, best_val_loss, wandb_run_id = 0, float("inf"), None
@@ -312,6 +327,7 @@ def main(argv):
             group["lr"] = lr
 
         if step % ev.eval_interval == 0 or step == t.max_iters or ev.eval_only:
+            raw_model.set_window(m.swa_window)  # validation and probes use the long (test-time) window
             with isolated_rng(t.seed + rank, device):
                 val_loss = evaluate(model, val_data, ev.eval_iters, rank, world_size, autocast, device)
                 improved = val_loss < best_val_loss
@@ -338,6 +354,8 @@ def main(argv):
         if step >= t.max_iters or stopping:
             break
 
+        window = window_for_step(step, t, m.swa_window)
+        raw_model.set_window(window)  # only the layers' edge rule changes (see attention/local.py)
         loss_sum = torch.zeros((), device=device)
         for micro_step in range(local_micro_steps):
             x, y = train_data.get(step, micro_step)
@@ -363,6 +381,8 @@ def main(argv):
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
         step += 1
+        if master and t.window_schedule != "fixed":
+            metrics.log(step, window=window)  # every step's window, under the step number its loss is logged with
 
         if master and (step % t.log_interval == 0 or step == t.max_iters):
             now = time.time()
@@ -371,6 +391,8 @@ def main(argv):
             tokens_per_s = tokens_per_step / dt
             values = {"train_loss": train_loss, "lr": lr, "tokens_per_s": tokens_per_s}
             line = f"step {step}/{t.max_iters} | loss {train_loss:.4f} | lr {lr:.2e} | {tokens_per_s / 1e3:.1f}k tok/s"
+            if t.window_schedule != "fixed":
+                line += f" | window {window}"
             if peak is not None:
                 values["mfu"] = flops_per_token * tokens_per_s / (peak * world_size)
                 line += f" | mfu {100 * values['mfu']:.1f}%"

@@ -34,6 +34,12 @@ class SlidingWindowAttention(MaskedAttention):
     def __init__(self, config, layer_idx):
         super().__init__(config, layer_idx, SlidingWindow(config.swa_window))
 
+    def set_window(self, window):
+        # only the rule changes: kernels cache masks per rule, so each distinct window is built (and, under
+        # torch.compile, traced) once and switching between windows afterwards costs nothing
+        self.rule = SlidingWindow(window)
+        return True
+
 
 @register("block")
 class BlockAttention(MaskedAttention):

@@ -39,6 +39,11 @@ class Mixer(nn.Module):
     def init_weights(self) -> None:
         pass
 
+    def set_window(self, window: int) -> bool:
+        """Use a sliding window of `window` positions from now on (paper 003's per-step window schedule).
+        Returns whether this mixer has such a window; mixers without one ignore the call."""
+        return False
+
     def describe(self) -> str:
         """A line for the start-up summary (e.g. per-head windows); empty when there is nothing to add."""
         return ""
@@ -70,9 +75,14 @@ def register(name: str):
     return decorator
 
 
+# names for common layer patterns: SWAX (paper 003) alternates sliding-window attention and a recurrent mixer
+PATTERN_ALIASES = {"swax": "swa,mlstm", "swax_gdn": "swa,gated_deltanet"}
+
+
 def layer_names(config) -> list[str]:
-    """The mixer name of every layer: attn_pattern repeated to n_layer."""
-    pattern = [name.strip() for name in config.attn_pattern.split(",") if name.strip()]
+    """The mixer name of every layer: attn_pattern (aliases expanded) repeated to n_layer."""
+    names = (PATTERN_ALIASES.get(name.strip(), name) for name in config.attn_pattern.split(","))
+    pattern = [name.strip() for part in names for name in part.split(",") if name.strip()]
     if not pattern:
         raise ValueError("attn_pattern is empty: give a mixer name such as 'full'")
     for name in pattern:

@@ -108,9 +108,16 @@ class SigmoidWindowAttention(SlidingWindowAttention):
         # RoPE is this layer's choice (swat_rope), whatever the model's default position embedding
         self.rope_theta = config.rope_theta if config.swat_rope else None
         self.slopes = swat_slopes(config.n_head, config.swat_slopes, config.swat_split)
+        self.bias_text = config.swat_bias
         self.offset = parse_bias(config.swat_bias, config.swa_window)
         self.has_bias = any(self.slopes) or self.offset != 0
         self._score_mods = {}  # device -> AlibiBias: slopes stay float32 whatever the model's dtype
+
+    def set_window(self, window):
+        offset = parse_bias(self.bias_text, window)  # "-log(w)" follows the window in use
+        if offset != self.offset:
+            self.offset, self.has_bias, self._score_mods = offset, any(self.slopes) or offset != 0, {}
+        return super().set_window(window)
 
     def score_mod(self):
         if not self.has_bias:

@@ -52,6 +52,7 @@ class EvalRunConfig:
     ppl_lengths: str = ""  # comma-separated; default: the run's block_size
     ppl_windows: str = ""  # comma-separated values for window_key; default: the trained window only
     window_key: str = "swa_window"
+    window: int = 0  # every task with window_key set to this (a test-time window, paper 003); 0: as trained
     ppl_max_tokens: int = 200_000  # validation tokens scored per (length, window)
     ppl_stream: bool = False  # score the validation text as one stream (documents back to back, as training
     #                           windows see them) instead of document by document: lengths beyond the documents
@@ -67,6 +68,8 @@ class EvalRunConfig:
     recall_lengths: str = ""  # default: the run's block_size
     recall_samples: int = 500
     recall_pairs: int = 1  # key-value pairs per document, as in data/recall.py (1 for the training corpus)
+    recall_filler: str = ""  # "MIN:MAX" filler digits between the pairs and the question (default 60:80, as
+    #                          trained); longer filler asks for a value further back than training ever did
     niah_haystack: str = "val"  # val (the run's validation text) | embedded (the built-in corpus)
     progress: bool = True
 
@@ -151,10 +154,16 @@ def run_niah(e: EvalRunConfig, ctx) -> dict:
 def run_recall(e: EvalRunConfig, ctx) -> dict:
     cfg, meta = ctx["cfg"], ctx["meta"]
     rows, per_example = [], []
+    options = {"pairs": e.recall_pairs}
+    if e.recall_filler:
+        try:
+            options["min_filler"], options["max_filler"] = (int(x) for x in e.recall_filler.split(":"))
+        except ValueError:
+            raise ConfigError(f"recall_filler={e.recall_filler!r}: expected MIN:MAX, e.g. 400:480") from None
     for length in ints(e.recall_lengths) or [cfg.model.block_size]:
         row = recall_task.accuracy(ctx["model"], ctx["tokenizer"], meta["eot_id"], length,
                                    min(e.recall_samples, e.limit or e.recall_samples), e.seed, e.batch_size,
-                                   ctx["device"], e.progress, pairs=e.recall_pairs)
+                                   ctx["device"], e.progress, **options)
         rows.append(row)
         # the same documents for every run with the same seed: pairable (scripts/compare.py --paired)
         per_example += [{"id": f"L{length}/{i}", "length": length, "correct": c} for i, c in enumerate(row["correct"])]
@@ -226,6 +235,12 @@ def main(argv):
         other.load_state_dict(model.state_dict())
         return other.to(device=device, dtype=dtype).eval()
 
+    if e.window:  # a test-time window: the model, and the config the tasks and the provenance see, use it
+        if e.window_key not in dataclass_fields(type(cfg.model)):
+            print(f"config error: window_key={e.window_key!r} is not a model config field", file=sys.stderr)
+            sys.exit(2)
+        model = with_config(**{e.window_key: e.window})
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **{e.window_key: e.window}))
     ctx = {"model": model, "cfg": cfg, "meta": meta, "tokenizer": tokenizer, "data_dir": data_dir,
            "device": device, "with_config": with_config}
     eval_dir = Path(e.out_dir) / "eval"

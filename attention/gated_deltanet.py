@@ -1,0 +1,248 @@
+"""Gated DeltaNet (Yang, Kautz, Hatamizadeh 2025), the recurrent layer of paper 003's SWAX/GDN hybrids.
+
+Per head, with unit-norm keys k_t, queries q_t (unit norm, scaled by 1/sqrt(d)), values v_t, a write strength
+beta_t = sigmoid(W_b x_t) in (0, 1) and a log decay g_t = -exp(A_log) softplus(W_a x_t + dt_offset) <= 0, the
+state S (d_k x d_v, zero at the start) follows the gated delta rule
+    S_t = exp(g_t) (I - beta_t k_t^T k_t) S_{t-1} + beta_t k_t^T v_t,      o_t = q_t S_t
+(rows are vectors): decay the memory, then move what it recalls for k_t a fraction beta_t of the way towards
+v_t. q, k, v each pass a short causal depthwise convolution and SiLU first; the read is RMS-normalised per head
+and gated by SiLU(W_g x). Three forms, equal to float tolerance (tests):
+    recurrent   the reference and the generation form: one token at a time, constant memory
+    chunked     training, O(n): the WY form below, exact within chunks of C tokens, the state between them
+    fla         fla's Triton chunk kernel (the same chunked algorithm): gdn_kernel=auto uses it for bf16/fp16
+                activations on CUDA when the package is installed, gdn_kernel=fla on any CUDA input
+
+The chunked form. Inside a chunk starting from state S, let G_i be the cumulative log decay up to position i
+and delta_j = beta_j (v_j - k_j exp(g_j) S_{j-1}) the correction written at j. Unrolling the recurrence,
+    S_i = exp(G_i) S + sum_{j<=i} exp(G_i - G_j) k_j^T delta_j
+and substituting S_{j-1} into delta_j gives a unit lower-triangular system (I + A) delta = beta v - beta exp(G) k S
+with A_ij = beta_i (k_i . k_j) exp(G_i - G_j) for j < i. With T = (I + A)^-1 (one triangular solve per chunk),
+u = T (beta v) and w = T (beta exp(G) k) depend on the chunk alone, so only
+    delta = u - w S,   o = (q exp(G)) S + tril(q k^T exp(G_i - G_j)) delta,
+    S <- exp(G_C) S + (k exp(G_C - G))^T delta
+runs sequentially over chunks.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attention.registry import Mixer, register
+
+KERNELS = ("auto", "native", "fla")
+
+
+def chunked_gated_delta_rule(q, k, v, g, beta, state=None, chunk: int = 64):
+    """O(n) gated delta rule of q, k (B, H, n, d), v (B, H, n, D), g and beta (B, H, n).
+
+    q is used as given (normalise and scale it first); g is the log decay. state: (B, H, d, D) or None for
+    zeros. Returns the output (B, H, n, D) and the state after the last token.
+    """
+    B, H, n, d = q.shape
+    D = v.shape[-1]
+    S = q.new_zeros(B, H, d, D) if state is None else state
+    pad = -n % chunk
+    if pad:
+        # g = 0 and beta = 0 leave the state exactly as it was: padding neither decays nor writes
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    nc = (n + pad) // chunk
+    q, k, v = (t.reshape(B, H, nc, chunk, -1) for t in (q, k, v))
+    g, beta = g.reshape(B, H, nc, chunk), beta.reshape(B, H, nc, chunk)
+
+    G = g.cumsum(-1)
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    # exp only below the diagonal: above it G_i - G_j > 0 and could overflow, and inf * 0 would poison grads
+    diff = G.unsqueeze(-1) - G.unsqueeze(-2)
+    decay = torch.where(causal, diff, float("-inf")).exp()  # (B, H, nc, C, C), includes the diagonal
+    A = (beta.unsqueeze(-1) * k) @ k.transpose(-1, -2) * decay
+    # I + A is unit lower triangular: with unitriangular the solver takes the diagonal as 1 and reads only
+    # the strict lower triangle of A, so A needs no further masking
+    rhs = torch.cat([beta.unsqueeze(-1) * v, (beta * G.exp()).unsqueeze(-1) * k], dim=-1)
+    uw = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
+    u, w = uw[..., :D], uw[..., D:]
+    q_decayed = q * G.exp().unsqueeze(-1)
+    within = q @ k.transpose(-1, -2) * decay
+    k_decayed = k * (G[..., -1:] - G).exp().unsqueeze(-1)
+    chunk_decay = G[..., -1].exp()  # (B, H, nc)
+
+    outputs = []
+    for c in range(nc):
+        delta = u[:, :, c] - w[:, :, c] @ S
+        outputs.append(q_decayed[:, :, c] @ S + within[:, :, c] @ delta)
+        S = chunk_decay[:, :, c, None, None] * S + k_decayed[:, :, c].transpose(-1, -2) @ delta
+    y = torch.stack(outputs, dim=2).reshape(B, H, nc * chunk, D)[:, :, :n]
+    return y, S
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, state=None):
+    """Token by token from the state: the reference, and the generation form."""
+    B, H, n, d = q.shape
+    S = q.new_zeros(B, H, d, v.shape[-1]) if state is None else state
+    outputs = []
+    for t in range(n):
+        k_t = k[:, :, t]
+        S = g[:, :, t, None, None].exp() * S
+        delta = beta[:, :, t, None] * (v[:, :, t] - (k_t.unsqueeze(-2) @ S).squeeze(-2))
+        S = S + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
+        outputs.append((q[:, :, t].unsqueeze(-2) @ S).squeeze(-2))
+    return torch.stack(outputs, dim=2), S
+
+
+def causal_conv(x, weight, state=None):
+    """Depthwise causal convolution of x (B, T, C) with weight (C, 1, K), continuing from state: the K-1 inputs
+    before x (B, C, K-1), zeros at the start of a sequence. Returns the output (B, T, C) and the new state."""
+    width = weight.shape[-1]
+    x = x.transpose(1, 2)
+    if state is None:
+        state = x.new_zeros(x.shape[0], x.shape[1], width - 1)
+    padded = torch.cat([state.to(x.dtype), x], dim=-1)
+    y = F.conv1d(padded, weight, groups=x.shape[1])
+    return y.transpose(1, 2), padded[..., padded.shape[-1] - (width - 1):]
+
+
+@functools.cache
+def fla_chunk_kernel():
+    """fla's chunk_gated_delta_rule, or None when the package is not installed."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule
+
+
+@dataclass
+class GDNState:
+    """Generation state of a Gated DeltaNet layer: the delta-rule state S (B, H, d, D) and the convolution states
+    (the last gdn_conv_size - 1 inputs of the q, k and v convolutions), or None before the first token."""
+
+    state: torch.Tensor | None = None
+    conv: tuple | None = None
+
+    @property
+    def empty(self) -> bool:
+        return self.state is None
+
+
+@register("gated_deltanet")
+class GatedDeltaNet(Mixer):
+    @classmethod
+    def check_config(cls, config):
+        if config.gdn_chunk < 1:
+            raise ValueError(f"gdn_chunk={config.gdn_chunk}: must be >= 1 (64 is the usual chunk length)")
+        if config.gdn_conv_size < 1:
+            raise ValueError(f"gdn_conv_size={config.gdn_conv_size}: must be >= 1 (1 is a per-channel scale, "
+                             "4 the usual short convolution)")
+        if config.gdn_kernel not in KERNELS:
+            raise ValueError(f"gdn_kernel={config.gdn_kernel!r}: expected one of {', '.join(map(repr, KERNELS))}")
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.n_head, self.head_dim = config.n_head, config.head_dim
+        self.chunk, self.conv_size, self.kernel = config.gdn_chunk, config.gdn_conv_size, config.gdn_kernel
+        self.norm_eps = config.norm_eps
+        if self.kernel == "fla" and fla_chunk_kernel() is None:
+            raise ImportError("gdn_kernel=fla needs the flash-linear-attention package (pip install "
+                              "flash-linear-attention); gdn_kernel=auto or native use the built-in chunked form")
+        C = config.n_embd
+        self.c_q = nn.Linear(C, C, bias=config.bias)
+        self.c_k = nn.Linear(C, C, bias=config.bias)
+        self.c_v = nn.Linear(C, C, bias=config.bias)
+        self.q_conv = nn.Conv1d(C, C, self.conv_size, groups=C, bias=False)
+        self.k_conv = nn.Conv1d(C, C, self.conv_size, groups=C, bias=False)
+        self.v_conv = nn.Conv1d(C, C, self.conv_size, groups=C, bias=False)
+        self.c_beta = nn.Linear(C, self.n_head, bias=False)
+        self.c_decay = nn.Linear(C, self.n_head, bias=False)
+        # names that do not end in "bias": the model's generic init zeroes those, and these are set below
+        self.A_log = nn.Parameter(torch.zeros(self.n_head))
+        self.dt_offset = nn.Parameter(torch.zeros(self.n_head))
+        self.c_gate = nn.Linear(C, C, bias=config.bias)
+        self.o_norm_weight = nn.Parameter(torch.ones(self.head_dim))
+        self.c_proj = nn.Linear(C, C, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self):
+        """fla's Mamba2-style decay init: A ~ U(1, 16), step dt log-uniform in [1e-3, 1e-1] (floor 1e-4), with
+        dt_offset = softplus^-1(dt), so each head starts with its own memory time scale."""
+        if self.A_log.device.type == "meta":
+            return
+        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+        dt = torch.empty_like(self.dt_offset).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp(min=1e-4)
+        self.dt_offset.copy_(dt + torch.log(-torch.expm1(-dt)))
+        self.o_norm_weight.fill_(1.0)
+
+    def fla_kernel(self, x):
+        """fla's chunk kernel when it should run on x, else None."""
+        if self.kernel == "native" or x.device.type != "cuda":
+            return None  # fla's kernels are Triton (CUDA) only
+        if self.kernel == "auto" and x.dtype not in (torch.bfloat16, torch.float16):
+            return None  # some fla versions reject float32 inputs; full precision runs use the native form
+        return fla_chunk_kernel()
+
+    def forward(self, x, pos, cache=None):
+        B, T, C = x.shape
+        H, D = self.n_head, self.head_dim
+        conv = (None, None, None) if cache is None or cache.conv is None else cache.conv
+        q, q_state = causal_conv(self.c_q(x), self.q_conv.weight, conv[0])
+        k, k_state = causal_conv(self.c_k(x), self.k_conv.weight, conv[1])
+        v, v_state = causal_conv(self.c_v(x), self.v_conv.weight, conv[2])
+        q, k, v = (F.silu(t).view(B, T, H, D) for t in (q, k, v))
+        # the state sums many decayed terms: keep the recurrence in float32 or better under autocast
+        compute = torch.promote_types(v.dtype, torch.float32)
+        beta = torch.sigmoid(self.c_beta(x).to(compute))
+        g = -self.A_log.to(compute).exp() * F.softplus(self.c_decay(x).to(compute) + self.dt_offset.to(compute))
+        previous = None if cache is None else cache.state
+
+        kernel = None if cache is not None and T == 1 else self.fla_kernel(v)
+        if kernel is not None:
+            y, state = kernel(q, k, v, g, beta.to(v.dtype), scale=D ** -0.5, initial_state=previous,
+                              output_final_state=cache is not None, use_qk_l2norm_in_kernel=True)
+            y = y.to(compute)
+        else:
+            q = F.normalize(q.to(compute), dim=-1, eps=1e-6) * D ** -0.5
+            k = F.normalize(k.to(compute), dim=-1, eps=1e-6)
+            q, k, v32 = (t.transpose(1, 2) for t in (q, k, v.to(compute)))
+            g, beta = g.transpose(1, 2), beta.transpose(1, 2)
+            # autocast would run the products with the state (and build A) in bf16 again
+            with torch.autocast(x.device.type, enabled=False):
+                if cache is not None and T == 1:
+                    y, state = recurrent_gated_delta_rule(q, k, v32, g, beta, previous)
+                else:
+                    y, state = chunked_gated_delta_rule(q, k, v32, g, beta, previous, self.chunk)
+            y = y.transpose(1, 2)
+        if cache is not None:
+            cache.state = state.to(compute)
+            cache.conv = (q_state, k_state, v_state)
+
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.o_norm_weight.to(compute)
+        y = y * F.silu(self.c_gate(x)).view(B, T, H, D).to(compute)
+        y = y.to(v.dtype).reshape(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+    def init_cache(self, batch_size, max_len, device, dtype):
+        return GDNState()
+
+    def edge_mask(self, seq_len, device="cpu"):
+        return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()  # every earlier token
+
+    def mixing_flops(self, seq_len):
+        chunk = min(self.chunk, seq_len)
+        d = self.head_dim
+        # per token and head: k k^T and q k^T over half a chunk, the triangular solve for u and w, the
+        # intra-chunk read; then w S, q S and the state update, each a d x d product
+        within = 2 * chunk / 2 * (d + d + 2 * d + d)
+        across = 3 * 2 * d * d
+        convolutions = 3 * 2 * self.conv_size * self.head_dim
+        return self.n_head * (within + across + convolutions)
+
+    def describe(self):
+        return (f"Gated DeltaNet, head dim {self.head_dim}, chunk {self.chunk}, conv {self.conv_size}, "
+                f"kernel {self.kernel}")

@@ -1,0 +1,156 @@
+"""SWAX (paper 003): the layer pattern, the per-step window schedule (reproducible, p, annealing, resume,
+no recompilation when the window switches), test-time windows, constant-memory generation."""
+
+import json
+import math
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from attention import layer_names
+from config import ModelConfig
+from model import GPT
+from tests.test_train import run
+from train import window_for_step
+
+
+def schedule(**kw):
+    t = dict(window_schedule="stochastic", swax_short_window=128, swax_short_prob=0.5, swax_anneal_frac=0.1,
+             max_iters=20_000, seed=1337)
+    t.update(kw)
+    return SimpleNamespace(**t)
+
+
+def windows(t, long_window=2048):
+    return [window_for_step(step, t, long_window) for step in range(t.max_iters)]
+
+
+@pytest.mark.parametrize("p", [0.5, 0.75])
+def test_stochastic_windows_respect_p_and_the_annealing_fraction(p):
+    t = schedule(swax_short_prob=p)
+    drawn = windows(t)
+    assert set(drawn) == {128, 2048}
+    stochastic_part = drawn[:18_000]
+    short = stochastic_part.count(128) / len(stochastic_part)
+    assert abs(short - p) < 4 * math.sqrt(p * (1 - p) / len(stochastic_part))  # within 4 standard errors
+    assert set(drawn[18_000:]) == {2048}  # the last 10%: the long window only
+    assert 128 in drawn[17_900:18_000]  # and not earlier
+
+
+def test_windows_are_reproducible_per_seed_and_fixed_means_fixed():
+    assert windows(schedule(max_iters=500)) == windows(schedule(max_iters=500))
+    assert windows(schedule(max_iters=500)) != windows(schedule(max_iters=500, seed=1))
+    assert set(windows(schedule(max_iters=500, window_schedule="fixed"))) == {2048}
+    assert set(windows(schedule(max_iters=500, swax_short_prob=1.0, swax_anneal_frac=0.0))) == {128}
+
+
+def test_swax_alias_alternates_swa_and_the_recurrent_mixer():
+    assert layer_names(ModelConfig(n_layer=4, attn_pattern="swax")) == ["swa", "mlstm"] * 2
+    assert layer_names(ModelConfig(n_layer=4, attn_pattern="mlstm,swa")) == ["mlstm", "swa"] * 2
+    assert layer_names(ModelConfig(n_layer=6, attn_pattern="swa,swa,mlstm")) == ["swa", "swa", "mlstm"] * 2
+    assert layer_names(ModelConfig(n_layer=4, attn_pattern="swax_gdn")) == ["swa", "gated_deltanet"] * 2
+
+
+def swax(**kw):
+    cfg = dict(arch="llama", n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=64, bias=False,
+               attn_pattern="swax", swa_window=32, mlstm_chunk=16)
+    cfg.update(kw)
+    torch.manual_seed(0)
+    return GPT(ModelConfig(**cfg))
+
+
+def test_set_window_equals_a_model_built_with_that_window():
+    model = swax().eval()
+    other = swax(swa_window=8).eval()
+    other.load_state_dict(model.state_dict())
+    idx = torch.randint(0, 64, (2, 64), generator=torch.Generator().manual_seed(0))
+    assert model.set_window(8) == 1  # one swa layer; the mlstm layer has no window
+    torch.testing.assert_close(model(idx)[0], other(idx)[0])
+    assert GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=64)).set_window(8) == 0
+
+
+def test_switching_windows_under_torch_compile_traces_each_window_once():
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    model = swax()
+    compiled = torch.compile(model, backend=counting_backend)
+    idx = torch.randint(0, 64, (2, 64), generator=torch.Generator().manual_seed(0))
+    counts = []
+    for window in [32, 8, 32, 8, 8, 32]:
+        model.set_window(window)
+        compiled(idx, idx)[1].backward()
+        counts.append(len(graphs))
+    assert counts[1] == counts[-1]  # after both windows were seen, switching never traces again
+
+
+def test_stochastic_training_logs_its_windows_and_resumes_exactly(tmp_path):
+    args = ["--attn_pattern=swax", "--arch=llama", "--swa_window=16", "--window_schedule=stochastic",
+            "--swax_short_window=4", "--swax_short_prob=0.5", "--eval_interval=4"]
+
+    def logged(out, key):
+        records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+        return {r["step"]: r[key] for r in records if key in r}
+
+    reference = tmp_path / "reference"
+    run([*args, "--max_iters=12", "--swax_anneal_frac=0.25"], reference)
+    t = schedule(swax_short_window=4, max_iters=12, swax_anneal_frac=0.25)
+    expected = {step + 1: w for step, w in enumerate(windows(t, long_window=16))}
+    assert logged(reference, "window") == expected
+    assert {expected[s] for s in (10, 11, 12)} == {16} and 4 in expected.values()
+
+    # interrupted after 6 steps and resumed: the same windows and the same losses as one uninterrupted run
+    uninterrupted, resumed = tmp_path / "uninterrupted", tmp_path / "resumed"
+    run([*args, "--max_iters=12", "--swax_anneal_frac=0"], uninterrupted)
+    run([*args, "--max_iters=6", "--swax_anneal_frac=0", "--ckpt_interval=3"], resumed)
+    run([*args, "--max_iters=12", "--swax_anneal_frac=0", "--init_from=resume"], resumed)
+    assert logged(resumed, "window") == logged(uninterrupted, "window")
+    assert logged(resumed, "train_loss") == logged(uninterrupted, "train_loss")
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--window_schedule=stochastic", "--attn_pattern=full"], "has none"),
+    (["--window_schedule=stochastic", "--attn_pattern=swax", "--swa_window=16", "--swax_short_window=16"],
+     "must be smaller than swa_window"),
+    (["--swax_short_prob=1.5"], "must be in"),
+])
+def test_schedule_errors_exit_2(tmp_path, bad, message):
+    proc = run(["--arch=llama", "--max_iters=1", *bad], tmp_path / "out", check=False)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "out" / "ckpt_last.pt").exists()
+
+
+def state_bytes(caches) -> int:
+    """Bytes held by the generation state of every layer (KV caches, rolling windows, recurrent states)."""
+    def size(obj):
+        if isinstance(obj, torch.Tensor):
+            return obj.numel() * obj.element_size()
+        if isinstance(obj, (list, tuple)):
+            return sum(size(o) for o in obj)
+        if hasattr(obj, "__dict__"):
+            return sum(size(o) for o in vars(obj).values())
+        return 0
+    return sum(size(c) for c in caches)
+
+
+def generation_state(model, context: int):
+    """The layers' state after a prompt of `context` tokens and 4 generated ones, as generate() keeps it."""
+    idx = torch.randint(0, 64, (1, context), generator=torch.Generator().manual_seed(0))
+    caches = model.init_caches(1, context + 4)
+    model(idx, caches=caches)
+    for t in range(context, context + 4):
+        model(idx[:, -1:], caches=caches, start_pos=t)
+    return state_bytes(caches)
+
+
+def test_generation_memory_is_flat_in_context_length_for_swax_and_grows_for_full():
+    with torch.no_grad():
+        hybrid = swax(block_size=1024).eval()
+        full = swax(block_size=1024, attn_pattern="full").eval()
+        assert generation_state(hybrid, 128) == generation_state(hybrid, 1024)
+        assert generation_state(full, 1024) > 6 * generation_state(full, 128)
