@@ -55,3 +55,14 @@ class RollingKVCache:
         self.v[:, :, slots] = v[:, :, keep]
         self.pos[slots] = pos[keep]
         return keys, values, key_pos
+
+
+def state_bytes(state) -> int:
+    """Bytes of every tensor held by a generation state (a layer's cache object, or a list of them)."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, (list, tuple)):
+        return sum(state_bytes(s) for s in state)
+    if hasattr(state, "__dict__"):
+        return sum(state_bytes(s) for s in vars(state).values())
+    return 0

@@ -141,6 +141,24 @@ def _triton_chunkwise():
     return mlstm_chunkwise__xl_chunk
 
 
+def mlstm_sequence(q, k, v, i, f, state=None, chunk: int = 64, kernel: str = "auto", need_state: bool = True):
+    """A whole sequence in the training form: mlstm_kernels' Triton kernel on CUDA when it is installed
+    (kernel auto or triton, from a zero state, when the final state is not needed), else chunkwise_mlstm.
+    Returns h and the final state (None from the Triton kernel)."""
+    triton = kernel != "native" and q.is_cuda and state is None and not need_state and _triton_chunkwise()
+    if kernel == "triton" and q.is_cuda and not triton and _triton_chunkwise() is None:
+        raise RuntimeError("mlstm_kernel=triton needs the mlstm_kernels package (pip install mlstm_kernels); "
+                           "use mlstm_kernel=native or auto")
+    if not triton:
+        return chunkwise_mlstm(q, k, v, i, f, state, chunk)
+    length, kernel_chunk = q.shape[2], 64
+    pad = -length % kernel_chunk  # the kernel wants whole chunks; padding after the end changes no output
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        i, f = F.pad(i, (0, pad), value=_NO_INPUT), F.pad(f, (0, pad), value=30.0)
+    return triton(q, k, v, i, f, chunk_size=kernel_chunk, eps=EPS)[:, :, :length], None
+
+
 @dataclass
 class MLSTMState:
     """Generation state of an mLSTM layer: (C, n, m) after the tokens seen so far, or None before the first."""
@@ -214,18 +232,8 @@ class MLSTMLayer(Mixer):
         if cache is not None and q.shape[2] == 1:
             h, cache.state = recurrent_mlstm(q, k, v, i, f, cache.state)
             return h
-        triton = self.kernel != "native" and q.is_cuda and cache is None and _triton_chunkwise()
-        if self.kernel == "triton" and q.is_cuda and not triton:
-            raise RuntimeError("mlstm_kernel=triton needs the mlstm_kernels package (pip install mlstm_kernels); "
-                               "use mlstm_kernel=native or auto")
-        if triton:
-            length, chunk = q.shape[2], 64
-            pad = -length % chunk  # the kernel wants whole chunks; padding after the end changes no output
-            if pad:
-                q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-                i, f = F.pad(i, (0, pad), value=_NO_INPUT), F.pad(f, (0, pad), value=30.0)
-            return triton(q, k, v, i, f, chunk_size=chunk, eps=EPS)[:, :, :length]
-        h, state = chunkwise_mlstm(q, k, v, i, f, None if cache is None else cache.state, self.chunk)
+        h, state = mlstm_sequence(q, k, v, i, f, None if cache is None else cache.state, self.chunk, self.kernel,
+                                  need_state=cache is not None)
         if cache is not None:
             cache.state = state
         return h

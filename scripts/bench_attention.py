@@ -5,12 +5,14 @@
     python scripts/bench_attention.py --variants=swa,block --lengths=4096,16384 --window=128
     python scripts/bench_attention.py --variants=full,swa,sa,sa_swa --lengths=2048,4096,8192,16384,32768
     python scripts/bench_attention.py --variants=swa,swat,swat_softmax --lengths=4096,16384
+    python scripts/bench_attention.py --variants=swa,mlstm,gated_deltanet --lengths=2048,4096,8192,16384
 
 Each variant runs its attention kernel (q, k, v -> output, the same dispatch the model's layers use, with
 `--backend`, default auto: flex on CUDA, chunked on CPU, SDPA for full) on random inputs; the projections,
 identical across variants, are left out (sa draws a fresh permutation and gathers / scatters inside each
 step, as its layer does; sa_swa runs both paths; swat is sigmoid attention with balanced ALiBi in the
-kernel, swat_softmax its softmax counterpart). Time is the best of --repeats timed runs after one warmup (the least
+kernel, swat_softmax its softmax counterpart; mlstm and gated_deltanet run their chunkwise training forms, with
+q, k of head_dim / 2 for mlstm as in xLSTM 7B and random gates). Time is the best of --repeats timed runs after one warmup (the least
 disturbed by other work on the machine; the JSON keeps every run). Peak
 memory is the extra memory a forward + backward takes: torch.cuda.max_memory_allocated on GPUs; on CPU each
 case runs in its own process and reports its resident-set high-water mark above the inputs.
@@ -29,7 +31,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from attention.edges import Causal, FixedBlock, HeadWindows, PermutedWindow, SlidingWindow  # noqa: E402
+from attention.gated_deltanet import chunked_gated_delta_rule  # noqa: E402
 from attention.kernels import attend, resolve_backend  # noqa: E402
+from attention.mlstm import mlstm_sequence  # noqa: E402
 from attention.stochastic import stochastic_attention  # noqa: E402
 from attention.swat import AlibiBias, swat_slopes  # noqa: E402
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
@@ -47,9 +51,13 @@ class BenchConfig:
     dtype: str = "float32"
     device: str = "auto"
     backend: str = "auto"  # for the variants; full always runs PyTorch's causal SDPA
+    chunk: int = 64  # mlstm, gated_deltanet: chunk length of the chunkwise form
     repeats: int = 5
     json: str = ""
     case: str = ""  # internal: run one "variant:n" case and print its JSON
+
+
+RECURRENT = ("mlstm", "gated_deltanet")  # linear-RNN mixers: no edge rule, O(n) chunkwise forms
 
 
 def rule_of(name: str, b: BenchConfig):
@@ -60,13 +68,35 @@ def rule_of(name: str, b: BenchConfig):
     rules = {"full": Causal(), "swa": SlidingWindow(b.window), "block": FixedBlock(b.block), "mswa": mswa,
              "sa": PermutedWindow(torch.arange(2), b.window), "sa_swa": SlidingWindow(b.window),
              "swat": SlidingWindow(b.window), "swat_softmax": SlidingWindow(b.window)}
+    if name in RECURRENT:
+        return Causal()  # every earlier token reaches the state
     if name not in rules:
-        raise ConfigError(f"unknown variant {name!r}: expected one of {', '.join(rules)}")
+        raise ConfigError(f"unknown variant {name!r}: expected one of {', '.join([*rules, *RECURRENT])}")
     return rules[name]
 
 
-def attention_of(name: str, b: BenchConfig, backend: str, device=None):
+def recurrent_of(name: str, b: BenchConfig, n: int, device, dtype):
+    """q, k, v -> output of a recurrent mixer's training form, with its gates as extra inputs."""
+    gate = lambda scale, shift: (torch.randn(b.batch, b.heads, n, device=device) * scale + shift).requires_grad_()
+    if name == "mlstm":  # input gates near their initialisation (bias -10), forget gates near 3..6
+        i, f = gate(2, -10), gate(1, 4)
+        half = b.head_dim // 2
+        return lambda q, k, v: mlstm_sequence(q[..., :half].float(), k[..., :half].float(), v.float(), i, f,
+                                              chunk=b.chunk, need_state=False)[0]
+    g, beta = gate(0.5, -3), gate(1, 0)  # log decay softplus-shaped below 0, beta through a sigmoid
+
+    def gated_deltanet(q, k, v):
+        q, k = (torch.nn.functional.normalize(t.float(), dim=-1) for t in (q, k))
+        decay = -torch.nn.functional.softplus(-g)
+        return chunked_gated_delta_rule(q * b.head_dim ** -0.5, k, v.float(), decay, torch.sigmoid(beta),
+                                        chunk=b.chunk)[0]
+    return gated_deltanet
+
+
+def attention_of(name: str, b: BenchConfig, backend: str, device=None, n: int = 0, dtype=torch.float32):
     """q, k, v -> output as the variant's layer computes it (sa draws its permutation inside the step)."""
+    if name in RECURRENT:
+        return recurrent_of(name, b, n, device, dtype)
     rule = rule_of(name, b)
 
     def sa(q, k, v):
@@ -91,13 +121,13 @@ def rss_kib() -> int:
 
 def run_case(name: str, n: int, b: BenchConfig, device: torch.device) -> dict:
     rule = rule_of(name, b)
-    backend = "sdpa" if name == "full" else resolve_backend(b.backend, rule, device)
+    backend = "sdpa" if name == "full" else "chunked" if name in RECURRENT else resolve_backend(b.backend, rule, device)
     dtype = getattr(torch, b.dtype)
     shape = (b.batch, b.heads, n, b.head_dim)
     q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     grad = torch.randn(shape, device=device, dtype=dtype)
 
-    attention = attention_of(name, b, backend, device)
+    attention = attention_of(name, b, backend, device, n, dtype)
 
     def step():
         out = attention(q, k, v)
@@ -161,7 +191,7 @@ def main(argv):
             results.append(r)
             full = next((x for x in results if x["variant"] == "full" and x["n"] == n), None)
             r["speedup_vs_full"] = full["ms"] / r["ms"] if full else None
-            print(f"n={n:>6} {name:<6} {r['backend']:<8} {r['ms']:>10.1f} ms {r['peak_mib']:>9.1f} MiB"
+            print(f"n={n:>6} {name:<14} {r['backend']:<8} {r['ms']:>10.1f} ms {r['peak_mib']:>9.1f} MiB"
                   + (f"  {r['speedup_vs_full']:5.1f}x vs full" if full and name != "full" else ""), flush=True)
     for name in b.variants.split(","):
         rows = {r["n"]: r for r in results if r["variant"] == name}

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from attention import layer_names
+from attention.cache import state_bytes
 from config import ModelConfig
 from model import GPT
 from tests.test_train import run
@@ -125,19 +126,6 @@ def test_schedule_errors_exit_2(tmp_path, bad, message):
     assert not (tmp_path / "out" / "ckpt_last.pt").exists()
 
 
-def state_bytes(caches) -> int:
-    """Bytes held by the generation state of every layer (KV caches, rolling windows, recurrent states)."""
-    def size(obj):
-        if isinstance(obj, torch.Tensor):
-            return obj.numel() * obj.element_size()
-        if isinstance(obj, (list, tuple)):
-            return sum(size(o) for o in obj)
-        if hasattr(obj, "__dict__"):
-            return sum(size(o) for o in vars(obj).values())
-        return 0
-    return sum(size(c) for c in caches)
-
-
 def generation_state(model, context: int):
     """The layers' state after a prompt of `context` tokens and 4 generated ones, as generate() keeps it."""
     idx = torch.randint(0, 64, (1, context), generator=torch.Generator().manual_seed(0))
@@ -154,3 +142,31 @@ def test_generation_memory_is_flat_in_context_length_for_swax_and_grows_for_full
         full = swax(block_size=1024, attn_pattern="full").eval()
         assert generation_state(hybrid, 128) == generation_state(hybrid, 1024)
         assert generation_state(full, 1024) > 6 * generation_state(full, 128)
+
+
+def test_paper_configs_have_the_papers_settings():
+    from config import load_config
+
+    def params(cfg):
+        with torch.device("meta"):
+            return GPT(cfg.model).num_params()
+
+    small = load_config(["configs/swax_1p4b_stochastic.py"])
+    m, t = small.model, small.train
+    assert (m.n_layer, m.n_embd, m.n_head, m.block_size, m.rope_theta) == (24, 2048, 16, 16384, 10000.0)
+    assert layer_names(m)[:2] == ["swa", "mlstm"] and m.arch == "llama"  # gated SiLU MLP
+    assert t.batch_size * t.gradient_accumulation_steps * m.block_size == 2 ** 20  # 1M-token batches
+    assert (t.learning_rate, t.min_lr) == (3e-4, 3e-6)
+    assert (t.window_schedule, t.swax_short_window, m.swa_window, t.swax_short_prob, t.swax_anneal_frac) == \
+        ("stochastic", 128, 2048, 0.5, 0.1)
+    assert abs(params(small) / 1.4e9 - 1) < 0.02
+    for w in (128, 256, 512, 1024, 2048):
+        fixed = load_config([f"configs/swax_1p4b_w{w}.py"])
+        assert fixed.model.swa_window == w and fixed.train.window_schedule == "fixed"
+    assert set(layer_names(load_config(["configs/swax_1p4b_xlstm.py"]).model)) == {"mlstm"}
+    assert set(layer_names(load_config(["configs/swax_1p4b_swa_w128.py"]).model)) == {"swa"}
+    assert layer_names(load_config(["configs/swax_gdn_1p4b_stochastic.py"]).model)[:2] == ["swa", "gated_deltanet"]
+    large = load_config(["configs/swax_7b_stochastic.py"])
+    assert (large.model.n_layer, large.model.n_embd, large.train.swax_short_prob) == (32, 4096, 0.75)
+    assert large.train.batch_size * large.train.gradient_accumulation_steps * large.model.block_size == 2 ** 20
+    assert 6.5e9 < params(large) < 7.2e9

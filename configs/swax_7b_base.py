@@ -1,0 +1,11 @@
+# Paper 003's 7B setting (Sec. 4.1, 4.4): 32 blocks, d=4096, otherwise as configs/swax_1p4b_base.py
+# (32 heads of 128 dimensions: the paper does not state the 7B head count); 6.87B parameters.
+#   torchrun --nnodes=... --nproc_per_node=8 train.py configs/swax_7b_stochastic.py --wandb_log=True
+include("configs/swax_1p4b_base.py")
+out_dir = "out/swax_7b"
+n_layer = 32
+n_head = 32
+n_embd = 4096
+batch_size = 1
+gradient_accumulation_steps = 64  # global: 1 x 64 x 16384 = 1,048,576 tokens per step
+swax_short_prob = 0.75  # the 7B models need the short window more often (App. B, Table 4)
