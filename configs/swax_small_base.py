@@ -5,7 +5,7 @@
 # layers can answer alone; with the short one (16: two swa layers reach 30 positions) only the mLSTM can.
 # Evaluation asks for values 400-480 positions back, beyond any window, where only the mLSTM can answer:
 #   python scripts/sweep.py configs/swax_small_{w16,w128,stochastic}.py --out=out/sweeps/swax_small \
-#       --eval="--tasks=recall --recall_filler=400:480 --recall_lengths=512"
+#       --eval="--tasks=recall --recall_filler=60:80,400:480 --recall_lengths=128,512"
 out_dir = "out/swax_small"
 dataset = "recall_byte"  # generated on first use
 loss_after = ">"
@@ -23,11 +23,11 @@ swax_short_prob = 0.5
 swax_anneal_frac = 0.1
 batch_size = 16
 gradient_accumulation_steps = 1
-max_iters = 2000
+max_iters = 4000
 learning_rate = 3e-3
 min_lr = 3e-5  # paper 003: peak / 100
 warmup_iters = 100
-lr_decay_iters = 2000
+lr_decay_iters = 4000
 weight_decay = 0.1
 eval_interval = 500
 eval_iters = 20

@@ -68,8 +68,8 @@ class EvalRunConfig:
     recall_lengths: str = ""  # default: the run's block_size
     recall_samples: int = 500
     recall_pairs: int = 1  # key-value pairs per document, as in data/recall.py (1 for the training corpus)
-    recall_filler: str = ""  # "MIN:MAX" filler digits between the pairs and the question (default 60:80, as
-    #                          trained); longer filler asks for a value further back than training ever did
+    recall_filler: str = ""  # comma-separated "MIN:MAX" filler digits between the pairs and the question
+    #                          (default 60:80, as trained); longer filler asks for values further back
     niah_haystack: str = "val"  # val (the run's validation text) | embedded (the built-in corpus)
     progress: bool = True
 
@@ -154,21 +154,32 @@ def run_niah(e: EvalRunConfig, ctx) -> dict:
 def run_recall(e: EvalRunConfig, ctx) -> dict:
     cfg, meta = ctx["cfg"], ctx["meta"]
     rows, per_example = [], []
-    options = {"pairs": e.recall_pairs}
+    fillers = [None]  # the corpus's own
     if e.recall_filler:
         try:
-            options["min_filler"], options["max_filler"] = (int(x) for x in e.recall_filler.split(":"))
-        except ValueError:
-            raise ConfigError(f"recall_filler={e.recall_filler!r}: expected MIN:MAX, e.g. 400:480") from None
-    for length in ints(e.recall_lengths) or [cfg.model.block_size]:
-        row = recall_task.accuracy(ctx["model"], ctx["tokenizer"], meta["eot_id"], length,
-                                   min(e.recall_samples, e.limit or e.recall_samples), e.seed, e.batch_size,
-                                   ctx["device"], e.progress, **options)
-        rows.append(row)
-        # the same documents for every run with the same seed: pairable (scripts/compare.py --paired)
-        per_example += [{"id": f"L{length}/{i}", "length": length, "correct": c} for i, c in enumerate(row["correct"])]
-        print(f"recall L={length:<6} accuracy {row['accuracy']:.3f} +- {row['stderr']:.3f} "
-              f"(chance {row['chance']:.3f}, {row['n']} documents)")
+            fillers = [tuple(int(x) for x in part.split(":")) for part in e.recall_filler.split(",")]
+            assert all(len(f) == 2 and 0 <= f[0] <= f[1] for f in fillers)
+        except (ValueError, AssertionError):
+            raise ConfigError(f"recall_filler={e.recall_filler!r}: expected MIN:MAX ranges, e.g. 60:80,400:480") from None
+    for filler in fillers:
+        options = {"pairs": e.recall_pairs}
+        if filler is not None:
+            options["min_filler"], options["max_filler"] = filler
+        for length in ints(e.recall_lengths) or [cfg.model.block_size]:
+            if filler is not None and filler[1] + 8 * e.recall_pairs + 8 > length:
+                print(f"recall filler {filler[0]}:{filler[1]} L={length}: skipped (a document would not fit)")
+                continue
+            row = recall_task.accuracy(ctx["model"], ctx["tokenizer"], meta["eot_id"], length,
+                                       min(e.recall_samples, e.limit or e.recall_samples), e.seed, e.batch_size,
+                                       ctx["device"], e.progress, **options)
+            tag = "" if filler is None else f"{filler[0]}:{filler[1]}"
+            rows.append({"filler": tag or "corpus", **row})
+            # the same documents for every run with the same seed: pairable (scripts/compare.py --paired)
+            prefix = f"F{tag}/" if tag else ""
+            per_example += [{"id": f"{prefix}L{length}/{i}", "length": length, "correct": c}
+                            for i, c in enumerate(row["correct"])]
+            print(f"recall {'filler ' + tag + ' ' if tag else ''}L={length:<6} accuracy {row['accuracy']:.3f} "
+                  f"+- {row['stderr']:.3f} (chance {row['chance']:.3f}, {row['n']} documents)")
     return {"rows": rows, "per_example": per_example}
 
 

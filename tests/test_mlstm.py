@@ -157,3 +157,14 @@ def test_config_errors():
                 dict(mlstm_gate_soft_cap=0.0)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             validate_config(ModelConfig(n_layer=2, n_head=2, n_embd=16, attn_pattern="mlstm", **bad))
+
+
+def test_bf16_autocast_keeps_the_cell_in_float32():
+    model = tiny("swa,mlstm").float()
+    idx = torch.randint(0, 50, (2, 48), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        full, _ = model(idx)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low, _ = model(idx)
+    assert low.dtype == torch.bfloat16
+    torch.testing.assert_close(low.float(), full, atol=3e-2, rtol=0)

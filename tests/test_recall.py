@@ -89,3 +89,26 @@ def test_recall_eval_task_runs_on_a_trained_checkpoint(tmp_path, pattern):
     # per-example results, pairable across runs (scripts/compare.py --paired)
     assert [x["id"] for x in report["per_example"]] == [f"L128/{i}" for i in range(30)]
     assert [x["correct"] for x in report["per_example"]] == rows[0]["correct"]
+
+
+def test_recall_at_longer_distances_and_another_test_window(tmp_path):
+    out = tmp_path / "run"
+    assert train(out, "--attn_pattern=swa", "--swa_window=16").returncode == 0
+    proc = subprocess.run([sys.executable, "-m", "eval", f"--out_dir={out}", "--progress=False", "--tasks=recall",
+                           "--recall_samples=10", "--recall_filler=60:80,200:220,400:480", "--recall_lengths=256",
+                           "--window=8"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "400:480 L=256: skipped" in proc.stdout  # a document that long does not fit in 256 tokens
+    report = json.loads((out / "eval" / "recall.json").read_text())
+    assert [row["filler"] for row in report["results"]["rows"]] == ["60:80", "200:220"]
+    assert report["per_example"][10]["id"] == "F200:220/L256/0"
+    assert report["provenance"]["eval_config"]["window"] == 8
+    # the documents asked at 200-220 really hold their value that far back
+    ctx = contexts(ByteTokenizer(), 256, 256, 3, seed=0, min_filler=200, max_filler=220)
+    for ids, _ in ctx:
+        ids = list(ids)
+        text = bytes(ids[len(ids) - ids[::-1].index(256):]).decode()  # the last document (after end-of-text)
+        assert text.endswith(ANSWER) and text.rindex("=") < len(text) - 200
+    bad = subprocess.run([sys.executable, "-m", "eval", f"--out_dir={out}", "--tasks=recall", "--recall_filler=9:1"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "recall_filler" in bad.stderr
