@@ -2,6 +2,7 @@
 
     python sample.py --out_dir=out/quickstart --start="Once upon a time" --num_samples=3 --max_new_tokens=200
     python sample.py --out_dir=out/quickstart --start=FILE:prompt.txt --temperature=0.8 --top_p=0.9
+    python sample.py --out_dir=out/swax_small_stochastic --window=16     # a test-time window (paper 003)
 """
 
 import sys
@@ -28,13 +29,14 @@ class SampleConfig:
     device: str = "auto"
     dtype: str = "auto"  # auto: bfloat16 on capable GPUs, float32 otherwise
     use_cache: bool = True  # KV / recurrent caches: one step per new token instead of re-running the context
+    window: int = 0  # sliding-window layers use this window instead of the trained one (0: as trained)
 
 
 def parse(argv) -> SampleConfig:
     cfg = SampleConfig()
     apply_args(cfg, argv, dataclass_fields(SampleConfig))
-    if cfg.temperature < 0 or not 0 < cfg.top_p <= 1 or cfg.top_k < 0 or cfg.num_samples < 1:
-        raise ConfigError("need temperature >= 0, 0 < top_p <= 1, top_k >= 0 and num_samples >= 1")
+    if cfg.temperature < 0 or not 0 < cfg.top_p <= 1 or cfg.top_k < 0 or cfg.num_samples < 1 or cfg.window < 0:
+        raise ConfigError("need temperature >= 0, 0 < top_p <= 1, top_k >= 0, num_samples >= 1 and window >= 0")
     return cfg
 
 
@@ -50,6 +52,10 @@ def main(argv):
     dtype = s.dtype if s.dtype != "auto" else ("bfloat16" if device == "cuda" and torch.cuda.is_bf16_supported()
                                                   else "float32")
     model = model.to(getattr(torch, dtype))
+    if s.window and model.set_window(s.window) == 0:
+        print(f"error: --window={s.window}: the model of {s.out_dir} ({cfg.model.attn_pattern}) has no sliding-window "
+              "layers", file=sys.stderr)
+        sys.exit(2)
 
     prompt = s.start
     if prompt.startswith("FILE:"):

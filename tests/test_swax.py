@@ -4,6 +4,8 @@ no recompilation when the window switches), test-time windows, constant-memory g
 import json
 import math
 import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -11,6 +13,7 @@ import torch
 
 from attention import layer_names
 from attention.cache import state_bytes
+from conftest import REPO
 from config import ModelConfig
 from model import GPT
 from tests.test_train import run
@@ -112,6 +115,15 @@ def test_stochastic_training_logs_its_windows_and_resumes_exactly(tmp_path):
     run([*args, "--max_iters=12", "--swax_anneal_frac=0", "--init_from=resume"], resumed)
     assert logged(resumed, "window") == logged(uninterrupted, "window")
     assert logged(resumed, "train_loss") == logged(uninterrupted, "train_loss")
+
+    # sampling with a test-time window; a model without sliding-window layers refuses one
+    sample = [sys.executable, "sample.py", "--window=4", "--temperature=0", "--max_new_tokens=8", "--num_samples=1"]
+    proc = subprocess.run([*sample, f"--out_dir={reference}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    run(["--max_iters=1"], tmp_path / "full")
+    proc = subprocess.run([*sample, f"--out_dir={tmp_path / 'full'}"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "no sliding-window layers" in proc.stderr
 
 
 @pytest.mark.parametrize("bad, message", [
