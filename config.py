@@ -67,10 +67,10 @@ class ModelConfig:
     mlstm_qk_dim_factor: float = 0.5  # mlstm: q, k width as a fraction of n_embd (v keeps n_embd), xLSTM 7B
     mlstm_gate_soft_cap: float = 15.0  # mlstm: input/forget gate pre-activations soft-capped to (-cap, cap)
     mlstm_chunk: int = 64  # mlstm: chunk length of the chunkwise-parallel training form
-    mlstm_kernel: str = "auto"  # mlstm: auto (mlstm_kernels' Triton chunkwise kernel on CUDA when installed) | native
+    mlstm_kernel: str = "auto"  # mlstm: auto (mlstm_kernels' Triton chunkwise kernel, chunk 64, for CUDA training when installed) | native | triton
     gdn_chunk: int = 64  # gated_deltanet: chunk length of the chunked (WY) training form
     gdn_conv_size: int = 4  # gated_deltanet: width of the short causal convolutions on q, k, v
-    gdn_kernel: str = "auto"  # gated_deltanet: auto (fla's chunk kernel on CUDA when installed) | native
+    gdn_kernel: str = "auto"  # gated_deltanet: auto (fla's chunk kernel for bf16/fp16 on CUDA when installed) | native | fla
 
     @property
     def head_dim(self) -> int:
@@ -319,6 +319,12 @@ def validate(cfg: Config) -> None:
         validate_attention(m)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    from attention import has_window_layers
+
+    if t.window_schedule != "fixed" and not has_window_layers(m):
+        raise ConfigError(f"window_schedule={t.window_schedule} changes the window of sliding-window layers, and "
+                          f"attn_pattern={m.attn_pattern!r} has none: add swa layers (e.g. attn_pattern=swax) or use "
+                          "window_schedule=fixed")
 
 
 def load_config(argv: list[str]) -> Config:

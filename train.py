@@ -233,10 +233,6 @@ def main(argv):
                 f"{k} ({getattr(saved, k)!r} saved, {getattr(m, k)!r} now)" for k in changed)
                 + ": resume with the run's own config file", status=2)
     model = GPT(m).to(device)
-    if t.window_schedule != "fixed" and model.set_window(m.swa_window) == 0:
-        fail(f"window_schedule={t.window_schedule} changes the window of sliding-window layers, and "
-             f"attn_pattern={m.attn_pattern!r} has none: add swa layers (e.g. attn_pattern=swax) or use "
-             "window_schedule=fixed", status=2)
     optimizer = model.configure_optimizer(t.weight_decay, t.learning_rate, (t.beta1, t.beta2), device.type)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     step, best_val_loss, wandb_run_id = 0, float("inf"), None
@@ -327,7 +323,8 @@ def main(argv):
             group["lr"] = lr
 
         if step % ev.eval_interval == 0 or step == t.max_iters or ev.eval_only:
-            raw_model.set_window(m.swa_window)  # validation and probes use the long (test-time) window
+            if t.window_schedule != "fixed":
+                raw_model.set_window(m.swa_window)  # validation and probes use the long (test-time) window
             with isolated_rng(t.seed + rank, device):
                 val_loss = evaluate(model, val_data, ev.eval_iters, rank, world_size, autocast, device)
                 improved = val_loss < best_val_loss
@@ -355,7 +352,8 @@ def main(argv):
             break
 
         window = window_for_step(step, t, m.swa_window)
-        raw_model.set_window(window)  # only the layers' edge rule changes (see attention/local.py)
+        if t.window_schedule != "fixed":
+            raw_model.set_window(window)  # only the layers' edge rule changes (see attention/local.py)
         loss_sum = torch.zeros((), device=device)
         for micro_step in range(local_micro_steps):
             x, y = train_data.get(step, micro_step)

@@ -4,9 +4,9 @@ Each variant family lives in its own module and registers a builder under a name
 registry for the mixer of each layer (from `attn_pattern`) and never looks at the names itself.
 """
 
-from attention.registry import MIXERS, Mixer, build_mixer, layer_names, register, validate_config
+from attention.registry import MIXERS, Mixer, build_mixer, has_window_layers, layer_names, register, validate_config
 
 # importing a variant module registers it
 from attention import gated_deltanet, linear, local, mlstm, mswa, stochastic, swat  # noqa: E402,F401
 
-__all__ = ["MIXERS", "Mixer", "build_mixer", "layer_names", "register", "validate_config"]
+__all__ = ["MIXERS", "Mixer", "build_mixer", "has_window_layers", "layer_names", "register", "validate_config"]

@@ -22,6 +22,7 @@ when that package is installed; it is never required.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ from torch import nn
 from attention.registry import Mixer, register
 
 EPS = 1e-6
+NORM_EPS = 1e-6  # xLSTM 7B's per-head LayerNorm
 # an input-gate pre-activation for padding positions: they add nothing to the state (exp underflows to 0)
 # and, with log f = 0, leave C, n and m as they were; finite so that no inf - inf appears
 _NO_INPUT = -1e30
@@ -132,13 +134,15 @@ def chunkwise_mlstm(q, k, v, i, f, state=None, chunk: int = 64, eps: float = EPS
     return h.reshape(B, H, nc * chunk, -1)[:, :, :length], (C, n, m)
 
 
+@functools.cache
 def _triton_chunkwise():
-    """mlstm_kernels' Triton chunkwise kernel, or None when the package (or triton) is not installed."""
+    """mlstm_kernels' Triton chunkwise kernel, or None when the package (or triton) is not installed. Kept out
+    of torch.compile's graphs: the kernel is its own autograd.Function over Triton launches."""
     try:
         from mlstm_kernels.torch.chunkwise.triton_xl_chunk import mlstm_chunkwise__xl_chunk
     except ImportError:
         return None
-    return mlstm_chunkwise__xl_chunk
+    return torch.compiler.disable(mlstm_chunkwise__xl_chunk)
 
 
 def mlstm_sequence(q, k, v, i, f, state=None, chunk: int = 64, kernel: str = "auto", need_state: bool = True):
@@ -198,7 +202,6 @@ class MLSTMLayer(Mixer):
         self.i_gate = nn.Linear(config.n_embd, config.n_head, bias=True)
         self.f_gate = nn.Linear(config.n_embd, config.n_head, bias=True)
         self.norm_weight = nn.Parameter(torch.ones(config.n_embd))  # per-head LayerNorm, weight only (xLSTM 7B)
-        self.norm_eps = config.norm_eps
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
@@ -224,7 +227,7 @@ class MLSTMLayer(Mixer):
             q, k, v32, i, f = (t.to(compute) for t in (q, k, v, i, f))
             h = self.cell(q, k, v32, i, f, cache)
             # per-head LayerNorm without bias, weight shared layout with xLSTM 7B's MultiHeadLayerNorm
-            h = F.layer_norm(h.transpose(1, 2), (self.v_head_dim,), eps=self.norm_eps).reshape(B, T, C)
+            h = F.layer_norm(h.transpose(1, 2), (self.v_head_dim,), eps=NORM_EPS).reshape(B, T, C)
         h = (h * self.norm_weight.to(compute)).to(v.dtype)
         return self.resid_dropout(self.c_proj(torch.sigmoid(self.o_gate(x)) * h))
 

@@ -95,6 +95,11 @@ def layer_names(config) -> list[str]:
     return pattern * (config.n_layer // len(pattern))
 
 
+def has_window_layers(config) -> bool:
+    """Whether any layer's mixer has a sliding window that set_window changes."""
+    return any(MIXERS[name].set_window is not Mixer.set_window for name in set(layer_names(config)))
+
+
 def validate_config(config) -> None:
     for name in sorted(set(layer_names(config))):
         MIXERS[name].check_config(config)

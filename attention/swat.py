@@ -111,22 +111,25 @@ class SigmoidWindowAttention(SlidingWindowAttention):
         self.bias_text = config.swat_bias
         self.offset = parse_bias(config.swat_bias, config.swa_window)
         self.has_bias = any(self.slopes) or self.offset != 0
-        self._score_mods = {}  # device -> AlibiBias: slopes stay float32 whatever the model's dtype
+        # (device, offset) -> AlibiBias: slopes stay float32 whatever the model's dtype, and each window's bias
+        # is one object, so compiled flex sees a known score_mod when the window switches back
+        self._score_mods = {}
 
     def set_window(self, window):
         offset = parse_bias(self.bias_text, window)  # "-log(w)" follows the window in use
         if offset != self.offset:
-            self.offset, self.has_bias, self._score_mods = offset, any(self.slopes) or offset != 0, {}
+            self.offset, self.has_bias = offset, any(self.slopes) or offset != 0
         return super().set_window(window)
 
     def score_mod(self):
         if not self.has_bias:
             return None
         device = self.c_attn.weight.device
-        if device not in self._score_mods:
-            self._score_mods[device] = AlibiBias(torch.tensor(self.slopes, dtype=torch.float32, device=device),
+        key = (device, self.offset)
+        if key not in self._score_mods:
+            self._score_mods[key] = AlibiBias(torch.tensor(self.slopes, dtype=torch.float32, device=device),
                                                  self.offset)
-        return self._score_mods[device]
+        return self._score_mods[key]
 
     def describe(self):
         slopes = " ".join(f"{s:+g}" for s in self.slopes)

@@ -91,6 +91,8 @@ def parse(argv) -> EvalRunConfig:
         raise ConfigError(f"unknown niah kind(s) {', '.join(sorted(unknown))}: expected {', '.join(niah_task.KINDS)}")
     if e.niah_haystack not in ("val", "embedded"):
         raise ConfigError(f"niah_haystack={e.niah_haystack!r}: expected val or embedded")
+    if e.window < 0:
+        raise ConfigError(f"window={e.window}: must be >= 0 (0: the trained window)")
     if e.limit < 0 or e.batch_size < 1 or e.niah_samples < 1 or e.niah_candidates < 2 or e.ppl_max_tokens < 2 or e.niah_needles < 2:
         raise ConfigError("need limit >= 0, batch_size >= 1, niah_samples >= 1, niah_candidates >= 2, niah_needles >= 2, "
                           "ppl_max_tokens >= 2")
@@ -113,7 +115,7 @@ def run_ppl(e: EvalRunConfig, ctx) -> dict:
     else:
         docs = ppl_task.documents(tokens, meta["eot_id"], e.ppl_max_tokens)
     rows = []
-    for window in ints(e.ppl_windows) or [None]:  # None: the model as trained
+    for window in ints(e.ppl_windows) or [e.window or None]:  # None: the model as trained
         model = ctx["model"] if window in (None, trained) else ctx["with_config"](**{e.window_key: window})
         for length in lengths:
             if model.wpe is not None and length > cfg.model.block_size:
@@ -158,9 +160,10 @@ def run_recall(e: EvalRunConfig, ctx) -> dict:
     if e.recall_filler:
         try:
             fillers = [tuple(int(x) for x in part.split(":")) for part in e.recall_filler.split(",")]
-            assert all(len(f) == 2 and 0 <= f[0] <= f[1] for f in fillers)
-        except (ValueError, AssertionError):
-            raise ConfigError(f"recall_filler={e.recall_filler!r}: expected MIN:MAX ranges, e.g. 60:80,400:480") from None
+        except ValueError:
+            fillers = []
+        if not fillers or not all(len(f) == 2 and 0 <= f[0] <= f[1] for f in fillers):
+            raise ConfigError(f"recall_filler={e.recall_filler!r}: expected MIN:MAX ranges, e.g. 60:80,400:480")
     for filler in fillers:
         options = {"pairs": e.recall_pairs}
         if filler is not None:
@@ -246,12 +249,14 @@ def main(argv):
         other.load_state_dict(model.state_dict())
         return other.to(device=device, dtype=dtype).eval()
 
-    if e.window:  # a test-time window: the model, and the config the tasks and the provenance see, use it
+    if e.window:  # a test-time window for every task (ppl takes it as its default --ppl_windows)
         if e.window_key not in dataclass_fields(type(cfg.model)):
             print(f"config error: window_key={e.window_key!r} is not a model config field", file=sys.stderr)
             sys.exit(2)
-        model = with_config(**{e.window_key: e.window})
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **{e.window_key: e.window}))
+        if model.set_window(e.window) == 0:
+            print(f"config error: --window={e.window}: the model of {e.out_dir} ({cfg.model.attn_pattern}) has no "
+                  "sliding-window layers", file=sys.stderr)
+            sys.exit(2)
     ctx = {"model": model, "cfg": cfg, "meta": meta, "tokenizer": tokenizer, "data_dir": data_dir,
            "device": device, "with_config": with_config}
     eval_dir = Path(e.out_dir) / "eval"

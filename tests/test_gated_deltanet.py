@@ -127,7 +127,7 @@ def test_layer_is_causal():
     assert not torch.allclose(before[:, 21:], after[:, 21:])  # and the change does reach the later tokens
 
 
-def test_hybrid_trains_one_step():
+def test_hybrid_trains_one_step(monkeypatch):
     cfg = ModelConfig(arch="llama", n_layer=2, n_head=2, n_embd=16, block_size=32, vocab_size=50, bias=False,
                       attn_pattern="swa,gated_deltanet", swa_window=8, gdn_chunk=8)
     validate_config(cfg)
@@ -144,10 +144,21 @@ def test_hybrid_trains_one_step():
     mixer = model.blocks[1].mixer
     assert mixer.A_log.grad.abs().sum() > 0 and mixer.dt_offset.grad.abs().sum() > 0
     opt.step()
+    import attention.gated_deltanet as gdn_module
+
+    seen, original = [], gdn_module.chunked_gated_delta_rule
+
+    def spy(*tensors, **kwargs):
+        seen.append({t.dtype for t in tensors if isinstance(t, torch.Tensor)})
+        return original(*tensors, **kwargs)
+
+    monkeypatch.setattr(gdn_module, "chunked_gated_delta_rule", spy)
     with torch.no_grad():
         full, _ = model(idx)
+        seen.clear()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             low, _ = model(idx)  # the recurrence itself stays in float32
+    assert seen == [{torch.float32}]
     torch.testing.assert_close(low.float(), full, atol=2e-2, rtol=0)
 
 

@@ -159,12 +159,26 @@ def test_config_errors():
             validate_config(ModelConfig(n_layer=2, n_head=2, n_embd=16, attn_pattern="mlstm", **bad))
 
 
-def test_bf16_autocast_keeps_the_cell_in_float32():
+def test_bf16_autocast_keeps_the_cell_in_float32(monkeypatch):
+    import attention.mlstm as mlstm_module
+
+    seen = []
+    original = mlstm_module.mlstm_sequence
+
+    def spy(q, k, v, i, f, *args, **kwargs):
+        seen.append({t.dtype for t in (q, k, v, i, f)})
+        out = original(q, k, v, i, f, *args, **kwargs)
+        seen.append({out[0].dtype})
+        return out
+
+    monkeypatch.setattr(mlstm_module, "mlstm_sequence", spy)
     model = tiny("swa,mlstm").float()
     idx = torch.randint(0, 50, (2, 48), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         full, _ = model(idx)
+        seen.clear()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             low, _ = model(idx)
+    assert seen and all(dtypes == {torch.float32} for dtypes in seen)  # the cell's inputs and output
     assert low.dtype == torch.bfloat16
     torch.testing.assert_close(low.float(), full, atol=3e-2, rtol=0)

@@ -88,8 +88,10 @@ def test_switching_windows_under_torch_compile_traces_each_window_once():
     counts = []
     for window in [32, 8, 32, 8, 8, 32]:
         model.set_window(window)
-        compiled(idx, idx)[1].backward()
+        loss = compiled(idx, idx)[1]
+        loss.backward()
         counts.append(len(graphs))
+        torch.testing.assert_close(loss, model(idx, idx)[1])  # the compiled model follows the new window
     assert counts[1] == counts[-1]  # after both windows were seen, switching never traces again
 
 
@@ -115,6 +117,17 @@ def test_stochastic_training_logs_its_windows_and_resumes_exactly(tmp_path):
     run([*args, "--max_iters=12", "--swax_anneal_frac=0", "--init_from=resume"], resumed)
     assert logged(resumed, "window") == logged(uninterrupted, "window")
     assert logged(resumed, "train_loss") == logged(uninterrupted, "train_loss")
+
+    # the drawn window is the one the layers used: the same losses as fixed-window training up to the first
+    # short-window step, and a different one there
+    fixed = tmp_path / "fixed"
+    run([*args, "--max_iters=12", "--window_schedule=fixed"], fixed)
+    windows_drawn, stochastic_loss, fixed_loss = logged(uninterrupted, "window"), logged(uninterrupted, "train_loss"), \
+        logged(fixed, "train_loss")
+    first_short = min(step for step, w in windows_drawn.items() if w == 4)
+    for step in range(1, first_short):
+        assert stochastic_loss[step] == fixed_loss[step]
+    assert stochastic_loss[first_short] != fixed_loss[first_short]
 
     # sampling with a test-time window; a model without sliding-window layers refuses one
     sample = [sys.executable, "sample.py", "--window=4", "--temperature=0", "--max_new_tokens=8", "--num_samples=1"]
