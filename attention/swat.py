@@ -116,9 +116,8 @@ class SigmoidWindowAttention(SlidingWindowAttention):
         self._score_mods = {}
 
     def set_window(self, window):
-        offset = parse_bias(self.bias_text, window)  # "-log(w)" follows the window in use
-        if offset != self.offset:
-            self.offset, self.has_bias = offset, any(self.slopes) or offset != 0
+        self.offset = parse_bias(self.bias_text, window)  # "-log(w)" follows the window in use
+        self.has_bias = any(self.slopes) or self.offset != 0
         return super().set_window(window)
 
     def score_mod(self):

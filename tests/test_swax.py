@@ -65,13 +65,14 @@ def swax(**kw):
     return GPT(ModelConfig(**cfg))
 
 
-def test_set_window_equals_a_model_built_with_that_window():
-    model = swax().eval()
-    other = swax(swa_window=8).eval()
+@pytest.mark.parametrize("options, layers", [({}, 1), ({"attn_pattern": "swat", "swat_bias": "-log(w)"}, 2)])
+def test_set_window_equals_a_model_built_with_that_window(options, layers):
+    model = swax(**options).eval()
+    other = swax(swa_window=8, **options).eval()
     other.load_state_dict(model.state_dict())
     idx = torch.randint(0, 64, (2, 64), generator=torch.Generator().manual_seed(0))
-    assert model.set_window(8) == 1  # one swa layer; the mlstm layer has no window
-    torch.testing.assert_close(model(idx)[0], other(idx)[0])
+    assert model.set_window(8) == layers  # swax: one swa layer (the mlstm layer has no window)
+    torch.testing.assert_close(model(idx)[0], other(idx)[0])  # swat: b = -log(8) follows the window
     assert GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=64)).set_window(8) == 0
 
 
