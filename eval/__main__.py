@@ -178,8 +178,8 @@ def run_recall(e: EvalRunConfig, ctx) -> dict:
             tag = "" if filler is None else f"{filler[0]}:{filler[1]}"
             rows.append({"filler": tag or "corpus", **row})
             # the same documents for every run with the same seed: pairable (scripts/compare.py --paired)
-            prefix = f"F{tag}/" if tag else ""
-            per_example += [{"id": f"{prefix}L{length}/{i}", "length": length, "correct": c}
+            cell = (f"F{tag}/" if tag else "") + f"L{length}"  # scripts/compare.py --paired ... --by=cell
+            per_example += [{"id": f"{cell}/{i}", "cell": cell, "length": length, "correct": c}
                             for i, c in enumerate(row["correct"])]
             print(f"recall {'filler ' + tag + ' ' if tag else ''}L={length:<6} accuracy {row['accuracy']:.3f} "
                   f"+- {row['stderr']:.3f} (chance {row['chance']:.3f}, {row['n']} documents)")

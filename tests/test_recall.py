@@ -101,7 +101,7 @@ def test_recall_at_longer_distances_and_another_test_window(tmp_path):
     assert "400:480 L=256: skipped" in proc.stdout  # a document that long does not fit in 256 tokens
     report = json.loads((out / "eval" / "recall.json").read_text())
     assert [row["filler"] for row in report["results"]["rows"]] == ["60:80", "200:220"]
-    assert report["per_example"][10]["id"] == "F200:220/L256/0"
+    assert report["per_example"][10]["id"] == "F200:220/L256/0" and report["per_example"][10]["cell"] == "F200:220/L256"
     assert report["provenance"]["eval_config"]["window"] == 8
     # the documents asked at 200-220 really hold their value that far back
     ctx = contexts(ByteTokenizer(), 256, 256, 3, seed=0, min_filler=200, max_filler=220)
