@@ -73,10 +73,14 @@ def chunked_gated_delta_rule(q, k, v, g, beta, state=None, chunk: int = 64):
     chunk_decay = G[..., -1].exp()  # (B, H, nc)
 
     outputs = []
-    for c in range(nc):
-        delta = u[:, :, c] - w[:, :, c] @ S
-        outputs.append(q_decayed[:, :, c] @ S + within[:, :, c] @ delta)
-        S = chunk_decay[:, :, c, None, None] * S + k_decayed[:, :, c].transpose(-1, -2) @ delta
+    # unbound once: indexing chunk c inside the loop would give each step a backward the size of the whole
+    # sequence (O(n^2) in all)
+    steps = zip(u.unbind(2), w.unbind(2), q_decayed.unbind(2), within.unbind(2), k_decayed.unbind(2),
+                chunk_decay[..., None, None].unbind(2))
+    for u_c, w_c, q_c, within_c, k_c, decay_c in steps:
+        delta = u_c - w_c @ S
+        outputs.append(q_c @ S + within_c @ delta)
+        S = decay_c * S + k_c.transpose(-1, -2) @ delta
     y = torch.stack(outputs, dim=2).reshape(B, H, nc * chunk, D)[:, :, :n]
     return y, S
 

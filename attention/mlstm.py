@@ -108,15 +108,18 @@ def chunkwise_mlstm(q, k, v, i, f, state=None, chunk: int = 64, eps: float = EPS
     to_end = torch.exp(log_to_end - g[..., None])[..., None] * kc  # (B, H, nc, L, dk)
     chunk_C, chunk_n = to_end.transpose(-1, -2) @ vc, to_end.sum(-2)
 
-    # the scan over chunks: states before each chunk (C, n, m), as the recurrence would have them
+    # the scan over chunks: states before each chunk (C, n, m), as the recurrence would have them. The inputs
+    # are unbound once: indexing chunk c inside the loop would give each step a backward the size of the
+    # whole sequence (O(n^2) in all)
     C, n, m = _zero_state(q, v) if state is None else state
     states = []
-    for c in range(nc):
+    steps = zip(total.unsqueeze(-1).unbind(2), g.unsqueeze(-1).unbind(2), chunk_C.unbind(2), chunk_n.unbind(2))
+    for chunk_total, chunk_max, contribution_C, contribution_n in steps:
         states.append((C, n, m))
-        m_new = torch.maximum(total[..., c, None] + m, g[..., c, None])
-        decay, gain = torch.exp(total[..., c, None] + m - m_new), torch.exp(g[..., c, None] - m_new)
-        C = decay[..., None] * C + gain[..., None] * chunk_C[:, :, c]
-        n = decay * n + gain * chunk_n[:, :, c]
+        m_new = torch.maximum(chunk_total + m, chunk_max)
+        decay, gain = torch.exp(chunk_total + m - m_new), torch.exp(chunk_max - m_new)
+        C = decay[..., None] * C + gain[..., None] * contribution_C
+        n = decay * n + gain * contribution_n
         m = m_new
     C_before = torch.stack([s[0] for s in states], dim=2)  # (B, H, nc, dk, dv)
     n_before = torch.stack([s[1] for s in states], dim=2)  # (B, H, nc, dk)

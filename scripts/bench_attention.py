@@ -53,6 +53,10 @@ class BenchConfig:
     backend: str = "auto"  # for the variants; full always runs PyTorch's causal SDPA
     chunk: int = 64  # mlstm, gated_deltanet: chunk length of the chunkwise form
     repeats: int = 5
+    # CPU: glibc malloc keeps freed memory instead of unmapping blocks above its mmap threshold, so a step's
+    # large temporaries are not page-faulted in afresh every time (on this project's VM that first touch
+    # dominated the chunked recurrent forms beyond n = 8K); "default" measures with glibc's defaults
+    cpu_malloc: str = "keep"
     json: str = ""
     case: str = ""  # internal: run one "variant:n" case and print its JSON
 
@@ -134,13 +138,12 @@ def run_case(name: str, n: int, b: BenchConfig, device: torch.device) -> dict:
         out.backward(grad)
         q.grad = k.grad = v.grad = None
 
+    base = rss_kib() * 1024  # CPU: the inputs are allocated; the high-water mark above this is the step's
     step()  # warmup (and compilation, for flex)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    else:
-        base = rss_kib() * 1024
     times = []
     for _ in range(b.repeats):
         t0 = time.perf_counter()
@@ -163,6 +166,8 @@ def parse(argv) -> BenchConfig:
         rule_of(name, b)
     if b.repeats < 1:
         raise ConfigError("repeats must be >= 1")
+    if b.cpu_malloc not in ("keep", "default"):
+        raise ConfigError(f"cpu_malloc={b.cpu_malloc!r}: expected keep or default")
     return b
 
 
@@ -175,7 +180,7 @@ def main(argv):
         return
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
     print(f"device: {where}; B={b.batch} H={b.heads} d_h={b.head_dim} {b.dtype}; window {b.window}, "
-          f"block {b.block}; torch {torch.__version__}")
+          f"block {b.block}; torch {torch.__version__}" + (f"; malloc {b.cpu_malloc}" if device.type == "cpu" else ""))
     results = []
     lengths = [int(x) for x in b.lengths.split(",")]
     for n in lengths:
@@ -183,8 +188,11 @@ def main(argv):
             if device.type == "cuda":
                 r = run_case(name, n, b, device)
             else:  # a fresh process per case, so its memory high-water mark is its own
+                env = dict(os.environ)
+                if b.cpu_malloc == "keep":
+                    env.update(MALLOC_MMAP_THRESHOLD_=str(2**31), MALLOC_TRIM_THRESHOLD_=str(2**31))
                 proc = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, f"--case={name}:{n}"],
-                                      capture_output=True, text=True)
+                                      capture_output=True, text=True, env=env)
                 if proc.returncode != 0:
                     raise SystemExit(f"case {name}:{n} failed:\n{proc.stderr[-2000:]}")
                 r = json.loads(proc.stdout.strip().splitlines()[-1])
