@@ -1,5 +1,6 @@
 """Gated DeltaNet: chunked == recurrent, a hand-worked case, cached generation, causality, training, init, config."""
 
+import dataclasses
 import math
 
 import pytest
@@ -190,3 +191,18 @@ def test_fla_kernel_without_fla_is_a_clear_error():
                       gdn_kernel="fla")
     with pytest.raises(ImportError, match="flash-linear-attention"):
         GPT(cfg)
+
+
+if torch.cuda.is_available() and fla_chunk_kernel() is not None:  # where the optional fla path can run
+
+    def test_cuda_fla_layer_equals_native_layer_in_bf16():
+        cfg = ModelConfig(arch="llama", n_layer=2, n_head=2, n_embd=128, block_size=256, vocab_size=50, bias=False,
+                          attn_pattern="gated_deltanet")
+        torch.manual_seed(0)
+        fla = GPT(cfg).cuda()
+        native = GPT(dataclasses.replace(cfg, gdn_kernel="native")).cuda()
+        native.load_state_dict(fla.state_dict())
+        idx = torch.randint(0, 50, (2, 200), device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            a, b = fla(idx)[0].float(), native(idx)[0].float()
+        torch.testing.assert_close(a, b, atol=5e-2, rtol=5e-2)

@@ -182,3 +182,29 @@ def test_bf16_autocast_keeps_the_cell_in_float32(monkeypatch):
     assert seen and all(dtypes == {torch.float32} for dtypes in seen)  # the cell's inputs and output
     assert low.dtype == torch.bfloat16
     torch.testing.assert_close(low.float(), full, atol=3e-2, rtol=0)
+
+
+from attention.mlstm import _triton_chunkwise, mlstm_sequence  # noqa: E402
+
+if torch.cuda.is_available():  # defined only where CUDA exists, so CPU runs neither run nor skip them
+
+    def test_cuda_native_chunkwise_equals_quadratic_forward_and_backward():
+        tensors = [t.detach().float().cuda().requires_grad_() for t in inputs(300, dk=16, dv=32, realistic=True)]
+        ref = quadratic_mlstm(*tensors)
+        out, _ = chunkwise_mlstm(*tensors, chunk=64)
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-3)
+        for a, b in zip(grads(ref, tensors), grads(out, tensors)):
+            torch.testing.assert_close(b, a, atol=1e-3, rtol=1e-2)
+
+
+if torch.cuda.is_available() and _triton_chunkwise() is not None:  # where the optional Triton path can run
+
+    def test_cuda_triton_kernel_equals_native_chunkwise():
+        # a length that is not a multiple of the kernel's chunk: the padding must change no output
+        tensors = [t.detach().float().cuda().requires_grad_() for t in inputs(200, dk=64, dv=64, realistic=True)]
+        ref, _ = chunkwise_mlstm(*tensors, chunk=64)
+        out, state = mlstm_sequence(*tensors, kernel="triton", need_state=False)
+        assert state is None  # the Triton path ran
+        torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-2)
+        for a, b in zip(grads(ref, tensors), grads(out, tensors)):
+            torch.testing.assert_close(b, a, atol=1e-2, rtol=1e-2)
