@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -55,6 +57,18 @@ class RollingKVCache:
         self.v[:, :, slots] = v[:, :, keep]
         self.pos[slots] = pos[keep]
         return keys, values, key_pos
+
+
+@dataclass
+class RecurrentState:
+    """Generation state of a recurrent mixer (linear attention's (S, z), the mLSTM's (C, n, m)): the summary
+    of every token seen so far, of constant size, or None before the first token."""
+
+    state: tuple | None = None
+
+    @property
+    def empty(self) -> bool:
+        return self.state is None
 
 
 def state_bytes(state) -> int:

@@ -12,11 +12,10 @@ and z_i = sum_{j<=i} phi(k_j), never divides by zero. Three forms, equal to floa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
+from attention.cache import RecurrentState
 from attention.registry import Mixer, register
 from attention.rope import apply_rope
 
@@ -86,17 +85,6 @@ def recurrent_linear_attention(q, k, v, state=None):
     return torch.stack(outputs, dim=2), (S, z)
 
 
-@dataclass
-class LinearState:
-    """Generation state of a linear-attention layer: (S, z), or None before the first token."""
-
-    state: tuple | None = None
-
-    @property
-    def empty(self) -> bool:
-        return self.state is None
-
-
 @register("linear")
 class TaylorLinearAttention(Mixer):
     @classmethod
@@ -137,7 +125,7 @@ class TaylorLinearAttention(Mixer):
         return self.resid_dropout(self.c_proj(y))
 
     def init_cache(self, batch_size, max_len, device, dtype):
-        return LinearState()
+        return RecurrentState()
 
     def edge_mask(self, seq_len, device="cpu"):
         return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()  # every earlier token

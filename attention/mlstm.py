@@ -23,12 +23,12 @@ when that package is installed; it is never required.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attention.cache import RecurrentState
 from attention.registry import Mixer, register
 
 EPS = 1e-6
@@ -166,17 +166,6 @@ def mlstm_sequence(q, k, v, i, f, state=None, chunk: int = 64, kernel: str = "au
     return triton(q, k, v, i, f, chunk_size=kernel_chunk, eps=EPS)[:, :, :length], None
 
 
-@dataclass
-class MLSTMState:
-    """Generation state of an mLSTM layer: (C, n, m) after the tokens seen so far, or None before the first."""
-
-    state: tuple | None = None
-
-    @property
-    def empty(self) -> bool:
-        return self.state is None
-
-
 @register("mlstm")
 class MLSTMLayer(Mixer):
     @classmethod
@@ -245,7 +234,7 @@ class MLSTMLayer(Mixer):
         return h
 
     def init_cache(self, batch_size, max_len, device, dtype):
-        return MLSTMState()
+        return RecurrentState()  # (C, n, m)
 
     def edge_mask(self, seq_len, device="cpu"):
         return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()  # every earlier token

@@ -36,6 +36,7 @@ from attention.kernels import attend, resolve_backend  # noqa: E402
 from attention.mlstm import mlstm_sequence  # noqa: E402
 from attention.stochastic import stochastic_attention  # noqa: E402
 from attention.swat import AlibiBias, swat_slopes  # noqa: E402
+from checkpoint import write_json  # noqa: E402
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
 
 
@@ -208,9 +209,7 @@ def main(argv):
         print(f"{name}: time growth per doubling of n: {', '.join(growth)}")
     if b.json:
         os.makedirs(os.path.dirname(b.json) or ".", exist_ok=True)
-        with open(b.json, "w") as f:
-            json.dump({"device": where, "torch": str(torch.__version__), "config": asdict(b), "results": results},
-                      f, indent=2)
+        write_json({"device": where, "torch": str(torch.__version__), "config": asdict(b), "results": results}, b.json)
 
 
 if __name__ == "__main__":

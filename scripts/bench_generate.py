@@ -11,7 +11,6 @@ attention every key. Reported: prefill time, decode tokens/s (best of --repeats)
 state after decoding, and on CUDA the peak memory allocated during decoding.
 """
 
-import json
 import os
 import sys
 import time
@@ -22,6 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from attention.cache import state_bytes  # noqa: E402
+from checkpoint import write_json  # noqa: E402
 from config import ConfigError, ModelConfig, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
 from model import GPT  # noqa: E402
 
@@ -103,9 +103,7 @@ def main(argv):
                   f"{r['decode_tokens_per_s']:>8.1f} tok/s  state {r['state_mib']:>8.2f} MiB{peak}", flush=True)
     if b.json:
         os.makedirs(os.path.dirname(b.json) or ".", exist_ok=True)
-        with open(b.json, "w") as f:
-            json.dump({"device": where, "torch": str(torch.__version__), "config": asdict(b), "results": results},
-                      f, indent=2)
+        write_json({"device": where, "torch": str(torch.__version__), "config": asdict(b), "results": results}, b.json)
 
 
 if __name__ == "__main__":
