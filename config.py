@@ -51,6 +51,10 @@ class ModelConfig:
     attn_gate: bool = False  # sigmoid(W y) * y before the output projection (paper 000's recipe)
     swa_window: int = 256  # swa(w): the w most recent positions, the query included
     block_len: int = 128  # block(b): causal attention within fixed blocks of b positions
+    # bridge, pbb, se_bridge (paper 004): block(b) plus a causal window across every block boundary
+    bridge_width: int = 128  # bridge, pbb: w, the window [p - w/2, p + w/2) around each boundary p
+    bridge_extension: int = 64  # se_bridge: e, each block's sources extended by e positions past its end
+    bridge_fusion: str = "branch"  # branch: block and bridge softmaxes summed (paper's models) | union: one softmax
     mswa_variation: str = "geometric"  # mswa: group factors 1/4,1/2,1,2 (geometric) or 1/2,3/4,1,5/4 (arithmetic)
     mswa_layer_order: str = "increasing"  # mswa: windows grow with depth (increasing) or shrink (reverse)
     sa_mode: str = "stochastic"  # sa at inference: a fresh permutation every forward | deterministic (fixed per layer)

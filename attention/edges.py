@@ -181,6 +181,100 @@ class FixedBlock(EdgeRule):
         return min(256, largest_pow2_divisor) if largest_pow2_divisor >= 32 else 128
 
 
+@dataclass(frozen=True)
+class AnyOf(EdgeRule):
+    """The union of several rules' edges (an edge allowed by any of them): one softmax over all of them."""
+
+    rules: tuple = ()
+
+    @property
+    def lookback(self):
+        lookbacks = [rule.lookback for rule in self.rules]
+        return None if None in lookbacks else max(lookbacks)
+
+    @property
+    def lookahead(self):
+        return max(rule.lookahead for rule in self.rules)
+
+    @property
+    def per_head(self):
+        return any(rule.per_head for rule in self.rules)
+
+    def allowed(self, q, k, h=None):
+        allowed = self.rules[0].allowed(q, k, h)
+        for rule in self.rules[1:]:
+            allowed = allowed | rule.allowed(q, k, h)
+        return allowed
+
+
+# ---- boundary bridges (paper 004): causal windows across the boundaries of fixed blocks ------------------
+
+BRIDGE_KINDS = ("bridge", "pbb", "se_bridge")
+
+
+@dataclass(frozen=True)
+class BoundaryWindows(EdgeRule):
+    """The bridge path of paper 004 (Sec. 4, Table 1): one causal window per block boundary p = j b, for
+    j = 1 .. ceil(context / b) - 1 (the boundaries of the configured context: a position's edges never depend
+    on how many tokens follow it). Window j has a source interval and a write-back set:
+
+        bridge     sources [p - w/2, p + w/2)    write-back [p - w/2, p + w/2)
+        pbb        sources [p - w/2, p + w/2)    write-back [p, p + w/2)           (post-boundary bridge)
+        se_bridge  sources [p - b, p + e)        write-back [p, p + e)             (the source-extended block
+                                                                                    [s, s + b + e), s = p - b)
+
+    A position in window j's write-back set attends causally to the window's sources: k in [start_j, q].
+    Write-back sets never overlap (the settings are checked), so every position gets at most one window and
+    positions outside every write-back set have no bridge edges (their bridge output is zero).
+    `width` is w for bridge and pbb, e for se_bridge.
+    """
+
+    kind: str = "pbb"
+    block: int = 128
+    width: int = 128
+    context: int = 1024
+
+    @property
+    def last_window(self) -> int:
+        return -(-self.context // self.block) - 1
+
+    @property
+    def lookback(self):
+        return self.width - 1 if self.kind != "se_bridge" else self.block + self.width - 1
+
+    def source(self, j):
+        """[start, end) of window j's sources (j an int or a tensor; not cropped to the sequence)."""
+        p = j * self.block
+        if self.kind == "se_bridge":
+            return p - self.block, p + self.width
+        return p - self.width // 2, p + self.width // 2
+
+    def window_of(self, q):
+        """The window whose write-back set holds position q (a tensor), 0 where there is none."""
+        j, r = q // self.block, q % self.block
+        if self.kind == "bridge":  # post-boundary half of window j, pre-boundary half of window j + 1
+            half = self.width // 2
+            j = torch.where(r < half, j, torch.where(r >= self.block - half, j + 1, 0))
+        else:
+            j = torch.where(r < (self.width // 2 if self.kind == "pbb" else self.width), j, 0)
+        return torch.where((j >= 1) & (j <= self.last_window), j, 0)
+
+    def allowed(self, q, k, h=None):
+        j = self.window_of(q)
+        return (j >= 1) & (k >= self.source(j)[0]) & (k <= q)
+
+    def computed_scores(self, n: int) -> int:
+        """Scores the branch form computes over n positions: each window's whole causal triangle over its
+        sources inside the sequence, before write-back pruning (paper 004's Table 2 accounting)."""
+        total = 0
+        for j in range(1, self.last_window + 1):
+            start, end = self.source(j)
+            start, end = max(0, start), min(n, end)
+            if start < n:
+                total += (end - start) * (end - start + 1) // 2
+        return total
+
+
 # ---- stochastic attention (paper 000): a sliding window over a random permutation ----------------------
 
 def circular_distance(a, b, n):

@@ -80,17 +80,22 @@ class MaskedAttention(Attention):
         return None
 
     def attend(self, q, k, v, pos, cache):
+        return self.attend_paths((self.rule,), q, k, v, pos, cache)
+
+    def attend_paths(self, rules, q, k, v, pos, cache):
+        """The sum of attention under each of the rules, each normalised on its own (one rule: attention)."""
         dropout_p = self.dropout if self.training else 0.0
         # without a cache a sequence starts at 0 (GPT.forward enforces it): no device sync on the training path
         start = 0 if cache is None else int(pos[0])
         if cache is None or (cache.empty and q.shape[2] > 1):  # training, or a prompt's first pass
-            y = attend(q, k, v, self.rule, self.backend, start, self.score_mod(), self.activation, dropout_p)
+            y = sum(attend(q, k, v, rule, self.backend, start, self.score_mod(), self.activation, dropout_p)
+                    for rule in rules)
             if cache is not None:
                 cache.update(k, v, pos)
             return y
         keys, values, key_pos = cache.update(k, v, pos)
-        mask = self.rule.dense_mask(pos, key_pos, self.n_head) & (key_pos >= 0)
-        return masked_attention(q, keys, values, mask, pos, key_pos, self.score_mod(), self.activation)
+        return sum(masked_attention(q, keys, values, rule.dense_mask(pos, key_pos, self.n_head) & (key_pos >= 0),
+                                    pos, key_pos, self.score_mod(), self.activation) for rule in rules)
 
     def init_cache(self, batch_size, max_len, device, dtype):
         lookback = self.rule.lookback

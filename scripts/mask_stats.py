@@ -47,6 +47,8 @@ def layer_stats(model, seq_len: int, swa_window: int) -> list[dict]:
             "scores_vs_full": computed / full, "scores_vs_swa": computed / swa,
             "edges_vs_full": edges / full, "edges_vs_swa": edges / swa,
             "head_windows": windows, "describe": mixer.describe(),
+            # positions given a bridge output (branch variants of paper 004)
+            "write_back": mixer.write_back_coverage(seq_len) if hasattr(mixer, "write_back_coverage") else None,
         })
     return rows
 
@@ -118,6 +120,8 @@ def main(argv):
             print("      * mean over heads; per head: " + ", ".join(f"{h['scores']:,}" for h in row["heads"]))
         if row["describe"]:
             print(f"      {row['describe']}")
+        if row["write_back"] is not None:
+            print(f"      bridge write-back coverage {row['write_back']:,} / {n:,} positions")
     if windowed:
         print(f"summed window sizes over {len(windowed)} windowed layers x {m.n_head} heads: {window_sum:,} "
               f"(SWA with w={m.swa_window}: {swa_sum:,}; relative cost SWA / this = {summed['swa_over_this']:.4f})")

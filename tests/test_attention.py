@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from attention.edges import Causal, EdgeRule, FixedBlock, SlidingWindow
+from attention.edges import AnyOf, BoundaryWindows, Causal, EdgeRule, FixedBlock, SlidingWindow
 from attention.kernels import attend, chunked_attention, dense_attention, resolve_backend
 from config import ConfigError, ModelConfig, load_config
 from conftest import REPO
@@ -47,7 +47,11 @@ class EveryThirdQuery(EdgeRule):
         return (k <= q) & (q - k < 5) & (q % 3 == 0)
 
 
-RULES = [Causal(), SlidingWindow(16), SlidingWindow(33), FixedBlock(16), FixedBlock(20), PerHeadRule()]
+# paper 004's union forms: fixed blocks plus one causal window across each boundary
+BRIDGED = [AnyOf((FixedBlock(16), BoundaryWindows("bridge", 16, 16, 257))),
+           AnyOf((FixedBlock(20), BoundaryWindows("pbb", 20, 12, 257))),
+           AnyOf((FixedBlock(16), BoundaryWindows("se_bridge", 16, 8, 257)))]
+RULES = [Causal(), SlidingWindow(16), SlidingWindow(33), FixedBlock(16), FixedBlock(20), PerHeadRule(), *BRIDGED]
 LENGTHS = [64, 100, 257]  # multiples of 16 and not
 
 

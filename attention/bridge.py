@@ -1,0 +1,96 @@
+"""Block attention with boundary bridges (paper 004): bridge, pbb, se_bridge.
+
+Fixed blocks of b positions cut every dependency across a block boundary, at any depth (004 Theorem 1). The
+three variants add the `block(b)` path a causal window across each boundary (attention/edges.py,
+BoundaryWindows, the one definition of their sources and write-back sets):
+
+    bridge      sources and write-back [p - w/2, p + w/2)
+    pbb         sources [p - w/2, p + w/2), write-back [p, p + w/2)   (pre-boundary write-back adds no source:
+                                                                       004 Proposition 2)
+    se_bridge   sources [p - b, p + e), write-back [p, p + e)
+
+bridge_fusion=branch (the paper's trained models, Eq. 34-36): the block path and the bridge path are two
+separately normalised softmaxes over the same q, k, v, summed in value space before the shared output
+projection; positions outside every write-back set get zero from the bridge path, and no parameter is
+added. bridge_fusion=union (the paper's 7B probe): one softmax over the union of block and bridge edges.
+Both run on every backend (the chunked kernel on CPU, FlexAttention on CUDA): O(n b) for the block path plus
+O(n w) (O(n (b + e)) for se_bridge) for the bridge path, never n x n.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attention.edges import AnyOf, BoundaryWindows, FixedBlock
+from attention.layer import MaskedAttention
+from attention.registry import register
+
+FUSIONS = ("branch", "union")
+
+
+class BridgedBlockAttention(MaskedAttention):
+    kind = ""
+
+    @classmethod
+    def width(cls, config) -> int:
+        return config.bridge_extension if cls.kind == "se_bridge" else config.bridge_width
+
+    @classmethod
+    def check_config(cls, config):
+        super().check_config(config)
+        b, width = config.block_len, cls.width(config)
+        if b < 1:
+            raise ValueError(f"block_len={b}: must be >= 1")
+        if config.bridge_fusion not in FUSIONS:
+            raise ValueError(f"bridge_fusion={config.bridge_fusion!r}: expected branch or union")
+        # write-back sets of neighbouring windows must not overlap (one bridge window per position)
+        if cls.kind == "se_bridge" and not 1 <= width <= b:
+            raise ValueError(f"bridge_extension={width}: must be in [1, block_len={b}] (a block's extension "
+                             "must not reach past the next block)")
+        if cls.kind != "se_bridge":
+            limit = b if cls.kind == "bridge" else 2 * b
+            if width < 2 or width % 2 or width > limit:
+                raise ValueError(f"bridge_width={width}: must be even, >= 2 and <= {limit} for {cls.kind} with "
+                                 f"block_len={b} (wider windows would overlap)")
+
+    def __init__(self, config, layer_idx: int):
+        self.block_rule = FixedBlock(config.block_len)
+        self.bridge_rule = BoundaryWindows(self.kind, config.block_len, self.width(config), config.block_size)
+        self.fusion = config.bridge_fusion
+        # the union of the edges: the union form's rule, and what caches and reachability need in both forms
+        super().__init__(config, layer_idx, AnyOf((self.block_rule, self.bridge_rule)))
+
+    def attend(self, q, k, v, pos, cache):
+        if self.fusion == "union":
+            return super().attend(q, k, v, pos, cache)
+        return self.attend_paths((self.block_rule, self.bridge_rule), q, k, v, pos, cache)
+
+    def edge_counts(self, seq_len):
+        unique = self.rule.count_edges(seq_len)
+        if self.fusion == "union":
+            return [(unique, unique)] * self.n_head
+        computed = self.block_rule.count_edges(seq_len) + self.bridge_rule.computed_scores(seq_len)
+        return [(computed, unique)] * self.n_head
+
+    def write_back_coverage(self, seq_len) -> int:
+        """Positions that receive a bridge output (004 Table 2's last column)."""
+        return int((self.bridge_rule.window_of(torch.arange(seq_len)) > 0).sum())
+
+    def describe(self):
+        return (f"block {self.block_rule.block} + {self.kind} windows ({self.bridge_rule.width} wide), "
+                f"{self.fusion} fusion")
+
+
+@register("bridge")
+class Bridge(BridgedBlockAttention):
+    kind = "bridge"
+
+
+@register("pbb")
+class PostBoundaryBridge(BridgedBlockAttention):
+    kind = "pbb"
+
+
+@register("se_bridge")
+class SourceExtendedBridge(BridgedBlockAttention):
+    kind = "se_bridge"

@@ -1,0 +1,167 @@
+"""Block attention with boundary bridges (paper 004): the windows of Table 1, the score accounting of Table 2,
+branch and union fusion on every backend against the dense reference, zero added parameters, caches."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from attention import validate_config
+from attention.edges import AnyOf, BoundaryWindows, FixedBlock
+from attention.kernels import attend, dense_attention
+from config import ModelConfig
+from conftest import REPO
+from model import GPT
+from tests.test_attention import LargestTensor, fwd_bwd, qkv
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+
+def table1_mask(kind, n, b, width, context):
+    """The bridge path written out from Table 1's sets, window by window (independent of BoundaryWindows)."""
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for p in range(b, -(-context // b) * b, b):  # boundaries p = j b inside the configured context
+        if kind == "se_bridge":
+            sources, write_back = range(p - b, p + width), range(p, p + width)
+        else:
+            h = width // 2
+            sources = range(p - h, p + h)
+            write_back = sources if kind == "bridge" else range(p, p + h)
+        for q in write_back:
+            for k in sources:
+                if 0 <= k <= q < n:
+                    mask[q, k] = True
+    return mask
+
+
+@pytest.mark.parametrize("kind, width", [("bridge", 16), ("bridge", 8), ("pbb", 16), ("pbb", 32), ("se_bridge", 8),
+                                         ("se_bridge", 16)])
+@pytest.mark.parametrize("n", [64, 75])
+def test_the_predicate_is_table_1(kind, width, n):
+    rule = BoundaryWindows(kind, 16, width, context=80)
+    torch.testing.assert_close(rule.dense_mask(torch.arange(n)), table1_mask(kind, n, 16, width, 80))
+    pos = torch.arange(n)
+    assert (rule.dense_mask(pos) & (pos[None, :] > pos[:, None])).sum() == 0  # causal
+
+
+def stats(*args):
+    proc = subprocess.run([sys.executable, "scripts/mask_stats.py", "--config", "configs/owt_124m_full.py", "--json",
+                           "--receptive_field=no", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    layer = json.loads(proc.stdout)["layers"][0]
+    return layer["scores_per_head"], layer["edges_per_head"], layer["write_back"]
+
+
+def test_mask_stats_reproduces_table_2_and_the_union_counts():
+    common = ["--seq_len", "1024", "--block_len=128", "--swa_window=128", "--bridge_width=128", "--bridge_extension=64"]
+    assert stats(*common, "--attn_pattern=block")[0] == 66_048
+    assert stats(*common, "--attn_pattern=swa")[0] == 122_944
+    assert stats(*common, "--attn_pattern=full")[0] == 524_800
+    assert stats(*common, "--attn_pattern=bridge") == (123_840, 94_720, 896)
+    assert stats(*common, "--attn_pattern=pbb") == (123_840, 94_720, 448)
+    assert stats(*common, "--attn_pattern=se_bridge") == (195_744, 123_392, 448)
+    # union form at n = 8192 (Sec. 6.9): unique allowed edges, block + repair
+    union = ["--seq_len", "8192", "--block_size=8192", "--block_len=128", "--swa_window=128", "--bridge_fusion=union"]
+    assert stats(*union, "--attn_pattern=pbb")[:2] == (786_432, 786_432)
+    assert stats(*union, "--attn_pattern=block")[0] == 528_384
+    assert stats(*union, "--attn_pattern=swa")[0] == 1_040_448
+    assert stats(*union, "--attn_pattern=full")[0] == 33_558_528
+
+
+def model(pattern, **kw):
+    cfg = dict(arch="gpt2", n_layer=2, n_head=2, n_embd=16, block_size=96, vocab_size=50, block_len=16,
+               bridge_width=16, bridge_extension=8, attn_pattern=pattern, dropout=0.0)
+    cfg.update(kw)
+    torch.manual_seed(0)
+    return GPT(ModelConfig(**cfg)).double()
+
+
+def test_branch_is_two_separate_softmaxes_summed_and_zero_outside_write_back():
+    n, b = 80, 16
+    q, k, v = (t.detach() for t in qkv(n))
+    pos = torch.arange(n)
+    for kind, width in [("bridge", 16), ("pbb", 16), ("se_bridge", 8)]:
+        mixer = model(kind).blocks[0].mixer
+        y = mixer.attend(q, k, v, pos, None)
+        block = dense_attention(q, k, v, FixedBlock(b), pos)
+        bridge_mask = table1_mask(kind, n, b, width, 96)
+        scores = (q @ k.transpose(-1, -2) / k.shape[-1] ** 0.5).masked_fill(~bridge_mask, float("-inf"))
+        bridge = torch.nan_to_num(torch.softmax(scores, -1)) @ v  # rows without sources: zero
+        torch.testing.assert_close(y, block + bridge)
+        outside = ~bridge_mask.any(-1)
+        assert outside.any()
+        torch.testing.assert_close(y[:, :, outside], block[:, :, outside])  # no bridge contribution there
+        union = model(kind, bridge_fusion="union").blocks[0].mixer.attend(q, k, v, pos, None)
+        torch.testing.assert_close(union, dense_attention(q, k, v, AnyOf((FixedBlock(b),
+                                                                             BoundaryWindows(kind, b, width, 96))), pos))
+
+
+@pytest.mark.parametrize("kind", ["bridge", "pbb", "se_bridge"])
+@pytest.mark.parametrize("fusion", ["branch", "union"])
+@pytest.mark.parametrize("backend", ["chunked", "sdpa"])
+def test_backends_equal_dense_forward_and_backward(kind, fusion, backend):
+    idx = torch.randint(0, 50, (2, 75), generator=torch.Generator().manual_seed(1))
+    results = []
+    for name in ("dense", backend):
+        m = model(kind, bridge_fusion=fusion, attn_backend=name)
+        logits, loss = m(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        results.append((logits, [p.grad for p in m.parameters()]))
+    torch.testing.assert_close(results[1][0], results[0][0])
+    for a, b in zip(results[1][1], results[0][1]):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("kind", ["bridge", "pbb", "se_bridge"])
+def test_flex_forward_equals_dense_on_cpu(kind):
+    idx = torch.randint(0, 50, (2, 75), generator=torch.Generator().manual_seed(1))
+    for fusion in ("branch", "union"):
+        ref = model(kind, bridge_fusion=fusion, attn_backend="dense").float().eval()
+        flex = model(kind, bridge_fusion=fusion, attn_backend="flex").float().eval()
+        with torch.no_grad():
+            torch.testing.assert_close(flex(idx)[0], ref(idx)[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["bridge", "pbb", "se_bridge"])
+def test_no_added_parameters_causal_and_cached_generation(kind):
+    assert model(kind).num_params() == model("block").num_params()
+    for fusion in ("branch", "union"):
+        m = model(kind, bridge_fusion=fusion).eval()
+        idx = torch.randint(0, 50, (2, 70), generator=torch.Generator().manual_seed(2))
+        changed = idx.clone()
+        changed[:, 40] = (idx[:, 40] + 1) % 50
+        a, b = m(idx)[0], m(changed)[0]
+        torch.testing.assert_close(a[:, :40], b[:, :40])
+        prompt = idx[:, :30]
+        torch.testing.assert_close(m.generate(prompt, 30, temperature=0, use_cache=True),
+                                   m.generate(prompt, 30, temperature=0, use_cache=False))
+
+
+def test_bridges_restore_the_boundary_edge_block_lacks():
+    b = 16
+    for pattern in ("block", "bridge", "pbb", "se_bridge"):
+        reach = model(pattern).blocks[0].mixer.edge_mask(64)
+        assert bool(reach[b, b - 1]) == (pattern != "block")  # the edge (p - 1 -> p) of Theorem 2 / Lemma 2
+
+
+def test_branch_chunked_training_path_never_builds_an_n_by_n_tensor():
+    n, b = 8192, 128
+    q, k, v = (torch.randn(1, 1, n, 16, requires_grad=True) for _ in range(3))
+    for rule in (FixedBlock(b), BoundaryWindows("se_bridge", b, 64, n)):
+        with LargestTensor() as largest:
+            attend(q, k, v, rule, "chunked").sum().backward()
+        assert largest.numel <= 4 * n * (b + 64 + 128), largest.shape
+        assert all(size < n for size in largest.shape[-2:])
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(attn_pattern="bridge", bridge_width=256), "bridge_width=256"),
+    (dict(attn_pattern="pbb", bridge_width=15), "must be even"),
+    (dict(attn_pattern="se_bridge", bridge_extension=200), "bridge_extension=200"),
+    (dict(attn_pattern="pbb", bridge_fusion="sum"), "bridge_fusion"),
+])
+def test_config_errors(bad, message):
+    with pytest.raises(ValueError, match=message):
+        validate_config(ModelConfig(n_layer=2, n_head=2, n_embd=16, block_len=128, **bad))
