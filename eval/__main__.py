@@ -10,6 +10,8 @@ Tasks:
           by document, or with ppl_stream as one stream (paper 001's long evaluation lengths)
     niah  RULER-style needle-in-a-haystack retrieval (eval/niah.py), scored by generation and by ranking
     recall  associative recall over a distance (eval/recall.py) for runs trained on --dataset=recall
+    diagnostics  paper 004's boundary diagnostics (eval/diagnostics.py): needle by distance, bridge window,
+          boundary sweep and tail, semantic exact / paraphrase / distractor / boundary, prompt NLL by position
 Every JSON carries the command, git hash, config hash, checkpoint step and seed that produced it.
 """
 
@@ -30,6 +32,7 @@ from checkpoint import CheckpointError, atomic_write, checkpoint_path, git_hash,
 from config import Config, ConfigError, apply_args, dataclass_fields, exit_on_config_error
 from data.meta import DataError, load_meta, open_tokens
 from data.tokenizer import TokenizerUnavailable, get_tokenizer
+from eval import diagnostics as diagnostics_task
 from eval import niah as niah_task
 from eval import ppl as ppl_task
 from eval import recall as recall_task
@@ -71,6 +74,13 @@ class EvalRunConfig:
     recall_filler: str = ""  # comma-separated "MIN:MAX" filler digits between the pairs and the question
     #                          (default 60:80, as trained); longer filler asks for values further back
     niah_haystack: str = "val"  # val (the run's validation text) | embedded (the built-in corpus)
+    # diagnostics (paper 004): the geometry must be the same for every run compared (pairing is by example)
+    diag_probes: str = ",".join(diagnostics_task.PROBES)
+    diag_samples: int = 25  # examples per cell (distance, offset) or per probe without cells
+    diag_distances: str = "16,32,48,64,96,128,192,256,384,512,768"  # needle and semantic distances (< length)
+    diag_length: int = 0  # context length; 0: the run's block_size
+    diag_block: int = 0  # block size b of the boundaries; 0: the run's block_len
+    diag_half: int = 0  # bridge half-width h; 0: the run's bridge_width / 2
     progress: bool = True
 
 
@@ -186,7 +196,27 @@ def run_recall(e: EvalRunConfig, ctx) -> dict:
     return {"rows": rows, "per_example": per_example}
 
 
-TASKS = {"ppl": run_ppl, "niah": run_niah, "recall": run_recall}
+def run_diagnostics(e: EvalRunConfig, ctx) -> dict:
+    cfg, meta = ctx["cfg"], ctx["meta"]
+    unknown = set(e.diag_probes.split(",")) - set(diagnostics_task.PROBES)
+    if unknown:
+        raise ConfigError(f"unknown diag_probes {', '.join(sorted(unknown))}: expected some of "
+                          f"{', '.join(diagnostics_task.PROBES)}")
+    geometry = diagnostics_task.Geometry(e.diag_length or cfg.model.block_size, e.diag_block or cfg.model.block_len,
+                                         e.diag_half or cfg.model.bridge_width // 2)
+    haystack = [t for t in open_tokens(ctx["data_dir"], "val")[:2_000_000] if t != meta["eot_id"]]
+    import numpy as np
+
+    result = diagnostics_task.run(ctx["model"], ctx["tokenizer"], np.asarray(haystack, dtype=np.int64), geometry,
+                                  e.diag_probes.split(","), min(e.diag_samples, e.limit or e.diag_samples), e.seed,
+                                  ints(e.diag_distances), e.batch_size, e.progress)
+    for row in result["rows"]:
+        if row["cell"] == "all":
+            print(f"diagnostics {row['probe']:<20} accuracy {row['accuracy']:.3f} ({row['n']} prompts, chance 0.25)")
+    return result
+
+
+TASKS = {"ppl": run_ppl, "niah": run_niah, "recall": run_recall, "diagnostics": run_diagnostics}
 
 
 def summary_markdown(eval_dir: Path) -> str:

@@ -1,0 +1,233 @@
+"""Paper 004's diagnostics (Sec. 5.2): retrieval across block boundaries by four-candidate NLL ranking, and
+prompt-token NLL by position.
+
+Every probe hides one fact in filler text (the run's validation text) and ends with a query whose answer is
+one of four candidates; the model is right when the true answer has the lowest summed NLL after the query
+(eval/ranking.py). Candidates are balanced: the true answer is each of the four equally often. The facts use
+the templates of the embedded corpus's notes (data/embedded.py), so small models trained on it know the
+format:
+
+    needle               "The code of the red box is 417." ... "What is the code of the red box? It is"
+                         with the code's first token d positions before the readout (the query's last token),
+                         d over a distance grid
+    bridge_window        the same, with the code in [p - h, p) and the readout in [p, p + h) for a block
+                         boundary p: the dependency a bridge window repairs (h = bridge width / 2)
+    boundary_sweep       a fixed distance, the code at signed offsets from p (negative: before the boundary)
+    boundary_tail        the code in the last quarter of a block, the readout in the second half of the next
+    semantic_exact       "Mia keeps the lamp in the blue jar." ... "Mia keeps the lamp in the"
+    semantic_paraphrase  ... "Where does Mia keep the lamp? In the"          (the answer: " blue jar")
+    semantic_distractor  the paraphrase, with the other candidates stated in facts about other people
+    semantic_boundary    the paraphrase in the bridge window's geometry
+    prompt_nll           next-token NLL of every prompt position of the needle prompts, in 16-token bins
+
+Examples are a pure function of (seed, probe, index): every model evaluated with the same settings sees the
+same prompts, so runs pair up example by example (scripts/compare.py --paired A B --task diagnostics --by probe).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from data.embedded import COLORS, CONTAINERS, NAMES, THINGS
+from eval.ranking import continuation_logprobs
+
+PROBES = ("needle", "bridge_window", "boundary_sweep", "boundary_tail", "semantic_exact", "semantic_paraphrase",
+          "semantic_distractor", "semantic_boundary")
+CANDIDATES = 4
+NLL_BIN = 16
+
+
+@dataclass
+class Geometry:
+    """Where probes put their facts: context length, block size and bridge half-width (the same for every
+    model compared, whatever its attention)."""
+
+    length: int
+    block: int
+    half: int
+
+    @property
+    def boundaries(self) -> list[int]:
+        return list(range(self.block, self.length - self.half + 1, self.block))
+
+
+def _code_fact(rng):
+    color, container = rng.choice(COLORS), rng.choice(CONTAINERS)
+    codes = rng.sample(range(100, 1000), CANDIDATES)
+    return (f"\nThe code of the {color} {container} is", [str(c) for c in codes], ".\n",
+            f"\nWhat is the code of the {color} {container}? It is")
+
+
+def _keeper_fact(rng, paraphrase: bool):
+    keeper, thing, container = rng.choice(NAMES)[0], rng.choice(THINGS), rng.choice(CONTAINERS)
+    colors = rng.sample(COLORS, CANDIDATES)
+    query = f"\nWhere does {keeper} keep the {thing}? In the" if paraphrase else f"\n{keeper} keeps the {thing} in the"
+    return (f"\n{keeper} keeps the {thing} in the", [f"{c} {container}" for c in colors], ".\n", query,
+            (keeper, thing, container))
+
+
+class Builder:
+    """Places a fact in filler so that its answer's first token and the query's last token land exactly where a
+    probe asks."""
+
+    def __init__(self, tokenizer, haystack: np.ndarray):
+        self.tok, self.haystack = tokenizer, haystack
+
+    def filler(self, rng, n: int) -> list[int]:
+        if n <= 0:
+            return []
+        start = rng.randrange(0, max(1, len(self.haystack) - n))
+        out = list(self.haystack[start:start + n])
+        return out + list(np.resize(self.haystack, n - len(out)))
+
+    def min_distance(self, fact) -> int:
+        """The shortest distance from the answer's first token to the readout this fact's texts allow."""
+        _, answers, post, query = fact[:4]
+        longest = max(len(self.tok.encode(" " + a)) for a in answers)
+        return longest + len(self.tok.encode(post)) + len(self.tok.encode(query))
+
+    def build(self, rng, fact, answer_pos: int, readout: int, extra_facts=()) -> tuple[list[int], list[list[int]]]:
+        """Context ids whose last token (the query's) sits at `readout`, with the true answer (index 0 of the
+        fact's answers) starting at `answer_pos`; extra facts (token lists) go into the filler at random."""
+        pre, answers, post, query = fact[:4]
+        pre_ids, post_ids, query_ids = self.tok.encode(pre), self.tok.encode(post), self.tok.encode(query)
+        answer_ids = self.tok.encode(" " + answers[0])
+        before = answer_pos - len(pre_ids)
+        gap = readout + 1 - answer_pos - len(answer_ids) - len(post_ids) - len(query_ids)
+        if before < 0 or gap < 0:
+            raise ValueError("the fact does not fit at that position")
+        prefix_ids, gap_ids = self.filler(rng, before), self.filler(rng, gap)
+        extra = [t for fact_ids in extra_facts for t in fact_ids]
+        if extra:  # the distractor facts, whole and together, before the fact or between it and the query
+            region = prefix_ids if len(extra) <= len(prefix_ids) else gap_ids
+            if len(extra) > len(region):
+                raise ValueError("no room for the distractor facts")
+            at = rng.randrange(0, len(region) - len(extra) + 1)
+            region[at:at + len(extra)] = extra
+        context = prefix_ids + pre_ids + answer_ids + post_ids + gap_ids + query_ids
+        assert len(context) == readout + 1
+        return context, [self.tok.encode(" " + a) for a in answers]
+
+
+def _balanced(answers: list, index: int) -> tuple[list, int]:
+    """Rotate the candidates so that the true one (first) sits at index % 4: each position equally often."""
+    k = index % len(answers)
+    rotated = answers[1:k + 1] + [answers[0]] + answers[k + 1:]
+    return rotated, k
+
+
+def make_examples(builder: Builder, geometry: Geometry, probe: str, samples: int, seed: int,
+                  distances: list[int]) -> list[dict]:
+    """`samples` examples per cell (distance, offset or boundary) of one probe."""
+    g, out = geometry, []
+    b, h, L = g.block, g.half, g.length
+    if probe == "needle" or probe.startswith("semantic_") and probe != "semantic_boundary":
+        cells = [("d", d) for d in distances if d < L]
+    elif probe == "boundary_sweep":
+        cells = [("offset", o) for o in range(-h, h, max(1, h // 4))]
+    else:
+        cells = [("window", 0)]
+    for cell_name, cell in cells:
+        for i in range(samples):
+            rng = random.Random(f"{seed}/{probe}/{cell}/{i}")
+            if probe.startswith("semantic_"):
+                fact = _keeper_fact(rng, paraphrase=probe != "semantic_exact")
+            else:
+                fact = _code_fact(rng)
+            low = builder.min_distance(fact)
+            # boundaries with room for the fact's opening words before the earliest answer position
+            room = len(builder.tok.encode(fact[0]))
+            boundaries = [x for x in g.boundaries if x - max(h, b // 4) - room >= 0] or g.boundaries
+            if probe in ("needle", "semantic_exact", "semantic_paraphrase", "semantic_distractor"):
+                distance = max(cell, low)
+                readout = L - 1
+                answer_pos = readout - distance
+            elif probe in ("bridge_window", "semantic_boundary"):  # answer in [p - h, p), readout in [p, p + h)
+                if low >= 2 * h:
+                    raise ValueError(f"the {probe} fact needs {low} positions, more than the bridge window 2 x {h}")
+                p = rng.choice(boundaries)
+                readout = p + rng.randrange(max(0, low - h), h)
+                answer_pos = rng.randrange(max(p - h, readout - 2 * h + 1), min(p, readout - low + 1))
+            elif probe == "boundary_sweep":
+                p = rng.choice([x for x in boundaries if x + cell + low + 4 < L] or boundaries)
+                answer_pos, readout = p + cell, p + cell + low + 4
+            else:  # boundary_tail
+                p = rng.choice([x for x in boundaries if x + b <= L] or boundaries)
+                answer_pos = rng.randrange(p - b // 4, p)
+                readout = max(answer_pos + low, rng.randrange(p + b // 2, min(L, p + b)))
+            extra = []
+            if probe == "semantic_distractor":  # the other candidates, each in a fact about someone else
+                keeper, thing, container = fact[4]
+                others = [n for n, _ in NAMES if n != keeper]
+                for answer in fact[1][1:]:
+                    extra.append(builder.tok.encode(f"\n{rng.choice(others)} keeps the {rng.choice(THINGS)} in "
+                                                    f"the {answer}.\n"))
+            if answer_pos < 0 or readout >= L:
+                continue
+            try:
+                context, candidates = builder.build(rng, fact, answer_pos, readout, extra)
+            except ValueError:  # no room at this distance: the same example is skipped for every model
+                continue
+            candidates, answer = _balanced(candidates, i)
+            boundary = round(answer_pos / b) * b
+            out.append({"id": f"{probe}/{cell_name}={cell}/{i}", "probe": probe, "context": context,
+                        "candidates": candidates, "answer": answer, "distance": readout - answer_pos,
+                        "offset": answer_pos - boundary, "readout": readout, cell_name: cell})
+    return out
+
+
+@torch.no_grad()
+def score(model, examples: list[dict], batch_size: int) -> list[dict]:
+    pairs = [(e["context"], c) for e in examples for c in e["candidates"]]
+    scores = continuation_logprobs(model, pairs, batch_size)
+    records = []
+    for i, e in enumerate(examples):
+        nll = [-s["logprob"] for s in scores[CANDIDATES * i:CANDIDATES * (i + 1)]]
+        record = {k: v for k, v in e.items() if k not in ("context", "candidates")}
+        records.append({**record, "correct": min(range(CANDIDATES), key=nll.__getitem__) == e["answer"]})
+    return records
+
+
+@torch.no_grad()
+def prompt_nll(model, contexts: list[list[int]], batch_size: int) -> list[dict]:
+    """Mean next-token NLL by position over equal-length prompts, in bins of NLL_BIN positions."""
+    device = next(model.parameters()).device
+    total, count = None, 0
+    for start in range(0, len(contexts), batch_size):
+        x = torch.tensor(contexts[start:start + batch_size], device=device)
+        logits, _ = model(x[:, :-1])
+        nll = F.cross_entropy(logits.float().transpose(1, 2), x[:, 1:], reduction="none").sum(0)
+        total = nll if total is None else total + nll
+        count += x.shape[0]
+    per_position = (total / count).cpu()  # position t predicts token t + 1
+    return [{"bin_start": s + 1, "nll": float(per_position[s:s + NLL_BIN].mean())}
+            for s in range(0, len(per_position), NLL_BIN)]
+
+
+def run(model, tokenizer, haystack: np.ndarray, geometry: Geometry, probes, samples: int, seed: int,
+        distances: list[int], batch_size: int = 8, progress: bool = True) -> dict:
+    builder = Builder(tokenizer, haystack)
+    rows, per_example, nll_rows = [], [], []
+    for probe in tqdm(probes, desc="diagnostics", disable=not progress):
+        examples = make_examples(builder, geometry, probe, samples, seed, distances)
+        records = score(model, examples, batch_size)
+        per_example += records
+        accuracy = sum(r["correct"] for r in records) / max(1, len(records))
+        rows.append({"probe": probe, "cell": "all", "n": len(records), "accuracy": accuracy})
+        cell_key = "d" if records and "d" in records[0] else "offset" if probe == "boundary_sweep" else None
+        if cell_key:
+            for value in sorted({r[cell_key] for r in records}):
+                cell = [r for r in records if r[cell_key] == value]
+                rows.append({"probe": probe, "cell": f"{cell_key}={value}", "n": len(cell),
+                             "accuracy": sum(r["correct"] for r in cell) / len(cell)})
+        if probe == "needle":
+            full_length = [e["context"] for e in examples if len(e["context"]) == geometry.length]
+            nll_rows = prompt_nll(model, full_length, batch_size)
+    return {"rows": rows, "prompt_nll": nll_rows, "per_example": per_example,
+            "geometry": {"length": geometry.length, "block": geometry.block, "half": geometry.half}}

@@ -1,0 +1,209 @@
+"""Paper 004's comparison: the six attention families x seeds, trained, diagnosed, and tabulated as the paper does.
+
+    python scripts/bridge_sweep.py --scale=cpu --seeds=1337                       # minutes per model on a CPU
+    python scripts/bridge_sweep.py --scale=124m --seeds=1337,2025,3047            # App. D's setting, on GPUs
+    python scripts/bridge_sweep.py --scale=cpu --tables_only                      # re-tabulate finished runs
+
+Trains configs/bridges_cpu_<family>.py (or configs/owt_124m_<family>.py) for every seed with scripts/sweep.py
+(finished runs are kept, interrupted ones resumed), evaluates each with `python -m eval --tasks=ppl,diagnostics`,
+then writes OUT/tables.md and OUT/tables.json:
+    Table 3   per family, means over seeds: best-validation perplexity and the diagnostic accuracies
+    Table 4   bridge-window recovery: gain over Block (Eq. 42), share of the SWA-over-Block gap recovered
+              (Eq. 43), gain per 100 write-back positions
+    Table 9   paired comparisons pooled over seeds (exact McNemar, paired bootstrap CI, A-only / B-only wins)
+    Fig. 5    prompt-token NLL improvement over Block in 16-token bins, inside and outside the bridge write-back
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from checkpoint import write_json  # noqa: E402
+from eval.stats import paired_comparison  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+FAMILIES = ["full", "swa", "se_bridge", "pbb", "bridge", "block"]  # Table 3's row order
+LOCAL = FAMILIES[1:]
+CONFIGS = {"cpu": "configs/bridges_cpu_{}.py", "124m": "configs/owt_124m_{}.py"}
+COLUMNS = [("needle", "Needle"), ("bridge_window", "Bridge-window"), ("semantic_exact", "Semantic exact"),
+           ("semantic_paraphrase", "Semantic paraphrase"), ("clean_semantic", "Clean sem. avg"),
+           ("semantic_distractor", "Semantic distractor"), ("semantic_boundary", "Semantic boundary"),
+           ("boundary_tail", "Boundary tail")]
+PAIRS = [("clean_semantic", "se_bridge", "swa"), ("bridge_window", "bridge", "block"),
+         ("bridge_window", "pbb", "block"), ("bridge_window", "se_bridge", "block"),
+         ("bridge_window", "se_bridge", "swa"), ("needle", "swa", "se_bridge")]
+
+
+def run_dir(out: Path, config: str, seed: int) -> Path:
+    return out / f"{Path(config).stem}_s{seed}"
+
+
+def load_run(path: Path) -> dict:
+    """Best validation perplexity, per-probe accuracy and per-example results of one finished run."""
+    metrics = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    best = min(r["val_loss"] for r in metrics if "val_loss" in r)
+    diag = json.loads((path / "eval" / "diagnostics.json").read_text())
+    examples = diag["per_example"]
+    accuracy = {row["probe"]: row["accuracy"] for row in diag["results"]["rows"] if row["cell"] == "all"}
+    semantic = [e for e in examples if e["probe"] in ("semantic_exact", "semantic_paraphrase")]
+    if semantic:
+        accuracy["clean_semantic"] = sum(e["correct"] for e in semantic) / len(semantic)
+    for e in semantic:
+        e["clean_semantic"] = True
+    config = json.loads((path / "config.json").read_text())
+    return {"ppl": math.exp(best), "accuracy": accuracy, "examples": examples,
+            "prompt_nll": diag["results"].get("prompt_nll", []), "model": config["model"],
+            "geometry": diag["results"].get("geometry")}
+
+
+def write_back(model_config: dict, family: str, n: int) -> int | None:
+    """Positions given a bridge output (Table 2's coverage), from the layer itself."""
+    if family not in ("bridge", "pbb", "se_bridge"):
+        return None
+    import torch
+
+    from config import ModelConfig
+    from model import GPT
+
+    cfg = ModelConfig(**{**model_config, "attn_pattern": family, "n_layer": 1, "vocab_size": 64})
+    with torch.device("meta"):  # the layer's rule only: no weights
+        mixer = GPT(cfg).blocks[0].mixer
+    return mixer.write_back_coverage(n)
+
+
+def tables(runs: dict[str, dict[int, dict]]) -> tuple[str, dict]:
+    families = [f for f in FAMILIES if runs.get(f)]
+    mean = lambda values: sum(values) / len(values)  # noqa: E731
+    summary = {f: {"ppl": mean([r["ppl"] for r in runs[f].values()]),
+                   **{key: mean([r["accuracy"][key] for r in runs[f].values()])
+                      for key, _ in COLUMNS if all(key in r["accuracy"] for r in runs[f].values())}}
+               for f in families}
+    seeds = sorted({s for f in families for s in runs[f]})
+    lines = ["## Table 3: perplexity and diagnostics (mean over seeds " + ", ".join(map(str, seeds)) + ")", "",
+             "| Architecture | Best PPL | " + " | ".join(name for _, name in COLUMNS) + " |",
+             "|---|---|" + "---|" * len(COLUMNS)]
+    local = [f for f in families if f in LOCAL]
+    best = {key: (min if key == "ppl" else max)(summary[f].get(key, float("nan")) for f in local)
+            for key in ["ppl"] + [k for k, _ in COLUMNS]} if local else {}
+    for f in families:
+        cells = []
+        for key in ["ppl"] + [k for k, _ in COLUMNS]:
+            value = summary[f].get(key)
+            text = "-" if value is None else (f"{value:.2f}" if key == "ppl" else f"{value:.3f}")
+            cells.append(f"**{text}**" if f in local and value is not None and value == best.get(key) else text)
+        lines.append(f"| {f} | " + " | ".join(cells) + " |")
+    lines += ["", "Four-candidate ranking accuracies (chance 0.25); bold: the best local model (Full excluded).", ""]
+
+    if "block" in summary and "swa" in summary:
+        lines += ["## Table 4: bridge-window recovery", "",
+                  "| Model | Bridge-window acc. | Gain over Block (Eq. 42) | SWA gap recovered (Eq. 43) | "
+                  "Gain / 100 write-back positions |", "|---|---|---|---|---|"]
+        block_acc, swa_acc = summary["block"]["bridge_window"], summary["swa"]["bridge_window"]
+        any_run = next(iter(runs["block"].values()))
+        n = any_run["geometry"]["length"] if any_run["geometry"] else any_run["model"]["block_size"]
+        for f in ("bridge", "pbb", "se_bridge", "swa"):
+            if f not in summary:
+                continue
+            gain = summary[f]["bridge_window"] - block_acc
+            gap = swa_acc - block_acc
+            covered = write_back(next(iter(runs[f].values()))["model"], f, n)
+            lines.append(f"| {f} | {summary[f]['bridge_window']:.3f} | {gain:+.3f} | "
+                         + (f"{100 * gain / gap:.1f}%" if gap else "-") + " | "
+                         + (f"{100 * gain / covered:+.3f} ({covered} of {n})" if covered else "-") + " |")
+        lines.append("")
+
+    lines += ["## Table 9: paired comparisons (identical prompts per seed, pooled over seeds)", "",
+              "| Probe | A - B | Pairs | Acc. A | Acc. B | Diff | Boot. 95% CI | A/B-only wins | McNemar p |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    paired = []
+    for probe, a, b in PAIRS:
+        if a not in runs or b not in runs:
+            continue
+        common = sorted(set(runs[a]) & set(runs[b]))
+        pick = lambda fam: [{**e, "id": f"s{s}/{e['id']}"} for s in common for e in runs[fam][s]["examples"]  # noqa: E731
+                            if e.get(probe) or e["probe"] == probe]
+        result = paired_comparison(pick(a), pick(b))
+        paired.append({"probe": probe, "a": a, "b": b, **result})
+        ci = result["bootstrap"]
+        lines.append(f"| {probe} | {a} - {b} | {result['n']:,} | {result['acc_a']:.3f} | {result['acc_b']:.3f} | "
+                     f"{ci['diff']:+.3f} | [{ci['ci_low']:+.3f}, {ci['ci_high']:+.3f}] | "
+                     f"{result['a_only']}/{result['b_only']} | {result['mcnemar']['p_value']:.3g} |")
+    lines.append("")
+
+    nll = {}
+    if "block" in runs:
+        lines += ["## Fig. 5: prompt-token NLL improvement over Block (needle prompts, 16-token bins)", "",
+                  "| Model | mean gain, bins starting in a write-back region [p, p + h) | mean gain, other bins |",
+                  "|---|---|---|"]
+        geometry = next(iter(runs["block"].values()))["geometry"]
+        block_bins = {}
+        for r in runs["block"].values():
+            for row in r["prompt_nll"]:
+                block_bins.setdefault(row["bin_start"], []).append(row["nll"])
+        for f in families:
+            if f == "block":
+                continue
+            gains = {}
+            for r in runs[f].values():
+                for row in r["prompt_nll"]:
+                    gains.setdefault(row["bin_start"], []).append(mean(block_bins[row["bin_start"]]) - row["nll"])
+            nll[f] = {start: mean(values) for start, values in gains.items()}
+            repaired = lambda start: start >= geometry["block"] and start % geometry["block"] < geometry["half"]  # noqa: E731
+            inside = [g for start, g in nll[f].items() if repaired(start)]
+            outside = [g for start, g in nll[f].items() if not repaired(start)]
+            lines.append(f"| {f} | {mean(inside):+.4f} | {mean(outside):+.4f} |" if inside and outside else f"| {f} | - | - |")
+        lines.append("")
+    return "\n".join(lines), {"summary": summary, "paired": paired, "prompt_nll_gain_over_block": nll}
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scale", choices=sorted(CONFIGS), default="cpu")
+    parser.add_argument("--seeds", default="1337", help="comma-separated (the paper: 1337,2025,3047)")
+    parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument("--out", default="", help="default: out/sweeps/bridges_<scale>")
+    parser.add_argument("--eval", default="--tasks=ppl,diagnostics --progress=False",
+                        help="arguments of python -m eval for every run (diagnostics are required)")
+    parser.add_argument("--extra", default="", help="--key=value overrides added to every training run")
+    parser.add_argument("--tables_only", action="store_true", help="tabulate the finished runs in --out")
+    args = parser.parse_args(argv)
+    families = args.families.split(",")
+    unknown = set(families) - set(FAMILIES)
+    if unknown:
+        parser.error(f"unknown families {', '.join(sorted(unknown))}: expected some of {', '.join(FAMILIES)}")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    out = Path(args.out or f"out/sweeps/bridges_{args.scale}")
+    configs = [CONFIGS[args.scale].format(f) for f in families]
+    if not args.tables_only:
+        command = [sys.executable, str(REPO / "scripts" / "sweep.py"), *configs, f"--out={out}",
+                   f"--seeds={args.seeds}", f"--eval={args.eval}"] + ([f"--extra={args.extra}"] if args.extra else [])
+        print("+ " + shlex.join(command), flush=True)
+        subprocess.run(command, check=True)
+    runs = {}
+    for family, config in zip(families, configs):
+        for seed in seeds:
+            path = run_dir(out, config, seed)
+            if (path / "eval" / "diagnostics.json").exists():
+                runs.setdefault(family, {})[seed] = load_run(path)
+            else:
+                print(f"missing: {path} (not trained or not evaluated with diagnostics)", file=sys.stderr)
+    if not runs:
+        sys.exit(f"no finished runs in {out}")
+    text, data = tables(runs)
+    command = "python scripts/bridge_sweep.py " + " ".join(shlex.quote(a) for a in argv)
+    (out / "tables.md").write_text(f"# Paper 004 comparison\n\nCommand: `{command}`\n\n{text}")
+    write_json({"command": command, **data}, out / "tables.json")
+    print(text)
+    print(f"wrote {out / 'tables.md'} and {out / 'tables.json'}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

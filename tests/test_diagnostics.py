@@ -1,0 +1,124 @@
+"""Paper 004's diagnostics: probe geometry and determinism, balanced four-candidate scoring, the evaluation task
+end to end with paired comparison of two checkpoints, and the Table 3 / 4 / 9 writer."""
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import REPO
+from data.meta import open_tokens, prepare_generated_if_missing
+from data.tokenizer import ByteTokenizer
+from eval.diagnostics import PROBES, Builder, Geometry, make_examples, score
+from scripts.bridge_sweep import tables
+
+GEOMETRY = Geometry(length=512, block=64, half=32)
+
+
+@pytest.fixture(scope="module")
+def builder():
+    data_dir = str(REPO / "data" / "embedded_byte")
+    prepare_generated_if_missing(data_dir)
+    haystack = np.asarray([t for t in open_tokens(data_dir, "val")[:100_000] if t != 256], dtype=np.int64)
+    return Builder(ByteTokenizer(), haystack)
+
+
+@pytest.mark.parametrize("probe", PROBES)
+def test_probes_are_deterministic_and_place_the_answer_where_they_say(builder, probe):
+    examples = make_examples(builder, GEOMETRY, probe, 8, seed=0, distances=[48, 96, 300])
+    assert examples == make_examples(builder, GEOMETRY, probe, 8, seed=0, distances=[48, 96, 300])
+    assert examples != make_examples(builder, GEOMETRY, probe, 8, seed=1, distances=[48, 96, 300])
+    tok = builder.tok
+    for e in examples:
+        assert len(e["context"]) == e["readout"] + 1 <= GEOMETRY.length
+        answer = e["candidates"][e["answer"]]
+        start = e["readout"] - e["distance"]
+        assert e["context"][start:start + len(answer)] == answer  # the true answer sits d positions back
+        assert len({tuple(c) for c in e["candidates"]}) == 4
+        if probe in ("bridge_window", "semantic_boundary"):  # answer in [p - h, p), readout in [p, p + h)
+            p = (e["readout"] // 64) * 64
+            assert p - 32 <= start < p and e["readout"] % 64 < 32 and p >= 64
+        if probe == "needle":
+            # the requested distance, or the shortest the fact's texts allow (about 50 bytes here)
+            assert e["readout"] == GEOMETRY.length - 1
+            assert e["distance"] == e["d"] if e["d"] > 60 else e["d"] <= e["distance"] <= 60
+        if probe == "boundary_tail":
+            assert start % 64 >= 48 and e["readout"] % 64 >= 32 and e["readout"] // 64 == start // 64 + 1
+        if probe == "semantic_distractor":  # the other candidates are stated too
+            text = tok.decode(e["context"])
+            assert all(tok.decode(c).strip() in text for c in e["candidates"])
+    positions = [e["answer"] for e in examples]
+    assert sorted(set(positions)) == [0, 1, 2, 3] and len(set(positions.count(k) for k in range(4))) == 1
+
+
+class Uniform(torch.nn.Module):
+    """A model that predicts every token with the same probability: every candidate ties."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.config, self.wpe = None, None
+
+    def forward(self, idx):
+        return torch.zeros(*idx.shape, 300) + self.weight, None
+
+
+def test_scoring_ranks_by_nll_over_balanced_candidates(builder):
+    examples = make_examples(builder, GEOMETRY, "needle", 8, seed=0, distances=[64])
+    records = score(Uniform(), examples, batch_size=4)
+    # ties go to the first candidate, which is the answer in exactly a quarter of the balanced examples
+    assert sum(r["correct"] for r in records) / len(records) == 0.25
+    assert all("context" not in r and r["probe"] == "needle" for r in records)
+
+
+def train(out, pattern):
+    return subprocess.run([sys.executable, "train.py", "configs/bridges_cpu_base.py", f"--out_dir={out}",
+                           f"--attn_pattern={pattern}", "--n_layer=2", "--n_embd=32", "--max_iters=2",
+                           "--eval_interval=2", "--eval_iters=1", "--batch_size=2"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_one_command_runs_every_diagnostic_and_one_compares_two_checkpoints(tmp_path):
+    runs = {}
+    for pattern in ("block", "pbb"):
+        runs[pattern] = tmp_path / pattern
+        assert train(runs[pattern], pattern).returncode == 0
+        proc = subprocess.run([sys.executable, "-m", "eval", f"--out_dir={runs[pattern]}", "--tasks=diagnostics",
+                               "--diag_samples=4", "--diag_distances=48,200", "--progress=False"],
+                              cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((runs["pbb"] / "eval" / "diagnostics.json").read_text())
+    assert {row["probe"] for row in report["results"]["rows"]} == set(PROBES)
+    assert len(report["results"]["prompt_nll"]) == 512 // 16
+    assert "| diagnostics" not in (runs["pbb"] / "eval" / "summary.md").read_text()  # the markdown table
+    assert "| probe | cell | n | accuracy |" in (runs["pbb"] / "eval" / "summary.md").read_text()
+    proc = subprocess.run([sys.executable, "scripts/compare.py", "--paired", str(runs["pbb"]), str(runs["block"]),
+                           "--task", "diagnostics", "--by", "probe", "--out", str(tmp_path / "cmp")],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "probe=bridge_window" in proc.stdout and "McNemar" in proc.stdout
+
+
+def fake_run(accuracy: dict, examples: list, ppl: float):
+    return {"ppl": ppl, "accuracy": accuracy, "examples": examples, "prompt_nll": [],
+            "model": {"block_size": 512, "block_len": 64, "bridge_width": 64, "bridge_extension": 32},
+            "geometry": {"length": 512, "block": 64, "half": 32}}
+
+
+def test_tables_follow_equations_42_43_and_pair_identical_prompts():
+    ids = [f"bridge_window/window=0/{i}" for i in range(100)]
+    correct = {"block": 40, "swa": 100, "pbb": 85}  # first k of the 100 prompts right
+    runs = {f: {1337: fake_run({"bridge_window": k / 100}, [{"id": i, "probe": "bridge_window", "correct": n < k}
+                                                           for n, i in enumerate(ids)], ppl=31.0 - k / 100)}
+            for f, k in correct.items()}
+    text, data = tables(runs)
+    # Eq. 42: 0.85 - 0.40; Eq. 43: 0.45 / (1.00 - 0.40); 7 boundaries x 32 write-back positions
+    assert "| pbb | 0.850 | +0.450 | 75.0% | +0.201 (224 of 512) |" in text
+    row = next(p for p in data["paired"] if (p["a"], p["b"]) == ("pbb", "block"))
+    assert (row["n"], row["a_only"], row["b_only"]) == (100, 45, 0)
+    assert math.isclose(row["bootstrap"]["diff"], 0.45)
+    assert "| swa | **30.00** | - | **1.000** |" in text and "| block | 30.60 |" in text  # bold: best local
