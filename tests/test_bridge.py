@@ -165,3 +165,23 @@ def test_branch_chunked_training_path_never_builds_an_n_by_n_tensor():
 def test_config_errors(bad, message):
     with pytest.raises(ValueError, match=message):
         validate_config(ModelConfig(n_layer=2, n_head=2, n_embd=16, block_len=128, **bad))
+
+
+def test_paper_configs_share_the_124m_recipe():
+    from config import load_config
+
+    sizes = set()
+    for family in ("full", "block", "swa", "bridge", "pbb", "se_bridge"):
+        cfg = load_config([f"configs/owt_124m_{family}.py"])
+        m, t = cfg.model, cfg.train
+        assert (m.n_layer, m.n_head, m.n_embd, m.block_size, m.dropout, m.bias) == (12, 12, 768, 1024, 0.0, True)
+        assert (t.batch_size, t.gradient_accumulation_steps, t.learning_rate, t.min_lr, t.warmup_iters) == \
+            (8, 16, 2e-4, 6e-5, 1000)
+        assert (t.max_iters, t.weight_decay, t.grad_clip, cfg.eval.eval_interval, cfg.eval.eval_iters) == \
+            (20000, 0.1, 1.0, 500, 100)
+        if family != "full":
+            assert (m.block_len, m.swa_window, m.bridge_width, m.bridge_extension, m.bridge_fusion) == \
+                (128, 128, 128, 64, "branch")
+        with torch.device("meta"):
+            sizes.add(GPT(m).num_params())
+    assert len(sizes) == 1 and abs(sizes.pop() / 124.4e6 - 1) < 0.005  # no variant adds a parameter
