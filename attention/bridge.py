@@ -77,8 +77,8 @@ class BridgedBlockAttention(MaskedAttention):
         return int((self.bridge_rule.window_of(torch.arange(seq_len)) > 0).sum())
 
     def describe(self):
-        return (f"block {self.block_rule.block} + {self.kind} windows ({self.bridge_rule.width} wide), "
-                f"{self.fusion} fusion")
+        size = f"extension e = {self.bridge_rule.width}" if self.kind == "se_bridge" else f"w = {self.bridge_rule.width}"
+        return f"block {self.block_rule.block} + {self.kind} windows ({size}), {self.fusion} fusion"
 
 
 @register("bridge")

@@ -6,13 +6,15 @@
     python scripts/bench_attention.py --variants=full,swa,sa,sa_swa --lengths=2048,4096,8192,16384,32768
     python scripts/bench_attention.py --variants=swa,swat,swat_softmax --lengths=4096,16384
     python scripts/bench_attention.py --variants=swa,mlstm,gated_deltanet --lengths=2048,4096,8192,16384
+    python scripts/bench_attention.py --variants=block,swa,bridge,pbb,se_bridge --window=128 --block=128
 
 Each variant runs its attention kernel (q, k, v -> output, the same dispatch the model's layers use, with
 `--backend`, default auto: flex on CUDA, chunked on CPU, SDPA for full) on random inputs; the projections,
 identical across variants, are left out (sa draws a fresh permutation and gathers / scatters inside each
 step, as its layer does; sa_swa runs both paths; swat is sigmoid attention with balanced ALiBi in the
 kernel, swat_softmax its softmax counterpart; mlstm and gated_deltanet run their chunkwise training forms, with
-q, k of head_dim / 2 for mlstm as in xLSTM 7B and random gates). Time is the best of --repeats timed runs after one warmup (the least
+q, k of head_dim / 2 for mlstm as in xLSTM 7B and random gates; bridge, pbb and se_bridge run block(--block)
+plus their bridge path, with w = --window and e = --window / 2, in the branch form). Time is the best of --repeats timed runs after one warmup (the least
 disturbed by other work on the machine; the JSON keeps every run). Peak
 memory is the extra memory a forward + backward takes: torch.cuda.max_memory_allocated on GPUs; on CPU each
 case runs in its own process and reports its resident-set high-water mark above the inputs.
@@ -30,7 +32,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from attention.edges import Causal, FixedBlock, HeadWindows, PermutedWindow, SlidingWindow  # noqa: E402
+from attention.edges import (AnyOf, BoundaryWindows, Causal, FixedBlock, HeadWindows, PermutedWindow,  # noqa: E402
+                             SlidingWindow)
 from attention.gated_deltanet import chunked_gated_delta_rule  # noqa: E402
 from attention.kernels import attend, resolve_backend  # noqa: E402
 from attention.mlstm import mlstm_sequence  # noqa: E402
@@ -63,6 +66,11 @@ class BenchConfig:
 
 
 RECURRENT = ("mlstm", "gated_deltanet")  # linear-RNN mixers: no edge rule, O(n) chunkwise forms
+BRIDGES = ("bridge", "pbb", "se_bridge")
+
+
+def bridge_path(kind: str, b: "BenchConfig"):
+    return BoundaryWindows(kind, b.block, b.window // 2 if kind == "se_bridge" else b.window, 1 << 20)
 
 
 def rule_of(name: str, b: BenchConfig):
@@ -73,6 +81,8 @@ def rule_of(name: str, b: BenchConfig):
     rules = {"full": Causal(), "swa": SlidingWindow(b.window), "block": FixedBlock(b.block), "mswa": mswa,
              "sa": PermutedWindow(torch.arange(2), b.window), "sa_swa": SlidingWindow(b.window),
              "swat": SlidingWindow(b.window), "swat_softmax": SlidingWindow(b.window)}
+    for kind in BRIDGES:  # paper 004 (branch form: the block path plus the bridge path; w = window, e = window / 2)
+        rules[kind] = AnyOf((FixedBlock(b.block), bridge_path(kind, b)))
     if name in RECURRENT:
         return Causal()  # every earlier token reaches the state
     if name not in rules:
@@ -112,6 +122,9 @@ def attention_of(name: str, b: BenchConfig, backend: str, device=None, n: int = 
         return sa
     if name == "sa_swa":  # both paths over the same q, k, v (their gates are projections, left out)
         return lambda q, k, v: sa(q, k, v) + attend(q, k, v, rule, backend)
+    if name in BRIDGES:  # two separately normalised paths, summed (the layer's branch fusion)
+        paths = (FixedBlock(b.block), bridge_path(name, b))
+        return lambda q, k, v: sum(attend(q, k, v, path, backend) for path in paths)
     if name in ("swat", "swat_softmax"):  # balanced ALiBi (half the heads each way) inside the kernel
         alibi = AlibiBias(torch.tensor(swat_slopes(b.heads, "paper", ""), device=device), 0.0)
         activation = "sigmoid" if name == "swat" else "softmax"
