@@ -1,11 +1,12 @@
 # CPU-scale counterpart of paper 004's 124M comparison (configs/owt_124m_*.py): the same GPT-2 block (LayerNorm,
 # GELU, learned positions, biases, dropout 0) and the same geometry relative to the context, 8 blocks per
-# sequence (b = w = 64 of 512 tokens, as 128 of 1024; se_bridge e = 32, as 64), on the embedded corpus, whose
-# notes documents state facts and ask them back. Each configs/bridges_cpu_*.py includes this file and sets the
+# sequence (b = w = 64 of 512 tokens, as 128 of 1024; se_bridge e = 32, as 64), on the facts corpus
+# (data/facts.py: the embedded corpus's text with facts stated and asked back at every distance, so that
+# models this small learn to retrieve). Each configs/bridges_cpu_*.py includes this file and sets the
 # attention. The six families, trained and diagnosed, with the Table 3 / 4 / 9 layouts:
 #   python scripts/bridge_sweep.py --scale=cpu --seeds=1337
 out_dir = "out/bridges_cpu"
-dataset = "embedded_byte"
+dataset = "facts_byte"  # generated on first use
 
 arch = "gpt2"
 n_layer = 4

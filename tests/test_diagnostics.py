@@ -122,3 +122,23 @@ def test_tables_follow_equations_42_43_and_pair_identical_prompts():
     assert (row["n"], row["a_only"], row["b_only"]) == (100, 45, 0)
     assert math.isclose(row["bootstrap"]["diff"], 0.45)
     assert "| swa | **30.00** | - | **1.000** |" in text and "| block | 30.60 |" in text  # bold: best local
+
+
+def test_facts_corpus_asks_every_fact_back_after_stating_it():
+    import re
+
+    from data.facts import document, documents
+
+    assert list(documents(5)) == list(documents(5)) and document(0, 3) != document(1, 3)
+    asked = 0
+    for index in range(100):
+        lines = document(0, index).split("\n")
+        for i, line in enumerate(lines):
+            code = re.fullmatch(r"What is the code of the (\w+ \w+)\? It is (\d+)\.", line)
+            where = re.fullmatch(r"Where does (\w+) keep the (\w+)\? In the (\w+ \w+)\.", line)
+            if code:
+                assert f"The code of the {code[1]} is {code[2]}." in lines[:i]
+            if where:
+                assert f"{where[1]} keeps the {where[2]} in the {where[3]}." in lines[:i]
+            asked += bool(code or where)
+    assert asked > 200
