@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attention.registry import Mixer, register
+from attention.registry import RecurrentMixer, register
 
 KERNELS = ("auto", "native", "fla")
 
@@ -135,7 +135,7 @@ class GDNState:
 
 
 @register("gated_deltanet")
-class GatedDeltaNet(Mixer):
+class GatedDeltaNet(RecurrentMixer):
     @classmethod
     def check_config(cls, config):
         if config.gdn_chunk < 1:
@@ -237,9 +237,6 @@ class GatedDeltaNet(Mixer):
 
     def init_cache(self, batch_size, max_len, device, dtype):
         return GDNState()
-
-    def edge_mask(self, seq_len, device="cpu"):
-        return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()  # every earlier token
 
     def mixing_flops(self, seq_len):
         chunk = min(self.chunk, seq_len)

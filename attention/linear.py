@@ -15,8 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attention.cache import RecurrentState
-from attention.registry import Mixer, register
+from attention.registry import RecurrentMixer, register
 from attention.rope import apply_rope
 
 
@@ -86,7 +85,7 @@ def recurrent_linear_attention(q, k, v, state=None):
 
 
 @register("linear")
-class TaylorLinearAttention(Mixer):
+class TaylorLinearAttention(RecurrentMixer):
     @classmethod
     def check_config(cls, config):
         if config.linear_feature_dim < 2 or config.linear_feature_dim % 2:
@@ -123,12 +122,6 @@ class TaylorLinearAttention(Mixer):
             cache.state = state
         y = y.to(v.dtype).transpose(1, 2).reshape(B, T, C)
         return self.resid_dropout(self.c_proj(y))
-
-    def init_cache(self, batch_size, max_len, device, dtype):
-        return RecurrentState()
-
-    def edge_mask(self, seq_len, device="cpu"):
-        return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()  # every earlier token
 
     def mixing_flops(self, seq_len):
         features = 1 + self.feature_dim + self.feature_dim ** 2

@@ -28,8 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attention.cache import RecurrentState
-from attention.registry import Mixer, register
+from attention.registry import RecurrentMixer, register
 
 EPS = 1e-6
 NORM_EPS = 1e-6  # xLSTM 7B's per-head LayerNorm
@@ -167,7 +166,7 @@ def mlstm_sequence(q, k, v, i, f, state=None, chunk: int = 64, kernel: str = "au
 
 
 @register("mlstm")
-class MLSTMLayer(Mixer):
+class MLSTMLayer(RecurrentMixer):
     @classmethod
     def check_config(cls, config):
         qk_dim = int(config.n_embd * config.mlstm_qk_dim_factor)
@@ -232,12 +231,6 @@ class MLSTMLayer(Mixer):
         if cache is not None:
             cache.state = state
         return h
-
-    def init_cache(self, batch_size, max_len, device, dtype):
-        return RecurrentState()  # (C, n, m)
-
-    def edge_mask(self, seq_len, device="cpu"):
-        return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()  # every earlier token
 
     def mixing_flops(self, seq_len):
         qk_head = self.qk_dim // self.n_head

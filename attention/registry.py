@@ -7,6 +7,9 @@ import difflib
 import torch
 from torch import nn
 
+from attention.cache import RecurrentState
+from attention.edges import Causal
+
 
 class Mixer(nn.Module):
     """Interface of a token mixer (attention variant or recurrent layer).
@@ -60,6 +63,17 @@ class Mixer(nn.Module):
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cache=None) -> torch.Tensor:
         raise NotImplementedError
+
+
+class RecurrentMixer(Mixer):
+    """A mixer that carries a fixed-size state from token to token (linear attention, mLSTM, Gated DeltaNet):
+    every earlier token can reach every later one, and generation keeps only the state."""
+
+    def init_cache(self, batch_size, max_len, device, dtype):
+        return RecurrentState()
+
+    def edge_mask(self, seq_len, device="cpu"):
+        return Causal().dense_mask(torch.arange(seq_len, device=device))
 
 
 MIXERS: dict[str, type[Mixer]] = {}
