@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from checkpoint import CheckpointError, atomic_write, checkpoint_path, git_hash, load_model, write_json
@@ -139,6 +140,12 @@ def run_ppl(e: EvalRunConfig, ctx) -> dict:
     return {"rows": rows, "trained_window": trained}
 
 
+def filler_text(tokens, eot_id: int, limit: int = 2_000_000) -> np.ndarray:
+    """Up to `limit` tokens of text without end-of-text separators: the haystack retrieval probes hide facts in."""
+    tokens = np.asarray(tokens[:limit], dtype=np.int64)
+    return tokens[tokens != eot_id]
+
+
 def run_niah(e: EvalRunConfig, ctx) -> dict:
     cfg, meta = ctx["cfg"], ctx["meta"]
     if e.niah_haystack == "val":
@@ -147,10 +154,7 @@ def run_niah(e: EvalRunConfig, ctx) -> dict:
         from data.embedded import documents
 
         haystack = ctx["tokenizer"].encode("\n".join(documents(200, seed=e.seed)))
-    haystack = [t for t in haystack[:2_000_000] if t != meta["eot_id"]]
-    import numpy as np
-
-    result = niah_task.run(ctx["model"], ctx["tokenizer"], np.asarray(haystack, dtype=np.int64),
+    result = niah_task.run(ctx["model"], ctx["tokenizer"], filler_text(haystack, meta["eot_id"]),
                            ints(e.niah_lengths) or [cfg.model.block_size],
                            [float(d) for d in e.niah_depths.split(",")], e.niah_kinds.split(","),
                            min(e.niah_samples, e.limit or e.niah_samples), e.seed, e.batch_size, e.niah_digits,
@@ -204,10 +208,8 @@ def run_diagnostics(e: EvalRunConfig, ctx) -> dict:
                           f"{', '.join(diagnostics_task.PROBES)}")
     geometry = diagnostics_task.Geometry(e.diag_length or cfg.model.block_size, e.diag_block or cfg.model.block_len,
                                          e.diag_half or cfg.model.bridge_width // 2)
-    haystack = [t for t in open_tokens(ctx["data_dir"], "val")[:2_000_000] if t != meta["eot_id"]]
-    import numpy as np
-
-    result = diagnostics_task.run(ctx["model"], ctx["tokenizer"], np.asarray(haystack, dtype=np.int64), geometry,
+    haystack = filler_text(open_tokens(ctx["data_dir"], "val"), meta["eot_id"])
+    result = diagnostics_task.run(ctx["model"], ctx["tokenizer"], haystack, geometry,
                                   e.diag_probes.split(","), min(e.diag_samples, e.limit or e.diag_samples), e.seed,
                                   ints(e.diag_distances), e.batch_size, e.progress)
     for row in result["rows"]:
