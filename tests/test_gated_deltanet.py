@@ -206,3 +206,19 @@ if torch.cuda.is_available() and fla_chunk_kernel() is not None:  # where the op
         with torch.autocast("cuda", dtype=torch.bfloat16):
             a, b = fla(idx)[0].float(), native(idx)[0].float()
         torch.testing.assert_close(a, b, atol=5e-2, rtol=5e-2)
+
+
+def test_chunked_training_form_never_builds_an_n_by_n_tensor():
+    from tests.test_attention import LargestTensor
+
+    n, chunk = 8192, 64
+    g = torch.Generator().manual_seed(0)
+    q, k = (F.normalize(torch.randn(1, 1, n, 16, generator=g), dim=-1).requires_grad_() for _ in range(2))
+    v = torch.randn(1, 1, n, 16, generator=g, requires_grad=True)
+    decay = (-torch.rand(1, 1, n, generator=g) * 0.1).requires_grad_()
+    beta = torch.rand(1, 1, n, generator=g).requires_grad_()
+    with LargestTensor() as largest:
+        y, _ = chunked_gated_delta_rule(q, k, v, decay, beta, chunk=chunk)
+        y.sum().backward()
+    assert torch.isfinite(q.grad).all() and torch.isfinite(decay.grad).all()
+    assert largest.numel <= n * chunk, largest.shape  # chunk x chunk tiles per chunk, never n x n
