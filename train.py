@@ -258,7 +258,8 @@ def main(argv):
         out_dir.mkdir(parents=True, exist_ok=True)
         remove_stale_temp_files(out_dir)
         info = run_info(world_size)
-        write_json({**cfg.to_dict(), "run": info, "data": meta}, out_dir / "config.json")
+        # the resolved config (its data section included), the run, and the prepared data's meta beside it
+        write_json({**cfg.to_dict(), "run": info, "data_meta": meta}, out_dir / "config.json")
         n_params = raw_model.num_params()
         print(f"model: {m.arch}, {m.n_layer} layers x {m.n_head} heads x {m.n_embd}, mixers {m.attn_pattern!r}: "
               f"{n_params / 1e6:.2f}M parameters ({raw_model.num_params(exclude_embeddings=True) / 1e6:.2f}M "

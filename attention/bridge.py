@@ -13,8 +13,12 @@ bridge_fusion=branch (the paper's trained models, Eq. 34-36): the block path and
 separately normalised softmaxes over the same q, k, v, summed in value space before the shared output
 projection; positions outside every write-back set get zero from the bridge path, and no parameter is
 added. bridge_fusion=union (the paper's 7B probe): one softmax over the union of block and bridge edges.
-Both run on every backend (the chunked kernel on CPU, FlexAttention on CUDA): O(n b) for the block path plus
-O(n w) (O(n (b + e)) for se_bridge) for the bridge path, never n x n.
+
+Kernels (attention/kernels.py), never n x n: in the branch form the block path runs block by block (the
+chunked kernel's b x b tiles on CPU, FlexAttention's block mask on CUDA) and the bridge path window by window
+(window_attention: one batched SDPA call over one tile per boundary, its write-back rows by its sources:
+(w/2) x w for pbb, e x (b + e) for se_bridge, w x w for bridge), on every backend but the dense reference.
+The union form runs the chunked kernel's band on CPU and FlexAttention on CUDA.
 """
 
 from __future__ import annotations

@@ -50,6 +50,13 @@ class EdgeRule:
         """The window of each head, for rules that are sliding windows (summed-window cost accounting)."""
         return None
 
+    def windows(self, n: int):
+        """For rules whose edges fall into disjoint windows, each a run of query rows over a run of keys:
+        (first row of each window, first key of each window, rows per window, keys per window), for the
+        windows with a row in [0, n) (tensors of shape (J,) and two ints). The window kernel computes exactly
+        these tiles, masked by allowed(); None for other rules."""
+        return None
+
     def chunk_size(self) -> int:
         """The query chunk of the chunked kernel: small enough to waste little on masked-out tile entries,
         large enough for efficient matmuls (128 measured best for w=256 on CPU, see docs/benchmarks.md)."""
@@ -262,6 +269,15 @@ class BoundaryWindows(EdgeRule):
     def allowed(self, q, k, h=None):
         j = self.window_of(q)
         return (j >= 1) & (k >= self.source(j)[0]) & (k <= q)
+
+    def windows(self, n):
+        # each window's write-back rows over its sources up to the last row: the bridge path's only scores
+        j = torch.arange(1, self.last_window + 1)
+        first_key, end = self.source(j)
+        rows = self.width if self.kind != "pbb" else self.width // 2
+        first_row = end - rows  # write-back sets end where the sources do
+        inside = first_row < n
+        return first_row[inside], first_key[inside], rows, int(end[0] - first_key[0]) if len(j) else rows
 
     def computed_scores(self, n: int) -> int:
         """Scores the branch form computes over n positions: each window's whole causal triangle over its

@@ -7,6 +7,8 @@
              PyTorch's fused CPU flash kernel, forward and backward (ChunkedFlashCPU), sigmoid attention runs
              ChunkedSigmoid on any device (both take a ScoreBias); elsewhere all tiles go through one batched
              SDPA call, or explicit math for other score_mods
+    windows  (chosen by the other backends for rules with disjoint windows, EdgeRule.windows: paper 004's bridge
+             path) one batched SDPA call over one tile per window, its rows by its keys, and nothing else
     flex     FlexAttention with a block mask built once per (rule, length) and shared by all layers;
              compiled on CUDA; forward-only on CPU (torch 2.13 has no CPU backward for it)
     sdpa     PyTorch's fused SDPA: is_causal for the causal rule, else a dense boolean mask (O(n^2) memory)
@@ -61,6 +63,9 @@ def attend(q, k, v, rule: EdgeRule, backend: str, start: int = 0, score_mod=None
            dropout_p: float = 0.0, chunk: int = 0):
     """Attention of q over k, v (B, H, T, D) at positions start..start+T-1 under rule, with one backend."""
     backend = resolve_backend(backend, rule, q.device)
+    if backend != "dense" and start == 0 and score_mod is None and activation == "softmax" \
+            and rule.windows(q.shape[2]) is not None:
+        return window_attention(q, k, v, rule, dropout_p)
     if backend == "dense":
         pos = torch.arange(start, start + q.shape[2], device=q.device)
         return dense_attention(q, k, v, rule, pos, score_mod=score_mod, activation=activation, dropout_p=dropout_p)
@@ -164,6 +169,37 @@ def dense_attention(q, k, v, rule: EdgeRule, q_pos, k_pos=None, key_valid=None, 
     if key_valid is not None:
         mask = mask & key_valid
     return masked_attention(q, k, v, mask, q_pos, k_pos, score_mod, activation, dropout_p, fused=fused)
+
+
+def window_attention(q, k, v, rule: EdgeRule, dropout_p: float = 0.0):
+    """Softmax attention under a rule made of disjoint windows (EdgeRule.windows), one (rows x keys) tile per
+    window, batched in one SDPA call: the cost is the windows' tiles, whatever n. Rows outside every window get
+    zero. The tiles' mask is the rule's allowed() at their positions."""
+    B, H, n, D = q.shape
+    q_index, k_index, mask, rows = _window_plan(rule, n, str(q.device))
+    J, R, K = mask.shape
+    if J == 0:  # a sequence shorter than the first window's rows
+        return q * 0  # zero, with q's graph
+    tiles = lambda x, index, size: x.index_select(2, index).view(B, H * J, size, D)  # noqa: E731
+    y = _fused_softmax(tiles(q, q_index, R), tiles(k, k_index, K), tiles(v, k_index, K),
+                       mask.expand(H, J, R, K).reshape(H * J, R, K), dropout_p)
+    y = y.view(B, H, J * R, D).index_select(2, rows)  # the tiles' rows inside the sequence, in order
+    return q.new_zeros(B, H, n, D).index_copy(2, q_index.view(J * R).index_select(0, rows), y)
+
+
+@functools.lru_cache(maxsize=64)
+def _window_plan(rule: EdgeRule, n: int, device: str):
+    """Row and key positions of every window's tile (clamped into the sequence), the tiles' mask, and which
+    tile rows lie inside the sequence; built once per (rule, length, device), on the CPU (no device sync)."""
+    first_row, first_key, R, K = rule.windows(n)
+    q_pos = first_row[:, None] + torch.arange(R)  # (J, R)
+    k_pos = first_key[:, None] + torch.arange(K)  # (J, K)
+    mask = rule.allowed(q_pos[:, :, None], k_pos[:, None, :]) & (k_pos < n)[:, None, :]
+    outside = q_pos >= n  # rows past the end: any key keeps the fused kernel's rows non-empty; output dropped
+    mask = mask | outside[:, :, None]
+    rows = torch.nonzero(~outside.flatten()).flatten()
+    to = lambda t: t.to(device)  # noqa: E731
+    return to(q_pos.clamp(max=n - 1).flatten()), to(k_pos.clamp(max=n - 1).flatten()), to(mask), to(rows)
 
 
 class KeyTiles(torch.autograd.Function):

@@ -13,6 +13,11 @@ model (layers x (window - 1), e.g. 4 x 15 = 60 positions): only a mixer that mov
 as full or stochastic attention, can answer above chance (1/26). Training on the answers alone
 (`--loss_after='>'`) gives the task its whole gradient.
 
+The `recall_near` corpus (`near_documents`) draws the filler from 0 to 100 digits instead: the value lies 5 to
+105 positions before the answer, so in a model of fixed blocks (paper 004, b = 64) some questions sit in the
+value's block and others in the next one, right after a boundary, where only attention that crosses it (a
+bridge, a sliding window, full attention) can answer.
+
 The training data is many such documents (`python data/prepare.py --dataset=recall`, or automatically on
 first use of data/recall_byte); the `recall` evaluation task (eval/recall.py) draws fresh ones from another
 seed and scores the answer letter. Output is a pure function of (seed, document index), as for the embedded
@@ -51,6 +56,14 @@ def documents(num_docs: int = DEFAULT_NUM_DOCS, seed: int = 0, **options) -> Ite
     """Yield num_docs recall documents; the same seed gives the same text."""
     for index in range(num_docs):
         yield document(seed, index, **options)
+
+
+NEAR_FILLER = (0, 100)
+
+
+def near_documents(num_docs: int = 4 * DEFAULT_NUM_DOCS, seed: int = 0) -> Iterator[str]:
+    """The recall_near corpus: short documents, the value 5-105 positions before the answer."""
+    yield from documents(num_docs, seed, min_filler=NEAR_FILLER[0], max_filler=NEAR_FILLER[1])
 
 
 if __name__ == "__main__":

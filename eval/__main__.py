@@ -76,7 +76,8 @@ class EvalRunConfig:
     #                          (default 60:80, as trained); longer filler asks for values further back
     niah_haystack: str = "val"  # val (the run's validation text) | embedded (the built-in corpus)
     # diagnostics (paper 004): the geometry must be the same for every run compared (pairing is by example)
-    diag_probes: str = ",".join(diagnostics_task.PROBES)
+    diag_probes: str = ""  # default: every probe the format has
+    diag_format: str = "auto"  # notes | recall; auto: recall for runs trained on a recall corpus, else notes
     diag_samples: int = 25  # examples per cell (distance, offset) or per probe without cells
     diag_distances: str = "16,32,48,64,96,128,192,256,384,512,768"  # needle and semantic distances (< length)
     diag_length: int = 0  # context length; 0: the run's block_size
@@ -202,16 +203,25 @@ def run_recall(e: EvalRunConfig, ctx) -> dict:
 
 def run_diagnostics(e: EvalRunConfig, ctx) -> dict:
     cfg, meta = ctx["cfg"], ctx["meta"]
-    unknown = set(e.diag_probes.split(",")) - set(diagnostics_task.PROBES)
+    fact_format = e.diag_format
+    if fact_format == "auto":
+        fact_format = "recall" if cfg.data.dataset.startswith("recall") else "notes"
+    if fact_format not in diagnostics_task.FORMATS:
+        raise ConfigError(f"diag_format={e.diag_format!r}: expected auto or {' or '.join(diagnostics_task.FORMATS)}")
+    available = diagnostics_task.FORMATS[fact_format]
+    probes = e.diag_probes.split(",") if e.diag_probes else list(available)
+    unknown = set(probes) - set(available)
     if unknown:
-        raise ConfigError(f"unknown diag_probes {', '.join(sorted(unknown))}: expected some of "
-                          f"{', '.join(diagnostics_task.PROBES)}")
+        raise ConfigError(f"diag_probes {', '.join(sorted(unknown))} not available in the {fact_format} format "
+                          f"(dataset {cfg.data.dataset}): expected some of {', '.join(available)}"
+                          + ("; the semantic probes need --diag_format=notes and a natural-language run"
+                             if fact_format == "recall" else ""))
     geometry = diagnostics_task.Geometry(e.diag_length or cfg.model.block_size, e.diag_block or cfg.model.block_len,
                                          e.diag_half or cfg.model.bridge_width // 2)
     haystack = filler_text(open_tokens(ctx["data_dir"], "val"), meta["eot_id"])
-    result = diagnostics_task.run(ctx["model"], ctx["tokenizer"], haystack, geometry,
-                                  e.diag_probes.split(","), min(e.diag_samples, e.limit or e.diag_samples), e.seed,
-                                  ints(e.diag_distances), e.batch_size, e.progress)
+    result = diagnostics_task.run(ctx["model"], ctx["tokenizer"], haystack, geometry, probes,
+                                  min(e.diag_samples, e.limit or e.diag_samples), e.seed, ints(e.diag_distances),
+                                  e.batch_size, e.progress, fact_format)
     for row in result["rows"]:
         if row["cell"] == "all":
             print(f"diagnostics {row['probe']:<20} accuracy {row['accuracy']:.3f} ({row['n']} prompts, chance 0.25)")

@@ -20,6 +20,11 @@ format:
     semantic_boundary    the paraphrase in the bridge window's geometry
     prompt_nll           next-token NLL of every prompt position of the needle prompts, in 16-token bins
 
+That is the `notes` format. Runs trained on the recall corpus (data/recall.py, e.g. recall_near) are asked in
+its `recall` format instead, the fact "#k=V|" hidden in the corpus's counting digits and the query "?k>" read
+out on the answer marker, with four value letters as candidates; only the probes of geometry (needle,
+bridge_window, boundary_sweep, boundary_tail, prompt_nll) exist in that format.
+
 Examples are a pure function of (seed, probe, index): every model evaluated with the same settings sees the
 same prompts, so runs pair up example by example (scripts/compare.py --paired A B --task diagnostics --by probe).
 """
@@ -27,6 +32,7 @@ same prompts, so runs pair up example by example (scripts/compare.py --paired A 
 from __future__ import annotations
 
 import random
+import string
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,11 +40,13 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from data import recall
 from data.embedded import COLORS, CONTAINERS, NAMES, THINGS
 from eval.ranking import continuation_logprobs
 
-PROBES = ("needle", "bridge_window", "boundary_sweep", "boundary_tail", "semantic_exact", "semantic_paraphrase",
-          "semantic_distractor", "semantic_boundary")
+GEOMETRY_PROBES = ("needle", "bridge_window", "boundary_sweep", "boundary_tail")
+PROBES = GEOMETRY_PROBES + ("semantic_exact", "semantic_paraphrase", "semantic_distractor", "semantic_boundary")
+FORMATS = {"notes": PROBES, "recall": GEOMETRY_PROBES}  # the probes each format can ask
 CANDIDATES = 4
 NLL_BIN = 16
 
@@ -57,10 +65,14 @@ class Geometry:
         return list(range(self.block, self.length - self.half + 1, self.block))
 
 
-def _code_fact(rng):
+def _code_fact(rng, fact_format: str = "notes"):
+    """(text before the answer, the candidate answers with the true one first, text after it, the query)."""
+    if fact_format == "recall":
+        key, values = rng.choice(recall.KEYS), rng.sample(recall.VALUES, CANDIDATES)
+        return f"#{key}=", values, "|", f"{recall.QUERY}{key}{recall.ANSWER}"
     color, container = rng.choice(COLORS), rng.choice(CONTAINERS)
     codes = rng.sample(range(100, 1000), CANDIDATES)
-    return (f"\nThe code of the {color} {container} is", [str(c) for c in codes], ".\n",
+    return (f"\nThe code of the {color} {container} is", [f" {c}" for c in codes], ".\n",
             f"\nWhat is the code of the {color} {container}? It is")
 
 
@@ -68,8 +80,16 @@ def _keeper_fact(rng, paraphrase: bool):
     keeper, thing, container = rng.choice(NAMES)[0], rng.choice(THINGS), rng.choice(CONTAINERS)
     colors = rng.sample(COLORS, CANDIDATES)
     query = f"\nWhere does {keeper} keep the {thing}? In the" if paraphrase else f"\n{keeper} keeps the {thing} in the"
-    return (f"\n{keeper} keeps the {thing} in the", [f"{c} {container}" for c in colors], ".\n", query,
+    return (f"\n{keeper} keeps the {thing} in the", [f" {c} {container}" for c in colors], ".\n", query,
             (keeper, thing, container))
+
+
+def haystack(fact_format: str, tokenizer, text: np.ndarray) -> np.ndarray:
+    """The filler facts are hidden in: the run's text (`text`), or for the recall format the corpus's own
+    counting digits (its text holds other facts, which would be distractors)."""
+    if fact_format == "recall":
+        return np.array(tokenizer.encode(string.digits * 1000))
+    return text
 
 
 class Builder:
@@ -89,7 +109,7 @@ class Builder:
     def min_distance(self, fact) -> int:
         """The shortest distance from the answer's first token to the readout this fact's texts allow."""
         _, answers, post, query = fact[:4]
-        longest = max(len(self.tok.encode(" " + a)) for a in answers)
+        longest = max(len(self.tok.encode(a)) for a in answers)
         return longest + len(self.tok.encode(post)) + len(self.tok.encode(query))
 
     def build(self, rng, fact, answer_pos: int, readout: int, extra_facts=()) -> tuple[list[int], list[list[int]]]:
@@ -97,7 +117,7 @@ class Builder:
         fact's answers) starting at `answer_pos`; extra facts (token lists) go into the filler at random."""
         pre, answers, post, query = fact[:4]
         pre_ids, post_ids, query_ids = self.tok.encode(pre), self.tok.encode(post), self.tok.encode(query)
-        answer_ids = self.tok.encode(" " + answers[0])
+        answer_ids = self.tok.encode(answers[0])
         before = answer_pos - len(pre_ids)
         gap = readout + 1 - answer_pos - len(answer_ids) - len(post_ids) - len(query_ids)
         if before < 0 or gap < 0:
@@ -112,7 +132,7 @@ class Builder:
             region[at:at + len(extra)] = extra
         context = prefix_ids + pre_ids + answer_ids + post_ids + gap_ids + query_ids
         assert len(context) == readout + 1
-        return context, [self.tok.encode(" " + a) for a in answers]
+        return context, [self.tok.encode(a) for a in answers]
 
 
 def _balanced(answers: list, index: int) -> tuple[list, int]:
@@ -123,8 +143,10 @@ def _balanced(answers: list, index: int) -> tuple[list, int]:
 
 
 def make_examples(builder: Builder, geometry: Geometry, probe: str, samples: int, seed: int,
-                  distances: list[int]) -> list[dict]:
+                  distances: list[int], fact_format: str = "notes") -> list[dict]:
     """`samples` examples per cell (distance, offset or boundary) of one probe."""
+    if probe not in FORMATS[fact_format]:
+        raise ValueError(f"probe {probe} has no {fact_format} form: expected one of {', '.join(FORMATS[fact_format])}")
     g, out = geometry, []
     b, h, L = g.block, g.half, g.length
     if probe == "needle" or probe.startswith("semantic_") and probe != "semantic_boundary":
@@ -139,7 +161,7 @@ def make_examples(builder: Builder, geometry: Geometry, probe: str, samples: int
             if probe.startswith("semantic_"):
                 fact = _keeper_fact(rng, paraphrase=probe != "semantic_exact")
             else:
-                fact = _code_fact(rng)
+                fact = _code_fact(rng, fact_format)
             low = builder.min_distance(fact)
             # boundaries with room for the fact's opening words before the earliest answer position
             room = len(builder.tok.encode(fact[0]))
@@ -167,7 +189,7 @@ def make_examples(builder: Builder, geometry: Geometry, probe: str, samples: int
                 others = [n for n, _ in NAMES if n != keeper]
                 for answer in fact[1][1:]:
                     extra.append(builder.tok.encode(f"\n{rng.choice(others)} keeps the {rng.choice(THINGS)} in "
-                                                    f"the {answer}.\n"))
+                                                    f"the{answer}.\n"))
             if answer_pos < 0 or readout >= L:
                 continue
             try:
@@ -210,12 +232,12 @@ def prompt_nll(model, contexts: list[list[int]], batch_size: int) -> list[dict]:
             for s in range(0, len(per_position), NLL_BIN)]
 
 
-def run(model, tokenizer, haystack: np.ndarray, geometry: Geometry, probes, samples: int, seed: int,
-        distances: list[int], batch_size: int = 8, progress: bool = True) -> dict:
-    builder = Builder(tokenizer, haystack)
+def run(model, tokenizer, text: np.ndarray, geometry: Geometry, probes, samples: int, seed: int,
+        distances: list[int], batch_size: int = 8, progress: bool = True, fact_format: str = "notes") -> dict:
+    builder = Builder(tokenizer, haystack(fact_format, tokenizer, text))
     rows, per_example, nll_rows = [], [], []
     for probe in tqdm(probes, desc="diagnostics", disable=not progress):
-        examples = make_examples(builder, geometry, probe, samples, seed, distances)
+        examples = make_examples(builder, geometry, probe, samples, seed, distances, fact_format)
         records = score(model, examples, batch_size)
         per_example += records
         accuracy = sum(r["correct"] for r in records) / max(1, len(records))
@@ -229,5 +251,5 @@ def run(model, tokenizer, haystack: np.ndarray, geometry: Geometry, probes, samp
         if probe == "needle":
             full_length = [e["context"] for e in examples if len(e["context"]) == geometry.length]
             nll_rows = prompt_nll(model, full_length, batch_size)
-    return {"rows": rows, "prompt_nll": nll_rows, "per_example": per_example,
+    return {"rows": rows, "prompt_nll": nll_rows, "per_example": per_example, "format": fact_format,
             "geometry": {"length": geometry.length, "block": geometry.block, "half": geometry.half}}

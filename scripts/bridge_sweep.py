@@ -1,6 +1,7 @@
 """Paper 004's comparison: the six attention families x seeds, trained, diagnosed, and tabulated as the paper does.
 
     python scripts/bridge_sweep.py --scale=cpu --seeds=1337                       # minutes per model on a CPU
+    python scripts/bridge_sweep.py --scale=cpu_recall --seeds=1337                # retrieval, answer-only training
     python scripts/bridge_sweep.py --scale=124m --seeds=1337,2025,3047            # App. D's setting, on GPUs
     python scripts/bridge_sweep.py --scale=cpu --tables_only                      # re-tabulate finished runs
 
@@ -32,11 +33,14 @@ from eval.stats import paired_comparison  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 FAMILIES = ["full", "swa", "se_bridge", "pbb", "bridge", "block"]  # Table 3's row order
 LOCAL = FAMILIES[1:]
-CONFIGS = {"cpu": "configs/bridges_cpu_{}.py", "124m": "configs/owt_124m_{}.py"}
+# cpu: language modelling on the facts corpus; cpu_recall: answer-only training on recall_near, where models
+# this small learn to retrieve (its diagnostics: the geometry probes, in the recall format)
+CONFIGS = {"cpu": "configs/bridges_cpu_{}.py", "cpu_recall": "configs/bridges_cpu_recall_{}.py",
+           "124m": "configs/owt_124m_{}.py"}
 COLUMNS = [("needle", "Needle"), ("bridge_window", "Bridge-window"), ("semantic_exact", "Semantic exact"),
            ("semantic_paraphrase", "Semantic paraphrase"), ("clean_semantic", "Clean sem. avg"),
            ("semantic_distractor", "Semantic distractor"), ("semantic_boundary", "Semantic boundary"),
-           ("boundary_tail", "Boundary tail")]
+           ("boundary_tail", "Boundary tail"), ("boundary_sweep", "Boundary sweep")]
 PAIRS = [("clean_semantic", "se_bridge", "swa"), ("bridge_window", "bridge", "block"),
          ("bridge_window", "pbb", "block"), ("bridge_window", "se_bridge", "block"),
          ("bridge_window", "se_bridge", "swa"), ("needle", "swa", "se_bridge")]
@@ -61,6 +65,7 @@ def load_run(path: Path) -> dict:
     config = json.loads((path / "config.json").read_text())
     return {"ppl": math.exp(best), "accuracy": accuracy, "examples": examples,
             "prompt_nll": diag["results"].get("prompt_nll", []), "model": config["model"],
+            "answers_only": bool(config.get("data", {}).get("loss_after")),
             "geometry": diag["results"].get("geometry")}
 
 
@@ -87,15 +92,18 @@ def tables(runs: dict[str, dict[int, dict]]) -> tuple[str, dict]:
                       for key, _ in COLUMNS if all(key in r["accuracy"] for r in runs[f].values())}}
                for f in families}
     seeds = sorted({s for f in families for s in runs[f]})
+    columns = [(key, name) for key, name in COLUMNS if any(key in summary[f] for f in families)]  # probes asked
+    answers_only = any(r.get("answers_only") for f in families for r in runs[f].values())
+    ppl_name = "Best PPL (answers)" if answers_only else "Best PPL"  # validation loss on the answers alone
     lines = ["## Table 3: perplexity and diagnostics (mean over seeds " + ", ".join(map(str, seeds)) + ")", "",
-             "| Architecture | Best PPL | " + " | ".join(name for _, name in COLUMNS) + " |",
-             "|---|---|" + "---|" * len(COLUMNS)]
+             f"| Architecture | {ppl_name} | " + " | ".join(name for _, name in columns) + " |",
+             "|---|---|" + "---|" * len(columns)]
     local = [f for f in families if f in LOCAL]
     best = {key: (min if key == "ppl" else max)(summary[f].get(key, float("nan")) for f in local)
-            for key in ["ppl"] + [k for k, _ in COLUMNS]} if local else {}
+            for key in ["ppl"] + [k for k, _ in columns]} if local else {}
     for f in families:
         cells = []
-        for key in ["ppl"] + [k for k, _ in COLUMNS]:
+        for key in ["ppl"] + [k for k, _ in columns]:
             value = summary[f].get(key)
             text = "-" if value is None else (f"{value:.2f}" if key == "ppl" else f"{value:.3f}")
             cells.append(f"**{text}**" if f in local and value is not None and value == best.get(key) else text)

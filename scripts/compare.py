@@ -34,7 +34,8 @@ from eval.stats import mean_std, paired_comparison  # noqa: E402
 # metrics.jsonl keys with a column of their own (or none); any other numeric key becomes a column (last value)
 STANDARD_METRICS = {"step", "train_loss", "val_loss", "best_val_loss", "lr", "tokens_per_s", "mfu"}
 # config keys that name or log a run without changing what it computes
-IGNORED_KEYS = {"out_dir", "wandb_run_name", "wandb_project", "wandb_log", "wandb_mode", "init_from", "data.created"}
+IGNORED_KEYS = {"out_dir", "wandb_run_name", "wandb_project", "wandb_log", "wandb_mode", "init_from", "data.created",
+                "data_meta.created"}  # data.created: the meta's, in runs written before data_meta
 IGNORED_GROUPS = {"run", "provenance", "n_params"}
 SEED_KEY = "seed"
 # eval row fields that identify a row even when numeric, and counts that weight it (never metrics)
@@ -214,8 +215,8 @@ def _defaults() -> dict:
 
 
 def flat_config(config: dict, defaults: dict | None = None) -> dict:
-    """{flat key: value}: model/train/eval keys by their own (unique) names, data keys as data.KEY (they hold
-    the prepared data's meta, whose vocab_size would clash), any other group as GROUP.KEY. Keys a run's saved
+    """{flat key: value}: model/train/eval keys by their own (unique) names, any other group as GROUP.KEY
+    (data.dataset, data_meta.vocab_size: the prepared data's meta, whose vocab_size would clash). Keys a run's saved
     config lacks (written before the field existed) take the current default, as Config.from_dict does."""
     out: dict = {}
     for group, values in config.items():
@@ -235,7 +236,8 @@ def count_params(config: dict) -> int | None:
     model_cfg = config.get("model")
     if not isinstance(model_cfg, dict):
         return None
-    vocab = model_cfg.get("vocab_size") or (config.get("data") or {}).get("vocab_size")
+    meta = config.get("data_meta") or config.get("data") or {}  # "data": the meta, in runs before data_meta
+    vocab = model_cfg.get("vocab_size") or meta.get("vocab_size")
     if not isinstance(vocab, int) or vocab <= 0:
         return None
     key = json.dumps({**model_cfg, "vocab_size": vocab}, sort_keys=True, default=str)

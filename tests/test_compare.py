@@ -48,7 +48,7 @@ def make_run(root: Path, name: str, seed: int) -> Path:
     meta = {"tokenizer": "byte", "vocab_size": 257, "train_tokens": 10000, "created": f"2026-01-0{seed}"}
     info = {"command": f"python train.py --seed={seed}", "git_hash": f"abc{seed}", "world_size": 1,
             "torch": "2.13.0", "started": f"2026-01-0{seed}T00:00:00"}
-    (run / "config.json").write_text(json.dumps({**cfg, "run": info, "data": meta}, indent=2))
+    (run / "config.json").write_text(json.dumps({**cfg, "run": info, "data_meta": meta}, indent=2))
     lines = []
     for step, val in zip((0, 50, 100), VAL[name]):
         lines.append({"step": step, "val_loss": val, "best_val_loss": min(VAL[name][:(step // 50) + 1])})

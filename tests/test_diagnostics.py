@@ -13,25 +13,31 @@ import torch
 from conftest import REPO
 from data.meta import open_tokens, prepare_generated_if_missing
 from data.tokenizer import ByteTokenizer
-from eval.diagnostics import PROBES, Builder, Geometry, make_examples, score
+from eval.diagnostics import FORMATS, PROBES, Builder, Geometry, haystack, make_examples, score
 from scripts.bridge_sweep import tables
 
 GEOMETRY = Geometry(length=512, block=64, half=32)
 
 
 @pytest.fixture(scope="module")
-def builder():
+def builder(builders):
+    return builders["notes"]
+
+
+@pytest.fixture(scope="module")
+def builders():
     data_dir = str(REPO / "data" / "embedded_byte")
     prepare_generated_if_missing(data_dir)
-    haystack = np.asarray([t for t in open_tokens(data_dir, "val")[:100_000] if t != 256], dtype=np.int64)
-    return Builder(ByteTokenizer(), haystack)
+    text = np.asarray([t for t in open_tokens(data_dir, "val")[:100_000] if t != 256], dtype=np.int64)
+    return {f: Builder(ByteTokenizer(), haystack(f, ByteTokenizer(), text)) for f in FORMATS}
 
 
-@pytest.mark.parametrize("probe", PROBES)
-def test_probes_are_deterministic_and_place_the_answer_where_they_say(builder, probe):
-    examples = make_examples(builder, GEOMETRY, probe, 8, seed=0, distances=[48, 96, 300])
-    assert examples == make_examples(builder, GEOMETRY, probe, 8, seed=0, distances=[48, 96, 300])
-    assert examples != make_examples(builder, GEOMETRY, probe, 8, seed=1, distances=[48, 96, 300])
+@pytest.mark.parametrize("fact_format,probe", [(f, p) for f in FORMATS for p in FORMATS[f]])
+def test_probes_are_deterministic_and_place_the_answer_where_they_say(builders, fact_format, probe):
+    builder = builders[fact_format]
+    examples = make_examples(builder, GEOMETRY, probe, 8, seed=0, distances=[48, 96, 300], fact_format=fact_format)
+    assert examples == make_examples(builder, GEOMETRY, probe, 8, 0, [48, 96, 300], fact_format)
+    assert examples != make_examples(builder, GEOMETRY, probe, 8, 1, [48, 96, 300], fact_format)
     tok = builder.tok
     for e in examples:
         assert len(e["context"]) == e["readout"] + 1 <= GEOMETRY.length
@@ -46,12 +52,19 @@ def test_probes_are_deterministic_and_place_the_answer_where_they_say(builder, p
             # the requested distance, or the shortest the fact's texts allow (about 50 bytes here)
             assert e["readout"] == GEOMETRY.length - 1
             assert e["distance"] == e["d"] if e["d"] > 60 else e["d"] <= e["distance"] <= 60
+        if fact_format == "recall":  # "#k=V|" in counting digits, asked as "?k>" with value letters as candidates
+            text = tok.decode(e["context"])
+            key = text[-2]
+            assert text.endswith(f"?{key}>") and f"#{key}={tok.decode(answer)}|" in text
+            assert set(text) - set("0123456789") == set(f"#{key}={tok.decode(answer)}|?>")
+            assert all(len(c) == 1 and tok.decode(c).isupper() for c in e["candidates"])
         if probe == "boundary_tail":
             assert start % 64 >= 48 and e["readout"] % 64 >= 32 and e["readout"] // 64 == start // 64 + 1
         if probe == "semantic_distractor":  # the other candidates are stated too
             text = tok.decode(e["context"])
             assert all(tok.decode(c).strip() in text for c in e["candidates"])
     positions = [e["answer"] for e in examples]
+    assert len(examples) >= 8
     assert sorted(set(positions)) == [0, 1, 2, 3] and len(set(positions.count(k) for k in range(4))) == 1
 
 
@@ -65,6 +78,11 @@ class Uniform(torch.nn.Module):
 
     def forward(self, idx):
         return torch.zeros(*idx.shape, 300) + self.weight, None
+
+
+def test_recall_format_has_no_semantic_probes(builders):
+    with pytest.raises(ValueError, match="no recall form"):
+        make_examples(builders["recall"], GEOMETRY, "semantic_exact", 4, 0, [48], "recall")
 
 
 def test_scoring_ranks_by_nll_over_balanced_candidates(builder):
@@ -121,7 +139,8 @@ def test_tables_follow_equations_42_43_and_pair_identical_prompts():
     row = next(p for p in data["paired"] if (p["a"], p["b"]) == ("pbb", "block"))
     assert (row["n"], row["a_only"], row["b_only"]) == (100, 45, 0)
     assert math.isclose(row["bootstrap"]["diff"], 0.45)
-    assert "| swa | **30.00** | - | **1.000** |" in text and "| block | 30.60 |" in text  # bold: best local
+    assert "| swa | **30.00** | **1.000** |" in text and "| block | 30.60 |" in text  # bold: best local
+    assert "| Architecture | Best PPL | Bridge-window |" in text  # only the probes the runs were asked
 
 
 def test_facts_corpus_asks_every_fact_back_after_stating_it():

@@ -47,6 +47,7 @@ def test_run_writes_its_outputs(reference_run):
     saved = json.load(open(reference_run / "config.json"))
     assert saved["train"]["max_iters"] == 12 and saved["model"]["vocab_size"] == 320  # 257 padded to 64
     assert "git_hash" in saved["run"] and "train.py" in saved["run"]["command"]
+    assert saved["data"]["dataset"] == "embedded_byte" and saved["data_meta"]["vocab_size"] == 257
     ckpt = load_checkpoint(reference_run / "ckpt_last.pt")
     assert ckpt["step"] == 12 and ckpt["data_cursor"]["step"] == 12
     assert set(metrics(reference_run, "val_loss")) == {0, 4, 8, 12}
