@@ -63,8 +63,8 @@ def attend(q, k, v, rule: EdgeRule, backend: str, start: int = 0, score_mod=None
            dropout_p: float = 0.0, chunk: int = 0):
     """Attention of q over k, v (B, H, T, D) at positions start..start+T-1 under rule, with one backend."""
     backend = resolve_backend(backend, rule, q.device)
-    if backend != "dense" and start == 0 and score_mod is None and activation == "softmax" \
-            and rule.windows(q.shape[2]) is not None:
+    windowed = type(rule).windows is not EdgeRule.windows  # the rule defines disjoint windows
+    if windowed and backend != "dense" and start == 0 and score_mod is None and activation == "softmax":
         return window_attention(q, k, v, rule, dropout_p)
     if backend == "dense":
         pos = torch.arange(start, start + q.shape[2], device=q.device)

@@ -37,6 +37,12 @@ LOCAL = FAMILIES[1:]
 # this small learn to retrieve (its diagnostics: the geometry probes, in the recall format)
 CONFIGS = {"cpu": "configs/bridges_cpu_{}.py", "cpu_recall": "configs/bridges_cpu_recall_{}.py",
            "124m": "configs/owt_124m_{}.py"}
+# what every run is evaluated with (python -m eval arguments; diagnostics are required)
+EVAL = {"cpu": "--tasks=ppl,diagnostics --progress=False",
+        # answers only (no text perplexity); needles at the trained distances: further back, a statement is
+        # always an earlier document's, which a model trained on this corpus rightly ignores
+        "cpu_recall": "--tasks=diagnostics --diag_samples=200 --diag_distances=16,32,48,64,80,96 --progress=False",
+        "124m": "--tasks=ppl,diagnostics --progress=False"}
 COLUMNS = [("needle", "Needle"), ("bridge_window", "Bridge-window"), ("semantic_exact", "Semantic exact"),
            ("semantic_paraphrase", "Semantic paraphrase"), ("clean_semantic", "Clean sem. avg"),
            ("semantic_distractor", "Semantic distractor"), ("semantic_boundary", "Semantic boundary"),
@@ -178,8 +184,8 @@ def main(argv):
     parser.add_argument("--seeds", default="1337", help="comma-separated (the paper: 1337,2025,3047)")
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--out", default="", help="default: out/sweeps/bridges_<scale>")
-    parser.add_argument("--eval", default="--tasks=ppl,diagnostics --progress=False",
-                        help="arguments of python -m eval for every run (diagnostics are required)")
+    parser.add_argument("--eval", default="", help="arguments of python -m eval for every run (diagnostics are "
+                        "required); default: the scale's (EVAL)")
     parser.add_argument("--extra", default="", help="--key=value overrides added to every training run")
     parser.add_argument("--tables_only", action="store_true", help="tabulate the finished runs in --out")
     args = parser.parse_args(argv)
@@ -192,7 +198,7 @@ def main(argv):
     configs = [CONFIGS[args.scale].format(f) for f in families]
     if not args.tables_only:
         command = [sys.executable, str(REPO / "scripts" / "sweep.py"), *configs, f"--out={out}",
-                   f"--seeds={args.seeds}", f"--eval={args.eval}"] + ([f"--extra={args.extra}"] if args.extra else [])
+                   f"--seeds={args.seeds}", f"--eval={args.eval or EVAL[args.scale]}"] + ([f"--extra={args.extra}"] if args.extra else [])
         print("+ " + shlex.join(command), flush=True)
         subprocess.run(command, check=True)
     runs = {}

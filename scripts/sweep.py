@@ -47,6 +47,8 @@ def main(argv):
             runs.append(run_dir)
             if finished(run_dir):
                 print(f"[sweep] {name}: already finished, kept")
+                if args.eval and not (run_dir / "eval" / "summary.md").exists():  # interrupted before its eval
+                    evaluate(run_dir, args.eval)
                 continue
             resume = ["--init_from=resume"] if (run_dir / "ckpt_last.pt").exists() else []
             command = [sys.executable, "train.py", config, f"--out_dir={run_dir}", *shlex.split(args.extra),
@@ -58,8 +60,7 @@ def main(argv):
                 sys.exit(f"[sweep] {name} failed (exit {result.returncode}); rerun the sweep to resume it")
             print(f"[sweep] {name}: trained in {time.time() - started:.0f} s", flush=True)
             if args.eval:
-                subprocess.run([sys.executable, "-m", "eval", f"--out_dir={run_dir}", "--progress=False",
-                                *shlex.split(args.eval)], cwd=REPO, check=True)
+                evaluate(run_dir, args.eval)
     table = subprocess.run([sys.executable, "scripts/compare.py", *map(str, runs), "--plot", "--out", str(out)],
                            cwd=REPO, capture_output=True, text=True)
     if table.returncode != 0:
@@ -68,6 +69,11 @@ def main(argv):
     (out / "results.md").write_text(f"# Sweep results\n\nCommand: `{command}`\n\n{table.stdout}")
     print(table.stdout)
     print(f"[sweep] wrote {out / 'results.md'} and plots in {out}")
+
+
+def evaluate(run_dir: Path, eval_args: str):
+    subprocess.run([sys.executable, "-m", "eval", f"--out_dir={run_dir}", "--progress=False",
+                    *shlex.split(eval_args)], cwd=REPO, check=True)
 
 
 if __name__ == "__main__":
