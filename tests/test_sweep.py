@@ -19,5 +19,7 @@ def test_sweep_trains_compares_and_resumes(tmp_path):
     results = (out / "results.md").read_text()
     assert "scripts/sweep.py" in results and "tiny_full" in results and "tiny_swa" in results
     assert "ppl@L=16" in results and (out / "loss_curves.png").exists()
+    (out / "tiny_swa" / "eval" / "summary.md").unlink()  # as if interrupted between training and evaluation
     again = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and again.stdout.count("already finished, kept") == 2
+    assert (out / "tiny_swa" / "eval" / "summary.md").exists()  # evaluated on the rerun, not retrained
