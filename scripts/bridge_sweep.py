@@ -144,6 +144,8 @@ def tables(runs: dict[str, dict[int, dict]]) -> tuple[str, dict]:
         common = sorted(set(runs[a]) & set(runs[b]))
         pick = lambda fam: [{**e, "id": f"s{s}/{e['id']}"} for s in common for e in runs[fam][s]["examples"]  # noqa: E731
                             if e.get(probe) or e["probe"] == probe]
+        if not pick(a) or not pick(b):  # a probe these runs were not asked (the semantic ones in the recall format)
+            continue
         result = paired_comparison(pick(a), pick(b))
         paired.append({"probe": probe, "a": a, "b": b, **result})
         ci = result["bootstrap"]
@@ -153,7 +155,9 @@ def tables(runs: dict[str, dict[int, dict]]) -> tuple[str, dict]:
     lines.append("")
 
     nll = {}
-    if "block" in runs:
+    if answers_only:  # the other tokens' predictions were never trained: their NLL says nothing
+        lines += ["Fig. 5 (prompt-token NLL) is not tabulated: these runs were trained on the answers alone.", ""]
+    elif "block" in runs:
         lines += ["## Fig. 5: prompt-token NLL improvement over Block (needle prompts, 16-token bins)", "",
                   "| Model | mean gain, bins starting in a write-back region [p, p + h) | mean gain, other bins |",
                   "|---|---|---|"]
