@@ -50,7 +50,7 @@ class EdgeRule:
         """The window of each head, for rules that are sliding windows (summed-window cost accounting)."""
         return None
 
-    def windows(self, n: int):
+    def window_tiles(self, n: int):
         """For rules whose edges fall into disjoint windows, each a run of query rows over a run of keys:
         (first row of each window, first key of each window, rows per window, keys per window), for the
         windows with a row in [0, n) (tensors of shape (J,) and two ints). The window kernel computes exactly
@@ -270,7 +270,7 @@ class BoundaryWindows(EdgeRule):
         j = self.window_of(q)
         return (j >= 1) & (k >= self.source(j)[0]) & (k <= q)
 
-    def windows(self, n):
+    def window_tiles(self, n):
         # each window's write-back rows over its sources up to the last row: the bridge path's only scores
         j = torch.arange(1, self.last_window + 1)
         first_key, end = self.source(j)

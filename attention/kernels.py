@@ -7,8 +7,8 @@
              PyTorch's fused CPU flash kernel, forward and backward (ChunkedFlashCPU), sigmoid attention runs
              ChunkedSigmoid on any device (both take a ScoreBias); elsewhere all tiles go through one batched
              SDPA call, or explicit math for other score_mods
-    windows  (chosen by the other backends for rules with disjoint windows, EdgeRule.windows: paper 004's bridge
-             path) one batched SDPA call over one tile per window, its rows by its keys, and nothing else
+    windows  chosen by the other backends for rules made of disjoint windows (EdgeRule.window_tiles: paper
+             004's bridge path): one batched SDPA call over one tile per window, its rows by its keys
     flex     FlexAttention with a block mask built once per (rule, length) and shared by all layers;
              compiled on CUDA; forward-only on CPU (torch 2.13 has no CPU backward for it)
     sdpa     PyTorch's fused SDPA: is_causal for the causal rule, else a dense boolean mask (O(n^2) memory)
@@ -63,7 +63,7 @@ def attend(q, k, v, rule: EdgeRule, backend: str, start: int = 0, score_mod=None
            dropout_p: float = 0.0, chunk: int = 0):
     """Attention of q over k, v (B, H, T, D) at positions start..start+T-1 under rule, with one backend."""
     backend = resolve_backend(backend, rule, q.device)
-    windowed = type(rule).windows is not EdgeRule.windows  # the rule defines disjoint windows
+    windowed = type(rule).window_tiles is not EdgeRule.window_tiles  # the rule defines disjoint windows
     if windowed and backend != "dense" and start == 0 and score_mod is None and activation == "softmax":
         return window_attention(q, k, v, rule, dropout_p)
     if backend == "dense":
@@ -172,7 +172,7 @@ def dense_attention(q, k, v, rule: EdgeRule, q_pos, k_pos=None, key_valid=None, 
 
 
 def window_attention(q, k, v, rule: EdgeRule, dropout_p: float = 0.0):
-    """Softmax attention under a rule made of disjoint windows (EdgeRule.windows), one (rows x keys) tile per
+    """Softmax attention under a rule made of disjoint windows (EdgeRule.window_tiles), one (rows x keys) tile per
     window, batched in one SDPA call: the cost is the windows' tiles, whatever n. Rows outside every window get
     zero. The tiles' mask is the rule's allowed() at their positions."""
     B, H, n, D = q.shape
@@ -191,7 +191,7 @@ def window_attention(q, k, v, rule: EdgeRule, dropout_p: float = 0.0):
 def _window_plan(rule: EdgeRule, n: int, device: str):
     """Row and key positions of every window's tile (clamped into the sequence), the tiles' mask, and which
     tile rows lie inside the sequence; built once per (rule, length, device), on the CPU (no device sync)."""
-    first_row, first_key, R, K = rule.windows(n)
+    first_row, first_key, R, K = rule.window_tiles(n)
     q_pos = first_row[:, None] + torch.arange(R)  # (J, R)
     k_pos = first_key[:, None] + torch.arange(K)  # (J, K)
     mask = rule.allowed(q_pos[:, :, None], k_pos[:, None, :]) & (k_pos < n)[:, None, :]
