@@ -93,8 +93,8 @@ def test_scoring_ranks_by_nll_over_balanced_candidates(builder):
     assert all("context" not in r and r["probe"] == "needle" for r in records)
 
 
-def train(out, pattern):
-    return subprocess.run([sys.executable, "train.py", "configs/bridges_cpu_base.py", f"--out_dir={out}",
+def train(out, pattern, config="configs/bridges_cpu_base.py"):
+    return subprocess.run([sys.executable, "train.py", config, f"--out_dir={out}",
                            f"--attn_pattern={pattern}", "--n_layer=2", "--n_embd=32", "--max_iters=2",
                            "--eval_interval=2", "--eval_iters=1", "--batch_size=2"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -119,6 +119,19 @@ def test_one_command_runs_every_diagnostic_and_one_compares_two_checkpoints(tmp_
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "probe=bridge_window" in proc.stdout and "McNemar" in proc.stdout
+
+
+def test_a_run_trained_on_recall_is_asked_in_the_recall_format(tmp_path):
+    assert train(tmp_path, "pbb", "configs/bridges_cpu_recall_base.py").returncode == 0
+    evaluate = lambda *extra: subprocess.run([sys.executable, "-m", "eval", f"--out_dir={tmp_path}",  # noqa: E731
+                                              "--tasks=diagnostics", "--diag_samples=2", "--progress=False", *extra],
+                                             cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = evaluate()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((tmp_path / "eval" / "diagnostics.json").read_text())["results"]
+    assert report["format"] == "recall" and {r["probe"] for r in report["rows"]} == set(FORMATS["recall"])
+    refused = evaluate("--diag_probes=semantic_exact")
+    assert refused.returncode != 0 and "not available in the recall format" in refused.stderr
 
 
 def fake_run(accuracy: dict, examples: list, ppl: float):
