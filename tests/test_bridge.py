@@ -159,6 +159,21 @@ def test_window_kernel_equals_dense_forward_and_backward(kind, width, n, context
         torch.testing.assert_close(a, b)
 
 
+if torch.cuda.is_available():  # the GPU checks; defined only where CUDA exists, so CPU runs neither run nor skip them
+
+    @pytest.mark.parametrize("kind, width", [("bridge", 64), ("pbb", 64), ("se_bridge", 32)])
+    def test_cuda_window_kernel_equals_dense_and_bfloat16_is_close(kind, width):
+        rule, n = BoundaryWindows(kind, 64, width, 512), 300
+        q, k, v = (torch.randn(2, 4, n, 32, device="cuda", requires_grad=True) for _ in range(3))
+        results = []
+        for y in (attend(q, k, v, rule, "flex"), dense_attention(q, k, v, rule, torch.arange(n, device="cuda"))):
+            results.append((y, *torch.autograd.grad(y.square().sum(), (q, k, v))))
+        for a, b in zip(*results):
+            torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+        low = attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), rule, "flex")
+        torch.testing.assert_close(low.float(), results[1][0], atol=2e-2, rtol=2e-2)
+
+
 def test_window_kernel_scores_only_the_write_back_rows():
     """Table 2's geometry (n = 1024, b = w = 128, e = 64): one tile per boundary, its write-back rows by its
     sources, and no other scores."""
