@@ -122,7 +122,13 @@ class TrainConfig:
     ckpt_interval: int = 0  # steps between ckpt_last.pt writes; 0: at every evaluation
     device: str = "auto"  # auto (cuda when available) | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bfloat16 on capable GPUs, float16 on older ones, float32 on CPU)
-    compile: bool = False
+    compile: bool = False  # torch.compile each block (parallelize.py)
+    # activation memory: none | full (each block keeps only its input and recomputes the rest in backward) |
+    # selective (keeps its matmul and attention outputs, recomputes norms, activations and elementwise work)
+    activation_checkpointing: str = "none"
+    # tokens per chunk of the LM head + cross-entropy, each recomputed in backward, so the logits (and their
+    # float32 copy) never exist for a whole micro-batch; 0: the whole micro-batch at once
+    loss_chunk: int = 0
     seed: int = 1337
     # sliding-window size per training step (paper 003): fixed (swa_window) or stochastic: each step uses
     # swax_short_window with probability swax_short_prob, else swa_window, and only swa_window in the last
@@ -286,6 +292,7 @@ def validate(cfg: Config) -> None:
     choice("dtype", t.dtype, ("auto", "float32", "bfloat16", "float16"))
     choice("wandb_mode", t.wandb_mode, ("online", "offline", "disabled"))
     choice("window_schedule", t.window_schedule, ("fixed", "stochastic"))
+    choice("activation_checkpointing", t.activation_checkpointing, ("none", "full", "selective"))
     positive("swax_short_window", t.swax_short_window)
     for key in ("swax_short_prob", "swax_anneal_frac"):
         if not 0.0 <= get_value(cfg, key) <= 1.0:
@@ -299,7 +306,7 @@ def validate(cfg: Config) -> None:
                 "log_interval", "eval_interval", "eval_iters"):
         positive(key, get_value(cfg, key))
     for key in ("max_iters", "warmup_iters", "lr_decay_iters", "ckpt_interval", "vocab_size", "mlp_hidden",
-                "eval_tasks_interval"):
+                "eval_tasks_interval", "loss_chunk"):
         positive(key, get_value(cfg, key), allow_zero=True)
     if m.n_embd % m.n_head:
         raise ConfigError(f"n_embd={m.n_embd} is not divisible by n_head={m.n_head}")

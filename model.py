@@ -14,6 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from attention import build_mixer
 from config import ModelConfig
@@ -53,8 +54,8 @@ class Block(nn.Module):
         self.ln_2 = make_norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x, pos, cache=None):
-        x = x + self.mixer(self.ln_1(x), pos, cache)
+    def forward(self, x, pos, cache=None, plan=None):
+        x = x + self.mixer(self.ln_1(x), pos, cache, plan)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -93,11 +94,12 @@ class GPT(nn.Module):
             n -= self.wte.weight.numel() + (self.wpe.weight.numel() if self.wpe is not None else 0)
         return n
 
-    def forward(self, idx, targets=None, caches=None, start_pos: int = 0):
+    def forward(self, idx, targets=None, caches=None, start_pos: int = 0, loss_chunk: int = 0):
         """Logits (B, T, vocab) and, given targets, the mean cross-entropy (targets < 0 are ignored).
 
         With caches (one per layer, from init_caches) the call continues a sequence whose first start_pos
-        tokens the caches already hold.
+        tokens the caches already hold. loss_chunk > 0 computes the head and the loss loss_chunk tokens at a
+        time without keeping their logits (returned as None): see chunked_cross_entropy.
         """
         B, T = idx.shape
         if start_pos and caches is None:
@@ -110,16 +112,29 @@ class GPT(nn.Module):
                                  "(learned positions cannot extrapolate)")
             x = x + self.wpe(pos)
         x = self.drop(x)
-        for i, block in enumerate(self.blocks):
-            x = block(x, pos, None if caches is None else caches[i])
+        plans = self.plan(B, T, idx.device) if caches is None else [None] * len(self.blocks)
+        for i, (block, plan) in enumerate(zip(self.blocks, plans)):
+            x = block(x, pos, None if caches is None else caches[i], plan)
         x = self.ln_f(x)
         if targets is None:
             return self.lm_head(x), None
-        logits = self.lm_head(x)
         # mean over the counted targets; 0 (not NaN) when a batch has none, e.g. answer-only training (loss_after)
-        nll = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
-                              reduction="sum")
-        return logits, nll / (targets != -1).sum().clamp(min=1)
+        count = (targets != -1).sum().clamp(min=1)
+        loss_dtype = torch.promote_types(x.dtype, torch.float32)
+        if loss_chunk:
+            return None, (chunked_cross_entropy(x, self.lm_head.weight, targets, loss_chunk) / count).to(loss_dtype)
+        logits = self.lm_head(x)
+        return logits, (token_nll(logits, targets) / count).to(loss_dtype)
+
+    @torch.compiler.disable  # compiled code would rebuild every mask in its graph (one graph break, if compiled)
+    def plan(self, batch_size: int, seq_len: int, device) -> list:
+        """Every layer's Mixer.plan for a forward over (batch_size, seq_len) tokens: masks, tiles and sa's
+        permutations, built here, outside the blocks (train.py compiles each block on its own)."""
+        return [block.mixer.plan(batch_size, seq_len, device) for block in self.blocks]
+
+    def compile_problems(self, seq_len: int, device, dtype) -> list[str]:
+        """Why some layers should not be torch.compiled for this length, device and dtype (none: empty)."""
+        return list(dict.fromkeys(p for block in self.blocks if (p := block.mixer.compile_problem(seq_len, device, dtype))))
 
     def set_window(self, window: int) -> int:
         """Give every sliding-window layer a window of `window` positions; returns how many layers took it."""
@@ -131,7 +146,9 @@ class GPT(nn.Module):
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 per parameter (forward + backward) plus 3x each mixer's mixing FLOPs."""
-        n_matmul = self.num_params(exclude_embeddings=True) + self.lm_head.weight.numel()
+        n_matmul = self.num_params(exclude_embeddings=True)  # an untied lm_head is already among them
+        if self.lm_head.weight is self.wte.weight:  # tied: the head's matmul uses the excluded embedding
+            n_matmul += self.lm_head.weight.numel()
         return 6 * n_matmul + 3 * sum(block.mixer.mixing_flops(seq_len) for block in self.blocks)
 
     def configure_optimizer(self, weight_decay, learning_rate, betas, device_type):
@@ -174,6 +191,31 @@ class GPT(nn.Module):
             idx_next = sample_next(logits[:, -1, :], temperature, top_k, top_p, generator)
             idx = torch.cat((idx, idx_next), dim=1)
         return idx
+
+
+def token_nll(logits, targets):
+    """Summed cross-entropy of logits (..., vocab) against targets (...); targets -1 are ignored. Each token's
+    loss is computed in float32 or better and the sum is taken in float64, so the total does not depend on how
+    the tokens are grouped (chunked_cross_entropy equals the plain loss)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    nll = F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=-1, reduction="none")
+    return nll.double().sum()
+
+
+def _chunk_nll(x, weight, targets):
+    return token_nll(F.linear(x, weight), targets)
+
+
+def chunked_cross_entropy(x, weight, targets, chunk: int):
+    """token_nll(x @ weight.T, targets) computed `chunk` tokens at a time, each chunk under activation
+    checkpointing: neither the logits nor their float32 copy ever exist for the whole batch (at 16K tokens x
+    50K vocabulary that copy alone is 3.3 GB per sequence); backward recomputes one chunk's logits at a time.
+    Equal to the plain loss up to summation order."""
+    x, targets = x.flatten(0, -2), targets.flatten()
+    # split, not slicing: its backward concatenates the chunks' gradients once instead of zero-filling a
+    # full-size gradient per chunk
+    pieces = zip(x.split(chunk), targets.split(chunk))
+    return sum(checkpoint(_chunk_nll, x_c, weight, t_c, use_reentrant=False) for x_c, t_c in pieces)
 
 
 def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from checkpoint import (CheckpointError, load_checkpoint, remove_stale_temp_files, run_info, save_checkpoint,
                         write_json)
@@ -30,10 +29,16 @@ from data.meta import DataError, load_meta, open_tokens, prepare_generated_if_mi
 from data.tokenizer import TokenizerUnavailable, get_tokenizer
 from eval.probes import training_probes
 from model import GPT
+from parallelize import parallelize
 
-# dense 16-bit tensor-core peak FLOP/s by device name, for MFU (float32 runs use the TF32 peak: half of it)
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12,
-              "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12, "A6000": 155e12}
+# dense (no sparsity) bf16/fp16 tensor-core peak FLOP/s by device name, for MFU (float32 runs use the TF32
+# peak: half of it). The first entry whose key is in torch.cuda.get_device_name() wins, so the H100's form
+# factors come before the plain "H100" (the SXM part, e.g. "NVIDIA H100 80GB HBM3"): the PCIe card and
+# the NVL part run at lower clocks and power.
+PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12),
+              ("GH200", 989e12), ("H800", 989e12), ("B200", 2250e12), ("A100", 312e12), ("A800", 312e12),
+              ("L40S", 362e12), ("L40", 181e12), ("L4", 121e12), ("A10G", 125e12), ("RTX 4090", 165e12),
+              ("RTX 3090", 71e12), ("V100", 125e12), ("A6000", 155e12))
 
 
 def fail(message: str, status: int = 1):
@@ -66,8 +71,12 @@ def window_for_step(step: int, t, long_window: int) -> int:
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
     if device.type != "cuda":
         return None  # CPU peaks vary too much to be worth a table: report tokens/s only
-    name = torch.cuda.get_device_name(device)
-    peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+    return peak_flops_of(torch.cuda.get_device_name(device), dtype)
+
+
+def peak_flops_of(device_name: str, dtype: torch.dtype) -> float | None:
+    """Peak FLOP/s of a GPU by its name (None when unknown: MFU is then not reported)."""
+    peak = next((v for k, v in PEAK_FLOPS if k in device_name), None)
     return peak if peak is None or dtype != torch.float32 else peak / 2
 
 
@@ -85,10 +94,20 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
+    """Restore rng_state()'s output. Generator states must be CPU ByteTensors (torch.set_rng_state and
+    torch.cuda.set_rng_state take nothing else): a checkpoint loaded onto a GPU (map_location=cuda) is refused
+    with the fix instead of failing inside torch."""
     import random
 
     import numpy as np
 
+    for key in ("torch", "cuda"):
+        value = state.get(key)
+        if value is not None and not (isinstance(value, torch.Tensor) and value.device.type == "cpu"
+                                      and value.dtype == torch.uint8):
+            where = f"a {value.dtype} tensor on {value.device}" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise CheckpointError(f"the saved {key} RNG state is {where}, not a CPU ByteTensor: load checkpoints "
+                                  "with map_location='cpu' and move only model and optimizer state to the device")
     random.setstate(state["python"])
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
@@ -122,7 +141,6 @@ class MetricsLog:
             self.wandb_run.log(values, step=step)
 
 
-@torch.no_grad()
 @contextmanager
 def isolated_rng(seed: int, device):
     """Evaluation draws (sa's permutations) from its own seeded RNG: the training RNG stream is left as it
@@ -133,15 +151,18 @@ def isolated_rng(seed: int, device):
         yield
 
 
-def evaluate(model, val_data: WindowSampler, eval_iters: int, rank: int, world_size: int, autocast, device):
+@torch.no_grad()  # no autograd graph: evaluation holds one batch's activations at a time
+def evaluate(model, val_data: WindowSampler, eval_iters: int, rank: int, world_size: int, autocast, device,
+             loss_chunk: int = 0):
     """Mean validation loss over a fixed set of eval_iters batches, split across ranks and averaged."""
     model.eval()
     total = torch.zeros(2, device=device, dtype=torch.float64)
     for index in range(rank, eval_iters, world_size):
         x, y = val_data.batch(0, index)
         with autocast:
-            _, loss = model(x, y)
-        total += torch.stack([loss.double(), torch.ones((), device=device, dtype=torch.float64)])
+            _, loss = model(x, y, loss_chunk=loss_chunk)
+        total[0] += loss.detach().double()
+        total[1] += 1
     if world_size > 1:
         dist.all_reduce(total)
     model.train()
@@ -223,7 +244,9 @@ def main(argv):
     ckpt = None
     if t.init_from == "resume":
         try:
-            ckpt = load_checkpoint(out_dir / "ckpt_last.pt", map_location=device)
+            # on the CPU: RNG states must stay CPU ByteTensors; load_state_dict below copies model and
+            # optimizer state onto the parameters' device
+            ckpt = load_checkpoint(out_dir / "ckpt_last.pt", map_location="cpu")
         except CheckpointError as e:
             fail(f"cannot resume: {e}", status=2)
         saved = Config.from_dict(ckpt["config"]).model
@@ -242,16 +265,20 @@ def main(argv):
         scaler.load_state_dict(ckpt["scaler"])
         step, best_val_loss, wandb_run_id = ckpt["step"], ckpt["best_val_loss"], ckpt.get("wandb_run_id")
         if len(ckpt["rng"]) == world_size:
-            set_rng_state(ckpt["rng"][rank])
+            try:
+                set_rng_state(ckpt["rng"][rank])
+            except CheckpointError as e:
+                fail(f"cannot resume: {e}", status=2)
         elif master:
             print(f"warning: checkpoint has RNG states for {len(ckpt['rng'])} processes, not {world_size}: "
                   "dropout noise will differ from the interrupted run")
         del ckpt
     raw_model = model
-    if t.compile:
-        model = torch.compile(model)
-    if ddp:
-        model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    # activation checkpointing and torch.compile per block, then DDP (parallelize.py)
+    try:
+        model = parallelize(raw_model, t, device, dtype, ddp, local_rank)
+    except ValueError as e:
+        fail(f"cannot compile: {e}", status=2)
 
     # ---- output folder, logs, signals ---------------------------------------------------------------------
     if master:
@@ -327,15 +354,17 @@ def main(argv):
             if t.window_schedule != "fixed":
                 raw_model.set_window(m.swa_window)  # validation and probes use the long (test-time) window
             with isolated_rng(t.seed + rank, device):
-                val_loss = evaluate(model, val_data, ev.eval_iters, rank, world_size, autocast, device)
+                val_loss = evaluate(model, val_data, ev.eval_iters, rank, world_size, autocast, device, t.loss_chunk)
                 improved = val_loss < best_val_loss
                 best_val_loss = min(best_val_loss, val_loss)
                 if master:
                     print(f"step {step}: val loss {val_loss:.4f} (unigram baseline {unigram:.4f}, best {best_val_loss:.4f})")
                     metrics.log(step, val_loss=val_loss, best_val_loss=best_val_loss)
                 if ev.eval_tasks and step % (ev.eval_tasks_interval or ev.eval_interval) == 0:
-                    if master:  # retrieval / perplexity probes at several lengths (eval/probes.py)
-                        with autocast:
+                    if master:  # retrieval / perplexity probes at several lengths (eval/probes.py), run
+                        # eagerly: compiled blocks would recompile for every length and batch width (attention
+                        # itself still runs compiled FlexAttention on GPUs, one kernel per padded length)
+                        with autocast, torch.compiler.set_stance("force_eager"):
                             probes = training_probes(raw_model, ev.eval_tasks.split(","), task_lengths,
                                                      open_tokens(data_dir, "val"), meta["eot_id"], meta["tokenizer"],
                                                      t.seed, device)
@@ -361,7 +390,7 @@ def main(argv):
             if ddp:  # gradients are all-reduced only on the last micro-step
                 model.require_backward_grad_sync = micro_step == local_micro_steps - 1
             with autocast:
-                _, loss = model(x, y)
+                _, loss = model(x, y, loss_chunk=t.loss_chunk)
             loss_sum += loss.detach()
             scaler.scale(loss / local_micro_steps).backward()
         # one small collective per step: the mean loss over ranks, and whether any rank was told to stop
@@ -395,6 +424,9 @@ def main(argv):
             if peak is not None:
                 values["mfu"] = flops_per_token * tokens_per_s / (peak * world_size)
                 line += f" | mfu {100 * values['mfu']:.1f}%"
+            if device.type == "cuda":  # the most this process's tensors have held so far (rank 0's GPU)
+                values["max_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+                line += f" | {values['max_memory_gib']:.1f} GiB"
             elapsed_per_step = (now - t_start) / (step - start_step)
             line += f" | {1000 * dt:.0f} ms/step | eta {format_eta(elapsed_per_step * (t.max_iters - step))}"
             print(line, flush=True)

@@ -64,10 +64,9 @@ class BridgedBlockAttention(MaskedAttention):
         # the union of the edges: the union form's rule, and what caches and reachability need in both forms
         super().__init__(config, layer_idx, AnyOf((self.block_rule, self.bridge_rule)))
 
-    def attend(self, q, k, v, pos, cache):
-        if self.fusion == "union":
-            return super().attend(q, k, v, pos, cache)
-        return self.attend_paths((self.block_rule, self.bridge_rule), q, k, v, pos, cache)
+    def paths(self):
+        # union: one softmax over the union of the edges (self.rule); branch: block and bridge paths summed
+        return (self.rule,) if self.fusion == "union" else (self.block_rule, self.bridge_rule)
 
     def edge_counts(self, seq_len):
         unique = self.rule.count_edges(seq_len)

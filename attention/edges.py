@@ -135,6 +135,16 @@ class SlidingWindow(EdgeRule):
         return [self.window] * n_head
 
 
+def head_values(values: tuple, h):
+    """values[h] for a tensor of head indices h, as a torch.where chain over the runs of equal values (python
+    ints only: a tensor built here would be a constant that compiled FlexAttention's mask_mod cannot lower)."""
+    out = values[0]
+    for head in range(1, len(values)):
+        if values[head] != values[head - 1]:
+            out = torch.where(h >= head, values[head], out)
+    return out
+
+
 @dataclass(frozen=True)
 class HeadWindows(EdgeRule):
     """Sliding windows that differ by head (multi-scale window attention): head h sees windows[h] positions."""
@@ -147,7 +157,7 @@ class HeadWindows(EdgeRule):
         return max(self.windows) - 1
 
     def allowed(self, q, k, h=None):
-        return window_edges(q, k, torch.tensor(self.windows, device=q.device)[h])
+        return window_edges(q, k, head_values(self.windows, h))
 
     def head_groups(self):
         heads_of = {}

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attention.registry import RecurrentMixer, register
+from attention.registry import RecurrentMixer, chunk_loop_problem, register
 
 KERNELS = ("auto", "native", "fla")
 
@@ -152,8 +152,8 @@ class GatedDeltaNet(RecurrentMixer):
         self.chunk, self.conv_size, self.kernel = config.gdn_chunk, config.gdn_conv_size, config.gdn_kernel
         self.norm_eps = config.norm_eps
         if self.kernel == "fla" and fla_chunk_kernel() is None:
-            raise ImportError("gdn_kernel=fla needs the flash-linear-attention package (pip install "
-                              "flash-linear-attention); gdn_kernel=auto or native use the built-in chunked form")
+            raise ImportError("gdn_kernel=fla needs the flash-linear-attention package (pip install -r "
+                              "requirements-gpu.txt); gdn_kernel=auto or native use the built-in chunked form")
         C = config.n_embd
         self.c_q = nn.Linear(C, C, bias=config.bias)
         self.c_k = nn.Linear(C, C, bias=config.bias)
@@ -189,13 +189,23 @@ class GatedDeltaNet(RecurrentMixer):
 
     def fla_kernel(self, x):
         """fla's chunk kernel when it should run on x, else None."""
-        if self.kernel == "native" or x.device.type != "cuda":
+        return self.fla_kernel_for(x.device, x.dtype)
+
+    def fla_kernel_for(self, device, dtype):
+        if self.kernel == "native" or torch.device(device).type != "cuda":
             return None  # fla's kernels are Triton (CUDA) only
-        if self.kernel == "auto" and x.dtype not in (torch.bfloat16, torch.float16):
+        if self.kernel == "auto" and dtype not in (torch.bfloat16, torch.float16):
             return None  # some fla versions reject float32 inputs; full precision runs use the native form
         return fla_chunk_kernel()
 
-    def forward(self, x, pos, cache=None):
+    def compile_problem(self, seq_len, device, dtype):
+        if self.fla_kernel_for(device, dtype) is not None:
+            return ""  # fla's chunk kernel (fla keeps it out of compiled graphs itself: one graph break)
+        return chunk_loop_problem("gated_deltanet", seq_len, self.chunk, "install flash-linear-attention on the "
+                                  "CUDA machine (pip install -r requirements-gpu.txt) and train in bfloat16 for "
+                                  "fla's chunk kernel")
+
+    def forward(self, x, pos, cache=None, plan=None):
         B, T, C = x.shape
         H, D = self.n_head, self.head_dim
         conv = (None, None, None) if cache is None or cache.conv is None else cache.conv

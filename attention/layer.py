@@ -13,7 +13,7 @@ from torch import nn
 
 from attention.cache import KVCache, RollingKVCache
 from attention.edges import EdgeRule
-from attention.kernels import BACKENDS, attend, masked_attention
+from attention.kernels import BACKENDS, attend_planned, masked_attention, plan_attention
 from attention.registry import Mixer
 from attention.rope import apply_rope
 
@@ -32,20 +32,20 @@ class Attention(Mixer):
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, pos, cache=None):
+    def forward(self, x, pos, cache=None, plan=None):
         B, T, C = x.shape
         q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
                    for t in self.c_attn(x).split(C, dim=2))
         if self.rope_theta is not None:
             q, k = apply_rope(q, pos, self.rope_theta), apply_rope(k, pos, self.rope_theta)
-        return self.resid_dropout(self.c_proj(self.mix(q, k, v, pos, cache)))
+        return self.resid_dropout(self.c_proj(self.mix(q, k, v, pos, cache, plan)))
 
-    def mix(self, q, k, v, pos, cache):
+    def mix(self, q, k, v, pos, cache, plan=None):
         """Per-head q, k, v (B, H, T, D) -> the (B, T, C) input of the output projection: attention, heads
         merged, then the gate. Multi-path variants (sa_swa) override it to gate and sum their paths."""
-        return gated(self.gate, merge_heads(self.attend(q, k, v, pos, cache)))
+        return gated(self.gate, merge_heads(self.attend(q, k, v, pos, cache, plan)))
 
-    def attend(self, q, k, v, pos, cache):
+    def attend(self, q, k, v, pos, cache, plan=None):
         raise NotImplementedError
 
 
@@ -74,28 +74,38 @@ class MaskedAttention(Attention):
         self.rule = rule
         self.backend = config.attn_backend
 
-    def score_mod(self):
-        """FlexAttention-style score_mod(score, b, h, q_idx, kv_idx), or None (see attention/kernels.py).
-        Return the same function object at every call: compiled flex recompiles for a new one."""
+    def score_mod(self, device):
+        """FlexAttention-style score_mod(score, b, h, q_idx, kv_idx) for tensors on device, or None (see
+        attention/kernels.py). Return the same function object at every call: compiled flex recompiles for a
+        new one."""
         return None
 
-    def attend(self, q, k, v, pos, cache):
-        return self.attend_paths((self.rule,), q, k, v, pos, cache)
+    def compile_key(self):
+        return (type(self).__name__, self.paths(), self.activation)
 
-    def attend_paths(self, rules, q, k, v, pos, cache):
-        """The sum of attention under each of the rules, each normalised on its own (one rule: attention)."""
+    def paths(self) -> tuple:
+        """The rules of the separately normalised paths whose outputs are summed (one rule: attention)."""
+        return (self.rule,)
+
+    def plan(self, batch_size, seq_len, device, start: int = 0):
+        """One AttentionPlan per path (attention/kernels.py): its masks, built once per length and rule."""
+        return tuple(plan_attention(rule, self.backend, seq_len, self.n_head, self.head_dim, device, start,
+                                    score_mod=self.score_mod(device), activation=self.activation)
+                     for rule in self.paths())
+
+    def attend(self, q, k, v, pos, cache, plan=None):
+        """The sum of attention under each of the paths' rules, each normalised on its own."""
+        rules = self.paths()
         dropout_p = self.dropout if self.training else 0.0
-        # without a cache a sequence starts at 0 (GPT.forward enforces it): no device sync on the training path
-        start = 0 if cache is None else int(pos[0])
-        if cache is None or (cache.empty and q.shape[2] > 1):  # training, or a prompt's first pass
-            y = sum(attend(q, k, v, rule, self.backend, start, self.score_mod(), self.activation, dropout_p)
-                    for rule in rules)
+        if cache is None or (cache.empty and q.shape[2] > 1):  # training, or a prompt's first pass (from 0)
+            plan = plan or self.plan(q.shape[0], q.shape[2], q.device, 0 if cache is None else int(pos[0]))
+            y = sum(attend_planned(q, k, v, path, dropout_p) for path in plan)
             if cache is not None:
                 cache.update(k, v, pos)
             return y
         keys, values, key_pos = cache.update(k, v, pos)
         return sum(masked_attention(q, keys, values, rule.dense_mask(pos, key_pos, self.n_head) & (key_pos >= 0),
-                                    pos, key_pos, self.score_mod(), self.activation) for rule in rules)
+                                    pos, key_pos, self.score_mod(q.device), self.activation) for rule in rules)
 
     def init_cache(self, batch_size, max_len, device, dtype):
         lookback = self.rule.lookback

@@ -103,7 +103,7 @@ class TaylorLinearAttention(RecurrentMixer):
         self.rope_theta = config.rope_theta if config.resolved_pos_embedding == "rope" else None
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, pos, cache=None):
+    def forward(self, x, pos, cache=None, plan=None):
         B, T, C = x.shape
         q, k = (t.view(B, T, self.n_head, self.feature_dim).transpose(1, 2)
                 for t in self.c_qk(x).split(self.n_head * self.feature_dim, dim=2))

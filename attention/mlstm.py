@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attention.registry import RecurrentMixer, register
+from attention.registry import RecurrentMixer, chunk_loop_problem, register
 
 EPS = 1e-6
 NORM_EPS = 1e-6  # xLSTM 7B's per-head LayerNorm
@@ -137,32 +137,90 @@ def chunkwise_mlstm(q, k, v, i, f, state=None, chunk: int = 64, eps: float = EPS
 
 
 @functools.cache
-def _triton_chunkwise():
-    """mlstm_kernels' Triton chunkwise kernel, or None when the package (or triton) is not installed. Kept out
-    of torch.compile's graphs: the kernel is its own autograd.Function over Triton launches."""
+def triton_available() -> bool:
+    """Whether mlstm_kernels' Triton chunkwise kernel can run here (the package and triton installed)."""
     try:
-        from mlstm_kernels.torch.chunkwise.triton_xl_chunk import mlstm_chunkwise__xl_chunk
+        import mlstm_kernels.torch.chunkwise.triton_xl_chunk  # noqa: F401
     except ImportError:
-        return None
-    return torch.compiler.disable(mlstm_chunkwise__xl_chunk)
+        return False
+    return True
+
+
+# mlstm_kernels' own autograd.Function keeps its settings as tensors and reads them back with int() and float()
+# in backward, which torch.compile cannot trace (a graph break per layer). Its forward and backward kernels are
+# wrapped here as two opaque custom ops, so a compiled block holds the kernel as one node of its graph.
+@torch.library.custom_op("efficient_attention::mlstm_chunkwise_fw", mutates_args=(), device_types="cuda")
+def _triton_fw(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: torch.Tensor, f: torch.Tensor,
+               chunk_size: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from mlstm_kernels.torch.chunkwise.triton_xl_chunk.fw import mlstm_chunkwise_fw
+
+    h, n_out, m_out, _, _ = mlstm_chunkwise_fw(matQ=q.contiguous(), matK=k.contiguous(), matV=v.contiguous(),
+                                               vecI=i.contiguous(), vecF=f.contiguous(), chunk_size=chunk_size,
+                                               eps=eps, output_dtype=torch.float32)
+    return h, n_out, m_out
+
+
+@_triton_fw.register_fake
+def _(q, k, v, i, f, chunk_size, eps):
+    B, H, S, _ = q.shape
+    return q.new_empty(B, H, S, v.shape[-1]), q.new_empty(B, H, S, dtype=torch.float32), \
+        q.new_empty(B, H, S, dtype=torch.float32)
+
+
+@torch.library.custom_op("efficient_attention::mlstm_chunkwise_bw", mutates_args=(), device_types="cuda")
+def _triton_bw(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: torch.Tensor, f: torch.Tensor,
+               n_out: torch.Tensor, m_out: torch.Tensor, grad_h: torch.Tensor, chunk_size: int,
+               eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from mlstm_kernels.torch.chunkwise.triton_xl_chunk.bw import mlstm_chunkwise_bw
+
+    dq, dk, dv, di, df, *_ = mlstm_chunkwise_bw(
+        matQ=q.contiguous(), matK=k.contiguous(), matV=v.contiguous(), vecI=i.contiguous(), vecF=f.contiguous(),
+        vecN_out=n_out, vecM_out=m_out, matDeltaH_out=grad_h.contiguous(), chunk_size=chunk_size, eps=eps)
+    return dq, dk, dv, di.to(i.dtype), df.to(f.dtype)
+
+
+@_triton_bw.register_fake
+def _(q, k, v, i, f, n_out, m_out, grad_h, chunk_size, eps):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(i), torch.empty_like(f)
+
+
+def _triton_setup_context(ctx, inputs, output):
+    q, k, v, i, f, chunk_size, eps = inputs
+    _, n_out, m_out = output
+    ctx.save_for_backward(q, k, v, i, f, n_out, m_out)
+    ctx.chunk_size, ctx.eps = chunk_size, eps
+
+
+def _triton_backward(ctx, grad_h, grad_n, grad_m):  # n_out and m_out are kernel internals: no gradient flows
+    return (*_triton_bw(*ctx.saved_tensors, grad_h, ctx.chunk_size, ctx.eps), None, None)
+
+
+_triton_fw.register_autograd(_triton_backward, setup_context=_triton_setup_context)
 
 
 def mlstm_sequence(q, k, v, i, f, state=None, chunk: int = 64, kernel: str = "auto", need_state: bool = True):
     """A whole sequence in the training form: mlstm_kernels' Triton kernel on CUDA when it is installed
     (kernel auto or triton, from a zero state, when the final state is not needed), else chunkwise_mlstm.
-    Returns h and the final state (None from the Triton kernel)."""
-    triton = kernel != "native" and q.is_cuda and state is None and not need_state and _triton_chunkwise()
-    if kernel == "triton" and q.is_cuda and not triton and _triton_chunkwise() is None:
-        raise RuntimeError("mlstm_kernel=triton needs the mlstm_kernels package (pip install mlstm_kernels); "
-                           "use mlstm_kernel=native or auto")
+    Returns h and the final state (None from the Triton kernel). The Triton kernel takes q, k, v in their own
+    dtype (bfloat16 under bf16 training: its matmuls run in bf16 with float32 accumulation, as xLSTM 7B
+    trains) and the gates in float32; chunkwise_mlstm computes in float32 or better."""
+    triton = kernel != "native" and q.is_cuda and state is None and not need_state
+    if triton and not triton_available():
+        if kernel == "triton":
+            raise RuntimeError("mlstm_kernel=triton needs the mlstm_kernels package (pip install -r "
+                               "requirements-gpu.txt); use mlstm_kernel=native or auto")
+        triton = False
     if not triton:
-        return chunkwise_mlstm(q, k, v, i, f, state, chunk)
+        compute = torch.promote_types(q.dtype, torch.float32)
+        return chunkwise_mlstm(*(t.to(compute) for t in (q, k, v, i, f)), state, chunk)
     length, kernel_chunk = q.shape[2], 64
     pad = -length % kernel_chunk  # the kernel wants whole chunks; padding after the end changes no output
+    i, f = i.float(), f.float()
     if pad:
         q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
         i, f = F.pad(i, (0, pad), value=_NO_INPUT), F.pad(f, (0, pad), value=30.0)
-    return triton(q, k, v, i, f, chunk_size=kernel_chunk, eps=EPS)[:, :, :length], None
+    v = v.to(q.dtype)
+    return _triton_fw(q, k.to(q.dtype), v, i, f, kernel_chunk, EPS)[0][:, :, :length], None
 
 
 @register("mlstm")
@@ -186,6 +244,11 @@ class MLSTMLayer(RecurrentMixer):
         self.qk_dim = int(config.n_embd * config.mlstm_qk_dim_factor)
         self.v_head_dim = config.n_embd // config.n_head
         self.chunk, self.soft_cap, self.kernel = config.mlstm_chunk, config.mlstm_gate_soft_cap, config.mlstm_kernel
+        # resolved once here, not inside a compiled forward: the Triton kernel trains on CUDA when installed
+        self.triton = self.kernel != "native" and triton_available()
+        if self.kernel == "triton" and not self.triton:
+            raise ValueError("mlstm_kernel=triton needs the mlstm_kernels package with triton (pip install -r "
+                             "requirements-gpu.txt on a CUDA machine); use mlstm_kernel=native or auto")
         self.q = nn.Linear(config.n_embd, self.qk_dim, bias=config.bias)
         self.k = nn.Linear(config.n_embd, self.qk_dim, bias=config.bias)
         self.v = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
@@ -205,32 +268,42 @@ class MLSTMLayer(RecurrentMixer):
         with torch.no_grad():
             self.f_gate.bias.copy_(torch.linspace(3.0, 6.0, self.n_head))
 
-    def forward(self, x, pos, cache=None):
+    def forward(self, x, pos, cache=None, plan=None):
         B, T, C = x.shape
         q = self.q(x).view(B, T, self.n_head, -1).transpose(1, 2)
         k = self.k(x).view(B, T, self.n_head, -1).transpose(1, 2)
         v = self.v(x).view(B, T, self.n_head, -1).transpose(1, 2)
         i = soft_cap(self.i_gate(x), self.soft_cap).transpose(1, 2)  # (B, H, T)
         f = soft_cap(self.f_gate(x), self.soft_cap).transpose(1, 2)
-        # exponential gates and long sums: float32 or better, also under autocast
+        # exponential gates and long sums: float32 or better, also under autocast (the Triton kernel takes
+        # q, k, v in the autocast dtype and does the same inside)
         compute = torch.promote_types(q.dtype, torch.float32)
+        triton = self.triton and x.is_cuda and cache is None
         with torch.autocast(x.device.type, enabled=False):
-            q, k, v32, i, f = (t.to(compute) for t in (q, k, v, i, f))
-            h = self.cell(q, k, v32, i, f, cache)
+            if not triton:
+                q, k, v = (t.to(compute) for t in (q, k, v))
+            h = self.cell(q, k, v, i.to(compute), f.to(compute), cache, "triton" if triton else "native")
+            h = h.to(compute)
             # per-head LayerNorm without bias, weight shared layout with xLSTM 7B's MultiHeadLayerNorm
             h = F.layer_norm(h.transpose(1, 2), (self.v_head_dim,), eps=NORM_EPS).reshape(B, T, C)
         h = (h * self.norm_weight.to(compute)).to(v.dtype)
         return self.resid_dropout(self.c_proj(torch.sigmoid(self.o_gate(x)) * h))
 
-    def cell(self, q, k, v, i, f, cache):
+    def cell(self, q, k, v, i, f, cache, kernel="native"):
         if cache is not None and q.shape[2] == 1:
             h, cache.state = recurrent_mlstm(q, k, v, i, f, cache.state)
             return h
-        h, state = mlstm_sequence(q, k, v, i, f, None if cache is None else cache.state, self.chunk, self.kernel,
+        h, state = mlstm_sequence(q, k, v, i, f, None if cache is None else cache.state, self.chunk, kernel,
                                   need_state=cache is not None)
         if cache is not None:
             cache.state = state
         return h
+
+    def compile_problem(self, seq_len, device, dtype):
+        if self.triton and torch.device(device).type == "cuda":
+            return ""  # mlstm_kernels' Triton kernel: one op in the graph
+        return chunk_loop_problem("mlstm", seq_len, self.chunk, "install mlstm_kernels with triton on the CUDA "
+                                  "machine (pip install -r requirements-gpu.txt) for its Triton kernel")
 
     def mixing_flops(self, seq_len):
         qk_head = self.qk_dim // self.n_head

@@ -14,9 +14,14 @@ from attention.edges import Causal
 class Mixer(nn.Module):
     """Interface of a token mixer (attention variant or recurrent layer).
 
-    forward(x, pos, cache=None) -> y
+    forward(x, pos, cache=None, plan=None) -> y
         x: (B, T, C) normalised block input; pos: (T,) absolute positions of x's tokens (used for RoPE and
-        position-dependent masks); cache: the object from init_cache, updated in place, during generation.
+        position-dependent masks); cache: the object from init_cache, updated in place, during generation;
+        plan: what plan(B, T, device) returned for this forward (None: the mixer plans for itself).
+    plan(batch_size, seq_len, device) -> what forward needs that depends only on the shape and device (masks,
+        tiles, block masks) or is drawn once per forward (sa's permutation). GPT.forward calls it before the
+        blocks run, outside compiled code, so compiled blocks get their masks as inputs (built once per shape
+        and shared by the layers) and recomputation under activation checkpointing reuses the same draws.
     init_cache(batch_size, max_len, device, dtype) -> per-layer generation state (KV cache, recurrent state).
     supports_cache: False for mixers whose edges are redrawn at every forward (sa): generation then re-runs
         the context for each new token.
@@ -38,6 +43,18 @@ class Mixer(nn.Module):
 
     def mixing_flops(self, seq_len: int) -> float:
         return 0.0
+
+    def plan(self, batch_size: int, seq_len: int, device):
+        return None
+
+    def compile_key(self) -> tuple:
+        """What a compiled block specialises on besides shapes: blocks whose mixers have equal keys share one
+        compiled graph, and each new key is one more (scripts/compile_check.py counts graphs against keys)."""
+        return (type(self).__name__,)
+
+    def compile_problem(self, seq_len: int, device, dtype) -> str:
+        """Why this layer should not be torch.compiled at this length, device and dtype ("" when it can)."""
+        return ""
 
     def init_weights(self) -> None:
         pass
@@ -61,7 +78,7 @@ class Mixer(nn.Module):
         layer through any head (the union of its edges; all causal pairs for recurrent mixers)."""
         raise NotImplementedError
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, cache=None, plan=None) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -74,6 +91,20 @@ class RecurrentMixer(Mixer):
 
     def edge_mask(self, seq_len, device="cpu"):
         return Causal().dense_mask(torch.arange(seq_len, device=device))
+
+
+# torch.compile unrolls python loops: a chunk loop longer than this takes too long to compile (hours at 256)
+MAX_COMPILED_CHUNKS = 64
+
+
+def chunk_loop_problem(layer: str, seq_len: int, chunk: int, fast_path: str) -> str:
+    """compile_problem of a layer whose training form loops over chunks in python (the native mLSTM and Gated
+    DeltaNet forms): fine for short sequences, refused beyond MAX_COMPILED_CHUNKS chunks."""
+    chunks = -(-seq_len // chunk)
+    if chunks <= MAX_COMPILED_CHUNKS:
+        return ""
+    return (f"{layer}'s built-in chunked form loops in python over {chunks} chunks at length {seq_len}, and "
+            f"torch.compile would unroll them (compiling would take hours): {fast_path}, or train with compile=False")
 
 
 MIXERS: dict[str, type[Mixer]] = {}

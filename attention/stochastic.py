@@ -23,11 +23,13 @@ is no cache to extend.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from attention.edges import PermutedWindow, SlidingWindow, StochasticWindow, stochastic_halo
-from attention.kernels import attend
+from attention.kernels import AttentionPlan, attend_planned, plan_attention
 from attention.layer import MaskedAttention, merge_heads
 from attention.registry import register
 
@@ -81,18 +83,44 @@ class FromSlots(torch.autograd.Function):
         return grad_slots, None, None, None
 
 
-def stochastic_attention(q, k, v, order, window: int, backend: str, dropout_p: float = 0.0):
-    """sa(window) of q, k, v (B, H, n, D) with the tokens in slot order `order` (n,): slot s holds token
-    order[s], shared by the batch and the heads."""
-    n = q.shape[2]
+@dataclass(eq=False)
+class StochasticPlan:
+    """One permutation's layout, drawn and planned outside compiled code (see Mixer.plan): slot s holds token
+    order[s]; `token` is the token at every extended slot (None when sa runs unpermuted: the dense reference,
+    or a length at which every slot is inside every window) and `attention` the kernel plan over them."""
+
+    order: torch.Tensor
+    slot_of: torch.Tensor
+    token: torch.Tensor | None
+    halo: int
+    attention: AttentionPlan
+
+
+def plan_stochastic(order, window: int, backend: str, n_head: int, head_dim: int, device) -> StochasticPlan:
+    n = order.shape[0]
     slot_of = inverse_permutation(order)
     if backend == "dense":  # the reference: every pair, in original positions
-        return attend(q, k, v, StochasticWindow(slot_of, window), "dense", dropout_p=dropout_p)
+        return StochasticPlan(order, slot_of, None, 0,
+                              plan_attention(StochasticWindow(slot_of, window), "dense", n, n_head, head_dim, device))
     if n // 2 <= stochastic_halo(window):  # every slot is inside every window: plain causal attention
-        return attend(q, k, v, SlidingWindow(n), backend, dropout_p=dropout_p)
+        return StochasticPlan(order, slot_of, None, 0,
+                              plan_attention(SlidingWindow(n), backend, n, n_head, head_dim, device))
     rule = PermutedWindow(order, window)
-    q, k, v = (ToSlots.apply(t, rule.token, slot_of, rule.halo) for t in (q, k, v))
-    return FromSlots.apply(attend(q, k, v, rule, backend, dropout_p=dropout_p), slot_of, order, rule.halo)
+    return StochasticPlan(order, slot_of, rule.token, rule.halo,
+                          plan_attention(rule, backend, n + 2 * rule.halo, n_head, head_dim, device))
+
+
+def stochastic_attention(q, k, v, order, window: int, backend: str, dropout_p: float = 0.0,
+                         plan: StochasticPlan | None = None):
+    """sa(window) of q, k, v (B, H, n, D) with the tokens in slot order `order` (n,): slot s holds token
+    order[s], shared by the batch and the heads (plan: plan_stochastic's for these arguments)."""
+    if plan is None:
+        plan = plan_stochastic(order, window, backend, q.shape[1], q.shape[3], q.device)
+    if plan.token is None:
+        return attend_planned(q, k, v, plan.attention, dropout_p)
+    q, k, v = (ToSlots.apply(t, plan.token, plan.slot_of, plan.halo) for t in (q, k, v))
+    y = attend_planned(q, k, v, plan.attention, dropout_p)
+    return FromSlots.apply(y, plan.slot_of, plan.order, plan.halo)
 
 
 def stochastic_edge_count(n: int, window: int) -> int:
@@ -139,16 +167,29 @@ class StochasticAttention(MaskedAttention):
             return torch.randperm(n, device=device)
         return torch.rand(batch_size, n, device=device).argsort(dim=-1)
 
-    def attend(self, q, k, v, pos, cache):
+    def sa_plans(self, batch_size, seq_len, device) -> tuple:
+        """This forward's permutation(s), drawn now, and their plans: one shared by the batch, or one per
+        sequence."""
+        orders = self.draw_orders(batch_size, seq_len, device)
+        self.last_order = orders
+        return tuple(plan_stochastic(order, self.window, self.backend, self.n_head, self.head_dim, device)
+                     for order in (orders[None] if orders.dim() == 1 else orders))
+
+    def plan(self, batch_size, seq_len, device, start=0):
+        return self.sa_plans(batch_size, seq_len, device)
+
+    def compile_key(self):  # the permutation is an input of the compiled block, drawn anew at every step
+        return (type(self).__name__, self.window, self.swa_rule)
+
+    def attend(self, q, k, v, pos, cache, plan=None):
         if cache is not None:
             raise NotImplementedError("sa draws a new permutation every forward: generate without a cache")
         dropout_p = self.dropout if self.training else 0.0
-        orders = self.draw_orders(q.shape[0], q.shape[2], q.device)
-        self.last_order = orders
-        if orders.dim() == 1:
-            return stochastic_attention(q, k, v, orders, self.window, self.backend, dropout_p)
-        return torch.cat([stochastic_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], orders[b], self.window,
-                                               self.backend, dropout_p) for b in range(q.shape[0])])
+        plans = plan if plan is not None else self.sa_plans(q.shape[0], q.shape[2], q.device)
+        if len(plans) == 1:
+            return stochastic_attention(q, k, v, None, self.window, self.backend, dropout_p, plans[0])
+        return torch.cat([stochastic_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], None, self.window,
+                                               self.backend, dropout_p, plans[b]) for b in range(q.shape[0])])
 
     def init_cache(self, batch_size, max_len, device, dtype):
         raise NotImplementedError("sa draws a new permutation every forward: generate with use_cache=False")
@@ -177,10 +218,15 @@ class GatedStochasticSlidingAttention(StochasticAttention):
         self.gate_sa = nn.Linear(config.n_embd, config.n_embd, bias=False)
         self.gate_swa = nn.Linear(config.n_embd, config.n_embd, bias=False)
 
-    def mix(self, q, k, v, pos, cache):
+    def plan(self, batch_size, seq_len, device, start=0):
+        return self.sa_plans(batch_size, seq_len, device), plan_attention(
+            self.swa_rule, self.backend, seq_len, self.n_head, self.head_dim, device)
+
+    def mix(self, q, k, v, pos, cache, plan=None):
         dropout_p = self.dropout if self.training else 0.0
-        y_sa = merge_heads(self.attend(q, k, v, pos, cache))
-        y_swa = merge_heads(attend(q, k, v, self.swa_rule, self.backend, dropout_p=dropout_p))
+        sa_plans, swa_plan = plan if plan is not None else self.plan(q.shape[0], q.shape[2], q.device)
+        y_sa = merge_heads(self.attend(q, k, v, pos, cache, sa_plans))
+        y_swa = merge_heads(attend_planned(q, k, v, swa_plan, dropout_p))
         return torch.sigmoid(self.gate_sa(y_sa)) * y_sa + torch.sigmoid(self.gate_swa(y_swa)) * y_swa
 
     def describe(self):

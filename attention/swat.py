@@ -120,11 +120,10 @@ class SigmoidWindowAttention(SlidingWindowAttention):
         self.has_bias = any(self.slopes) or self.offset != 0
         return super().set_window(window)
 
-    def score_mod(self):
+    def score_mod(self, device):
         if not self.has_bias:
             return None
-        device = self.c_attn.weight.device
-        key = (device, self.offset)
+        key = (str(device), self.offset)
         if key not in self._score_mods:
             self._score_mods[key] = AlibiBias(torch.tensor(self.slopes, dtype=torch.float32, device=device),
                                                  self.offset)

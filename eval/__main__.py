@@ -311,7 +311,8 @@ def main(argv):
     for task in e.tasks.split(","):
         started = time.time()
         try:
-            result = TASKS[task](e, ctx)
+            with torch.no_grad():  # every task only reads the model: no autograd graph, no saved activations
+                result = TASKS[task](e, ctx)
         except (ConfigError, ValueError) as err:  # report, and still finish the other tasks
             print(f"error in task {task}: {err}", file=sys.stderr)
             failed.append(task)

@@ -4,11 +4,13 @@ validation loss (train.py calls training_probes at every eval_tasks_interval ste
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from eval import niah as niah_task
 from eval import ppl as ppl_task
 
 
+@torch.no_grad()
 def training_probes(model, tasks: list[str], lengths: list[int], val_tokens: np.ndarray, eot_id: int,
                     tokenizer_name: str, seed: int, device, ppl_max_tokens: int = 50_000,
                     niah_samples: int = 8) -> dict:

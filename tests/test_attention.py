@@ -10,8 +10,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from attention.edges import AnyOf, BoundaryWindows, Causal, EdgeRule, FixedBlock, SlidingWindow
-from attention.kernels import attend, chunked_attention, dense_attention, resolve_backend
+from attention.edges import AnyOf, BoundaryWindows, Causal, EdgeRule, FixedBlock, SlidingWindow, head_values
+from attention.kernels import FLEX_MIN_HEAD_DIM, attend, chunked_attention, dense_attention, resolve_backend
 from config import ConfigError, ModelConfig, load_config
 from conftest import REPO
 from model import GPT
@@ -32,8 +32,7 @@ class PerHeadRule(EdgeRule):
         return max(self.windows) - 1
 
     def allowed(self, q, k, h=None):
-        window = torch.tensor(self.windows, device=q.device)[h]
-        return (k <= q) & (q - k < window)
+        return (k <= q) & (q - k < head_values(self.windows, h))
 
 
 @dataclass(frozen=True)
@@ -53,6 +52,7 @@ BRIDGED = [AnyOf((FixedBlock(16), BoundaryWindows("bridge", 16, 16, 257))),
            AnyOf((FixedBlock(16), BoundaryWindows("se_bridge", 16, 8, 257)))]
 RULES = [Causal(), SlidingWindow(16), SlidingWindow(33), FixedBlock(16), FixedBlock(20), PerHeadRule(), *BRIDGED]
 LENGTHS = [64, 100, 257]  # multiples of 16 and not
+CUDA_HEAD_DIM = 16  # the GPU checks' head dimension: the smallest CUDA FlexAttention takes
 
 
 def alibi(score, b, h, q_idx, kv_idx):
@@ -303,6 +303,15 @@ def test_mask_stats_reproduces_the_score_counts_of_004_table_2():
     assert counts == {"full": 524_800, "swa": 122_944, "block": 66_048}
 
 
+def test_auto_never_picks_flex_below_its_smallest_head_dimension():
+    # torch 2.13's CUDA FlexAttention lowering needs head_dim >= 16: auto takes the chunked kernel there, and
+    # the GPU checks below use heads of that size
+    cuda = torch.device("cuda")
+    assert resolve_backend("auto", SlidingWindow(8), cuda, head_dim=8) == "chunked"
+    assert resolve_backend("auto", SlidingWindow(8), cuda, head_dim=FLEX_MIN_HEAD_DIM) == "flex"
+    assert CUDA_HEAD_DIM >= FLEX_MIN_HEAD_DIM
+
+
 @pytest.mark.parametrize("backend", ["chunked", "sdpa"])
 def test_queries_without_keys_get_zero_output_and_gradient(backend):
     rule = EveryThirdQuery()
@@ -322,7 +331,7 @@ if torch.cuda.is_available():  # the GPU checks; defined only where CUDA exists,
     def test_cuda_backends_equal_dense_forward_and_backward(rule, backend):
         if backend == "chunked" and rule.lookback is None:
             return
-        q, k, v = (t.detach().float().cuda().requires_grad_() for t in qkv(300, dtype=torch.float32))
+        q, k, v = (t.detach().float().cuda().requires_grad_() for t in qkv(300, dim=CUDA_HEAD_DIM, dtype=torch.float32))
         pos = torch.arange(300, device="cuda")
         ref, ref_grads = fwd_bwd(lambda a, b, c: dense_attention(a, b, c, rule, pos), [q, k, v])
         out, grads = fwd_bwd(lambda a, b, c: attend(a, b, c, rule, backend), [q, k, v])

@@ -184,7 +184,7 @@ def test_bf16_autocast_keeps_the_cell_in_float32(monkeypatch):
     torch.testing.assert_close(low.float(), full, atol=3e-2, rtol=0)
 
 
-from attention.mlstm import _triton_chunkwise, mlstm_sequence  # noqa: E402
+from attention.mlstm import mlstm_sequence, triton_available  # noqa: E402
 
 if torch.cuda.is_available():  # defined only where CUDA exists, so CPU runs neither run nor skip them
 
@@ -197,7 +197,7 @@ if torch.cuda.is_available():  # defined only where CUDA exists, so CPU runs nei
             torch.testing.assert_close(b, a, atol=1e-3, rtol=1e-2)
 
 
-if torch.cuda.is_available() and _triton_chunkwise() is not None:  # where the optional Triton path can run
+if torch.cuda.is_available() and triton_available():  # where the optional Triton path can run
 
     def test_cuda_triton_kernel_equals_native_chunkwise():
         # a length that is not a multiple of the kernel's chunk: the padding must change no output
@@ -208,3 +208,16 @@ if torch.cuda.is_available() and _triton_chunkwise() is not None:  # where the o
         torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-2)
         for a, b in zip(grads(ref, tensors), grads(out, tensors)):
             torch.testing.assert_close(b, a, atol=1e-2, rtol=1e-2)
+
+    def test_cuda_triton_kernel_in_bfloat16_and_compiled_without_graph_breaks():
+        # bf16 training: q, k, v reach the kernel in bf16 (gates in float32), close to the float32 native form;
+        # and the kernel is one opaque op inside a compiled block (no graph break)
+        tensors = [t.detach().float().cuda() for t in inputs(256, dk=64, dv=64, realistic=True)]
+        ref, _ = chunkwise_mlstm(*tensors, chunk=64)
+        q, k, v, i, f = tensors
+        low, _ = mlstm_sequence(q.bfloat16(), k.bfloat16(), v.bfloat16(), i, f, kernel="triton", need_state=False)
+        assert low.dtype == torch.bfloat16
+        torch.testing.assert_close(low.float(), ref, atol=5e-2, rtol=5e-2)
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda *t: mlstm_sequence(*t, kernel="triton", need_state=False)[0], fullgraph=True)
+        torch.testing.assert_close(compiled(q.bfloat16(), k.bfloat16(), v.bfloat16(), i, f).float(), low.float())

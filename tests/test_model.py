@@ -91,3 +91,24 @@ def test_weight_decay_only_on_matrices():
     decayed, plain = opt.param_groups
     assert all(p.dim() >= 2 for p in decayed["params"]) and all(p.dim() < 2 for p in plain["params"])
     assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_flops_count_the_head_matmul_once(tie):
+    # MFU's numerator: 6 FLOPs per matmul parameter (the head included once, tied or not) plus the mixers' own
+    model = GPT(ModelConfig(arch="llama", n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=61, bias=False,
+                            tie_embeddings=tie))
+    body = sum(p.numel() for name, p in model.named_parameters() if not name.startswith(("wte.", "wpe.", "lm_head.")))
+    mixing = 3 * sum(block.mixer.mixing_flops(64) for block in model.blocks)
+    assert model.flops_per_token(64) == 6 * (body + model.lm_head.weight.numel()) + mixing
+
+
+def test_peak_flops_know_the_h100_form_factors():
+    from train import peak_flops_of
+
+    assert peak_flops_of("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989e12  # SXM
+    assert peak_flops_of("NVIDIA H100 PCIe", torch.bfloat16) == 756e12
+    assert peak_flops_of("NVIDIA H100 NVL", torch.bfloat16) == 835e12
+    assert peak_flops_of("NVIDIA H200", torch.float32) == 989e12 / 2  # TF32
+    assert peak_flops_of("NVIDIA L40S", torch.bfloat16) == 362e12 and peak_flops_of("NVIDIA L4", torch.bfloat16) == 121e12
+    assert peak_flops_of("Some Future GPU", torch.bfloat16) is None

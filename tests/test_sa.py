@@ -312,12 +312,14 @@ def test_training_draws_reproducible_permutations_and_resumes_exactly(tmp_path):
     assert train(tmp_path / "seeded", "--max_iters=8", "--seed=7") != reference
 
 
+from test_attention import CUDA_HEAD_DIM  # noqa: E402
+
 if torch.cuda.is_available():  # defined only where CUDA exists, so CPU runs neither run nor skip them
 
     @pytest.mark.parametrize("backend", ["flex", "chunked"])
     def test_cuda_sa_equals_dense_forward_and_backward(backend):
         n, window = 1000, 64
-        q, k, v = (t.detach().float().cuda().requires_grad_() for t in qkv(n))
+        q, k, v = (t.detach().float().cuda().requires_grad_() for t in qkv(n, dim=CUDA_HEAD_DIM))
         order = torch.randperm(n, device="cuda")
         ref, ref_grads = fwd_bwd(lambda a, b, c: stochastic_attention(a, b, c, order, window, "dense"), [q, k, v])
         out, grads = fwd_bwd(lambda a, b, c: stochastic_attention(a, b, c, order, window, backend), [q, k, v])

@@ -189,7 +189,7 @@ def test_swat_rope_switch_and_slopes_stay_float32():
     assert swat_model().blocks[0].mixer.rope_theta is not None
     assert swat_model(swat_rope=False).blocks[0].mixer.rope_theta is None
     model = swat_model(swat_slopes="alibi", swat_split="2:2").to(torch.bfloat16)  # as evaluation casts it
-    slopes = model.blocks[0].mixer.score_mod().slopes
+    slopes = model.blocks[0].mixer.score_mod("cpu").slopes
     assert slopes.dtype == torch.float32 and slopes.tolist() == swat_slopes(4, "alibi", "2:2")
     assert not any("slope" in key for key in model.state_dict())  # derived from the config, not saved
 
@@ -262,6 +262,8 @@ def test_recipe_and_ablation_grid_configs():
         assert m.n_head == 12 and m.attn_pattern == "swat"
 
 
+from test_attention import CUDA_HEAD_DIM  # noqa: E402
+
 if torch.cuda.is_available():  # defined only where CUDA exists, so CPU runs neither run nor skip them
 
     @pytest.mark.parametrize("backend", ["flex", "chunked"])
@@ -269,7 +271,7 @@ if torch.cuda.is_available():  # defined only where CUDA exists, so CPU runs nei
     def test_cuda_swat_equals_dense_forward_and_backward(backend, activation):
         n, window = 1000, 128
         mod = AlibiBias(torch.tensor(swat_slopes(4, "paper", "2:2"), device="cuda"), 0.0)
-        tensors = [t.detach().cuda().requires_grad_() for t in qkv(n)]
+        tensors = [t.detach().cuda().requires_grad_() for t in qkv(n, dim=CUDA_HEAD_DIM)]
         rule = SlidingWindow(window)
         ref, ref_grads = fwd_bwd(lambda q, k, v: attend(q, k, v, rule, "dense", score_mod=mod, activation=activation),
                                  tensors)
@@ -283,7 +285,7 @@ if torch.cuda.is_available():  # defined only where CUDA exists, so CPU runs nei
         """No normaliser: the output is a sum of up to w sigmoid-weighted values, so check bf16 against fp32."""
         n, window = 2048, 256
         mod = AlibiBias(torch.tensor(swat_slopes(4, "paper", "2:2"), device="cuda"), 0.0)
-        q, k, v = (t.detach().cuda() for t in qkv(n))
+        q, k, v = (t.detach().cuda() for t in qkv(n, dim=CUDA_HEAD_DIM))
         ref = attend(q, k, v, SlidingWindow(window), "dense", score_mod=mod, activation="sigmoid")
         out = attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), SlidingWindow(window), "flex", score_mod=mod,
                      activation="sigmoid")

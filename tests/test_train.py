@@ -1,6 +1,7 @@
 """End-to-end training runs in subprocesses, as a user runs them (tiny models on the embedded corpus)."""
 
 import json
+import math
 import os
 import random
 import signal
@@ -165,3 +166,40 @@ def test_wandb_offline_logs_and_resume_keeps_the_run_id(tmp_path):
     assert first and load_checkpoint(tmp_path / "ckpt_last.pt")["wandb_run_id"] == first
     runs = list((tmp_path / "wandb").glob(f"offline-run-*-{first}"))
     assert len(runs) == 2  # one folder per process lifetime, both for the same run id
+
+
+def test_evaluation_builds_no_autograd_graph():
+    # evaluation holds one batch's activations at a time: no tensor is saved for a backward that never comes
+    from contextlib import nullcontext
+
+    from config import ModelConfig
+    from data.loader import WindowSampler
+    from data.meta import load_meta, open_tokens, prepare_generated_if_missing
+    from eval.probes import training_probes
+    from model import GPT
+    from train import evaluate
+
+    data_dir = str(REPO / "data" / "embedded_byte")
+    prepare_generated_if_missing(data_dir)
+    meta = load_meta(data_dir)
+    model = GPT(ModelConfig(arch="llama", bias=False, n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=320))
+    val = WindowSampler(data_dir, "val", 32, 4, 3, device="cpu")
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        loss = evaluate(model, val, 3, 0, 1, nullcontext(), torch.device("cpu"))
+        probes = training_probes(model, ["ppl", "niah"], [256], open_tokens(data_dir, "val"), meta["eot_id"],
+                                 meta["tokenizer"], 0, "cpu", ppl_max_tokens=2000, niah_samples=1)
+    assert saved == [] and math.isfinite(loss) and set(probes) == {"ppl@256", "niah@256"}
+    assert model.training  # evaluation puts the model back in training mode
+
+
+def test_rng_restore_refuses_states_that_are_not_cpu_byte_tensors():
+    # a checkpoint loaded with map_location=cuda holds GPU tensors; torch.set_rng_state takes CPU ByteTensors only
+    from checkpoint import CheckpointError
+    from train import rng_state, set_rng_state
+
+    state = rng_state()
+    set_rng_state(state)
+    for bad in (state["torch"].to("meta"), state["torch"].float(), state["torch"].tolist()):
+        with pytest.raises(CheckpointError, match="map_location='cpu'"):
+            set_rng_state({**state, "torch": bad})

@@ -1,0 +1,77 @@
+"""How train.py lays a model out over memory and devices: activation checkpointing, compilation, DDP.
+
+The order is torchtitan's: activation checkpointing wraps each block, then each block is compiled on its own
+(layers with the same mixer share one compiled graph, and everything the blocks need that depends only on the
+shape, masks and sa's permutations, is planned by GPT.forward outside them; see Mixer.plan), then data
+parallelism wraps the whole model. State-dict keys are those of the bare model whatever is applied.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+
+
+def _saved_ops() -> set:
+    """Ops whose outputs selective checkpointing keeps: the matmuls and the attention kernels (the costly
+    recomputations); norms, activations, RoPE and the other elementwise work are recomputed in backward."""
+    aten = torch.ops.aten
+    ops = {aten.mm.default, aten.addmm.default, aten.bmm.default,
+           aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
+           aten._scaled_dot_product_cudnn_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default}
+    flex = getattr(torch.ops.higher_order, "flex_attention", None)
+    return ops | ({flex} if flex is not None else set())
+
+
+def _selective_policy(saved, ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_activation_checkpointing(model, mode: str) -> None:
+    """Wrap every block of model.blocks in activation checkpointing (torch.utils.checkpoint, non-reentrant).
+
+    full: a block keeps only its input and recomputes everything in backward. selective: it keeps the outputs
+    of its matmuls and attention kernels and recomputes the rest (torchtitan's op-level policy). The RNG state
+    is restored for the recomputation, so dropout draws the same masks; sa's permutations and the stochastic
+    window are fixed before the blocks run (GPT.plan, GPT.set_window), so recomputation sees the same edges.
+    """
+    if mode not in ACTIVATION_CHECKPOINTING:
+        raise ValueError(f"activation_checkpointing={mode!r}: expected one of {', '.join(ACTIVATION_CHECKPOINTING)}")
+    if mode == "none":
+        return
+    context_fn = None
+    if mode == "selective":
+        context_fn = functools.partial(create_selective_checkpoint_contexts,
+                                       functools.partial(_selective_policy, _saved_ops()))
+    kwargs = {"preserve_rng_state": True} if context_fn is None else {"preserve_rng_state": True, "context_fn": context_fn}
+    for i, block in enumerate(model.blocks):  # non-reentrant checkpointing, checkpoint_wrapper's default
+        model.blocks[i] = checkpoint_wrapper(block, **kwargs)
+
+
+def compile_blocks(model, device=None, dtype=None, **options) -> None:
+    """torch.compile each block in place (Module.compile: the parameters and state-dict keys stay as they are).
+    Refuses (ValueError) when a layer says it should not be compiled at the model's length on this device and
+    dtype (Mixer.compile_problem: e.g. a python chunk loop that would take hours to unroll)."""
+    if device is not None:
+        problems = model.compile_problems(model.config.block_size, device, dtype)
+        if problems:
+            raise ValueError("; ".join(problems))
+    for block in model.blocks:
+        block.compile(**options)
+
+
+def parallelize(model, t, device: torch.device, dtype: torch.dtype, ddp: bool, local_rank: int = 0):
+    """Activation checkpointing and compilation (in place, per block), then DDP around the model when running
+    under torchrun. Returns the module the training loop calls."""
+    apply_activation_checkpointing(model, t.activation_checkpointing)
+    if t.compile:
+        compile_blocks(model, device, dtype)
+    if ddp:
+        return DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    return model

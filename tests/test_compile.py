@@ -1,0 +1,141 @@
+"""torch.compile: masks planned outside compiled blocks, no graph breaks or unexpected recompiles for any mixer,
+FlexAttention block masks built from the rules without n x n tensors, and eager flex that never falls back to
+materialised scores."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask
+
+import attention.kernels as kernels
+from attention.edges import AnyOf, BoundaryWindows, FixedBlock, HeadWindows, SlidingWindow
+from attention.kernels import attend, dense_attention, flex_block_mask, plan_attention
+from config import ModelConfig
+from conftest import REPO
+from model import GPT
+from parallelize import compile_blocks
+from test_attention import RULES, qkv
+
+pytestmark = [pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
+              pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated")]
+
+
+def run_compile_check(*args):
+    proc = subprocess.run([sys.executable, "scripts/compile_check.py", "--device=cpu", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    return proc, proc.stdout
+
+
+def test_every_mixer_compiles_without_graph_breaks_or_unexpected_recompiles():
+    # Dynamo's graph capture (breaks, guards, recompiles) is the same whatever backend generates the code;
+    # the eager backend checks it for every mixer in about a minute
+    proc, out = run_compile_check("--backend=eager")
+    assert proc.returncode == 0, out + proc.stderr[-3000:]
+    rows = [line.split() for line in out.splitlines() if line.endswith(" ok")]
+    assert {row[0] for row in rows} >= {"full", "swa", "block", "mswa", "mswa_h", "mswa_l", "sa", "sa_swa", "swat",
+                                        "linear", "mlstm", "gated_deltanet", "bridge", "pbb", "se_bridge", "swax",
+                                        "pbb_union"}
+    assert all(row[3] == "0" and row[4] == "0" for row in rows)  # breaks, unexpected recompiles
+    swax = next(row for row in rows if row[0] == "swax")
+    assert swax[1] == swax[2] == "5"  # swa at two windows + mlstm in training, swa + mlstm in evaluation
+
+
+def test_inductor_compiles_the_cpu_training_path():
+    # inductor's code generation on the chunked kernel (custom autograd functions) and the stochastic layout
+    proc, out = run_compile_check("--mixers=swa,sa")
+    assert proc.returncode == 0, out + proc.stderr[-3000:]
+
+
+def test_a_compiled_block_that_would_build_masks_in_its_graph_is_refused():
+    # masks come from Mixer.plan, built by GPT.forward outside the compiled blocks; a compiled layer asked to
+    # plan inside its graph must say so instead of rebuilding them at every forward
+    cfg = ModelConfig(arch="llama", n_layer=1, n_head=2, n_embd=32, block_size=64, vocab_size=64, bias=False,
+                      attn_pattern="swa", swa_window=8)
+    layer = GPT(cfg).blocks[0].mixer
+    x, pos = torch.randn(1, 64, 32), torch.arange(64)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="plan attention outside compiled code"):
+        torch.compile(layer, backend="eager", fullgraph=True)(x, pos)
+    model, compiled = GPT(cfg), GPT(cfg)
+    compiled.load_state_dict(model.state_dict())  # per-block compilation keeps the state-dict keys
+    compile_blocks(compiled, backend="eager")
+    idx = torch.randint(0, 64, (1, 64))
+    torch.testing.assert_close(compiled(idx)[0], model(idx)[0])
+
+
+@pytest.mark.parametrize("rule", [*RULES, HeadWindows((64, 64, 300, 300)), SlidingWindow(129)], ids=repr)
+def test_block_masks_from_the_rule_equal_create_block_mask(rule):
+    for n in (64, 100, 257, 640):
+        ours = flex_block_mask(rule, n, 4, "cpu")
+        ref = create_block_mask(rule.mask_mod(), None, 4 if rule.per_head else None, n, n, device="cpu")
+        for name in ("kv_num_blocks", "full_kv_num_blocks"):
+            assert torch.equal(getattr(ours, name), getattr(ref, name).expand_as(getattr(ours, name))), (n, name)
+        assert torch.equal(ours.to_dense(), ref.to_dense().expand_as(ours.to_dense())), n
+
+
+def test_padded_block_mask_hides_the_padding():
+    rule, n, padded = SlidingWindow(40), 200, 256
+    ours = flex_block_mask(rule, padded, None, "cpu", valid=n)
+    truncated = lambda b, h, q, k: (k < n) & rule.allowed(q.clamp(max=n - 1), k.clamp(max=n - 1))  # noqa: E731
+    ref = create_block_mask(truncated, None, None, padded, padded, device="cpu")
+    assert torch.equal(ours.to_dense(), ref.to_dense())
+    assert torch.equal(ours.full_kv_num_blocks, ref.full_kv_num_blocks)
+
+
+def test_block_masks_never_build_an_n_by_n_tensor():
+    from test_attention import LargestTensor
+
+    n = 16384
+    with LargestTensor() as seen:
+        flex_block_mask(SlidingWindow(256), n, None, "cpu")
+    assert seen.numel < n * n // 16  # eager create_block_mask materialises n x n
+
+
+def test_eager_flex_compiles_per_head_windows_pads_to_buckets_and_fails_loudly_past_its_limit(monkeypatch):
+    # evaluation and generation call flex eagerly at many lengths: one compiled kernel per padded length, and
+    # past the limit an error, never a silent fallback to eager flex (which materialises (B, H, n, n) scores)
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(kernels, "COMPILE_EAGER_FLEX", True)
+    torch._dynamo.reset()
+    counters.clear()
+    rule = HeadWindows((8, 8, 24, 24))  # also checks per-head windows under compiled flex (a python-int mask)
+    for n in (100, 120):  # both in the 128 bucket: one compiled kernel
+        q, k, v = (t.detach().float() for t in qkv(n, heads=4, dim=16, dtype=torch.float32))
+        out = attend(q, k, v, rule, "flex")
+        torch.testing.assert_close(out, dense_attention(q, k, v, rule, torch.arange(n)), atol=2e-5, rtol=1e-4)
+    assert counters["stats"]["unique_graphs"] == 1
+    monkeypatch.setattr(kernels, "FLEX_RECOMPILE_LIMIT", 1)
+    q, k, v = (t.detach().float() for t in qkv(300, heads=4, dim=16, dtype=torch.float32))
+    with pytest.raises(RuntimeError, match="would now fall back to materialising"):
+        attend(q, k, v, rule, "flex")
+
+
+def test_plans_are_shared_by_layers_and_redrawn_only_for_permutations():
+    rule = AnyOf((FixedBlock(16), BoundaryWindows("pbb", 16, 16, 128)))
+    a = plan_attention(rule, "flex", 128, 4, 16, "cpu")
+    b = plan_attention(rule, "flex", 128, 4, 16, "cpu")
+    assert a.data is b.data  # one block mask for every layer with this rule and length
+    cfg = ModelConfig(arch="llama", n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=64, bias=False,
+                      attn_pattern="sa", swa_window=8)
+    model = GPT(cfg)
+    first, second = model.plan(1, 64, "cpu"), model.plan(1, 64, "cpu")
+    assert not torch.equal(first[0][0].order, second[0][0].order)  # sa: a fresh permutation per forward
+
+
+def test_python_chunk_loops_are_not_compiled_at_long_lengths(tmp_path):
+    cfg = ModelConfig(arch="llama", n_layer=2, n_head=2, n_embd=32, block_size=16384, vocab_size=64, bias=False,
+                      attn_pattern="swax_gdn", swa_window=64)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    problems = model.compile_problems(16384, torch.device("cpu"), torch.float32)
+    assert len(problems) == 1 and "256 chunks" in problems[0] and "requirements-gpu.txt" in problems[0]
+    assert model.compile_problems(2048, torch.device("cpu"), torch.float32) == []
+    proc = subprocess.run([sys.executable, "train.py", "configs/quickstart.py", "--arch=llama", "--bias=False",
+                           "--attn_pattern=swax", "--block_size=8192", "--n_layer=2", "--n_embd=32", "--n_head=2",
+                           "--compile=True", "--max_iters=1", f"--out_dir={tmp_path}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "mlstm" in proc.stderr and "compile=False" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "ckpt_last.pt").exists()
