@@ -139,3 +139,26 @@ def test_python_chunk_loops_are_not_compiled_at_long_lengths(tmp_path):
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "mlstm" in proc.stderr and "compile=False" in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "ckpt_last.pt").exists()
+
+
+def test_flex_inside_compiled_blocks_takes_planned_masks_and_a_fresh_permutation_each_forward():
+    # the CUDA training path's structure, checked where CPU inductor can (FlexAttention forward): sa's block
+    # mask carries this forward's permutation into the compiled block, without recompiling for a new one
+    from torch._dynamo.utils import counters
+
+    cfg = ModelConfig(arch="llama", n_layer=2, n_head=4, n_embd=64, block_size=256, vocab_size=128, bias=False,
+                      attn_pattern="sa", swa_window=32, attn_backend="flex")
+    model, reference = GPT(cfg).eval(), GPT(cfg).eval()
+    reference.load_state_dict(model.state_dict())
+    graphs, inductor = [], torch._dynamo.lookup_backend("inductor")
+    compile_blocks(model, backend=lambda gm, inputs: graphs.append(gm) or inductor(gm, inputs))
+    torch._dynamo.reset()
+    counters.clear()
+    idx = torch.randint(0, 128, (2, 256))
+    with torch.no_grad():
+        for seed in (1, 2, 3):
+            torch.manual_seed(seed)
+            out = model(idx)[0]
+            torch.manual_seed(seed)  # the same permutations, drawn by GPT.plan in the same order
+            torch.testing.assert_close(out, reference(idx)[0], atol=1e-5, rtol=1e-5)
+    assert len(graphs) == 1 and not counters["graph_break"]  # both layers, three permutations: one graph
