@@ -443,6 +443,10 @@ def main(argv):
         if metrics.wandb_run is not None:
             metrics.wandb_run.finish()
     if ddp:
+        # DDP's reducer holds the process group: drop it first, so that the group is destroyed inside
+        # destroy_process_group (which releases the GIL) and not when main's locals are freed (with the GIL
+        # held, while gloo's worker thread may need it to free a finished collective's tensors: a deadlock)
+        del model
         dist.destroy_process_group()
     if stopping and step < t.max_iters:
         sys.exit(128 + signum)
