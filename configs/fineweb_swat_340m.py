@@ -25,8 +25,11 @@ swat_slopes = "paper"
 swat_split = "8:8"
 
 # the paper gives no optimiser settings: those of the Transformer++ baselines it compares with
-batch_size = 16
-gradient_accumulation_steps = 8  # global: 1 per GPU on 8 GPUs; 16 x 8 x 4096 = 524,288 tokens per step
+batch_size = 8
+gradient_accumulation_steps = 16  # global: 2 per GPU on 8 GPUs; 8 x 16 x 4096 = 524,288 tokens per step
+# memory (python scripts/plan_memory.py configs/fineweb_swat_340m.py): 8 x 80 GB GPUs, batch 8 x accumulation 16,
+# no activation checkpointing: about 62 GiB per GPU (a micro-batch of 16 sequences of 4096 tokens would need about
+# 116 GiB without checkpointing)
 max_iters = 28610  # 15B tokens
 learning_rate = 3e-4
 min_lr = 3e-5

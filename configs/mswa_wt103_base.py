@@ -14,6 +14,9 @@ swa_window = 128
 attn_pattern = "swa"
 batch_size = 16
 gradient_accumulation_steps = 1  # 16 x 1024 = 16,384 tokens per step
+# memory (python scripts/plan_memory.py configs/mswa_wt103_mswa.py --world_size=1): one 80 GB GPU, batch 16 x
+# accumulation 1, no activation checkpointing: about 17 GiB. On N GPUs keep the 16 sequences per step with
+# --batch_size=16/N --gradient_accumulation_steps=N (the accumulation is global and must divide among them)
 max_iters = 150000
 learning_rate = 2e-4
 min_lr = 2e-5

@@ -14,8 +14,11 @@ dropout = 0.0
 vocab_size = 50304  # GPT-2's 50257 padded to a multiple of 64
 attn_pattern = "full"
 
-batch_size = 8
-gradient_accumulation_steps = 16  # global; 8 x 16 x 1024 = 131,072 tokens per step
+batch_size = 16
+gradient_accumulation_steps = 8  # global; 16 x 8 x 1024 = 131,072 tokens per step
+# memory (python scripts/plan_memory.py configs/owt_124m_full.py): 8 x 80 GB GPUs, batch 16 x accumulation 8
+# (one micro-batch per GPU per step), no activation checkpointing: about 19 GiB per GPU (20 for the bridge
+# variants of configs/owt_124m_local.py); a micro-batch of 32 would not keep the global batch on 8 GPUs
 max_iters = 20000
 learning_rate = 2e-4
 min_lr = 6e-5

@@ -18,6 +18,9 @@ attn_gate = True  # the single sigmoid output gate of the recipe: 360M parameter
 
 batch_size = 16
 gradient_accumulation_steps = 120  # global: 30 per GPU on 4 GPUs; 16 x 120 x 2048 = 3.93M tokens per step
+# memory (python scripts/plan_memory.py configs/slimpajama_360m_full.py --world_size=4): 4 x 80 GB GPUs, batch 16
+# x accumulation 120, no activation checkpointing: about 61 GiB per GPU for full, swa and sa (sa_swa sets
+# loss_chunk); a micro-batch of 24 would need selective checkpointing
 max_iters = 3815  # ~15B tokens (2.5 epochs of a 6B-token subset)
 learning_rate = 3e-4
 min_lr = 3e-5

@@ -24,8 +24,14 @@ swax_short_window = 128
 swax_short_prob = 0.5
 swax_anneal_frac = 0.1
 
-batch_size = 4
-gradient_accumulation_steps = 16  # global: 4 x 16 x 16384 = 1,048,576 tokens per step
+batch_size = 1
+gradient_accumulation_steps = 64  # global: 8 per GPU on 8 GPUs; 1 x 64 x 16384 = 1,048,576 tokens per step
+# memory (python scripts/plan_memory.py configs/swax_1p4b_stochastic.py): 8 x 80 GB GPUs, batch 1 x accumulation
+# 64. Without checkpointing even one 16K-token sequence needs about 82 GiB per GPU; selective checkpointing (each
+# block keeps its matmul and attention outputs and recomputes the rest) brings configs/swax_1p4b_*.py and
+# configs/swax_gdn_1p4b_*.py to 58-61 GiB, with less recomputation than full checkpointing (which would allow
+# a micro-batch of 2)
+activation_checkpointing = "selective"
 max_iters = 143_051  # 150B tokens
 learning_rate = 3e-4
 min_lr = 3e-6

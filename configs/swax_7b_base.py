@@ -8,4 +8,9 @@ n_head = 32
 n_embd = 4096
 batch_size = 1
 gradient_accumulation_steps = 64  # global: 1 x 64 x 16384 = 1,048,576 tokens per step
+# memory (python scripts/plan_memory.py configs/swax_7b_stochastic.py): this recipe does not fit 80 GB GPUs under
+# DDP at any micro-batch. DDP keeps the whole model on every GPU: float32 weights, gradients and AdamW's two
+# moments alone are 16 B/param x 6.87B = 110 GB (140 GiB per GPU with DDP's gradient buckets and autocast's
+# bf16 weight copies). It needs sharded training (FSDP: weights, gradients and optimizer state split across
+# the GPUs), which this codebase does not have yet; the batch values above are the paper's.
 swax_short_prob = 0.75  # the 7B models need the short window more often (App. B, Table 4)

@@ -215,7 +215,7 @@ def test_paper_configs_share_the_124m_recipe():
         m, t = cfg.model, cfg.train
         assert (m.n_layer, m.n_head, m.n_embd, m.block_size, m.dropout, m.bias) == (12, 12, 768, 1024, 0.0, True)
         assert (t.batch_size, t.gradient_accumulation_steps, t.learning_rate, t.min_lr, t.warmup_iters) == \
-            (8, 16, 2e-4, 6e-5, 1000)
+            (16, 8, 2e-4, 6e-5, 1000)
         assert (t.max_iters, t.weight_decay, t.grad_clip, cfg.eval.eval_interval, cfg.eval.eval_iters) == \
             (20000, 0.1, 1.0, 500, 100)
         if family != "full":
