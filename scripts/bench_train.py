@@ -3,12 +3,15 @@
     python scripts/bench_train.py                                   # CPU: 124M gpt2 and 360M llama at 2 layers
     python scripts/bench_train.py --device=cuda --n_layer=0 --compile=True   # GPU: full depth
     python scripts/bench_train.py --configs=configs/owt_124m_full.py --batch_size=4 --json=out/bench.json
+    python scripts/bench_train.py --n_layer=0 --compile=True --batch_size=16 --activation_checkpointing=selective \
+        --loss_chunk=4096
 
 Each step is a forward, backward and AdamW update at the config's block_size; the first warmup steps are
-not timed. n_layer=0 keeps each config's own depth.
+not timed (they include compilation). n_layer=0 keeps each config's own depth. The model is laid out as
+train.py lays it out (parallelize.py): activation checkpointing per block, then each block compiled on its
+own; loss_chunk computes the LM head and the loss that many tokens at a time, as train.py's option does.
 """
 
-import json
 import os
 import sys
 import time
@@ -18,8 +21,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from checkpoint import write_json  # noqa: E402
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error, load_config  # noqa: E402
 from model import GPT  # noqa: E402
+from parallelize import ACTIVATION_CHECKPOINTING, parallelize  # noqa: E402
 from train import peak_flops  # noqa: E402
 
 
@@ -33,7 +38,9 @@ class BenchConfig:
     warmup: int = 2
     device: str = "auto"
     dtype: str = "auto"  # auto: bfloat16 on GPUs, float32 on CPU
-    compile: bool = False
+    compile: bool = False  # torch.compile each block, as train.py does
+    activation_checkpointing: str = "none"  # none | full | selective (train.py's option)
+    loss_chunk: int = 0  # tokens per chunk of the LM head + loss (train.py's option); 0: all at once
     json: str = ""  # also write the results here
 
 
@@ -42,28 +49,41 @@ def parse(argv) -> BenchConfig:
     apply_args(b, argv, dataclass_fields(BenchConfig))
     if b.steps < 1 or b.warmup < 0 or b.batch_size < 1:
         raise ConfigError("need steps >= 1, warmup >= 0 and batch_size >= 1")
+    if b.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+        raise ConfigError(f"activation_checkpointing={b.activation_checkpointing!r}: expected one of "
+                          f"{', '.join(ACTIVATION_CHECKPOINTING)}")
+    if b.loss_chunk < 0:
+        raise ConfigError(f"loss_chunk={b.loss_chunk}: must be >= 0")
     return b
 
 
 def bench(config_file: str, b: BenchConfig, device: torch.device, dtype: torch.dtype) -> dict:
     overrides = [f"--n_layer={b.n_layer}"] if b.n_layer else []
     overrides += [f"--block_size={b.block_size}"] if b.block_size else []
+    # the bench's own choices replace the recipe's (configs set compile=True for training)
+    overrides += [f"--compile={b.compile}", f"--activation_checkpointing={b.activation_checkpointing}",
+                  f"--loss_chunk={b.loss_chunk}"]
     cfg = load_config([config_file, *overrides, "--dropout=0.0"])
     m = cfg.model
     m.vocab_size = m.vocab_size or 50304
     torch.manual_seed(0)
     model = GPT(m).to(device)
     optimizer = model.configure_optimizer(0.1, 1e-4, (0.9, 0.95), device.type)
-    step_fn = torch.compile(model) if b.compile else model
+    try:  # checkpointing and per-block compilation exactly as train.py applies them (no DDP here)
+        step_fn = parallelize(model, cfg.train, device, dtype, ddp=False)
+    except ValueError as e:
+        raise SystemExit(f"{config_file}: cannot compile: {e}")
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     x = torch.randint(0, m.vocab_size, (b.batch_size, m.block_size + 1), device=device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     times = []
     for i in range(b.warmup + b.steps):
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         with autocast:
-            _, loss = step_fn(x[:, :-1], x[:, 1:])
+            _, loss = step_fn(x[:, :-1], x[:, 1:], loss_chunk=b.loss_chunk)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -76,9 +96,12 @@ def bench(config_file: str, b: BenchConfig, device: torch.device, dtype: torch.d
     peak = peak_flops(device, dtype)
     result = {"config": config_file, "arch": m.arch, "n_layer": m.n_layer, "n_embd": m.n_embd,
               "params_M": round(model.num_params() / 1e6, 2), "block_size": m.block_size, "batch_size": b.batch_size,
-              "step_ms": round(1000 * seconds, 1), "tokens_per_s": round(tokens_per_s, 1)}
+              "compile": b.compile, "activation_checkpointing": b.activation_checkpointing,
+              "loss_chunk": b.loss_chunk, "step_ms": round(1000 * seconds, 1), "tokens_per_s": round(tokens_per_s, 1)}
     if peak:
         result["mfu"] = round(model.flops_per_token(m.block_size) * tokens_per_s / peak, 4)
+    if device.type == "cuda":  # the most this process's tensors held during the steps
+        result["max_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     return result
 
 
@@ -87,6 +110,9 @@ def main(argv):
     device = torch.device(b.device if b.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype_name = b.dtype if b.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     dtype = getattr(torch, dtype_name)
+    if device.type == "cuda":  # as train.py: TF32 for any float32 matmul left outside autocast
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"device: {where}; dtype {dtype_name}; torch {torch.__version__}")
     results = [bench(f, b, device, dtype) for f in b.configs.split(",")]
@@ -96,9 +122,7 @@ def main(argv):
         print(" | ".join(str(r.get(c, "")) for c in columns))
     if b.json:
         os.makedirs(os.path.dirname(b.json) or ".", exist_ok=True)
-        with open(b.json, "w") as f:
-            json.dump({"device": where, "dtype": dtype_name, "torch": str(torch.__version__), "results": results}, f,
-                      indent=2)
+        write_json({"device": where, "dtype": dtype_name, "torch": str(torch.__version__), "results": results}, b.json)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,918 @@
+"""Check the GPU path in one command: the CUDA tests, every attention backend against the dense reference,
+the attention and training benchmarks, a short compiled training run per mixer family, the compile check and
+generation throughput, with one report to paste into docs/benchmarks.md.
+
+    python scripts/gpu_check.py                                          # everything, about 20 minutes on one H100
+    python scripts/gpu_check.py --steps=backends,train_runs              # a subset
+    python scripts/gpu_check.py --steps=cuda_tests,backends,bench_attention,bench_train
+    python scripts/gpu_check.py --steps=train_runs,compile_check,generate --merge=True   # the rest, same report
+    python scripts/gpu_check.py --device=cpu --quick                     # reduced sizes on CPU (about 1.5 minutes)
+
+Steps, in this order:
+
+    cuda_tests       python -m pytest -q tests/ -k cuda (tests defined only where CUDA exists)
+    backends         every backend against dense, forward and backward, float32 and bfloat16, every rule family
+    bench_attention  scripts/bench_attention.py: full vs swa / sa / sa_swa, next to paper 000's Table 2
+    bench_train      scripts/bench_train.py: tokens/s and MFU of the 124M and 360M recipes, compiled, full depth
+    train_runs       train.py: a short compiled run of a 2-layer model per mixer family (loss, tokens/s, memory)
+    compile_check    scripts/compile_check.py: graph breaks and unexpected recompiles per mixer
+    generate         scripts/bench_generate.py: decode throughput and state size, swax vs full
+
+Each step is isolated: it runs in subprocesses (sys.executable) under a time budget, and a step that fails (an
+exception, a nonzero exit, a timeout) is recorded as failed with the tail of its output while the next step
+still runs. OUT/report.md and OUT/report.json are rewritten atomically before and after every step (and after
+every training run), so a run cut off by a time limit leaves everything it finished; every subprocess's
+output is kept in OUT/logs/. The exit status is 1 when a step failed, 2 for a bad option.
+
+On CPU, and with --quick, every step runs at reduced sizes and says so in the report: those numbers check
+this script, not the hardware. --merge=True keeps the results of the steps not run now from the report
+already in OUT (a check split over several commands, each within a time limit).
+"""
+
+import importlib.metadata
+import importlib.util
+import json
+import math
+import os
+import platform
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import warnings
+import xml.etree.ElementTree as ElementTree
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from checkpoint import atomic_write, git_hash, write_json  # noqa: E402
+from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
+
+
+@dataclass
+class CheckConfig:
+    steps: str = ""  # comma-separated subset of the steps (run in the order above); empty: all of them
+    out: str = "out/gpu_check"
+    device: str = "auto"  # auto (cuda when available) | cuda | cpu
+    quick: bool = False  # reduced sizes everywhere (always the case on CPU)
+    merge: bool = False  # keep the results of steps not run now from OUT/report.json (a check split in parts)
+    budget_scale: float = 1.0  # multiplies every step's time budget (a slower GPU, cold compile caches)
+    jobs: int = 0  # training runs at a time in train_runs; 0: 1 on CUDA (undisturbed tokens/s), 2 on CPU
+    # graph breaks and recompiles are Dynamo's and the same under every backend: aot_eager finds them without
+    # generating code (minutes faster); train_runs compiles every mixer family with inductor anyway
+    compile_check_backend: str = "aot_eager"
+    keep_checkpoints: bool = False  # keep the training runs' ckpt_*.pt (deleted by default: OUT stays small)
+    fail_steps: str = ""  # for testing the report: these steps raise at their start, as a broken step would
+    worker: str = ""  # internal: run a step's in-process work (backends) in this process, a child of the check
+
+
+STEPS = ("cuda_tests", "backends", "bench_attention", "bench_train", "train_runs", "compile_check", "generate")
+
+# time budget of each step in seconds, at full size on one H100 and reduced (CPU, --quick); the full budgets
+# sum to 22 minutes, what they are expected to take to about 16 (see the estimates in the step functions)
+BUDGET_S = {"cuda_tests": (240, 30), "backends": (270, 90), "bench_attention": (180, 90), "bench_train": (180, 60),
+            "train_runs": (480, 150), "compile_check": (180, 600), "generate": (90, 60)}
+
+# Paper 000, Table 2: attention layer latency (forward + backward) of SA (w = 256, compiled FlexAttention) and of
+# full attention, on an A100 80GB, B=16, H=16, d_h=64, bf16. n -> (SA ms, full ms, speed-up of SA over full).
+PAPER_000_TABLE_2 = {2048: (5.4, 8.0, 1.5), 4096: (7.9, 27.2, 3.5), 8192: (15.2, 99.7, 6.6),
+                     16384: (29.6, 379.9, 12.8), 32768: (52.8, 1477.0, 28.0)}
+
+# sizes of every step: full on a GPU, reduced on CPU and with --quick (seconds instead of minutes)
+FULL = {
+    # every (rule, padded length, dtype) compiles its own flex kernels: bfloat16 at one length
+    "backends": {"float32": (300, 1024), "bfloat16": (1024,), "head_dim": 64},
+    "bench_attention": ["--batch=16", "--heads=16", "--head_dim=64", "--dtype=bfloat16", "--window=256",
+                        "--variants=full,swa,sa,sa_swa", "--lengths=2048,4096,8192,16384,32768"],
+    "bench_train": ["--n_layer=0", "--batch_size=8"],
+    "train_runs": {"n_embd": 256, "n_head": 4, "block_size": 1024, "window": 128, "batch_size": 8, "max_iters": 50,
+                   "eval_iters": 5, "log_interval": 10},
+    "generate": ["--contexts=1024,8192", "--n_layer=12", "--n_embd=1024", "--n_head=16", "--dtype=bfloat16"],
+}
+REDUCED = {
+    "backends": {"float32": (300,), "bfloat16": (128,), "head_dim": 16},
+    "bench_attention": ["--batch=1", "--heads=4", "--head_dim=64", "--dtype=float32", "--window=64",
+                        "--variants=full,swa,sa,sa_swa", "--lengths=512,1024", "--repeats=1"],
+    # 2 layers; the 50k- and 32k-token embeddings still dominate a step on CPU, so one short step
+    "bench_train": ["--n_layer=2", "--batch_size=1", "--block_size=64", "--steps=1", "--warmup=0"],
+    "train_runs": {"n_embd": 64, "n_head": 4, "block_size": 128, "window": 32, "batch_size": 4, "max_iters": 10,
+                   "eval_iters": 2, "log_interval": 1},
+    "generate": ["--contexts=128,512", "--n_layer=2", "--n_embd=64", "--n_head=4", "--window=32", "--vocab_size=256",
+                 "--new_tokens=8", "--repeats=1"],
+}
+
+# train_runs: one run per mixer family, with the options that make it that family (n_layer 2 unless given)
+TRAIN_RUNS = {
+    "full": ["--attn_pattern=full"],
+    "swa": ["--attn_pattern=swa"],
+    "block": ["--attn_pattern=block"],
+    "mswa": ["--attn_pattern=mswa", "--n_layer=4"],  # its windows change over four depth groups
+    "sa": ["--attn_pattern=sa"],
+    "sa_swa": ["--attn_pattern=sa_swa"],
+    "swat": ["--attn_pattern=swat"],
+    "bridge": ["--attn_pattern=bridge"],
+    "pbb": ["--attn_pattern=pbb"],
+    "se_bridge": ["--attn_pattern=se_bridge"],
+    "pbb_union": ["--attn_pattern=pbb", "--bridge_fusion=union"],
+    "swax": ["--attn_pattern=swax"],  # swa, mlstm
+    "swax_gdn": ["--attn_pattern=swax_gdn"],  # swa, gated_deltanet
+    "linear": ["--attn_pattern=linear"],
+}
+
+# backends: the rule families, each against the dense reference
+BACKEND_FAMILIES = ("full", "swa", "block", "mswa", "sa", "swat_sigmoid", "swat_softmax", "bridge_branch",
+                    "pbb_branch", "se_bridge_branch", "bridge_union", "pbb_union", "se_bridge_union")
+BACKEND_WINDOW = 64  # w and b of the backends step: several windows and block boundaries in the shortest length
+BACKEND_CONTEXT = 1024  # the bridges' configured context (their boundaries are those of this block_size)
+TOLERANCE = {  # against the float32 dense reference
+    "float32": "|err| <= 2e-5 + 1e-4 |ref| everywhere",
+    # bf16 keeps 8 bits of mantissa; swat's unnormalised sums over the window grow with it, so the error is
+    # relative to the whole tensor, as the CUDA tests of tests/test_swat.py measure it
+    "bfloat16": "||err|| / ||ref|| <= 2e-2",
+}
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S %Z")
+
+
+def tail(text: str, chars: int = 3000) -> str:
+    return text if len(text) <= chars else "..." + text[-chars:]
+
+
+# ---- running commands ---------------------------------------------------------------------------------------
+
+@dataclass
+class Completed:
+    command: list
+    returncode: int | None  # None: killed at its timeout
+    seconds: float
+    log: str  # path of its output, relative to the repository when inside it
+    output_tail: str
+
+    @property
+    def timed_out(self) -> bool:
+        return self.returncode is None
+
+    def error(self) -> str:
+        what = (f"timed out after {self.seconds:.0f} s" if self.timed_out
+                else f"exited with status {self.returncode}")
+        return f"`{shlex.join(self.command)}` {what} (log: {self.log})\n{self.output_tail}"
+
+
+_children: set = set()  # running subprocesses, killed with their process groups if the check is interrupted
+_stopping = threading.Event()  # set by SIGTERM / SIGINT: no new subprocess starts
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:  # the child leads its own session: this reaches its workers too (pytest, compile workers)
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def run_command(command: list, log_path: Path, timeout: float, env: dict | None = None) -> Completed:
+    """Run command in the repository with stdout and stderr into log_path, killed (with every process it
+    started) when it runs past timeout seconds."""
+    if _stopping.is_set():
+        raise RuntimeError(f"not started, the check is stopping: {shlex.join(command)}")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    with open(log_path, "w") as log:
+        log.write(f"$ {shlex.join(command)}\n")
+        log.flush()
+        proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        _children.add(proc)
+        try:
+            returncode = proc.wait(timeout=max(1.0, timeout))
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            returncode = None
+        finally:
+            _children.discard(proc)
+    seconds = time.time() - started
+    output = log_path.read_text(errors="replace")
+    shown = log_path.relative_to(REPO) if log_path.is_relative_to(REPO) else log_path
+    return Completed(command, returncode, seconds, str(shown), tail(output))
+
+
+def stop_children() -> None:
+    """Start no more subprocesses and kill the running ones (safe in a signal handler: no lock is taken)."""
+    _stopping.set()
+    for proc in list(_children):
+        _kill_group(proc)
+
+
+# ---- the check: steps, budgets, the report --------------------------------------------------------------
+
+@dataclass
+class StepContext:
+    """What a step function gets: the options, where to write, its sizes and its deadline."""
+
+    cfg: CheckConfig
+    device: str  # cuda | cpu
+    out: Path
+    reduced: str  # "" at full size, else the label shown with every number, e.g. "reduced (CPU, --quick)"
+    sizes: dict
+    budget_s: float
+    started: float
+    publish: object  # publish(partial results): rewrite the report with the step still running
+    explicit: bool  # the step was named in --steps
+
+    @property
+    def python(self) -> str:
+        return sys.executable
+
+    def remaining(self) -> float:
+        return self.budget_s - (time.time() - self.started)
+
+    def run(self, command: list, log_name: str, timeout: float | None = None, env: dict | None = None) -> Completed:
+        limit = self.remaining() if timeout is None else min(timeout, self.remaining())
+        return run_command(command, self.out / "logs" / f"{log_name}.log", limit, env)
+
+
+def outcome(status: str, summary: str, results=None, error: str = "") -> dict:
+    return {"status": status, "summary": summary, "results": results, "error": error}
+
+
+# ---- step 1: cuda_tests ---------------------------------------------------------------------------------
+
+def step_cuda_tests(ctx: StepContext) -> dict:
+    """The CUDA-only tests (about 40 on an H100: each compiles FlexAttention kernels for its rule, a few
+    seconds each, plus 10 s of collection): 2-3 minutes."""
+    if ctx.device != "cuda":
+        return outcome("not applicable", "not applicable on cpu: the CUDA tests are defined only where CUDA exists")
+    junit = ctx.out / "cuda_tests.xml"
+    done = ctx.run([ctx.python, "-m", "pytest", "-q", "tests/", "-k", "cuda", f"--junitxml={junit}"], "cuda_tests")
+    tests = read_junit(junit) if junit.exists() else []
+    counts = {}
+    for t in tests:
+        counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
+    summary = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no tests ran"
+    results = {"counts": counts, "tests": tests}
+    if done.timed_out or done.returncode != 0 or not tests:
+        # pytest exits 5 when it collects nothing: on CUDA that means the GPU tests are missing, a failure too
+        return outcome("failed", summary, results, done.error())
+    return outcome("passed", summary, results)
+
+
+def read_junit(path: Path) -> list[dict]:
+    tests = []
+    for case in ElementTree.parse(path).getroot().iter("testcase"):
+        result = next((c for c in case if c.tag in ("failure", "error", "skipped")), None)
+        outcome_ = {"failure": "failed", "error": "error", "skipped": "skipped"}.get(
+            result.tag if result is not None else "", "passed")
+        message = (result.get("message") or "")[:500] if result is not None else ""
+        tests.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome_,
+                      "seconds": round(float(case.get("time") or 0), 2), "message": message})
+    return tests
+
+
+# ---- step 2: backends (the comparisons run in a child process: --worker=backends) ----------------------
+
+def step_backends(ctx: StepContext) -> dict:
+    """Every backend of every rule family against dense. On an H100 each (rule, padded length, dtype) compiles
+    its FlexAttention kernels once, forward and backward (~5 s each): 13 families x 3 (float32 at 300 and 1024,
+    bfloat16 at 1024) = 30 distinct compilations (the branch forms share block's), so 2.5-4 minutes."""
+    results_path = ctx.out / "backends.json"
+    results_path.unlink(missing_ok=True)
+    done = ctx.run([ctx.python, os.path.abspath(__file__), "--worker=backends", f"--device={ctx.device}",
+                    f"--quick={ctx.cfg.quick}", f"--out={ctx.out}"], "backends")
+    results = json.loads(results_path.read_text()) if results_path.exists() else {"cases": []}
+    cases = results["cases"]
+    failed = [c for c in cases if not c["passed"]]
+    expected = results.get("expected_cases", 0)
+    summary = f"{len(cases) - len(failed)}/{expected or len(cases)} cases within tolerance"
+    if failed:
+        summary += "; failed: " + ", ".join(sorted({f"{c['family']}/{c['backend']}/{c['dtype']}" for c in failed}))
+    if done.timed_out or done.returncode != 0:
+        return outcome("failed", summary + f" ({len(cases)} of {expected or '?'} cases ran)", results, done.error())
+    if failed or not cases or len(cases) < expected:
+        return outcome("failed", summary, results, "\n".join(f"{c['family']} {c['backend']} {c['dtype']} n={c['n']}: "
+                                                            f"{c.get('error') or 'outside tolerance'}" for c in failed))
+    return outcome("passed", summary, results)
+
+
+def backend_cases(device: str, sizes: dict) -> list[tuple]:
+    """(family, backend, dtype, n) of every comparison: float32 at its first length, then bfloat16, then the
+    other float32 lengths (the broadest coverage first, in case the budget runs out)."""
+    plan = [("float32", n) for n in sizes["float32"][:1]] + [("bfloat16", n) for n in sizes["bfloat16"]] \
+        + [("float32", n) for n in sizes["float32"][1:]]
+    cases = []
+    for dtype, n in plan:
+        for family in BACKEND_FAMILIES:
+            # full attention has no bounded lookback for the chunked kernel: sdpa is its fast path
+            for backend in (("sdpa", "flex") if family == "full" else ("flex", "chunked")):
+                # CPU flex runs forward only (torch 2.13 has no CPU backward for it), eagerly (~1 s a call): a
+                # check of its masks, in float32; its numerics matter on the GPU
+                if backend == "flex" and device == "cpu" and dtype != "float32":
+                    continue
+                cases.append((family, backend, dtype, n))
+    return cases
+
+
+def family_attention(family: str, heads: int, n: int, device: str):
+    """attention(q, k, v, backend) of a rule family, built as its layer builds it; backend "dense" is the
+    reference. The rules come from attention/edges.py, the kernels from attention/kernels.py."""
+    from attention.edges import AnyOf, BoundaryWindows, Causal, FixedBlock, HeadWindows, SlidingWindow
+    from attention.kernels import attend
+    from attention.stochastic import stochastic_attention
+    from attention.swat import AlibiBias, swat_slopes
+
+    w = BACKEND_WINDOW
+    if family == "sa":  # one permutation per case, shared by the reference and the backend
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(n)).to(device)
+        return lambda q, k, v, backend: stochastic_attention(q, k, v, order, w, backend)
+    if family.startswith("swat_"):  # sigmoid or softmax with balanced ALiBi inside the kernel (paper 001)
+        alibi = AlibiBias(torch.tensor(swat_slopes(heads, "paper", ""), device=device), 0.0)
+        activation = family.split("_")[1]
+        return lambda q, k, v, backend: attend(q, k, v, SlidingWindow(w), backend, score_mod=alibi,
+                                               activation=activation)
+    kind, _, form = family.rpartition("_")
+    if form in ("branch", "union"):  # paper 004: block(b) plus one window per boundary (w, or e = w / 2)
+        bridge = BoundaryWindows(kind, w, w // 2 if kind == "se_bridge" else w, BACKEND_CONTEXT)
+        if form == "branch":  # two separately normalised softmaxes, summed (the layer's default fusion)
+            return lambda q, k, v, backend: sum(attend(q, k, v, path, backend) for path in (FixedBlock(w), bridge))
+        rule = AnyOf((FixedBlock(w), bridge))
+    else:
+        # mswa: heads in four groups of windows w/4, w/2, w, 2w (one layer of an MSWA stack)
+        windows = tuple(int(w * f) for f in (0.25, 0.5, 1, 2) for _ in range(heads // 4))
+        rule = {"full": Causal(), "swa": SlidingWindow(w), "block": FixedBlock(w), "mswa": HeadWindows(windows)}[family]
+    return lambda q, k, v, backend: attend(q, k, v, rule, backend)
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor, dtype: str) -> tuple[float, float, bool]:
+    """(max abs error, relative error ||err|| / ||ref||, within TOLERANCE[dtype])."""
+    err = (out.float() - ref).abs()
+    max_abs = err.max().item() if err.numel() else 0.0
+    rel = (err.norm() / ref.norm().clamp(min=1e-30)).item()
+    if dtype == "float32":
+        ok = bool((err <= 2e-5 + 1e-4 * ref.abs()).all())
+    else:
+        ok = rel <= 2e-2
+    return max_abs, rel, ok and math.isfinite(max_abs)
+
+
+def run_backend_case(family, backend, dtype_name, n, head_dim, device) -> dict:
+    heads = 8 if family == "mswa" else 4
+    attention = family_attention(family, heads, n, device)
+    generator = torch.Generator().manual_seed(1000 + n)
+    q, k, v, grad_out = (torch.randn(2, heads, n, head_dim, generator=generator).to(device) for _ in range(4))
+    # the reference: dense in float32 from the same values
+    ref_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = attention(*ref_inputs, "dense")
+    ref_grads = torch.autograd.grad(ref, ref_inputs, grad_out)
+    dtype = getattr(torch, dtype_name)
+    with_grad = not (backend == "flex" and device == "cpu")  # CPU flex: forward only
+    inputs = [t.to(dtype).requires_grad_(with_grad) for t in (q, k, v)]
+    out = attention(*inputs, backend)
+    result = {"family": family, "backend": backend, "dtype": dtype_name, "n": n, "heads": heads,
+              "head_dim": head_dim}
+    result["fwd_max_abs"], result["fwd_rel"], fwd_ok = compare(out, ref, dtype_name)
+    bwd_ok = True
+    if with_grad:
+        grads = torch.autograd.grad(out, inputs, grad_out.to(dtype))
+        compared = [compare(g, r, dtype_name) for g, r in zip(grads, ref_grads)]
+        result["bwd_max_abs"] = max(c[0] for c in compared)
+        result["bwd_rel"] = max(c[1] for c in compared)
+        bwd_ok = all(c[2] for c in compared)
+    else:
+        result["bwd_max_abs"] = result["bwd_rel"] = None
+    result["passed"] = fwd_ok and bwd_ok
+    return result
+
+
+def backends_worker(cfg: CheckConfig, device: str) -> None:
+    """The backends step's comparisons, in this process (a child of the check), writing OUT/backends.json after
+    every case so that a crash or a timeout keeps the cases done."""
+    warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")  # CPU flex
+    sizes = (FULL if device == "cuda" and not cfg.quick else REDUCED)["backends"]
+    cases = backend_cases(device, sizes)
+    path = Path(cfg.out) / "backends.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    report = {"device": device, "tolerance": TOLERANCE, "window": BACKEND_WINDOW, "expected_cases": len(cases),
+              "cases": []}
+    for family, backend, dtype, n in cases:
+        started = time.time()
+        try:
+            result = run_backend_case(family, backend, dtype, n, sizes["head_dim"], device)
+        except Exception as e:  # one backend failing is a result: record it and go on
+            result = {"family": family, "backend": backend, "dtype": dtype, "n": n, "passed": False,
+                      "error": tail(f"{type(e).__name__}: {e}", 1500), "traceback": tail(traceback.format_exc())}
+        result["seconds"] = round(time.time() - started, 2)
+        report["cases"].append(result)
+        write_json(report, path)
+        errors = "  ".join(f"{key} {result[f'{key}_max_abs']:.2e}" for key in ("fwd", "bwd")
+                           if result.get(f"{key}_max_abs") is not None)
+        print(f"{family:<18}{backend:<9}{dtype:<10}n={n:<6}{errors:<26}{result['seconds']:>6.2f} s  "
+              f"{'ok' if result['passed'] else 'FAIL'}" + (f"  {result['error']}" if "error" in result else ""),
+              flush=True)
+
+
+# ---- step 3: bench_attention ----------------------------------------------------------------------------
+
+def step_bench_attention(ctx: StepContext) -> dict:
+    """full vs swa / sa / sa_swa at B=16, H=16, d_h=64, bf16, 2K..32K. On an H100: full SDPA at 32K is ~0.5 s a
+    step (~1.2e14 FLOPs at ~300 TFLOP/s) x 6; sa and swa compile one flex kernel pair per length (10 x ~5 s);
+    about 1.5-2 minutes."""
+    path = ctx.out / "bench_attention.json"
+    path.unlink(missing_ok=True)
+    done = ctx.run([ctx.python, "scripts/bench_attention.py", f"--device={ctx.device}", *ctx.sizes["bench_attention"],
+                    f"--json={path}"], "bench_attention")
+    if done.timed_out or done.returncode != 0 or not path.exists():
+        return outcome("failed", "scripts/bench_attention.py failed", None, done.error())
+    data = json.loads(path.read_text())
+    rows = {}
+    for r in data["results"]:
+        rows.setdefault(r["n"], {})[r["variant"]] = r
+    table = []
+    for n, by_variant in sorted(rows.items()):
+        row = {"n": n}
+        for name, r in by_variant.items():
+            row[name] = {"ms": round(r["ms"], 2), "peak_mib": round(r["peak_mib"], 1), "backend": r["backend"],
+                         "speedup": round(r["speedup_vs_full"], 2) if r.get("speedup_vs_full") else None}
+        if n in PAPER_000_TABLE_2 and not ctx.reduced:
+            sa_ms, full_ms, speedup = PAPER_000_TABLE_2[n]
+            row["paper_000"] = {"sa_ms": sa_ms, "full_ms": full_ms, "speedup": speedup}
+        table.append(row)
+    sa_speedups = [f"{row['n']}: {row['sa']['speedup']}x" for row in table if row.get("sa", {}).get("speedup")]
+    return outcome("passed", "sa over full: " + ", ".join(sa_speedups), {"device": data["device"], "rows": table,
+                                                                          "command": shlex.join(done.command)})
+
+
+# ---- step 4: bench_train --------------------------------------------------------------------------------
+
+def step_bench_train(ctx: StepContext) -> dict:
+    """The 124M (12 x 768, 1024 tokens) and 360M (24 x 1024, 2048 tokens) recipes at full depth, batch 8,
+    compiled per block (every block shares one graph: one compilation of ~40 s each). A step is 6 x 124M x 8K
+    = 6e12 FLOPs (~15 ms at 40% MFU) and 6 x 360M x 16K = 3.5e13 (~90 ms): compilation dominates, ~2 minutes."""
+    path = ctx.out / "bench_train.json"
+    path.unlink(missing_ok=True)
+    done = ctx.run([ctx.python, "scripts/bench_train.py", f"--device={ctx.device}", *ctx.sizes["bench_train"],
+                    f"--compile={ctx.device == 'cuda'}", f"--json={path}"], "bench_train")  # CPU: minutes to compile
+    if done.timed_out or done.returncode != 0 or not path.exists():
+        return outcome("failed", "scripts/bench_train.py failed", None, done.error())
+    data = json.loads(path.read_text())
+    summary = ", ".join(f"{Path(r['config']).stem}: {r['tokens_per_s']:,.0f} tokens/s"
+                        + (f", MFU {100 * r['mfu']:.1f}%" if r.get("mfu") else "") for r in data["results"])
+    return outcome("passed", summary, {**data, "command": shlex.join(done.command)})
+
+
+# ---- step 5: train_runs ---------------------------------------------------------------------------------
+
+def step_train_runs(ctx: StepContext) -> dict:
+    """A 50-step run per mixer family. On an H100 each is process start and CUDA init (~8 s), compiling its block
+    graphs for training and for evaluation (~15-30 s; kernels shared with earlier runs come from the inductor
+    cache; mswa has four windows, so four graphs) and 50 steps of 8 x 1024 tokens through 2 layers (~2 s):
+    14 runs in about 6-8 minutes."""
+    from data.meta import prepare_generated_if_missing
+
+    size = ctx.sizes["train_runs"]
+    compile_ = ctx.device == "cuda"  # on CPU compiling 14 models takes longer than the whole check should
+    data_dir = REPO / "data" / "embedded_byte"
+    prepare_generated_if_missing(str(data_dir))  # once, before runs that may start together
+    jobs = ctx.cfg.jobs or (1 if ctx.device == "cuda" else 2)
+    base = ["configs/quickstart.py", "--arch=llama", "--bias=False", "--n_layer=2", f"--n_head={size['n_head']}",
+            f"--n_embd={size['n_embd']}", f"--block_size={size['block_size']}", f"--swa_window={size['window']}",
+            f"--block_len={size['window']}", f"--bridge_width={size['window']}",
+            f"--bridge_extension={size['window'] // 2}", f"--batch_size={size['batch_size']}",
+            "--gradient_accumulation_steps=1", f"--max_iters={size['max_iters']}",
+            f"--warmup_iters={max(1, size['max_iters'] // 5)}", f"--lr_decay_iters={size['max_iters']}",
+            f"--eval_interval={size['max_iters']}", f"--eval_iters={size['eval_iters']}",
+            f"--log_interval={size['log_interval']}", f"--compile={compile_}", f"--device={ctx.device}"]
+    runs = {}
+
+    def train(name: str) -> dict:
+        if ctx.remaining() < 5 or _stopping.is_set():
+            reason = "the check was stopped" if _stopping.is_set() else "the step's time budget ran out"
+            return {"mixer": name, "status": "failed", "error": f"not run: {reason}"}
+        out_dir = ctx.out / "runs" / name
+        done = ctx.run([ctx.python, "train.py", *base, *TRAIN_RUNS[name], f"--out_dir={out_dir}"], f"train_{name}")
+        result = {"mixer": name, "options": " ".join(TRAIN_RUNS[name]), "seconds": round(done.seconds, 1),
+                  **read_metrics(out_dir / "metrics.jsonl")}
+        problem = ""
+        if done.timed_out or done.returncode != 0:
+            problem = done.error()
+        elif result["last_step"] != size["max_iters"]:
+            problem = f"the run stopped at step {result['last_step']} of {size['max_iters']}"
+        elif not all(math.isfinite(x) for x in result["losses"]):
+            problem = "a loss is not finite"
+        elif result["val_loss_end"] is None:
+            problem = "no validation loss at the last step"
+        elif not result["val_loss_end"] < result["val_loss_start"]:
+            problem = f"the validation loss did not decrease ({result['val_loss_start']} -> {result['val_loss_end']})"
+        result.pop("losses")
+        result["status"], result["error"] = ("failed", problem) if problem else ("passed", "")
+        if not ctx.cfg.keep_checkpoints:
+            for ckpt in out_dir.glob("ckpt_*.pt"):
+                ckpt.unlink()
+        return result
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(train, name) for name in TRAIN_RUNS]
+        for future in as_completed(futures):
+            result = future.result()
+            runs[result["mixer"]] = result
+            print(f"  {result['mixer']}: {result['status']}" + (f" ({result['error'].splitlines()[0][:200]})"
+                                                                 if result["error"] else ""), flush=True)
+            ctx.publish({"compiled": compile_, "runs": [runs[n] for n in TRAIN_RUNS if n in runs]})
+    results = {"compiled": compile_, "jobs": jobs, "sizes": size, "command": shlex.join(["python", "train.py", *base]),
+               "runs": [runs[name] for name in TRAIN_RUNS]}
+    failed = [r["mixer"] for r in results["runs"] if r["status"] != "passed"]
+    summary = f"{len(TRAIN_RUNS) - len(failed)}/{len(TRAIN_RUNS)} runs trained" + \
+        (f"; failed: {', '.join(failed)}" if failed else "") + ("" if compile_ else " (not compiled)")
+    if failed:
+        return outcome("failed", summary, results, "\n\n".join(f"{r['mixer']}: {r['error']}" for r in results["runs"]
+                                                              if r["error"]))
+    return outcome("passed", summary, results)
+
+
+def read_metrics(path: Path) -> dict:
+    """Start and end of a run from its metrics.jsonl: validation loss at the first and last evaluation, the last
+    training loss, steady-state tokens/s and MFU (the last logging interval: compilation happens in the first)
+    and the largest max_memory_gib (CUDA)."""
+    records = [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+    train = [r for r in records if "train_loss" in r]
+    val = [r for r in records if "val_loss" in r]
+    memory = [r["max_memory_gib"] for r in train if "max_memory_gib" in r]
+    return {"last_step": train[-1]["step"] if train else 0,
+            "train_loss": train[-1]["train_loss"] if train else None,
+            "val_loss_start": val[0]["val_loss"] if val else None,
+            "val_loss_end": val[-1]["val_loss"] if len(val) > 1 else None,
+            "tokens_per_s": train[-1]["tokens_per_s"] if train else None,
+            "mfu": train[-1].get("mfu") if train else None,
+            "max_memory_gib": max(memory) if memory else None,
+            "losses": [r["train_loss"] for r in train] + [r["val_loss"] for r in val]}
+
+
+# ---- step 6: compile_check ------------------------------------------------------------------------------
+
+def step_compile_check(ctx: StepContext) -> dict:
+    """scripts/compile_check.py: 17 cases of a 2-layer model, 3 training steps and an evaluation each; with
+    aot_eager (no code generation) a few seconds a case, about a minute (inductor: ~15 s a case, 4-5 minutes)."""
+    script = REPO / "scripts" / "compile_check.py"
+    if not script.exists():
+        return outcome("missing", "scripts/compile_check.py does not exist yet: nothing checked")
+    if ctx.device == "cpu" and ctx.cfg.quick and not ctx.explicit:
+        return outcome("skipped", "skipped in --quick mode on CPU (compiling every mixer on 2 cores takes minutes): "
+                                  "name it in --steps to run it")
+    path = ctx.out / "compile_check.json"
+    path.unlink(missing_ok=True)
+    done = ctx.run([ctx.python, str(script.relative_to(REPO)), f"--device={ctx.device}",
+                    f"--backend={ctx.cfg.compile_check_backend}", f"--json={path}"], "compile_check")
+    data = json.loads(path.read_text()) if path.exists() else None
+    cases = data["results"] if data else []
+    clean = [c for c in cases if c.get("status") == "ok"]
+    summary = f"{len(clean)}/{len(cases)} mixers compile clean ({ctx.cfg.compile_check_backend})"
+    failed = [c["mixer"] for c in cases if c.get("status") != "ok"]
+    if failed:
+        summary += "; not clean: " + ", ".join(failed)
+    results = {**(data or {}), "command": shlex.join(done.command)}
+    if done.timed_out or done.returncode != 0 or not cases:
+        return outcome("failed", summary, results, done.error())
+    return outcome("passed", summary, results)
+
+
+# ---- step 7: generate -----------------------------------------------------------------------------------
+
+def step_generate(ctx: StepContext) -> dict:
+    """Decoding swax vs full after 1K and 8K prompts, a 12 x 1024 model in bf16: 4 cases x 3 repeats of a prefill
+    and 64 decode steps (~1-3 ms each), plus building the models: under a minute."""
+    path = ctx.out / "bench_generate.json"
+    path.unlink(missing_ok=True)
+    done = ctx.run([ctx.python, "scripts/bench_generate.py", f"--device={ctx.device}", "--variants=swax,full",
+                    *ctx.sizes["generate"], f"--json={path}"], "generate")
+    if done.timed_out or done.returncode != 0 or not path.exists():
+        return outcome("failed", "scripts/bench_generate.py failed", None, done.error())
+    data = json.loads(path.read_text())
+    by_case = {(r["variant"], r["context"]): r for r in data["results"]}
+    ratios = [f"{context}: {r['decode_tokens_per_s'] / by_case[('full', context)]['decode_tokens_per_s']:.2f}x"
+              for (variant, context), r in by_case.items() if variant == "swax" and ("full", context) in by_case]
+    return outcome("passed", "swax decode speed over full at context " + ", ".join(ratios),
+                   {**data, "command": shlex.join(done.command)})
+
+
+STEP_FUNCTIONS = {"cuda_tests": step_cuda_tests, "backends": step_backends, "bench_attention": step_bench_attention,
+                  "bench_train": step_bench_train, "train_runs": step_train_runs, "compile_check": step_compile_check,
+                  "generate": step_generate}
+
+
+# ---- the report ---------------------------------------------------------------------------------------
+
+def environment(device: str) -> dict:
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        name, memory = torch.cuda.get_device_name(0), f"{props.total_memory / 2**30:.1f} GiB"
+    else:
+        model = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
+                      if line.startswith("model name")), platform.processor() or "CPU")
+        name, memory = f"CPU: {model} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)", ""
+    optional = {}
+    for module, package in (("triton", "triton"), ("mlstm_kernels", "mlstm_kernels"),
+                            ("fla", "flash-linear-attention")):
+        if importlib.util.find_spec(module) is None:
+            optional[package] = "not installed"
+        else:
+            try:
+                optional[package] = importlib.metadata.version(package)
+            except importlib.metadata.PackageNotFoundError:
+                optional[package] = "installed"
+    return {"device": device, "device_name": name, "device_memory": memory, "torch": str(torch.__version__),
+            "cuda": torch.version.cuda or "", "python": platform.python_version(), "optional_kernels": optional,
+            "git_hash": git_hash()}
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def write_report(report: dict, out: Path) -> None:
+    write_json(report, out / "report.json")
+    text = render_markdown(report)
+    atomic_write(out / "report.md", lambda f: f.write(text.encode()))
+
+
+def render_markdown(report: dict) -> str:
+    lines = ["# GPU check", ""]
+    for i, run in enumerate(report["runs"]):
+        label = f"run {i + 1}: " if len(report["runs"]) > 1 else ""
+        kernels = ", ".join(f"{k} {v}" for k, v in run["optional_kernels"].items())
+        lines += [f"- {label}device: **{run['device_name']}**" + (f", {run['device_memory']}" if run["device_memory"]
+                                                                  else ""),
+                  f"- torch {run['torch']}" + (f" (CUDA {run['cuda']})" if run["cuda"] else "")
+                  + f", Python {run['python']}; {kernels}",
+                  f"- git {run['git_hash']}; {run['started']}",
+                  f"- command: `{run['command']}`",
+                  f"- sizes: {run['reduced'] or 'full'}" + (" (numbers check the script, not the hardware)"
+                                                             if run["reduced"] else ""), ""]
+    lines += ["| step | status | seconds | budget (s) | sizes | summary |", "|---|---|---|---|---|---|"]
+    for name in STEPS:
+        step = report["steps"].get(name)
+        if step is None:
+            continue
+        lines.append(f"| {name} | **{step['status']}** | {step['seconds']:.0f} | {step['budget_s']:.0f} | "
+                     f"{step['reduced'] or 'full'} | {_cell(step['summary'])} |")
+    lines.append("")
+    for number, name in enumerate(STEPS, 1):
+        step = report["steps"].get(name)
+        if step is None:
+            continue
+        lines += [f"## {number}. {name}: {step['status']}", ""]
+        if step["reduced"]:
+            lines += [f"**{step['reduced']}**: reduced sizes, not comparable with GPU measurements.", ""]
+        lines += [step["summary"], ""]
+        if step.get("results"):
+            try:
+                lines += RENDERERS[name](step["results"]) + [""]
+            except Exception as e:  # a partial or unexpected result still leaves the rest of the report
+                lines += [f"(results not rendered: {type(e).__name__}: {e}; see report.json)", ""]
+        if step.get("error"):
+            lines += ["Error:", "", "```", step["error"].strip(), "```", ""]
+    return "\n".join(lines)
+
+
+def _cell(text) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _num(value, fmt="{:,.1f}") -> str:
+    return "" if value is None else fmt.format(value)
+
+
+def render_cuda_tests(results: dict) -> list[str]:
+    by_file = {}
+    for t in results["tests"]:
+        counts = by_file.setdefault(t["test"].split("::")[0], {})
+        counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
+        counts["seconds"] = counts.get("seconds", 0) + t["seconds"]
+    lines = ["| test module | passed | failed | errors | skipped | seconds |", "|---|---|---|---|---|---|"]
+    for module, c in sorted(by_file.items()):
+        lines.append(f"| {module} | {c.get('passed', 0)} | {c.get('failed', 0)} | {c.get('error', 0)} | "
+                     f"{c.get('skipped', 0)} | {c['seconds']:.1f} |")
+    bad = [t for t in results["tests"] if t["outcome"] in ("failed", "error")]
+    if bad:
+        lines += ["", "| failed test | message |", "|---|---|"]
+        lines += [f"| {t['test']} | {_cell(t['message'][:200])} |" for t in bad]
+    return lines
+
+
+def render_backends(results: dict) -> list[str]:
+    rows = {}
+    for c in results["cases"]:
+        rows.setdefault((c["family"], c["backend"], c["dtype"]), []).append(c)
+    tolerance = results.get("tolerance", TOLERANCE)
+    lines = [f"Every backend against `dense` in float32 (B=2, H=4, or 8 for mswa; w = b = {results.get('window')}); "
+             f"errors are the largest over the lengths. Tolerance: float32 {tolerance['float32']}; bfloat16 "
+             f"{tolerance['bfloat16']} (max abs error shown).", "",
+             "| rule | backend | dtype | lengths | fwd max abs err | bwd max abs err | fwd / bwd rel err | ok |",
+             "|---|---|---|---|---|---|---|---|"]
+    for (family, backend, dtype), cases in rows.items():
+        worst = lambda key: max((c[key] for c in cases if c.get(key) is not None), default=None)  # noqa: E731
+        bwd = "fwd only" if all(c.get("bwd_max_abs") is None and "error" not in c for c in cases) \
+            else _num(worst("bwd_max_abs"), "{:.2e}")
+        ok = "yes" if all(c["passed"] for c in cases) else "**NO**: " + "; ".join(
+            _cell(c.get("error", "outside tolerance"))[:160] for c in cases if not c["passed"])
+        lines.append(f"| {family} | {backend} | {dtype} | {', '.join(str(c['n']) for c in cases)} | "
+                     f"{_num(worst('fwd_max_abs'), '{:.2e}')} | {bwd} | {_num(worst('fwd_rel'), '{:.1e}')} / "
+                     f"{_num(worst('bwd_rel'), '{:.1e}')} | {ok} |")
+    return lines
+
+
+def render_bench_attention(results: dict) -> list[str]:
+    variants = [v for v in ("full", "swa", "sa", "sa_swa") if any(v in row for row in results["rows"])]
+    paper = any("paper_000" in row for row in results["rows"])
+    lines = [f"`{results['command']}` on {results['device']}: forward + backward of the attention op, best of the "
+             "timed runs; speed-up over full in brackets."
+             + (" Paper 000's Table 2 (A100 80GB, same shapes): SA with compiled FlexAttention against full "
+                "attention." if paper else ""), "",
+             "| n | " + " | ".join(variants) + (" | paper 000: SA / full (A100) |" if paper else " |"),
+             "|---|" + "---|" * (len(variants) + paper)]
+    for row in results["rows"]:
+        cells = []
+        for v in variants:
+            r = row.get(v)
+            cells.append("" if r is None else f"{r['ms']:,.1f} ms" + (f" ({r['speedup']:.1f}x)" if v != "full" and
+                                                                      r["speedup"] else ""))
+        if paper:
+            p = row.get("paper_000")
+            cells.append(f"{p['sa_ms']} / {p['full_ms']:,} ms ({p['speedup']}x)" if p else "")
+        lines.append(f"| {row['n']:,} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _table(columns: list[str], rows: list[list]) -> list[str]:
+    """A markdown table."""
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)] + \
+        ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+
+
+def render_bench_train(results: dict) -> list[str]:
+    rows = [[f"`{r['config']}`", r["arch"], r["n_layer"], r["n_embd"], f"{r['params_M']}M",
+             f"{r['block_size']} x {r['batch_size']}", r.get("compile", ""), f"{r['step_ms']:,} ms",
+             f"{r['tokens_per_s']:,.0f}", _num(r.get("mfu"), "{:.1%}"), _num(r.get("max_memory_gib"), "{:.1f} GiB")]
+            for r in results["results"]]
+    return [f"`{results['command']}` on {results['device']}, {results['dtype']}: median step after warmup.", ""] + \
+        _table(["config", "arch", "layers", "d", "params", "context x batch", "compiled", "step", "tokens/s", "MFU",
+                "peak memory"], rows)
+
+
+def render_train_runs(results: dict) -> list[str]:
+    lines = []
+    if "command" in results:
+        lines += [f"`{results['command']} --attn_pattern=... --out_dir=...`"
+                  + ("" if results.get("compiled") else " (not compiled)") + "; validation loss at the first and the "
+                  "last step, tokens/s over the last logging interval.", ""]
+    rows = [[r["mixer"], r.get("options", ""), r["status"],
+             f"{r['val_loss_start']:.3f} -> {r['val_loss_end']:.3f}" if r.get("val_loss_end") is not None else "",
+             _num(r.get("train_loss"), "{:.3f}"), _num(r.get("tokens_per_s"), "{:,.0f}"), _num(r.get("mfu"), "{:.1%}"),
+             _num(r.get("max_memory_gib"), "{:.2f} GiB"), _num(r.get("seconds"), "{:.0f}")] for r in results["runs"]]
+    return lines + _table(["mixer", "options", "status", "val loss", "final train loss", "tokens/s", "MFU",
+                           "peak memory", "seconds"], rows)
+
+
+def render_compile_check(results: dict) -> list[str]:
+    lines = [f"`{results['command']}`", "", "| mixer | graphs (expected) | graph breaks | unexpected recompiles | "
+             "seconds | status |", "|---|---|---|---|---|---|"]
+    for c in results.get("results", []):
+        if "graphs" not in c:
+            lines.append(f"| {c['mixer']} | | | | | {c.get('status')}: {_cell(c.get('error', ''))[:200]} |")
+            continue
+        note = f" ({c['expected_breaks']})" if c.get("expected_breaks") else ""
+        lines.append(f"| {c['mixer']} | {c['graphs']} ({c['expected_graphs']}) | {c['graph_breaks']}{note} | "
+                     f"{c['unexpected_recompiles']} | {c.get('seconds', '')} | {c['status']} |")
+    return lines
+
+
+def render_generate(results: dict) -> list[str]:
+    lines = [f"`{results['command']}` on {results['device']}", "",
+             "| context | model | prefill | decode | generation state | decode peak memory |", "|---|---|---|---|---|---|"]
+    for r in results["results"]:
+        lines.append(f"| {r['context']:,} | {r['variant']} | {r['prefill_ms']:,.1f} ms | "
+                     f"{r['decode_tokens_per_s']:,.0f} tokens/s | {r['state_mib']:.2f} MiB | "
+                     f"{_num(r.get('decode_peak_mib'), '{:.1f} MiB')} |")
+    return lines
+
+
+RENDERERS = {"cuda_tests": render_cuda_tests, "backends": render_backends, "bench_attention": render_bench_attention,
+             "bench_train": render_bench_train, "train_runs": render_train_runs,
+             "compile_check": render_compile_check, "generate": render_generate}
+
+
+# ---- main -----------------------------------------------------------------------------------------------
+
+def parse(argv) -> CheckConfig:
+    c = CheckConfig()
+    fields = dataclass_fields(CheckConfig)
+    # a boolean option given bare (--quick) means True
+    argv = [f"{arg}=True" if arg.startswith("--") and fields.get(arg[2:], ("", None))[1] is bool else arg
+            for arg in argv]
+    apply_args(c, argv, fields)
+    for option in ("steps", "fail_steps"):
+        unknown = [s for s in getattr(c, option).split(",") if s and s not in STEPS]
+        if unknown:
+            raise ConfigError(f"{option}: unknown step(s) {', '.join(unknown)}; expected some of {', '.join(STEPS)}")
+    if c.device not in ("auto", "cuda", "cpu"):
+        raise ConfigError(f"device={c.device!r}: expected auto, cuda or cpu")
+    if c.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda but CUDA is not available here (torch "
+                          f"{torch.__version__}): run on a GPU machine, or use --device=cpu --quick")
+    if c.budget_scale <= 0 or c.jobs < 0:
+        raise ConfigError("need budget_scale > 0 and jobs >= 0")
+    if c.worker not in ("", "backends"):
+        raise ConfigError(f"worker={c.worker!r}: the only worker is backends")
+    return c
+
+
+def main(argv) -> int:
+    cfg = exit_on_config_error(parse, argv)
+    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if cfg.worker:
+        backends_worker(cfg, device)
+        return 0
+    reduced = [label for label, on in (("CPU", device == "cpu"), ("--quick", cfg.quick)) if on]
+    reduced = f"reduced ({', '.join(reduced)})" if reduced else ""
+    sizes = REDUCED if reduced else FULL
+    names = [s for s in STEPS if s in cfg.steps.split(",")] if cfg.steps else list(STEPS)
+    failing = set(filter(None, cfg.fail_steps.split(",")))
+    out = Path(cfg.out).resolve()  # subprocesses run in the repository
+    out.mkdir(parents=True, exist_ok=True)
+
+    run = {**environment(device), "command": shlex.join(["python", "scripts/gpu_check.py", *argv]),
+           "started": now(), "reduced": reduced, "options": asdict(cfg)}
+    report = {"runs": [], "steps": {}}
+    if cfg.merge and (out / "report.json").exists():
+        report = json.loads((out / "report.json").read_text())
+        for name in names:
+            report["steps"].pop(name, None)
+        if not report["steps"]:
+            report["runs"] = []
+    report["runs"].append(run)
+    report.update({k: run[k] for k in ("device", "device_name", "torch", "git_hash", "command")})
+    run_index = len(report["runs"]) - 1
+    print(f"gpu check: {run['device_name']}; torch {run['torch']}; git {run['git_hash']}; "
+          f"{reduced or 'full sizes'}; steps: {', '.join(names)}; report: {out / 'report.md'}", flush=True)
+
+    stop_signal = []
+
+    def interrupt(signum, frame):  # the running step's subprocesses die, so it ends as failed, and the loop stops
+        stop_signal.append(signum)
+        signal.signal(signum, signal.SIG_DFL)  # a second signal stops at once
+        stop_children()
+
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)
+
+    for name in names:
+        budget = BUDGET_S[name][1 if reduced else 0] * cfg.budget_scale
+        record = {"status": "running", "seconds": 0.0, "budget_s": budget, "reduced": reduced, "run": run_index,
+                  "summary": "running (a report showing this was cut off during the step)", "results": None,
+                  "error": "", "started": now()}
+        report["steps"][name] = record
+        write_report(report, out)
+        print(f"[{name}] budget {budget:.0f} s ...", flush=True)
+        started = time.time()
+
+        def publish(partial, record=record, started=started):
+            record["results"], record["seconds"] = partial, time.time() - started
+            write_report(report, out)
+
+        ctx = StepContext(cfg, device, out, reduced, sizes, budget, started, publish,
+                          explicit=name in cfg.steps.split(","))
+        try:
+            if name in failing:
+                raise RuntimeError(f"injected failure (--fail_steps={cfg.fail_steps})")
+            record.update(STEP_FUNCTIONS[name](ctx))
+        except Exception as e:  # a broken step is a result: record it, and go on with the next one
+            record.update(status="failed", summary=f"{type(e).__name__}: {str(e)[:200]}",
+                          error=tail(traceback.format_exc()))
+        if stop_signal:
+            record.update(status="failed", summary=f"interrupted by signal {stop_signal[0]}: " + record["summary"])
+        record["seconds"] = time.time() - started
+        record["finished"] = now()
+        write_report(report, out)
+        print(f"[{name}] {record['status']} in {record['seconds']:.0f} s: {record['summary']}", flush=True)
+        if stop_signal:
+            break
+    failed = [name for name in names if report["steps"].get(name, {}).get("status") == "failed"]
+    print(f"report: {out / 'report.md'} and {out / 'report.json'}; "
+          + (f"failed: {', '.join(failed)}" if failed else "no step failed"), flush=True)
+    if stop_signal:
+        return 128 + stop_signal[0]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
