@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -47,9 +49,110 @@ def write_json(obj, path) -> None:
 
 
 def remove_stale_temp_files(out_dir) -> None:
-    """Temporary files left by a process killed mid-write (the real files beside them are intact)."""
+    """What a process killed mid-write leaves (the real files beside them are intact): temporary files and
+    folders, and a sharded checkpoint's previous folder, which is put back if the kill came between the two
+    renames of save_sharded_checkpoint (so that the checkpoint is where it belongs)."""
+    for old in Path(out_dir).glob(".old.ckpt_*"):
+        current = old.with_name(old.name[len(".old."):])
+        if current.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(old, current)
     for tmp in Path(out_dir).glob(".tmp.*"):
-        tmp.unlink(missing_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+
+
+# ---- sharded checkpoints (parallelism=fsdp): one folder per checkpoint, written by every process ---------------
+
+def sharded_checkpoint_path(path) -> Path | None:
+    """The folder of a sharded checkpoint: path itself, or, after a kill between save_sharded_checkpoint's two
+    renames, the previous complete one beside it; None when there is neither."""
+    path = Path(path)
+    for candidate in (path, path.with_name(f".old.{path.name}")):
+        if (candidate / "meta.pt").exists():
+            return candidate
+    return None
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_sharded_checkpoint(path, state: dict, meta: dict, rank: int) -> None:
+    """Write a sharded checkpoint folder with torch.distributed.checkpoint (every process writes its shards of
+    state, the model's and optimizer's state dicts) plus meta.pt (step, config, RNG states, ...) from rank 0.
+    All of it goes to a temporary folder first, renamed over path once complete: a process killed at any
+    moment leaves the previous checkpoint loadable (see sharded_checkpoint_path, remove_stale_temp_files)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    tmp, old = path.with_name(f".tmp.{path.name}"), path.with_name(f".old.{path.name}")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dcp.save(state, checkpoint_id=tmp)  # a collective: returns once every process's shards are written
+    if rank == 0:
+        atomic_write(tmp / "meta.pt", lambda f: torch.save(meta, f))
+        if path.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+def sharded_training_state(model, optimizer) -> dict:
+    """The model's and optimizer's state dicts as torch.distributed.checkpoint saves and loads them: each
+    process's shards (DTensors), keyed by the bare model's parameter names."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def load_sharded_training_state(path, model, optimizer) -> None:
+    """Restore a sharded checkpoint's model and optimizer into a sharded model and its optimizer, resharding
+    when the checkpoint was written by another number of processes."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = sharded_training_state(model, optimizer)
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def load_sharded_meta(path) -> dict:
+    """meta.pt of a sharded checkpoint folder (the previous one if a save was interrupted)."""
+    found = sharded_checkpoint_path(path)
+    if found is None:
+        raise CheckpointError(f"no checkpoint at {path}: train a model first (python train.py CONFIG "
+                              f"--out_dir={Path(path).parent}), or pick the other one with --ckpt=best|last")
+    try:
+        meta = torch.load(found / "meta.pt", map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"cannot read {found / 'meta.pt'} ({type(e).__name__}: {str(e)[:200]}): the folder "
+                              "is damaged or was not written by train.py") from None
+    meta["path"] = str(found)
+    return meta
+
+
+def load_sharded_model(path, model) -> None:
+    """Load a sharded checkpoint's model weights into a bare (unsharded) model in this one process, whatever
+    number of processes wrote it: torch.distributed.checkpoint reassembles the shards."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": model.state_dict()}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=sharded_checkpoint_path(path), no_dist=True)
+    model.load_state_dict(state["model"])
 
 
 def load_checkpoint(path, map_location="cpu") -> dict:
@@ -71,16 +174,27 @@ def load_checkpoint(path, map_location="cpu") -> dict:
 
 
 def checkpoint_path(out_dir, which: str = "best") -> Path:
+    """The checkpoint file of a run folder, or its sharded checkpoint folder (parallelism=fsdp)."""
     if which not in ("best", "last"):
         raise CheckpointError(f"ckpt={which!r}: expected best or last")
-    return Path(out_dir) / f"ckpt_{which}.pt"
+    single = Path(out_dir) / f"ckpt_{which}.pt"
+    sharded = Path(out_dir) / f"ckpt_{which}"
+    return sharded if not single.exists() and sharded_checkpoint_path(sharded) is not None else single
 
 
 def load_model(out_dir, which: str = "best", device="cpu"):
-    """The trained GPT of a run folder, in eval mode, with its config and the raw checkpoint."""
+    """The trained GPT of a run folder, in eval mode, with its config and the checkpoint (for a sharded one:
+    its meta, the weights loaded into the model in this process)."""
     from model import GPT
 
-    ckpt = load_checkpoint(checkpoint_path(out_dir, which), map_location=device)
+    path = checkpoint_path(out_dir, which)
+    if path.suffix != ".pt":
+        ckpt = load_sharded_meta(path)
+        cfg = Config.from_dict(ckpt["config"])
+        model = GPT(cfg.model)
+        load_sharded_model(path, model)
+        return model.to(device).eval(), cfg, ckpt
+    ckpt = load_checkpoint(path, map_location=device)
     cfg = Config.from_dict(ckpt["config"])
     model = GPT(cfg.model)
     model.load_state_dict(ckpt["model"])

@@ -123,6 +123,11 @@ class TrainConfig:
     device: str = "auto"  # auto (cuda when available) | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bfloat16 on capable GPUs, float16 on older ones, float32 on CPU)
     compile: bool = False  # torch.compile each block (parallelize.py)
+    # ddp: every process holds the whole model, gradients and AdamW state (16 bytes per parameter) |
+    # fsdp: FSDP2 shards them over the processes (each block its own unit, then the root), computes in bf16
+    # through its mixed-precision policy, and checkpoints sharded (folders ckpt_last/, ckpt_best/)
+    parallelism: str = "ddp"
+    fsdp_reshard_after_forward: bool = True  # free each block's gathered weights after its forward (less memory)
     # activation memory: none | full (each block keeps only its input and recomputes the rest in backward) |
     # selective (keeps its matmul and attention outputs, recomputes norms, activations and elementwise work)
     activation_checkpointing: str = "none"
@@ -293,6 +298,10 @@ def validate(cfg: Config) -> None:
     choice("wandb_mode", t.wandb_mode, ("online", "offline", "disabled"))
     choice("window_schedule", t.window_schedule, ("fixed", "stochastic"))
     choice("activation_checkpointing", t.activation_checkpointing, ("none", "full", "selective"))
+    choice("parallelism", t.parallelism, ("ddp", "fsdp"))
+    if t.parallelism == "fsdp" and t.dtype == "float16":
+        raise ConfigError("parallelism=fsdp trains in bfloat16 or float32 (float16 would need a sharded gradient "
+                          "scaler): use --dtype=bfloat16, or --parallelism=ddp for float16")
     positive("swax_short_window", t.swax_short_window)
     for key in ("swax_short_prob", "swax_anneal_frac"):
         if not 0.0 <= get_value(cfg, key) <= 1.0:

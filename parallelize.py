@@ -1,9 +1,11 @@
-"""How train.py lays a model out over memory and devices: activation checkpointing, compilation, DDP.
+"""How train.py lays a model out over memory and devices: activation checkpointing, compilation, DDP or FSDP.
 
 The order is torchtitan's: activation checkpointing wraps each block, then each block is compiled on its own
 (layers with the same mixer share one compiled graph, and everything the blocks need that depends only on the
 shape, masks and sa's permutations, is planned by GPT.forward outside them; see Mixer.plan), then data
-parallelism wraps the whole model. State-dict keys are those of the bare model whatever is applied.
+parallelism: DDP around the whole model, or FSDP2 (`fully_shard`) on each block and then on the root, which
+shards parameters, gradients and optimizer state over the processes. State-dict keys are those of the bare
+model whatever is applied.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import functools
 
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
@@ -66,12 +69,28 @@ def compile_blocks(model, device=None, dtype=None, **options) -> None:
         block.compile(**options)
 
 
-def parallelize(model, t, device: torch.device, dtype: torch.dtype, ddp: bool, local_rank: int = 0):
-    """Activation checkpointing and compilation (in place, per block), then DDP around the model when running
-    under torchrun. Returns the module the training loop calls."""
+def shard(model, dtype: torch.dtype, reshard_after_forward: bool = True) -> None:
+    """FSDP2 in place: each block is one unit (its parameters gathered for its forward and backward, freed
+    after them), then the root (embeddings, final norm, LM head). Under bf16 the policy keeps float32 sharded
+    parameters, gathers and computes in bf16, and reduces gradients in float32: it replaces autocast."""
+    mp_policy = MixedPrecisionPolicy() if dtype == torch.float32 else \
+        MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    # the root's parameters are used again by the loss right after the forward: keep them gathered
+    fully_shard(model, mp_policy=mp_policy, reshard_after_forward=False)
+
+
+def parallelize(model, t, device: torch.device, dtype: torch.dtype, distributed: bool, local_rank: int = 0):
+    """Activation checkpointing and compilation (in place, per block), then data parallelism: FSDP2 in place
+    when t.parallelism is fsdp, else DDP around the model when running under torchrun. Returns the module the
+    training loop calls."""
     apply_activation_checkpointing(model, t.activation_checkpointing)
     if t.compile:
         compile_blocks(model, device, dtype)
-    if ddp:
+    if t.parallelism == "fsdp":
+        shard(model, dtype, t.fsdp_reshard_after_forward)
+        return model
+    if distributed:
         return DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
     return model

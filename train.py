@@ -2,9 +2,10 @@
 
 Single process (CPU or one GPU):
     python train.py configs/quickstart.py [--key=value ...]
-DDP (NCCL on GPUs, gloo on CPU):
+DDP (NCCL on GPUs, gloo on CPU), or FSDP2 sharding with --parallelism=fsdp (sharded checkpoint folders):
     torchrun --standalone --nproc_per_node=8 train.py configs/owt_124m_full.py
-Resume the run in out_dir exactly where ckpt_last.pt left it:
+    torchrun --standalone --nproc_per_node=8 train.py configs/swax_7b_stochastic.py
+Resume the run in out_dir exactly where ckpt_last.pt (or the folder ckpt_last/ under FSDP) left it:
     python train.py configs/quickstart.py --init_from=resume
 """
 
@@ -21,8 +22,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from checkpoint import (CheckpointError, load_checkpoint, remove_stale_temp_files, run_info, save_checkpoint,
-                        write_json)
+from checkpoint import (CheckpointError, load_checkpoint, load_sharded_meta, load_sharded_training_state,
+                        remove_stale_temp_files, run_info, save_checkpoint, save_sharded_checkpoint,
+                        sharded_training_state, write_json)
 from config import Config, ConfigError, exit_on_config_error, load_config
 from data.loader import WindowSampler
 from data.meta import DataError, load_meta, open_tokens, prepare_generated_if_missing, unigram_entropy
@@ -153,16 +155,20 @@ def isolated_rng(seed: int, device):
 
 @torch.no_grad()  # no autograd graph: evaluation holds one batch's activations at a time
 def evaluate(model, val_data: WindowSampler, eval_iters: int, rank: int, world_size: int, autocast, device,
-             loss_chunk: int = 0):
-    """Mean validation loss over a fixed set of eval_iters batches, split across ranks and averaged."""
+             loss_chunk: int = 0, sharded: bool = False):
+    """Mean validation loss over a fixed set of eval_iters batches, split across ranks and averaged. A sharded
+    model gathers each block's weights in every forward, a collective: every rank then runs the same number
+    of forwards, those past eval_iters uncounted."""
     model.eval()
     total = torch.zeros(2, device=device, dtype=torch.float64)
-    for index in range(rank, eval_iters, world_size):
-        x, y = val_data.batch(0, index)
+    rounds = -(-eval_iters // world_size) if sharded else len(range(rank, eval_iters, world_size))
+    for index in range(rank, rank + rounds * world_size, world_size):
+        x, y = val_data.batch(0, min(index, eval_iters - 1))
         with autocast:
             _, loss = model(x, y, loss_chunk=loss_chunk)
-        total[0] += loss.detach().double()
-        total[1] += 1
+        if index < eval_iters:
+            total[0] += loss.detach().double()
+            total[1] += 1
     if world_size > 1:
         dist.all_reduce(total)
     model.train()
@@ -175,8 +181,9 @@ def main(argv):
     m, t, ev = cfg.model, cfg.train, cfg.eval
 
     # ---- processes and devices ---------------------------------------------------------------------------
-    ddp = "RANK" in os.environ  # set by torchrun
-    rank = int(os.environ.get("RANK", 0))
+    ddp = "RANK" in os.environ  # set by torchrun: several processes (DDP, or FSDP with parallelism=fsdp)
+    fsdp = t.parallelism == "fsdp"
+    rank = int(os.environ.get("RANK", 0))  # global, over every node; LOCAL_RANK picks this node's GPU
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     device_name = t.device if t.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -185,15 +192,22 @@ def main(argv):
     device = torch.device(device_name)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
     if ddp:
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(backend=backend)
+    elif fsdp:  # FSDP shards over a process group, even one of a single process
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
     master = rank == 0
     if t.dtype == "auto":
         dtype_name = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if device.type == "cuda" else "float32"
     else:
         dtype_name = t.dtype
+    if fsdp and dtype_name == "float16":
+        fail("parallelism=fsdp trains in bfloat16 or float32, and this GPU has no bfloat16: use --dtype=float32 or "
+             "--parallelism=ddp", status=2)
     dtype = getattr(torch, dtype_name)
-    autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
+    # under FSDP its mixed-precision policy computes in bf16 (parallelize.shard) instead of autocast
+    autocast = nullcontext() if dtype == torch.float32 or fsdp else torch.autocast(device.type, dtype=dtype)
     torch.manual_seed(t.seed + rank)  # dropout differs per rank; data windows come from the sampler's own seed
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -239,30 +253,46 @@ def main(argv):
     local_micro_steps = train_data.local_micro_steps
     tokens_per_step = t.batch_size * t.gradient_accumulation_steps * m.block_size
 
-    # ---- model, optimizer, and (on resume) their saved state ----------------------------------------------
+    # ---- model, its layout, optimizer, and (on resume) their saved state -----------------------------------
     out_dir = Path(t.out_dir)
     ckpt = None
     if t.init_from == "resume":
         try:
-            # on the CPU: RNG states must stay CPU ByteTensors; load_state_dict below copies model and
-            # optimizer state onto the parameters' device
-            ckpt = load_checkpoint(out_dir / "ckpt_last.pt", map_location="cpu")
+            if fsdp:  # a sharded folder: its meta here, the model and optimizer shards once they exist below
+                ckpt = load_sharded_meta(out_dir / "ckpt_last")
+            else:  # on the CPU: RNG states must stay CPU ByteTensors; load_state_dict moves the rest
+                ckpt = load_checkpoint(out_dir / "ckpt_last.pt", map_location="cpu")
         except CheckpointError as e:
-            fail(f"cannot resume: {e}", status=2)
+            other = out_dir / ("ckpt_last.pt" if fsdp else "ckpt_last")
+            hint = (f"; {other} exists: resume with --parallelism={'ddp' if fsdp else 'fsdp'}, the run's own setting"
+                    if other.exists() else "")
+            fail(f"cannot resume: {e}{hint}", status=2)
         saved = Config.from_dict(ckpt["config"]).model
         changed = [k for k in vars(m) if getattr(saved, k) != getattr(m, k)]
         if changed:
             fail("the model config differs from the checkpoint's in " + ", ".join(
                 f"{k} ({getattr(saved, k)!r} saved, {getattr(m, k)!r} now)" for k in changed)
                 + ": resume with the run's own config file", status=2)
-    model = GPT(m).to(device)
-    optimizer = model.configure_optimizer(t.weight_decay, t.learning_rate, (t.beta1, t.beta2), device.type)
+    torch.manual_seed(t.seed)  # the same initial weights in every process (FSDP shards them without a broadcast)
+    raw_model = GPT(m).to(device)
+    if rank:
+        torch.manual_seed(t.seed + rank)  # dropout differs per rank
+    # activation checkpointing and torch.compile per block, then DDP around the model or FSDP2 in place
+    # (parallelize.py); the optimizer is built after sharding, over the shards
+    try:
+        model = parallelize(raw_model, t, device, dtype, ddp, local_rank)
+    except ValueError as e:
+        fail(f"cannot compile: {e}", status=2)
+    optimizer = raw_model.configure_optimizer(t.weight_decay, t.learning_rate, (t.beta1, t.beta2), device.type)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     step, best_val_loss, wandb_run_id = 0, float("inf"), None
     if ckpt is not None:
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        scaler.load_state_dict(ckpt["scaler"])
+        if fsdp:  # every process reads its own shards, resharded if the run had another number of processes
+            load_sharded_training_state(ckpt["path"], raw_model, optimizer)
+        else:
+            raw_model.load_state_dict(ckpt["model"])
+            optimizer.load_state_dict(ckpt["optimizer"])
+            scaler.load_state_dict(ckpt["scaler"])
         step, best_val_loss, wandb_run_id = ckpt["step"], ckpt["best_val_loss"], ckpt.get("wandb_run_id")
         if len(ckpt["rng"]) == world_size:
             try:
@@ -273,12 +303,8 @@ def main(argv):
             print(f"warning: checkpoint has RNG states for {len(ckpt['rng'])} processes, not {world_size}: "
                   "dropout noise will differ from the interrupted run")
         del ckpt
-    raw_model = model
-    # activation checkpointing and torch.compile per block, then DDP (parallelize.py)
-    try:
-        model = parallelize(raw_model, t, device, dtype, ddp, local_rank)
-    except ValueError as e:
-        fail(f"cannot compile: {e}", status=2)
+        if ddp:  # every process has read the checkpoint before rank 0 tidies the folder below
+            dist.barrier()
 
     # ---- output folder, logs, signals ---------------------------------------------------------------------
     if master:
@@ -310,7 +336,7 @@ def main(argv):
         metrics = MetricsLog(out_dir / "metrics.jsonl", wandb_run)
         if step > 0:
             metrics.truncate_after(step)
-            print(f"resumed from {out_dir / 'ckpt_last.pt'} at step {step} (best val loss {best_val_loss:.4f})")
+            print(f"resumed from {out_dir / ('ckpt_last' if fsdp else 'ckpt_last.pt')} at step {step} (best val loss {best_val_loss:.4f})")
         elif (out_dir / "metrics.jsonl").exists():
             (out_dir / "metrics.jsonl").unlink()  # a fresh run does not append to an old run's log
 
@@ -324,20 +350,23 @@ def main(argv):
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
 
-    def save(name: str) -> None:
-        """Checkpoint state (every rank takes part: RNG states are gathered), written by rank 0."""
+    def save(which: str) -> None:
+        """Checkpoint ckpt_{which} (every rank takes part: RNG states are gathered): one file written by rank 0
+        under DDP, a folder of every rank's shards under FSDP."""
         states = [None] * world_size
         if ddp:
             dist.all_gather_object(states, rng_state())
         else:
             states = [rng_state()]
-        if master:
-            save_checkpoint({
-                "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
-                "config": cfg.to_dict(), "step": step, "best_val_loss": best_val_loss, "rng": states,
-                "data_cursor": train_data.state_dict(step), "wandb_run_id": wandb_run_id, "run": info,
-                "tokenizer": meta["tokenizer"],
-            }, out_dir / name)
+        meta_ = {"config": cfg.to_dict(), "step": step, "best_val_loss": best_val_loss, "rng": states,
+                 "data_cursor": train_data.state_dict(step), "wandb_run_id": wandb_run_id,
+                 "tokenizer": meta["tokenizer"], **({"run": info} if master else {})}
+        if fsdp:
+            save_sharded_checkpoint(out_dir / f"ckpt_{which}", sharded_training_state(raw_model, optimizer), meta_,
+                                    rank)
+        elif master:
+            save_checkpoint({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
+                             "scaler": scaler.state_dict(), **meta_}, out_dir / f"ckpt_{which}.pt")
 
     # ---- the training loop --------------------------------------------------------------------------------
     flops_per_token = raw_model.flops_per_token(m.block_size)
@@ -354,20 +383,24 @@ def main(argv):
             if t.window_schedule != "fixed":
                 raw_model.set_window(m.swa_window)  # validation and probes use the long (test-time) window
             with isolated_rng(t.seed + rank, device):
-                val_loss = evaluate(model, val_data, ev.eval_iters, rank, world_size, autocast, device, t.loss_chunk)
+                val_loss = evaluate(model, val_data, ev.eval_iters, rank, world_size, autocast, device, t.loss_chunk,
+                                    sharded=fsdp)
                 improved = val_loss < best_val_loss
                 best_val_loss = min(best_val_loss, val_loss)
                 if master:
                     print(f"step {step}: val loss {val_loss:.4f} (unigram baseline {unigram:.4f}, best {best_val_loss:.4f})")
                     metrics.log(step, val_loss=val_loss, best_val_loss=best_val_loss)
                 if ev.eval_tasks and step % (ev.eval_tasks_interval or ev.eval_interval) == 0:
-                    if master:  # retrieval / perplexity probes at several lengths (eval/probes.py), run
-                        # eagerly: compiled blocks would recompile for every length and batch width (attention
-                        # itself still runs compiled FlexAttention on GPUs, one kernel per padded length)
+                    # retrieval / perplexity probes at several lengths (eval/probes.py) on rank 0, or on every
+                    # rank of a sharded model (its forwards are collectives; they draw the same probes). Run
+                    # eagerly: compiled blocks would recompile for every length and batch width (attention
+                    # itself still runs compiled FlexAttention on GPUs, one kernel per padded length)
+                    if master or fsdp:
                         with autocast, torch.compiler.set_stance("force_eager"):
                             probes = training_probes(raw_model, ev.eval_tasks.split(","), task_lengths,
                                                      open_tokens(data_dir, "val"), meta["eot_id"], meta["tokenizer"],
                                                      t.seed, device)
+                    if master:
                         print(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in probes.items()))
                         metrics.log(step, **probes)
                     if ddp:
@@ -375,9 +408,9 @@ def main(argv):
             if ev.eval_only:
                 break
             if improved and step > start_step:
-                save("ckpt_best.pt")
+                save("best")
         if step > start_step and (step % ckpt_interval == 0 or step == t.max_iters or stopping):
-            save("ckpt_last.pt")
+            save("last")
         if step >= t.max_iters or stopping:
             break
 
@@ -387,7 +420,9 @@ def main(argv):
         loss_sum = torch.zeros((), device=device)
         for micro_step in range(local_micro_steps):
             x, y = train_data.get(step, micro_step)
-            if ddp:  # gradients are all-reduced only on the last micro-step
+            if fsdp:  # gradients are reduce-scattered only on the last micro-step
+                raw_model.set_requires_gradient_sync(micro_step == local_micro_steps - 1)
+            elif ddp:  # gradients are all-reduced only on the last micro-step
                 model.require_backward_grad_sync = micro_step == local_micro_steps - 1
             with autocast:
                 _, loss = model(x, y, loss_chunk=t.loss_chunk)
@@ -435,14 +470,15 @@ def main(argv):
     signum = stop_signal[0] if stop_signal else signal.SIGTERM  # another rank may have received it
     if master:
         if stopping and step < t.max_iters:
-            print(f"stopped by signal {signum} at step {step}; ckpt_last.pt saved. Resume with the same "
+            print(f"stopped by signal {signum} at step {step}; {'ckpt_last' if fsdp else 'ckpt_last.pt'} saved. "
+                  "Resume with the same "
                   "command plus --init_from=resume")
         else:
             print(f"done: best val loss {best_val_loss:.4f} vs unigram baseline {unigram:.4f}; "
                   f"checkpoints in {out_dir}")
         if metrics.wandb_run is not None:
             metrics.wandb_run.finish()
-    if ddp:
+    if dist.is_initialized():
         # DDP's reducer holds the process group: drop it first, so that the group is destroyed inside
         # destroy_process_group (which releases the GIL) and not when main's locals are freed (with the GIL
         # held, while gloo's worker thread may need it to free a finished collective's tensors: a deadlock)

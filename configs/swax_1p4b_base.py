@@ -26,12 +26,14 @@ swax_anneal_frac = 0.1
 
 batch_size = 1
 gradient_accumulation_steps = 64  # global: 8 per GPU on 8 GPUs; 1 x 64 x 16384 = 1,048,576 tokens per step
-# memory (python scripts/plan_memory.py configs/swax_1p4b_stochastic.py): 8 x 80 GB GPUs, batch 1 x accumulation
-# 64. Without checkpointing even one 16K-token sequence needs about 82 GiB per GPU; selective checkpointing (each
-# block keeps its matmul and attention outputs and recomputes the rest) brings configs/swax_1p4b_*.py and
-# configs/swax_gdn_1p4b_*.py to 58-61 GiB, with less recomputation than full checkpointing (which would allow
-# a micro-batch of 2)
-activation_checkpointing = "selective"
+# sharded (FSDP2): weights, gradients and AdamW state split over the GPUs, bf16 compute through FSDP's
+# mixed-precision policy, checkpoints as folders ckpt_last/ and ckpt_best/ (README, "Training at scale")
+parallelism = "fsdp"
+# memory (python scripts/plan_memory.py configs/swax_1p4b_stochastic.py --world_size=8): 8 x 80 GB GPUs, batch 1 x
+# accumulation 64, no activation checkpointing: 52-65 GiB per GPU for configs/swax_1p4b_*.py and
+# configs/swax_gdn_1p4b_*.py. Under DDP (--parallelism=ddp: 16 B/param on every GPU) one 16K-token sequence
+# would need about 82 GiB without checkpointing: add --activation_checkpointing=selective there (58-61 GiB)
+activation_checkpointing = "none"
 max_iters = 143_051  # 150B tokens
 learning_rate = 3e-4
 min_lr = 3e-6

@@ -6,11 +6,11 @@ out_dir = "out/swax_7b"
 n_layer = 32
 n_head = 32
 n_embd = 4096
-batch_size = 1
-gradient_accumulation_steps = 64  # global: 1 x 64 x 16384 = 1,048,576 tokens per step
-# memory (python scripts/plan_memory.py configs/swax_7b_stochastic.py): this recipe does not fit 80 GB GPUs under
-# DDP at any micro-batch. DDP keeps the whole model on every GPU: float32 weights, gradients and AdamW's two
-# moments alone are 16 B/param x 6.87B = 110 GB (140 GiB per GPU with DDP's gradient buckets and autocast's
-# bf16 weight copies). It needs sharded training (FSDP: weights, gradients and optimizer state split across
-# the GPUs), which this codebase does not have yet; the batch values above are the paper's.
+batch_size = 2
+gradient_accumulation_steps = 32  # global: 4 per GPU on 8 GPUs; 2 x 32 x 16384 = 1,048,576 tokens per step
+# memory (python scripts/plan_memory.py configs/swax_7b_stochastic.py --world_size=8): 8 x 80 GB GPUs, sharded
+# (parallelism=fsdp, from configs/swax_1p4b_base.py), full activation checkpointing: about 55 GiB per GPU
+# (13 GiB of it the sharded weights, gradients and AdamW state). Selective checkpointing does not fit even
+# one sequence (79 GiB). Under DDP this recipe cannot train at all: 16 B/param x 6.87B = 110 GB on every GPU.
+activation_checkpointing = "full"
 swax_short_prob = 0.75  # the 7B models need the short window more often (App. B, Table 4)

@@ -62,7 +62,7 @@ def bench(config_file: str, b: BenchConfig, device: torch.device, dtype: torch.d
     overrides += [f"--block_size={b.block_size}"] if b.block_size else []
     # the bench's own choices replace the recipe's (configs set compile=True for training)
     overrides += [f"--compile={b.compile}", f"--activation_checkpointing={b.activation_checkpointing}",
-                  f"--loss_chunk={b.loss_chunk}"]
+                  f"--loss_chunk={b.loss_chunk}", "--parallelism=ddp"]
     cfg = load_config([config_file, *overrides, "--dropout=0.0"])
     m = cfg.model
     m.vocab_size = m.vocab_size or 50304
@@ -70,7 +70,7 @@ def bench(config_file: str, b: BenchConfig, device: torch.device, dtype: torch.d
     model = GPT(m).to(device)
     optimizer = model.configure_optimizer(0.1, 1e-4, (0.9, 0.95), device.type)
     try:  # checkpointing and per-block compilation exactly as train.py applies them (no DDP here)
-        step_fn = parallelize(model, cfg.train, device, dtype, ddp=False)
+        step_fn = parallelize(model, cfg.train, device, dtype, distributed=False)
     except ValueError as e:
         raise SystemExit(f"{config_file}: cannot compile: {e}")
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)

@@ -36,6 +36,7 @@ import math
 import os
 import platform
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -69,7 +70,7 @@ class CheckConfig:
     # graph breaks and recompiles are Dynamo's and the same under every backend: aot_eager finds them without
     # generating code (minutes faster); train_runs compiles every mixer family with inductor anyway
     compile_check_backend: str = "aot_eager"
-    keep_checkpoints: bool = False  # keep the training runs' ckpt_*.pt (deleted by default: OUT stays small)
+    keep_checkpoints: bool = False  # keep the training runs' checkpoints (deleted by default: OUT stays small)
     fail_steps: str = ""  # for testing the report: these steps raise at their start, as a broken step would
     worker: str = ""  # internal: run a step's in-process work (backends) in this process, a child of the check
 
@@ -514,8 +515,8 @@ def step_train_runs(ctx: StepContext) -> dict:
         result.pop("losses")
         result["status"], result["error"] = ("failed", problem) if problem else ("passed", "")
         if not ctx.cfg.keep_checkpoints:
-            for ckpt in out_dir.glob("ckpt_*.pt"):
-                ckpt.unlink()
+            for ckpt in out_dir.glob("ckpt_*"):  # files, or the folders of sharded checkpoints
+                shutil.rmtree(ckpt) if ckpt.is_dir() else ckpt.unlink()
         return result
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:

@@ -1,11 +1,14 @@
-"""Per-GPU memory of a training config under DDP, and the largest micro-batch that fits a GPU.
+"""Per-GPU memory of a training config under DDP or FSDP, and the largest micro-batch that fits a GPU.
 
     python scripts/plan_memory.py configs/swax_1p4b_stochastic.py --gpu_mem_gb=80 --world_size=8
     python scripts/plan_memory.py configs/slimpajama_360m_sa_swa.py --world_size=4 --json=out/plan.json
+    python scripts/plan_memory.py configs/swax_7b_stochastic.py --world_size=8       # parallelism=fsdp: sharded
     python scripts/plan_memory.py configs/owt_124m_pbb.py --batch_size=16 --activation_checkpointing=full
 
 Under DDP every GPU holds the whole model, so its memory is the same on every GPU: fp32 weights, fp32
-gradients, DDP's gradient buckets, AdamW's two moments, autocast's bf16 copies of the weights it casts, and the
+gradients, DDP's gradient buckets, AdamW's two moments, autocast's bf16 copies of the weights it casts; under
+FSDP (the config's parallelism, or --parallelism=fsdp) each GPU holds 1/world_size of the weights, gradients and
+AdamW state plus the bf16 weights and gradients of the units gathered at the moment (see static_memory); then the
 activations of one micro-batch (batch_size sequences of block_size tokens), which are counted from the model's
 own shapes (built on the meta device) and each mixer's code: what every layer keeps for backward with
 activation_checkpointing none, full and selective, plus the logits and loss. Then, for each checkpointing mode,
@@ -23,7 +26,6 @@ in train.py; vocab_size=0 (from the data) is planned with 50304 (GPT-2's padded 
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -54,7 +56,7 @@ F32 = 4  # bytes of a float32 element: the residual stream, norms' statistics, r
 @dataclass
 class PlanOptions:
     gpu_mem_gb: float = 80.0  # memory of one GPU in GiB
-    world_size: int = 8  # DDP processes, one per GPU
+    world_size: int = 8  # processes, one per GPU
     headroom: float = 0.10  # fraction of gpu_mem_gb left free for the CUDA context and the allocator's slack
     kernels: str = "cuda"  # cuda (the GPU training path) | cpu (the chunked CPU kernels the tests measure)
     compare_loss_chunk: int = 2048  # the loss_chunk the table also plans when the config has none (0)
@@ -95,8 +97,23 @@ def count_parameters(model: GPT) -> tuple[int, int]:
     return total, sum(cast.values())
 
 
-def static_memory(n_params: int, n_cast: int, k: Kernels, world_size: int) -> dict[str, int]:
-    """Bytes that do not depend on the micro-batch:
+@dataclass(frozen=True)
+class Layout:
+    """How the model is spread over the GPUs: train.py's parallelism over world_size processes."""
+
+    world_size: int = 1
+    parallelism: str = "ddp"  # ddp | fsdp
+    reshard_after_forward: bool = True  # fsdp_reshard_after_forward
+
+
+def fsdp_units(model: GPT) -> tuple[int, int]:
+    """(parameters of the largest block, parameters of the root unit: embeddings, final norm, LM head)."""
+    blocks = [sum(p.numel() for p in block.parameters()) for block in model.blocks]
+    return max(blocks), model.num_params() - sum(blocks)
+
+
+def static_memory(model: GPT, n_params: int, n_cast: int, k: Kernels, layout: Layout) -> dict[str, int]:
+    """Bytes that do not depend on the micro-batch. Under DDP:
 
         weights          4 B/param   float32 master weights (autocast computes in bf16 over float32 parameters)
         gradients        4 B/param   float32 .grad, kept through gradient accumulation until the optimizer step
@@ -108,9 +125,22 @@ def static_memory(n_params: int, n_cast: int, k: Kernels, world_size: int) -> di
                                      cached for the forward and saved by its matmul for backward, so all of
                                      them exist at the start of backward (counted throughout, an upper bound
                                      for checkpointed blocks, which drop theirs after the forward)
-    """
+
+    Under FSDP (parallelize.shard): weights, gradients and AdamW state sharded, 16 B/param / world_size; the
+    root unit's weights gathered in the compute dtype for the whole step (it is not resharded after the
+    forward); two blocks' weights gathered at a time (the one computing and the one prefetched), or every
+    block's without fsdp_reshard_after_forward; and, in backward, two blocks' unsharded gradients in the
+    compute dtype plus their float32 copies for the reduce-scatter. No autocast copies: the mixed-precision
+    policy gathers bf16 weights instead."""
+    if layout.parallelism == "fsdp":
+        W, a = layout.world_size, k.act
+        block, root = fsdp_units(model)
+        gathered_blocks = 2 * block if layout.reshard_after_forward else n_params - root
+        return {"weights, gradients, AdamW state (fp32, sharded)": 4 * F32 * n_params // W,
+                "gathered weights: root unit and blocks in flight": a * (root + gathered_blocks),
+                "unsharded gradients of two blocks (compute dtype and fp32)": 2 * (a + F32) * block}
     memory = {"weights (fp32)": F32 * n_params, "gradients (fp32)": F32 * n_params}
-    if world_size > 1:
+    if layout.world_size > 1:
         memory["DDP gradient buckets (fp32)"] = F32 * n_params
     memory["AdamW exp_avg + exp_avg_sq (fp32)"] = 2 * F32 * n_params
     if k.autocast:
@@ -541,7 +571,7 @@ class Estimate:
         return parts
 
 
-def estimate(model: GPT, k: Kernels, B: int, checkpointing: str, loss_chunk: int, world_size: int) -> Estimate:
+def estimate(model: GPT, k: Kernels, B: int, checkpointing: str, loss_chunk: int, layout: Layout) -> Estimate:
     """The memory of a training step at micro-batch B. Activations peak at one of three moments:
 
         end of forward    every block's kept tensors + the head's saved + the forward logits transient
@@ -556,7 +586,8 @@ def estimate(model: GPT, k: Kernels, B: int, checkpointing: str, loss_chunk: int
     layers = [block_activations(block, m, k, B, T) for block in model.blocks]
     head = head_saved(m, k, B, T, loss_chunk)
     logits = logits_transient(m, k, B, T, loss_chunk)
-    e = Estimate(B, checkpointing, loss_chunk, static_memory(n_params, n_cast, k, world_size), layers, head, logits)
+    e = Estimate(B, checkpointing, loss_chunk, static_memory(model, n_params, n_cast, k, layout), layers, head,
+                 logits)
     kept, head_total = e.kept, sum(head.values())
     bound_logits = 0 if loss_chunk else k.act * B * T * m.vocab_size
     worst_block = max(2 * layer.total - layer.kept(checkpointing) for layer in layers)
@@ -580,19 +611,20 @@ def divisors(n: int) -> list[int]:
 
 
 def largest_fit(model: GPT, k: Kernels, checkpointing: str, loss_chunk: int, sequences_per_gpu: int,
-                world_size: int, budget: float) -> Fit:
+                layout: Layout, budget: float) -> Fit:
     """The largest micro-batch dividing the sequences each GPU trains on per step (so that batch_size x
     gradient_accumulation_steps stays the global batch and the accumulation divides among the GPUs) whose
     estimate fits the budget."""
     best = None
     for B in divisors(sequences_per_gpu):
-        e = estimate(model, k, B, checkpointing, loss_chunk, world_size)
+        e = estimate(model, k, B, checkpointing, loss_chunk, layout)
         if e.total > budget:
             break  # memory grows with B
         best = e
     if best is None:
-        return Fit(checkpointing, loss_chunk, None, None, estimate(model, k, 1, checkpointing, loss_chunk, world_size))
-    return Fit(checkpointing, loss_chunk, best.batch_size, sequences_per_gpu // best.batch_size * world_size, best)
+        return Fit(checkpointing, loss_chunk, None, None, estimate(model, k, 1, checkpointing, loss_chunk, layout))
+    return Fit(checkpointing, loss_chunk, best.batch_size, sequences_per_gpu // best.batch_size * layout.world_size,
+               best)
 
 
 def build(cfg) -> tuple[GPT, bool]:
@@ -643,7 +675,8 @@ def plan(options: PlanOptions, config_args: list[str]) -> dict:
     n_params, n_cast = count_parameters(model)
     sequences = t.batch_size * t.gradient_accumulation_steps
     budget = options.gpu_mem_gb * GIB * (1 - options.headroom)
-    configured = estimate(model, k, t.batch_size, t.activation_checkpointing, t.loss_chunk, options.world_size)
+    layout = Layout(options.world_size, t.parallelism, t.fsdp_reshard_after_forward)
+    configured = estimate(model, k, t.batch_size, t.activation_checkpointing, t.loss_chunk, layout)
     mixers = {}
     for block in model.blocks:
         mixers[type(block.mixer).__name__] = mixers.get(type(block.mixer).__name__, 0) + 1
@@ -652,7 +685,7 @@ def plan(options: PlanOptions, config_args: list[str]) -> dict:
         "vocab_size": m.vocab_size, "vocab_assumed": assumed_vocab, "n_params": n_params, "n_cast": n_cast,
         "batch_size": t.batch_size, "gradient_accumulation_steps": t.gradient_accumulation_steps,
         "block_size": m.block_size, "global_sequences": sequences, "global_tokens": sequences * m.block_size,
-        "world_size": options.world_size, "gpu_mem_gib": options.gpu_mem_gb, "headroom": options.headroom,
+        "world_size": options.world_size, "parallelism": t.parallelism, "gpu_mem_gib": options.gpu_mem_gb, "headroom": options.headroom,
         "budget_gib": budget / GIB, "configured": estimate_json(configured),
         "configured_fits": configured.total <= budget, "fits": [],
     }
@@ -666,7 +699,7 @@ def plan(options: PlanOptions, config_args: list[str]) -> dict:
     for checkpointing in CHECKPOINTING:
         for loss_chunk in loss_chunks:
             fit = largest_fit(model, k, checkpointing, loss_chunk, sequences // options.world_size,
-                              options.world_size, budget)
+                              layout, budget)
             result["fits"].append({"activation_checkpointing": checkpointing, "loss_chunk": loss_chunk,
                                    "batch_size": fit.batch_size, "gradient_accumulation_steps": fit.accumulation,
                                    "total_gib": fit.memory.total / GIB})
@@ -702,8 +735,9 @@ def print_plan(r: dict) -> None:
           f"bf16 by autocast); layers {mixers}; block_size {r['block_size']:,}; vocab {r['vocab_size']:,}{vocab}")
     print(f"global batch: {r['batch_size']} x {r['gradient_accumulation_steps']} x {r['block_size']:,} = "
           f"{r['global_tokens']:,} tokens per step ({r['global_sequences']} sequences) on {r['world_size']} GPU(s) "
-          f"under DDP")
-    precision = "bf16 autocast" if r["activation_bytes"] == 2 else "float32"
+          f"under {r['parallelism'].upper()}")
+    precision = "float32" if r["activation_bytes"] == 4 else \
+        ("bf16 through FSDP's mixed-precision policy" if r["parallelism"] == "fsdp" else "bf16 autocast")
     print(f"estimate: eager PyTorch, {r['kernels']} kernels, {precision}; GiB = 2^30 bytes")
     print(f"\nmemory per GPU at batch_size={c['batch_size']}, activation_checkpointing={c['activation_checkpointing']}, "
           f"loss_chunk={c['loss_chunk']}:{'GiB':>14}")
@@ -738,9 +772,13 @@ def print_plan(r: dict) -> None:
               f"--gradient_accumulation_steps={best['gradient_accumulation_steps']} "
               f"--activation_checkpointing={best['activation_checkpointing']} --loss_chunk={best['loss_chunk']}")
     if r["static_exceeds_budget"]:
-        print(f"weights, gradients, DDP buckets, AdamW and autocast copies alone take {r['static_gib']:.1f} GiB per GPU, "
-              f"more than {r['budget_gib']:.1f}: this model cannot train under DDP (every GPU holds all of it); it "
-              "needs sharded training (FSDP), which this codebase does not have")
+        if r["parallelism"] == "ddp":
+            print(f"weights, gradients, DDP buckets, AdamW and autocast copies alone take {r['static_gib']:.1f} GiB per "
+                  f"GPU, more than {r['budget_gib']:.1f}: this model cannot train under DDP (every GPU holds all of it); "
+                  "shard it with --parallelism=fsdp")
+        else:
+            print(f"the sharded state and gathered weights alone take {r['static_gib']:.1f} GiB per GPU, more than "
+                  f"{r['budget_gib']:.1f}: use more GPUs (--world_size)")
 
 
 def main(argv):

@@ -3,7 +3,7 @@
     python scripts/sweep.py configs/mswa_cpu_swa.py configs/mswa_cpu_mswa.py --out=out/sweeps/mswa_table2
     python scripts/sweep.py configs/mswa_cpu_*.py --seeds=1337,2025 --eval="--tasks=ppl --ppl_lengths=64,256"
 
-Each run goes to OUT/<config name>_s<seed>; a run whose ckpt_last.pt already reached max_iters is kept, so an
+Each run goes to OUT/<config name>_s<seed>; a run whose ckpt_last.pt (or sharded ckpt_last/) already reached max_iters is kept, so an
 interrupted sweep picks up where it stopped. The table (scripts/compare.py) and the exact command of the
 sweep are written to OUT/results.md.
 """
@@ -19,9 +19,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
+def has_last_checkpoint(run_dir: Path) -> bool:
+    """ckpt_last.pt, or the folder ckpt_last/ of a sharded (parallelism=fsdp) run."""
+    return (run_dir / "ckpt_last.pt").exists() or (run_dir / "ckpt_last" / "meta.pt").exists()
+
+
 def finished(run_dir: Path) -> bool:
     config, metrics = run_dir / "config.json", run_dir / "metrics.jsonl"
-    if not (config.exists() and metrics.exists() and (run_dir / "ckpt_last.pt").exists()):
+    if not (config.exists() and metrics.exists() and has_last_checkpoint(run_dir)):
         return False
     max_iters = json.loads(config.read_text())["train"]["max_iters"]
     steps = [json.loads(line).get("step", -1) for line in metrics.read_text().splitlines() if line.strip()]
@@ -50,7 +55,7 @@ def main(argv):
                 if args.eval and not (run_dir / "eval" / "summary.md").exists():  # interrupted before its eval
                     evaluate(run_dir, args.eval)
                 continue
-            resume = ["--init_from=resume"] if (run_dir / "ckpt_last.pt").exists() else []
+            resume = ["--init_from=resume"] if has_last_checkpoint(run_dir) else []
             command = [sys.executable, "train.py", config, f"--out_dir={run_dir}", *shlex.split(args.extra),
                        *([f"--seed={seed}"] if seed else []), *resume]
             print(f"[sweep] {name}: {' '.join(command[1:])}", flush=True)

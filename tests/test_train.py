@@ -13,25 +13,18 @@ import pytest
 import torch
 
 from checkpoint import atomic_write, load_checkpoint
-from conftest import REPO
+from conftest import REPO, read_metrics, sigterm_after_two_steps, train_subprocess
 
 TINY = ["configs/quickstart.py", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
         "--eval_iters=2", "--log_interval=1", "--warmup_iters=2", "--lr_decay_iters=12", "--dropout=0.1"]
 
 
 def run(args, out_dir, timeout=300, check=True, torchrun=False):
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun \
-        else [sys.executable]
-    proc = subprocess.run(launcher + ["train.py", *TINY, f"--out_dir={out_dir}", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
-    if check:
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+    return train_subprocess([*TINY, f"--out_dir={out_dir}", *args], timeout, check, processes=2 if torchrun else 1)
 
 
 def metrics(out_dir, key="train_loss"):
-    records = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
-    return {r["step"]: r[key] for r in records if key in r}
+    return read_metrics(out_dir, key)
 
 
 @pytest.fixture(scope="module")
@@ -65,21 +58,14 @@ def test_resume_reproduces_the_uninterrupted_run(reference_run, tmp_path):
 
 
 def test_sigterm_saves_and_resume_is_exact(reference_run, tmp_path):
-    cmd = [sys.executable, "train.py", *TINY, f"--out_dir={tmp_path}", "--max_iters=12", "--eval_interval=4",
-           "--n_embd=256", "--n_layer=4"]  # a slower model, so the signal lands mid-run
+    args = ["--max_iters=12", "--eval_interval=4", "--n_embd=256", "--n_layer=4"]  # slow enough to interrupt
     ref = tmp_path / "ref"
-    subprocess.run([*cmd, f"--out_dir={ref}"], cwd=REPO, check=True, capture_output=True, timeout=300)
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    log = tmp_path / "metrics.jsonl"
-    while not (log.exists() and len(metrics(tmp_path)) >= 2):
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGTERM, err
+    run(args, ref)
+    returncode, out, err = sigterm_after_two_steps([*TINY, *args], tmp_path)
+    assert returncode == 128 + signal.SIGTERM, err
     stopped = load_checkpoint(tmp_path / "ckpt_last.pt")["step"]
     assert 2 <= stopped < 12 and f"at step {stopped}" in out
-    run(["--max_iters=12", "--eval_interval=4", "--n_embd=256", "--n_layer=4", "--init_from=resume"], tmp_path)
+    run([*args, "--init_from=resume"], tmp_path)
     assert metrics(tmp_path) == metrics(ref)
 
 
