@@ -126,6 +126,8 @@ TRAIN_RUNS = {
     "swax": ["--attn_pattern=swax"],  # swa, mlstm
     "swax_gdn": ["--attn_pattern=swax_gdn"],  # swa, gated_deltanet
     "linear": ["--attn_pattern=linear"],
+    # FSDP2 in one process: bf16 through its mixed-precision policy, sharded checkpoints
+    "swax_fsdp": ["--attn_pattern=swax", "--parallelism=fsdp"],
 }
 
 # backends: the rule families, each against the dense reference
@@ -475,7 +477,7 @@ def step_train_runs(ctx: StepContext) -> dict:
     """A 50-step run per mixer family. On an H100 each is process start and CUDA init (~8 s), compiling its block
     graphs for training and for evaluation (~15-30 s; kernels shared with earlier runs come from the inductor
     cache; mswa has four windows, so four graphs) and 50 steps of 8 x 1024 tokens through 2 layers (~2 s):
-    14 runs in about 6-8 minutes."""
+    15 runs in about 6-8 minutes."""
     from data.meta import prepare_generated_if_missing
 
     size = ctx.sizes["train_runs"]

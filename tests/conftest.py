@@ -8,13 +8,17 @@ os.environ.setdefault("WANDB_MODE", "offline")  # tests never reach the network
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # several test subprocesses share 2 cores
 
 
+def launcher(processes: int) -> list:
+    """python, or torchrun starting that many processes on this machine."""
+    return [sys.executable] if processes == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+
+
 def train_subprocess(args, timeout=300, check=True, processes=1):
     """python train.py ARGS as a user runs it, or under torchrun with several processes on this machine."""
     import subprocess
 
-    launcher = [sys.executable] if processes == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
-    proc = subprocess.run(launcher + ["train.py", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(launcher(processes) + ["train.py", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -28,14 +32,15 @@ def read_metrics(out_dir, key="train_loss") -> dict:
     return {r["step"]: r[key] for r in records if key in r}
 
 
-def sigterm_after_two_steps(args, out_dir):
-    """Start python train.py ARGS --out_dir=OUT_DIR, send SIGTERM once it has logged two steps, and return
-    (returncode, stdout, stderr) after it has saved and exited."""
+def sigterm_after_two_steps(args, out_dir, processes=1):
+    """Start python train.py ARGS --out_dir=OUT_DIR (under torchrun with several processes, which passes the
+    signal on to them), send SIGTERM once it has logged two steps, and return (returncode, stdout, stderr)
+    after it has saved and exited."""
     import signal
     import subprocess
     import time
 
-    proc = subprocess.Popen([sys.executable, "train.py", *args, f"--out_dir={out_dir}"], cwd=REPO,
+    proc = subprocess.Popen([*launcher(processes), "train.py", *args, f"--out_dir={out_dir}"], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     log = Path(out_dir) / "metrics.jsonl"
     while not (log.exists() and len(read_metrics(out_dir)) >= 2):

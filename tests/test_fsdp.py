@@ -3,7 +3,6 @@ another number of processes), survive a kill mid-save, and load in one process f
 
 import json
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -74,14 +73,15 @@ def test_resume_on_another_number_of_processes(tmp_path):
 
 
 def test_sigterm_then_resume_is_exact_under_fsdp(tmp_path):
+    # two processes under torchrun, which passes SIGTERM on: both finish the step and save their shards
     args = ["--max_iters=12", "--parallelism=fsdp", "--n_embd=256", "--n_layer=4"]  # slow enough to interrupt
-    train(tmp_path / "ref", *args)
+    train(tmp_path / "ref", *args, processes=2)
     out = tmp_path / "run"
-    returncode, stdout, stderr = sigterm_after_two_steps([*SWAX, *args], out)
-    assert returncode == 128 + signal.SIGTERM, stderr
+    returncode, stdout, stderr = sigterm_after_two_steps([*SWAX, *args], out, processes=2)
+    assert returncode != 0, stderr  # torchrun reports the signal it received
     stopped = load_sharded_meta(out / "ckpt_last")["step"]
     assert 2 <= stopped < 12 and f"at step {stopped}; ckpt_last saved" in stdout
-    train(out, *args, "--init_from=resume")
+    train(out, *args, "--init_from=resume", processes=2)
     assert metrics(out) == metrics(tmp_path / "ref")  # exact
 
 

@@ -35,7 +35,8 @@ def test_quick_cpu_check_runs_every_step_and_writes_the_report(tmp_path):
                                                          "se_bridge_union"}
     assert all(c["passed"] for c in backends["cases"])
     runs = steps["train_runs"]["results"]["runs"]
-    assert {r["mixer"] for r in runs} >= {"full", "swa", "sa_swa", "mswa", "pbb", "swax", "swax_gdn", "linear"}
+    assert {r["mixer"] for r in runs} >= {"full", "swa", "sa_swa", "mswa", "pbb", "swax", "swax_gdn", "linear",
+                                          "swax_fsdp"}
     assert all(r["val_loss_end"] < r["val_loss_start"] for r in runs)
     markdown = (tmp_path / "report.md").read_text()
     assert "reduced (CPU, --quick)" in markdown and "| train_runs | **passed** |" in markdown
