@@ -39,6 +39,7 @@ class ModelConfig:
     bias: bool = True  # biases in linear layers and LayerNorm (gpt2); llama recipes set False
     dropout: float = 0.0
     mlp_hidden: int = 0  # 0: 4*n_embd for gpt2, floor(2.67*n_embd) for llama's SwiGLU (paper 000)
+    gelu: str = "exact"  # gpt2's MLP activation: exact (erf) | tanh (the approximation OpenAI's GPT-2 trained with)
     pos_embedding: str = "auto"  # auto (learned for gpt2, rope for llama) | learned | rope | none
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
@@ -105,7 +106,9 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     out_dir: str = "out"
-    init_from: str = "scratch"  # scratch | resume
+    # scratch | resume | gpt2 | gpt2-medium | gpt2-large | gpt2-xl (OpenAI's weights, as nanoGPT) |
+    # hf:NAME_OR_PATH (a Hugging Face checkpoint of GPT-2's architecture); see pretrained.py
+    init_from: str = "scratch"
     batch_size: int = 12  # micro-batch size per process
     gradient_accumulation_steps: int = 40  # global: divided among DDP processes, as in nanoGPT
     max_iters: int = 600000
@@ -293,7 +296,11 @@ def validate(cfg: Config) -> None:
 
     choice("arch", m.arch, ("gpt2", "llama"))
     choice("pos_embedding", m.pos_embedding, ("auto", "learned", "rope", "none"))
-    choice("init_from", t.init_from, ("scratch", "resume"))
+    if t.init_from not in ("scratch", "resume", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl") \
+            and not (t.init_from.startswith("hf:") and len(t.init_from) > 3):
+        raise ConfigError(f"init_from={t.init_from!r}: expected scratch, resume, gpt2, gpt2-medium, gpt2-large, gpt2-xl "
+                          "or hf:NAME_OR_PATH")
+    choice("gelu", m.gelu, ("exact", "tanh"))
     choice("dtype", t.dtype, ("auto", "float32", "bfloat16", "float16"))
     choice("wandb_mode", t.wandb_mode, ("online", "offline", "disabled"))
     choice("window_schedule", t.window_schedule, ("fixed", "stochastic"))

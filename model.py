@@ -33,6 +33,7 @@ class MLP(nn.Module):
         super().__init__()
         hidden = config.resolved_mlp_hidden
         self.swiglu = config.arch == "llama"
+        self.gelu = "tanh" if config.gelu == "tanh" else "none"
         self.c_fc = nn.Linear(config.n_embd, hidden, bias=config.bias)
         self.c_gate = nn.Linear(config.n_embd, hidden, bias=config.bias) if self.swiglu else None
         self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
@@ -42,7 +43,7 @@ class MLP(nn.Module):
         if self.swiglu:
             h = F.silu(self.c_gate(x)) * self.c_fc(x)
         else:
-            h = F.gelu(self.c_fc(x))
+            h = F.gelu(self.c_fc(x), approximate=self.gelu)
         return self.dropout(self.c_proj(h))
 
 

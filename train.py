@@ -25,13 +25,15 @@ import torch.distributed as dist
 from checkpoint import (CheckpointError, load_checkpoint, load_sharded_meta, load_sharded_training_state,
                         remove_stale_temp_files, run_info, save_checkpoint, save_sharded_checkpoint,
                         sharded_training_state, write_json)
-from config import Config, ConfigError, exit_on_config_error, load_config
+from config import Config, ConfigError, exit_on_config_error, load_config, validate
 from data.loader import WindowSampler
 from data.meta import DataError, load_meta, open_tokens, prepare_generated_if_missing, unigram_entropy
 from data.tokenizer import TokenizerUnavailable, get_tokenizer
 from eval.probes import training_probes
 from model import GPT
 from parallelize import parallelize
+from pretrained import (GPT2_NAMES, PretrainedError, load_hf_model, load_pretrained_weights, pretrained_model_config,
+                        pretrained_source)
 
 # dense (no sparsity) bf16/fp16 tensor-core peak FLOP/s by device name, for MFU (float32 runs use the TF32
 # peak: half of it). The first entry whose key is in torch.cuda.get_device_name() wins, so the H100's form
@@ -213,6 +215,18 @@ def main(argv):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
+    # ---- pretrained weights (init_from=gpt2...): their architecture replaces the config's -------------------
+    source, hf_model = pretrained_source(t.init_from), None
+    if source is not None:
+        try:
+            hf_model = load_hf_model(source)
+            changed = pretrained_model_config(hf_model.config, m)
+            validate(cfg)  # e.g. mswa's head groups against the checkpoint's head count
+        except (PretrainedError, ConfigError) as e:
+            fail(f"init_from={t.init_from}: {e}", status=2)
+        if master:
+            print(f"init_from={t.init_from}: the architecture of {source}: " + (", ".join(changed) or "as configured"))
+
     # ---- data --------------------------------------------------------------------------------------------
     data_dir = cfg.data.data_dir or str(Path(__file__).resolve().parent / "data" / cfg.data.dataset)
     try:
@@ -229,6 +243,13 @@ def main(argv):
         fail(f"vocab_size={m.vocab_size} is smaller than the vocabulary of {data_dir} ({meta['vocab_size']}, "
              f"tokenizer {meta['tokenizer']}): set --vocab_size={meta['vocab_size']} or larger, or 0 to take it "
              "from the data", status=2)
+    if source is not None and meta["tokenizer"] not in ("gpt2", source):
+        message = (f"{data_dir} was tokenized with {meta['tokenizer']!r}, not the tokenizer of {source}: prepare the "
+                   f"data with python data/prepare.py ... --tokenizer={'gpt2' if t.init_from in GPT2_NAMES else source}")
+        if t.init_from in GPT2_NAMES:
+            fail(message, status=2)
+        elif master:  # a local checkpoint's tokenizer may be another name for the data's
+            print(f"warning: {message} (unless they are the same vocabulary)")
     loss_after = None
     if cfg.data.loss_after:
         try:
@@ -275,6 +296,14 @@ def main(argv):
                 + ": resume with the run's own config file", status=2)
     torch.manual_seed(t.seed)  # the same initial weights in every process (FSDP shards them without a broadcast)
     raw_model = GPT(m).to(device)
+    if hf_model is not None:
+        try:
+            fresh = load_pretrained_weights(raw_model, hf_model)
+        except PretrainedError as e:
+            fail(f"init_from={t.init_from}: {e}", status=2)
+        if master:
+            print(f"loaded {source}" + (f"; newly initialised: {', '.join(fresh)}" if fresh else ""))
+        del hf_model
     if rank:
         torch.manual_seed(t.seed + rank)  # dropout differs per rank
     # activation checkpointing and torch.compile per block, then DDP around the model or FSDP2 in place

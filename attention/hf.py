@@ -1,0 +1,123 @@
+"""This codebase's attention variants inside any Hugging Face causal LM, without training (papers 000 §4.2,
+004 §6.9), through transformers' attention-function registry (`AttentionInterface`).
+
+    from transformers import AutoModelForCausalLM
+    from attention.hf import use_variant_attention
+
+    model = AutoModelForCausalLM.from_pretrained("Qwen/Qwen3-8B", torch_dtype="bfloat16")
+    use_variant_attention(model, attn_pattern="pbb,pbb,pbb,full", block_len=128, bridge_width=128)
+    use_variant_attention(model, attn_pattern="sa", swa_window=256)          # or swa, block, mswa, se_bridge, ...
+
+The layer pattern comes from the training config's keys (`attn_pattern` repeated over the model's layers,
+`swa_window`, `block_len`, `bridge_width`, `bridge_fusion`, `sa_mode`, `sa_seed`, ...), mapped by each HF
+attention module's `layer_idx`; the model's own projections, RoPE, norms and scaling stay its own. q and k arrive
+rotated at their original positions (what sa needs), k and v are repeated for grouped-query attention, and a
+`scaling` other than 1/sqrt(head_dim) is folded into q. What the variants cannot honour is refused: logit
+soft-capping, attention sinks, padded batches (score sequences one at a time, or batch equal lengths), mixers
+with trained parameters of their own (sa_swa's gates, attn_gate, the recurrent mixers).
+
+Decoding (`hf_decode`): `full` (paper 000's protocol) applies the variant to the prompt's forward only and
+decodes over the full KV cache; `variant` keeps each layer's rule while decoding (recomputed over the cache
+under the rule's mask). sa has no decoding form of its own (a new permutation every forward), so it decodes
+`full` either way.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from attention.kernels import masked_attention
+from attention.layer import MaskedAttention
+from attention.registry import build_mixer, validate_config
+from attention.stochastic import GatedStochasticSlidingAttention, StochasticAttention
+
+HF_ATTENTION = "efficient_attention"  # the name under which the function is registered in transformers
+HF_DECODE = ("full", "variant")
+
+
+def use_variant_attention(model, hf_decode: str = "full", **settings) -> list:
+    """Make every attention layer of a transformers causal LM run the variant of `settings` (ModelConfig keys)
+    for its layer index; returns the per-layer mixers (their rules, and sa's `last_order` after a forward)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from config import ModelConfig
+
+    if hf_decode not in HF_DECODE:
+        raise ValueError(f"hf_decode={hf_decode!r}: expected one of {', '.join(HF_DECODE)}")
+    text = model.config.get_text_config()
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(text, key, None):
+            raise ValueError(f"the model sets {key}={getattr(text, key)}: the variants' kernels have no logit "
+                             "soft-capping, and ignoring it would change the model")
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    n_layer = text.num_hidden_layers
+    shape = {"n_layer": n_layer, "n_head": heads, "n_embd": heads * head_dim, "pos_embedding": "none", "vocab_size": 1}
+    unknown = set(settings) - set(ModelConfig.__dataclass_fields__) | set(settings) & set(shape)
+    if unknown:
+        raise ValueError(f"{', '.join(sorted(unknown))}: not an attention setting here (the model's own shape is used)")
+    # block_size: the context the bridges' boundaries are laid over (theirs are those of the model's context)
+    config = ModelConfig(**shape, **{"block_size": getattr(text, "max_position_embeddings", 1 << 20), **settings})
+    validate_config(config)
+    with torch.device("meta"):  # the mixers' own projections are never used: only their rules and kernels
+        mixers = [build_mixer(config, i) for i in range(n_layer)]
+    for i, mixer in enumerate(mixers):
+        trained = isinstance(mixer, GatedStochasticSlidingAttention) or not isinstance(mixer, MaskedAttention) \
+            or mixer.gate is not None or any(True for _ in mixer.buffers())
+        if trained:
+            raise ValueError(f"layer {i}: {type(mixer).__name__} has parameters or state of its own that a pretrained "
+                             "model does not have: only attention under edge rules (full, swa, block, mswa, sa, "
+                             "bridge, pbb, se_bridge) runs inside a pretrained model's attention")
+        mixer.eval()
+    layers = {}
+    for module in model.modules():
+        if type(module).__name__.endswith("Attention") and isinstance(getattr(module, "layer_idx", None), int):
+            module._variant = (mixers[module.layer_idx], hf_decode)
+            layers[module.layer_idx] = module
+    if sorted(layers) != list(range(n_layer)):
+        raise ValueError(f"found attention modules for layers {sorted(layers)} of {n_layer}: this model's layers do "
+                         "not say their layer_idx")
+    AttentionInterface.register(HF_ATTENTION, variant_attention)
+    AttentionMaskInterface.register(HF_ATTENTION, no_padding_mask)
+    model.set_attn_implementation(HF_ATTENTION)
+    return mixers
+
+
+def no_padding_mask(*args, attention_mask=None, **kwargs):
+    """The mask transformers would build: none, since each variant builds its own; a padded batch is refused
+    (the variants' positions, sa's permutation among them, would include the padding)."""
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError("efficient_attention does not take padded batches: score sequences one at a time or batch "
+                         "sequences of equal length")
+    return None
+
+
+def variant_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention-function interface: query (B, H, Tq, D), key and value (B, H_kv, Tk, D), already
+    projected and rotated; returns (B, Tq, H, D) and no attention weights."""
+    mixer, hf_decode = module._variant
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        raise ValueError("efficient_attention cannot honour soft-capping or attention sinks")
+    if attention_mask is not None:  # no_padding_mask builds none; a caller's own 4D mask cannot be honoured
+        raise ValueError("efficient_attention builds its own masks: call the model without a 4D attention_mask")
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:  # grouped-query attention: each k/v head serves `groups` consecutive query heads
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    head_dim = query.shape[-1]
+    if scaling is not None and not math.isclose(scaling, head_dim ** -0.5, rel_tol=1e-9):
+        query = query * (scaling * math.sqrt(head_dim))  # the kernels scale by 1/sqrt(head_dim)
+    n_query, n_key = query.shape[2], key.shape[2]
+    if n_query == n_key:  # the prompt's forward, from position 0: the variant
+        y = mixer.attend(query, key, value, torch.arange(n_query, device=query.device), None)
+    else:  # decoding over a cache of n_key - n_query earlier positions
+        pos = torch.arange(n_key - n_query, n_key, device=query.device)
+        key_pos = torch.arange(n_key, device=query.device)
+        if hf_decode == "full" or isinstance(mixer, StochasticAttention):
+            y = masked_attention(query, key, value, key_pos[None, :] <= pos[:, None], pos, key_pos)
+        else:
+            y = sum(masked_attention(query, key, value, rule.dense_mask(pos, key_pos, mixer.n_head), pos, key_pos,
+                                     mixer.score_mod(query.device), mixer.activation) for rule in mixer.paths())
+    return y.transpose(1, 2).contiguous(), None
