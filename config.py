@@ -242,12 +242,27 @@ def set_value(target, key: str, value, fields: dict[str, tuple[str, type]] | Non
 
 
 def apply_file(target, path: str, fields=None) -> None:
-    """Execute a python config file and apply every top-level assignment it makes."""
+    """Execute a python config file and apply every top-level assignment it makes; or apply a run's saved
+    config.json (its model, data, train and eval sections)."""
     try:
         with open(path) as f:
             source = f.read()
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    if path.endswith(".json"):
+        try:
+            saved = json.loads(source)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+        if not isinstance(saved, dict) or not any(group in saved for group in GROUPS):
+            raise ConfigError(f"{path} is not a run's config.json (it has none of {', '.join(GROUPS)})")
+        for group in GROUPS:
+            for key, value in saved.get(group, {}).items():
+                try:
+                    set_value(target, key, value, fields, from_cli=False)
+                except ConfigError as e:
+                    raise ConfigError(f"{path}: {e}") from None
+        return
     # include("configs/base.py") applies another config file first; this file's assignments then override it
     # (a relative path is looked up from the working directory, then from the repository root)
     def include(other):

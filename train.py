@@ -46,7 +46,10 @@ PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H
 
 
 def fail(message: str, status: int = 1):
-    print(f"error: {message}", file=sys.stderr)
+    """Exit with a one-line error. Status 2 is a bad setting, the same on every rank of a torchrun job: only
+    rank 0 says it (the others exit quietly with the same status)."""
+    if status != 2 or os.environ.get("RANK", "0") == "0":
+        print(f"error: {message}", file=sys.stderr)
     sys.exit(status)
 
 
@@ -189,6 +192,9 @@ def main(argv):
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     device_name = t.device if t.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_name.startswith("cuda") and not torch.cuda.is_available():
+        fail(f"device={device_name} but CUDA is not available here (torch {torch.__version__}): use --device=cpu "
+             "or --device=auto", status=2)
     if ddp and device_name == "cuda":
         device_name = f"cuda:{local_rank}"
     device = torch.device(device_name)
@@ -293,7 +299,8 @@ def main(argv):
         if changed:
             fail("the model config differs from the checkpoint's in " + ", ".join(
                 f"{k} ({getattr(saved, k)!r} saved, {getattr(m, k)!r} now)" for k in changed)
-                + ": resume with the run's own config file", status=2)
+                + f": resume with the run's own config: python train.py {out_dir / 'config.json'} --init_from=resume",
+                status=2)
     torch.manual_seed(t.seed)  # the same initial weights in every process (FSDP shards them without a broadcast)
     raw_model = GPT(m).to(device)
     if hf_model is not None:

@@ -69,3 +69,19 @@ def test_include_applies_another_file_first(tmp_path):
     child.write_text("include('no/such/file.py')\n")
     with pytest.raises(ConfigError, match="cannot read config file no/such/file.py"):
         load_config([str(child)])
+
+
+def test_a_saved_config_json_loads_and_a_bad_one_is_named(tmp_path):
+    import json
+
+    cfg = load_config(["configs/quickstart.py", "--n_layer=3", "--parallelism=fsdp"])
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**cfg.to_dict(), "run": {"git_hash": "x"}, "data_meta": {"vocab_size": 257}}))
+    again = load_config([str(path), "--max_iters=7"])
+    assert again.model == cfg.model and again.train.parallelism == "fsdp" and again.train.max_iters == 7
+    path.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_config([str(path)])
+    path.write_text(json.dumps({"model": {"n_layers": 2}}))
+    with pytest.raises(ConfigError, match="n_layers"):
+        load_config([str(path)])

@@ -189,3 +189,27 @@ def test_rng_restore_refuses_states_that_are_not_cpu_byte_tensors():
     for bad in (state["torch"].to("meta"), state["torch"].float(), state["torch"].tolist()):
         with pytest.raises(CheckpointError, match="map_location='cpu'"):
             set_rng_state({**state, "torch": bad})
+
+
+def test_cuda_requested_where_there_is_none_is_one_line_and_writes_nothing(tmp_path):
+    proc = subprocess.run([sys.executable, "train.py", *TINY, "--device=cuda", f"--out_dir={tmp_path / 'run'}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # no GPU, even on a GPU machine
+    assert proc.returncode == 2 and proc.stderr.strip().startswith("error: device=cuda but CUDA is not available")
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+
+
+def test_accumulation_that_does_not_divide_among_processes_is_reported_once(tmp_path):
+    proc = run(["--gradient_accumulation_steps=3"], tmp_path / "run", check=False, torchrun=True)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: gradient_accumulation_steps=3 is not divisible by the number of processes (2); "
+                      "choose a multiple of 2"]  # rank 0's line only
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_runs_saved_config_json_trains_the_same_run(reference_run, tmp_path):
+    train_subprocess([str(reference_run / "config.json"), f"--out_dir={tmp_path}"])
+    assert metrics(tmp_path) == metrics(reference_run)
+    saved, again = (json.load(open(path / "config.json")) for path in (reference_run, tmp_path))
+    assert {**saved["model"]} == again["model"] and saved["train"]["max_iters"] == again["train"]["max_iters"]
