@@ -35,8 +35,18 @@ class SampleConfig:
 def parse(argv) -> SampleConfig:
     cfg = SampleConfig()
     apply_args(cfg, argv, dataclass_fields(SampleConfig))
-    if cfg.temperature < 0 or not 0 < cfg.top_p <= 1 or cfg.top_k < 0 or cfg.num_samples < 1 or cfg.window < 0:
-        raise ConfigError("need temperature >= 0, 0 < top_p <= 1, top_k >= 0, num_samples >= 1 and window >= 0")
+    for key, ok, need in (("temperature", cfg.temperature >= 0, ">= 0"), ("top_p", 0 < cfg.top_p <= 1, "in (0, 1]"),
+                          ("top_k", cfg.top_k >= 0, ">= 0"), ("num_samples", cfg.num_samples >= 1, ">= 1"),
+                          ("max_new_tokens", cfg.max_new_tokens >= 0, ">= 0"), ("window", cfg.window >= 0, ">= 0")):
+        if not ok:
+            raise ConfigError(f"{key}={getattr(cfg, key)}: must be {need}")
+    if cfg.start.startswith("FILE:"):  # read now: a missing prompt file is a bad option, found before loading
+        try:
+            with open(cfg.start[5:], encoding="utf-8") as f:
+                cfg.start = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            reason = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
+            raise ConfigError(f"--start=FILE:{cfg.start[5:]}: cannot read the prompt file ({reason})") from None
     return cfg
 
 
@@ -57,11 +67,7 @@ def main(argv):
               "layers", file=sys.stderr)
         sys.exit(2)
 
-    prompt = s.start
-    if prompt.startswith("FILE:"):
-        with open(prompt[5:], encoding="utf-8") as f:
-            prompt = f.read()
-    ids = tokenizer.encode(prompt) or [tokenizer.eot_id]
+    ids = tokenizer.encode(s.start) or [tokenizer.eot_id]  # parse() has read a FILE: prompt
     x = torch.tensor([ids] * s.num_samples, dtype=torch.long, device=device)
     generator = torch.Generator(device=device).manual_seed(s.seed)
     y = model.generate(x, s.max_new_tokens, temperature=s.temperature, top_k=s.top_k or None,

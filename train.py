@@ -470,9 +470,12 @@ def main(argv):
             dist.all_reduce(status)
         train_loss, stopping = status[0].item() / world_size, status[1].item() > 0
         if not math.isfinite(train_loss):
-            fail(f"the training loss is {train_loss} at step {step}: stopping without saving; the checkpoints in "
-                 f"{out_dir} are from the last good step. Lower learning_rate, check the data, or use "
-                 "--dtype=float32 / bfloat16 instead of float16")
+            saved = [p.name for p in sorted(out_dir.glob("ckpt_*")) if not p.name.startswith(".")]
+            kept = (f"the checkpoints in {out_dir} ({', '.join(saved)}) are from the last good step" if saved
+                    else "no checkpoint was written before it")
+            fix = "use --dtype=bfloat16 or float32 instead of float16, " if dtype == torch.float16 else ""
+            fail(f"the training loss is {train_loss} at step {step}: stopping without saving; {kept}. Lower "
+                 f"learning_rate, {fix}or check the data")
         if t.grad_clip > 0:
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)

@@ -105,6 +105,13 @@ def parse(argv) -> EvalRunConfig:
         raise ConfigError(f"niah_haystack={e.niah_haystack!r}: expected val or embedded")
     if e.window < 0:
         raise ConfigError(f"window={e.window}: must be >= 0 (0: the trained window)")
+    for key in ("ppl_lengths", "ppl_windows", "niah_lengths", "recall_lengths", "diag_distances"):
+        try:
+            values = ints(getattr(e, key))
+        except ValueError:
+            raise ConfigError(f"{key}={getattr(e, key)!r}: expected comma-separated integers, e.g. 256,1024") from None
+        if any(v < 1 for v in values):
+            raise ConfigError(f"{key}={getattr(e, key)}: every value must be >= 1")
     if e.limit < 0 or e.batch_size < 1 or e.niah_samples < 1 or e.niah_candidates < 2 or e.ppl_max_tokens < 2 or e.niah_needles < 2:
         raise ConfigError("need limit >= 0, batch_size >= 1, niah_samples >= 1, niah_candidates >= 2, niah_needles >= 2, "
                           "ppl_max_tokens >= 2")

@@ -108,6 +108,10 @@ def test_eval_cli_errors(tiny_run, tmp_path):
     assert proc.returncode == 2 and "unknown task(s) mmlu" in proc.stderr
     proc = run_eval(tmp_path, "--tasks=ppl", check=False)
     assert proc.returncode == 1 and "no checkpoint at" in proc.stderr
+    for flag, message in (("--ppl_lengths=0", "ppl_lengths=0: every value must be >= 1"),
+                          ("--niah_lengths=256,x", "niah_lengths='256,x': expected comma-separated integers")):
+        proc = run_eval(tiny_run, "--tasks=ppl", flag, check=False)
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_continuation_logprobs_match_a_plain_forward():

@@ -121,7 +121,22 @@ def test_non_finite_loss_stops_and_keeps_checkpoints(tmp_path):
     proc = run(["--max_iters=40", "--eval_interval=2", "--init_from=resume", "--learning_rate=1e9", "--min_lr=1e9",
                 "--grad_clip=0"], tmp_path, check=False)
     assert proc.returncode == 1 and "training loss is" in proc.stderr and "last good step" in proc.stderr
+    assert "ckpt_last.pt" in proc.stderr and "float16" not in proc.stderr  # a float32 run: no dtype advice
     assert (tmp_path / "ckpt_last.pt").read_bytes() == before
+    # diverging before any checkpoint exists: the message does not claim one
+    proc = run(["--max_iters=40", "--eval_interval=1000", "--learning_rate=1e9", "--min_lr=1e9", "--grad_clip=0"],
+               tmp_path / "fresh", check=False)
+    assert proc.returncode == 1 and "no checkpoint was written" in proc.stderr
+    assert not list((tmp_path / "fresh").glob("ckpt_*"))
+
+
+@pytest.mark.parametrize("args, message", [(["--start=FILE:/nonexistent/prompt.txt"], "cannot read the prompt file"),
+                                           (["--max_new_tokens=-1"], "max_new_tokens=-1: must be >= 0"),
+                                           (["--top_p=0"], "top_p=0.0: must be in (0, 1]")])
+def test_sample_rejects_bad_options_in_one_line(reference_run, args, message):
+    proc = subprocess.run([sys.executable, "sample.py", f"--out_dir={reference_run}", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_sample_generates_from_a_checkpoint(reference_run, tmp_path):
