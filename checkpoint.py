@@ -188,16 +188,14 @@ def load_model(out_dir, which: str = "best", device="cpu"):
     from model import GPT
 
     path = checkpoint_path(out_dir, which)
-    if path.suffix != ".pt":
-        ckpt = load_sharded_meta(path)
-        cfg = Config.from_dict(ckpt["config"])
-        model = GPT(cfg.model)
-        load_sharded_model(path, model)
-        return model.to(device).eval(), cfg, ckpt
-    ckpt = load_checkpoint(path, map_location=device)
+    sharded = path.suffix != ".pt"
+    ckpt = load_sharded_meta(path) if sharded else load_checkpoint(path, map_location=device)
     cfg = Config.from_dict(ckpt["config"])
     model = GPT(cfg.model)
-    model.load_state_dict(ckpt["model"])
+    if sharded:
+        load_sharded_model(path, model)
+    else:
+        model.load_state_dict(ckpt["model"])
     return model.to(device).eval(), cfg, ckpt
 
 

@@ -186,7 +186,7 @@ def main(argv):
     m, t, ev = cfg.model, cfg.train, cfg.eval
 
     # ---- processes and devices ---------------------------------------------------------------------------
-    ddp = "RANK" in os.environ  # set by torchrun: several processes (DDP, or FSDP with parallelism=fsdp)
+    distributed = "RANK" in os.environ  # set by torchrun: several processes (DDP, or FSDP with parallelism=fsdp)
     fsdp = t.parallelism == "fsdp"
     rank = int(os.environ.get("RANK", 0))  # global, over every node; LOCAL_RANK picks this node's GPU
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -195,13 +195,13 @@ def main(argv):
     if device_name.startswith("cuda") and not torch.cuda.is_available():
         fail(f"device={device_name} but CUDA is not available here (torch {torch.__version__}): use --device=cpu "
              "or --device=auto", status=2)
-    if ddp and device_name == "cuda":
+    if distributed and device_name == "cuda":
         device_name = f"cuda:{local_rank}"
     device = torch.device(device_name)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    if ddp:
+    if distributed:
         dist.init_process_group(backend=backend)
     elif fsdp:  # FSDP shards over a process group, even one of a single process
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
@@ -238,7 +238,7 @@ def main(argv):
     try:
         if master:
             prepare_generated_if_missing(data_dir)
-        if ddp:
+        if distributed:
             dist.barrier()
         meta = load_meta(data_dir)
     except DataError as e:
@@ -316,7 +316,7 @@ def main(argv):
     # activation checkpointing and torch.compile per block, then DDP around the model or FSDP2 in place
     # (parallelize.py); the optimizer is built after sharding, over the shards
     try:
-        model = parallelize(raw_model, t, device, dtype, ddp, local_rank)
+        model = parallelize(raw_model, t, device, dtype, distributed, local_rank)
     except ValueError as e:
         fail(f"cannot compile: {e}", status=2)
     optimizer = raw_model.configure_optimizer(t.weight_decay, t.learning_rate, (t.beta1, t.beta2), device.type)
@@ -339,7 +339,7 @@ def main(argv):
             print(f"warning: checkpoint has RNG states for {len(ckpt['rng'])} processes, not {world_size}: "
                   "dropout noise will differ from the interrupted run")
         del ckpt
-        if ddp:  # every process has read the checkpoint before rank 0 tidies the folder below
+        if distributed:  # every process has read the checkpoint before rank 0 tidies the folder below
             dist.barrier()
 
     # ---- output folder, logs, signals ---------------------------------------------------------------------
@@ -390,7 +390,7 @@ def main(argv):
         """Checkpoint ckpt_{which} (every rank takes part: RNG states are gathered): one file written by rank 0
         under DDP, a folder of every rank's shards under FSDP."""
         states = [None] * world_size
-        if ddp:
+        if distributed:
             dist.all_gather_object(states, rng_state())
         else:
             states = [rng_state()]
@@ -439,7 +439,7 @@ def main(argv):
                     if master:
                         print(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in probes.items()))
                         metrics.log(step, **probes)
-                    if ddp:
+                    if distributed:
                         dist.barrier()
             if ev.eval_only:
                 break
@@ -458,7 +458,7 @@ def main(argv):
             x, y = train_data.get(step, micro_step)
             if fsdp:  # gradients are reduce-scattered only on the last micro-step
                 raw_model.set_requires_gradient_sync(micro_step == local_micro_steps - 1)
-            elif ddp:  # gradients are all-reduced only on the last micro-step
+            elif distributed:  # gradients are all-reduced only on the last micro-step
                 model.require_backward_grad_sync = micro_step == local_micro_steps - 1
             with autocast:
                 _, loss = model(x, y, loss_chunk=t.loss_chunk)
@@ -466,7 +466,7 @@ def main(argv):
             scaler.scale(loss / local_micro_steps).backward()
         # one small collective per step: the mean loss over ranks, and whether any rank was told to stop
         status = torch.stack([loss_sum / local_micro_steps, torch.tensor(float(bool(stop_signal)), device=device)])
-        if ddp:
+        if distributed:
             dist.all_reduce(status)
         train_loss, stopping = status[0].item() / world_size, status[1].item() > 0
         if not math.isfinite(train_loss):
