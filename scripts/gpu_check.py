@@ -2,7 +2,7 @@
 the attention and training benchmarks, a short compiled training run per mixer family, the compile check and
 generation throughput, with one report to paste into docs/benchmarks.md.
 
-    python scripts/gpu_check.py                                          # everything, about 20 minutes on one H100
+    python scripts/gpu_check.py                                          # everything: budgeted at 22 minutes on one H100
     python scripts/gpu_check.py --steps=backends,train_runs              # a subset
     python scripts/gpu_check.py --steps=cuda_tests,backends,bench_attention,bench_train
     python scripts/gpu_check.py --steps=train_runs,compile_check,generate --merge=True   # the rest, same report
