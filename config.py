@@ -58,6 +58,10 @@ class ModelConfig:
     bridge_fusion: str = "branch"  # branch: block and bridge softmaxes summed (paper's models) | union: one softmax
     mswa_variation: str = "geometric"  # mswa: group factors 1/4,1/2,1,2 (geometric) or 1/2,3/4,1,5/4 (arithmetic)
     mswa_layer_order: str = "increasing"  # mswa: windows grow with depth (increasing) or shrink (reverse)
+    # moba (Lu et al. 2025): each query reads the moba_topk key blocks of moba_block positions scoring best
+    # against it, its own block among them (at most moba_block * moba_topk keys: paper 000's effective window)
+    moba_block: int = 128
+    moba_topk: int = 2
     sa_mode: str = "stochastic"  # sa at inference: a fresh permutation every forward | deterministic (fixed per layer)
     sa_shared_batch: bool = True  # sa: one permutation for the whole batch (paper 000) or one per sequence
     sa_seed: int = 0  # sa_mode=deterministic: the fixed permutations come from this seed (training draws from the run's RNG)

@@ -7,6 +7,6 @@ registry for the mixer of each layer (from `attn_pattern`) and never looks at th
 from attention.registry import MIXERS, Mixer, build_mixer, has_window_layers, layer_names, register, validate_config
 
 # importing a variant module registers it
-from attention import bridge, gated_deltanet, linear, local, mlstm, mswa, stochastic, swat  # noqa: E402,F401
+from attention import bridge, gated_deltanet, linear, local, mlstm, moba, mswa, stochastic, swat  # noqa: E402,F401
 
 __all__ = ["MIXERS", "Mixer", "build_mixer", "has_window_layers", "layer_names", "register", "validate_config"]

@@ -7,9 +7,10 @@
     model = AutoModelForCausalLM.from_pretrained("Qwen/Qwen3-8B", torch_dtype="bfloat16")
     use_variant_attention(model, attn_pattern="pbb,pbb,pbb,full", block_len=128, bridge_width=128)
     use_variant_attention(model, attn_pattern="sa", swa_window=256)          # or swa, block, mswa, se_bridge, ...
+    use_variant_attention(model, attn_pattern="moba", moba_block=128, moba_topk=2)
 
 The layer pattern comes from the training config's keys (`attn_pattern` repeated over the model's layers,
-`swa_window`, `block_len`, `bridge_width`, `bridge_fusion`, `sa_mode`, `sa_seed`, ...), mapped by each HF
+`swa_window`, `block_len`, `bridge_width`, `bridge_fusion`, `sa_mode`, `sa_seed`, `moba_block`, ...), mapped by each HF
 attention module's `layer_idx`; the model's own projections, RoPE, norms and scaling stay its own. q and k arrive
 rotated at their original positions (what sa needs), k and v are repeated for grouped-query attention, and a
 `scaling` other than 1/sqrt(head_dim) is folded into q. What the variants cannot honour is refused: logit
@@ -18,8 +19,8 @@ with trained parameters of their own (sa_swa's gates, attn_gate, the recurrent m
 
 Decoding (`hf_decode`): `full` (paper 000's protocol) applies the variant to the prompt's forward only and
 decodes over the full KV cache; `variant` keeps each layer's rule while decoding (recomputed over the cache
-under the rule's mask). sa has no decoding form of its own (a new permutation every forward), so it decodes
-`full` either way.
+under the rule's mask; moba's new queries choose their blocks among the cache's). sa has no decoding form of
+its own (a new permutation every forward), so it decodes `full` either way.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 
 from attention.kernels import masked_attention
 from attention.layer import MaskedAttention
+from attention.moba import MixtureOfBlockAttention
 from attention.registry import build_mixer, validate_config
 from attention.stochastic import GatedStochasticSlidingAttention, StochasticAttention
 
@@ -65,12 +67,12 @@ def use_variant_attention(model, hf_decode: str = "full", **settings) -> list:
     with torch.device("meta"):  # the mixers' own projections are never used: only their rules and kernels
         mixers = [build_mixer(config, i) for i in range(n_layer)]
     for i, mixer in enumerate(mixers):
-        trained = isinstance(mixer, GatedStochasticSlidingAttention) or not isinstance(mixer, MaskedAttention) \
-            or mixer.gate is not None or any(True for _ in mixer.buffers())
+        trained = isinstance(mixer, GatedStochasticSlidingAttention) or mixer.gate is not None \
+            or not isinstance(mixer, (MaskedAttention, MixtureOfBlockAttention)) or any(True for _ in mixer.buffers())
         if trained:
             raise ValueError(f"layer {i}: {type(mixer).__name__} has parameters or state of its own that a pretrained "
                              "model does not have: only attention under edge rules (full, swa, block, mswa, sa, "
-                             "bridge, pbb, se_bridge) runs inside a pretrained model's attention")
+                             "bridge, pbb, se_bridge) and moba run inside a pretrained model's attention")
         mixer.eval()
     layers = {}
     for module in model.modules():
@@ -117,6 +119,8 @@ def variant_attention(module, query, key, value, attention_mask, scaling=None, d
         key_pos = torch.arange(n_key, device=query.device)
         if hf_decode == "full" or isinstance(mixer, StochasticAttention):
             y = masked_attention(query, key, value, key_pos[None, :] <= pos[:, None], pos, key_pos)
+        elif isinstance(mixer, MixtureOfBlockAttention):  # each new query chooses its blocks among the cache's
+            y = mixer.attend_over(query, key, value, pos)
         else:
             y = sum(masked_attention(query, key, value, rule.dense_mask(pos, key_pos, mixer.n_head), pos, key_pos,
                                      mixer.score_mod(query.device), mixer.activation) for rule in mixer.paths())

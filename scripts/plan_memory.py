@@ -42,6 +42,7 @@ from attention.kernels import resolve_backend  # noqa: E402
 from attention.layer import Attention, MaskedAttention  # noqa: E402
 from attention.linear import TaylorLinearAttention  # noqa: E402
 from attention.mlstm import MLSTMLayer  # noqa: E402
+from attention.moba import MixtureOfBlockAttention, moba_gathered  # noqa: E402
 from attention.stochastic import GatedStochasticSlidingAttention, StochasticAttention  # noqa: E402
 from checkpoint import write_json  # noqa: E402
 from config import ConfigError, ModelConfig, apply_args, dataclass_fields, exit_on_config_error, load_config  # noqa: E402
@@ -457,10 +458,32 @@ def linear_attention_saved(mixer: TaylorLinearAttention, m: ModelConfig, k: Kern
     return saved, matmuls
 
 
+def moba_saved(mixer: MixtureOfBlockAttention, m: ModelConfig, k: Kernels, B: int, T: int):
+    """MoBA (attention/moba.py): the gathered kernel runs each chunk of queries under activation checkpointing,
+    so autograd keeps only the chunks' inputs: q (after RoPE; without RoPE a view that keeps all of qkv), the
+    keys and values padded to whole blocks (copies, a C each), and the chosen block indices (int64, topk per
+    head and position). The gathered keys and values of one chunk (at most 2 GATHERED_PER_CALL elements) exist
+    only while that chunk runs or is recomputed, and are not counted. The dense backend is the n x n
+    reference: no estimate."""
+    C, H, D, a, tokens = m.n_embd, m.n_head, m.head_dim, k.act, B * T
+    if mixer.kernel is not moba_gathered:
+        raise ValueError("no memory model for moba's dense reference (n x n scores): use attn_backend=auto")
+    saved = {"c_attn input": tokens * linear_inputs(k, 1, C)}
+    if mixer.rope_theta is not None:
+        saved["q after RoPE"] = a * C * tokens
+        saved["RoPE cos/sin tables"] = rope_tables(T, D)
+    else:
+        saved["qkv"] = 3 * a * C * tokens
+    saved["k, v padded to whole blocks"] = 2 * a * B * C * padded(T, mixer.block)
+    saved["chosen blocks (int64)"] = 8 * B * H * T * mixer.topk
+    saved["merged heads"] = a * C * tokens
+    return saved, a * tokens * 5 * C  # c_attn's and c_proj's outputs, the chunks' joined output
+
+
 # the estimate of each mixer family, most specific class first (sa and the bridges are MaskedAttention too)
 ESTIMATES = ((StochasticAttention, stochastic_saved), (BridgedBlockAttention, bridge_saved),
              (MaskedAttention, attention_saved), (MLSTMLayer, mlstm_saved), (GatedDeltaNet, gated_deltanet_saved),
-             (TaylorLinearAttention, linear_attention_saved))
+             (TaylorLinearAttention, linear_attention_saved), (MixtureOfBlockAttention, moba_saved))
 
 
 def mixer_saved(mixer, m: ModelConfig, k: Kernels, B: int, T: int):

@@ -8,6 +8,7 @@ import transformers
 
 from attention.hf import use_variant_attention
 from attention.kernels import attend
+from attention.moba import MixtureOfBlockAttention, moba_choose, moba_dense
 from attention.stochastic import StochasticAttention, stochastic_attention
 
 LLAMA_LIKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -76,6 +77,7 @@ def capture(mixers):
     ("block,block,block,full", {}),
     ("mswa_h,mswa_h,mswa_h,full", {"swa_window": 16}),
     ("mswa", {"swa_window": 16}),  # its windows also change with depth: four groups of one layer here
+    ("moba,moba,moba,full", {"moba_block": 8, "moba_topk": 3}),
 ])
 def test_every_layer_of_a_3_to_1_schedule_equals_the_dense_reference_on_its_own_q_k_v(pattern, settings):
     _, patched = pair("qwen3")
@@ -90,6 +92,8 @@ def test_every_layer_of_a_3_to_1_schedule_equals_the_dense_reference_on_its_own_
         for i, mixer, q, k, v, y, order in records:
             if isinstance(mixer, StochasticAttention):
                 dense = stochastic_attention(q, k, v, order, mixer.window, "dense")
+            elif isinstance(mixer, MixtureOfBlockAttention):
+                dense = moba_dense(q, k, v, torch.arange(64), moba_choose(q, k, torch.arange(64), 8, 3), 8)
             else:
                 dense = sum(attend(q, k, v, rule, "dense") for rule in mixer.paths())
             assert torch.allclose(y, dense, atol=1e-5), (pattern, i)
@@ -100,17 +104,19 @@ def test_every_layer_of_a_3_to_1_schedule_equals_the_dense_reference_on_its_own_
             assert not torch.equal(records[4][6], orders[0])
 
 
-def test_decoding_full_uses_the_whole_cache_and_variant_keeps_the_window():
+@pytest.mark.parametrize("settings", [{"attn_pattern": "swa", "swa_window": 8},
+                                      {"attn_pattern": "moba", "moba_block": 8, "moba_topk": 2}])
+def test_decoding_full_uses_the_whole_cache_and_variant_keeps_the_rule(settings):
     idx = torch.randint(0, 100, (1, 41), generator=torch.Generator().manual_seed(4))
     logits = {}
     for hf_decode in ("full", "variant"):
         _, patched = pair("llama")
-        use_variant_attention(patched, hf_decode=hf_decode, attn_pattern="swa", swa_window=8)
+        use_variant_attention(patched, hf_decode=hf_decode, **settings)
         with torch.no_grad():
             cache = patched(idx[:, :40], use_cache=True).past_key_values
             logits[hf_decode] = patched(idx[:, 40:], past_key_values=cache).logits[:, -1]
-            recomputed = patched(idx).logits[:, -1]  # the whole sequence under swa, no cache
-    assert torch.allclose(logits["variant"], recomputed, atol=1e-5)  # the window, over the cache
+            recomputed = patched(idx).logits[:, -1]  # the whole sequence under the rule, no cache
+    assert torch.allclose(logits["variant"], recomputed, atol=1e-5)  # the rule, over the cache
     assert not torch.allclose(logits["full"], recomputed, atol=1e-3)  # paper 000's protocol: full attention
 
 

@@ -15,13 +15,13 @@ from model import GPT, chunked_cross_entropy, token_nll
 from parallelize import apply_activation_checkpointing
 
 FAMILIES = ["full", "swa", "block", "mswa", "sa", "sa_swa", "swat", "linear", "mlstm", "gated_deltanet", "pbb",
-            "se_bridge", "swax"]
+            "se_bridge", "swax", "moba"]
 
 
 def model_of(pattern, dropout=0.1, **kw):
     kw = {"vocab_size": 128, **kw}
     cfg = ModelConfig(arch="llama", n_layer=4, n_head=4, n_embd=64, block_size=128, bias=False, attn_pattern=pattern,
-                      swa_window=32, block_len=32, bridge_width=32, bridge_extension=16, dropout=dropout, **kw)
+                      swa_window=32, block_len=32, bridge_width=32, bridge_extension=16, moba_block=16, dropout=dropout, **kw)
     torch.manual_seed(0)
     return GPT(cfg)
 

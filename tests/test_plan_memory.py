@@ -27,6 +27,7 @@ CASES = {  # name: the model's differences from SMALL
     "swax": {"attn_pattern": "swax"},  # swa, mlstm
     "gated_deltanet": {"attn_pattern": "gated_deltanet"},
     "linear": {"attn_pattern": "linear"},
+    "moba": {"attn_pattern": "moba", "moba_block": 32},
     "gpt2_full": {"arch": "gpt2", "bias": True, "attn_pattern": "full"},
 }
 BATCH = 2
