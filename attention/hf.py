@@ -39,16 +39,10 @@ HF_ATTENTION = "efficient_attention"  # the name under which the function is reg
 HF_DECODE = ("full", "variant")
 
 
-def use_variant_attention(model, hf_decode: str = "full", **settings) -> list:
-    """Make every attention layer of a transformers causal LM run the variant of `settings` (ModelConfig keys)
-    for its layer index; returns the per-layer mixers (their rules, and sa's `last_order` after a forward)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
+def variant_config(model, **settings):
+    """The ModelConfig of `settings` (attention keys) over the transformers model's own shape."""
     from config import ModelConfig
 
-    if hf_decode not in HF_DECODE:
-        raise ValueError(f"hf_decode={hf_decode!r}: expected one of {', '.join(HF_DECODE)}")
     text = model.config.get_text_config()
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(text, key, None):
@@ -56,14 +50,27 @@ def use_variant_attention(model, hf_decode: str = "full", **settings) -> list:
                              "soft-capping, and ignoring it would change the model")
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    n_layer = text.num_hidden_layers
-    shape = {"n_layer": n_layer, "n_head": heads, "n_embd": heads * head_dim, "pos_embedding": "none", "vocab_size": 1}
+    shape = {"n_layer": text.num_hidden_layers, "n_head": heads, "n_embd": heads * head_dim, "pos_embedding": "none",
+             "vocab_size": 1}
     unknown = set(settings) - set(ModelConfig.__dataclass_fields__) | set(settings) & set(shape)
     if unknown:
         raise ValueError(f"{', '.join(sorted(unknown))}: not an attention setting here (the model's own shape is used)")
     # block_size: the context the bridges' boundaries are laid over (theirs are those of the model's context)
     config = ModelConfig(**shape, **{"block_size": getattr(text, "max_position_embeddings", 1 << 20), **settings})
     validate_config(config)
+    return config
+
+
+def use_variant_attention(model, hf_decode: str = "full", **settings) -> list:
+    """Make every attention layer of a transformers causal LM run the variant of `settings` (ModelConfig keys)
+    for its layer index; returns the per-layer mixers (their rules, and sa's `last_order` after a forward)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    if hf_decode not in HF_DECODE:
+        raise ValueError(f"hf_decode={hf_decode!r}: expected one of {', '.join(HF_DECODE)}")
+    config = variant_config(model, **settings)
+    n_layer = config.n_layer
     with torch.device("meta"):  # the mixers' own projections are never used: only their rules and kernels
         mixers = [build_mixer(config, i) for i in range(n_layer)]
     for i, mixer in enumerate(mixers):

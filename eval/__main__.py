@@ -3,6 +3,13 @@
     python -m eval --out_dir=out/quickstart --tasks=ppl,niah
     python -m eval --out_dir=out/swat --tasks=ppl --ppl_lengths=128,512,2048,8192 --ppl_windows=128,512 --ppl_stream=True
     python -m eval --out_dir=out/quickstart --tasks=niah --niah_lengths=256 --niah_kinds=single,multikey --niah_samples=20
+    python -m eval --hf=Qwen/Qwen3-8B --attn_pattern=sa --swa_window=128 --data_dir=data/wikitext2_qwen3 --tasks=ppl
+
+--hf=NAME_OR_PATH evaluates a Hugging Face causal LM instead of a run, with a variant in its attention layers
+(attention/hf.py): any attention key of the model config (--attn_pattern, --swa_window, --block_len,
+--bridge_width, --moba_block, ...) sets it, --hf_decode=full|variant says how generation decodes, and the
+text of --data_dir must be prepared with the model's tokenizer (python data/prepare.py --tokenizer=NAME_OR_PATH).
+Results go to --out_dir (default out/hf_<model>_<pattern>).
 
 Tasks:
     ppl   perplexity of the validation split at each of ppl_lengths, and for window variants at each of
@@ -84,17 +91,46 @@ class EvalRunConfig:
     diag_block: int = 0  # block size b of the boundaries; 0: the run's block_len
     diag_half: int = 0  # bridge half-width h; 0: the run's bridge_width / 2
     progress: bool = True
+    # a Hugging Face causal LM instead of a run (the attention settings are model config keys on the command line)
+    hf: str = ""  # hub name or save_pretrained folder
+    hf_dtype: str = ""  # the weights' dtype (float32, bfloat16, float16); default: --dtype's
+    hf_decode: str = "full"  # full: the variant in the prompt's forward only (paper 000) | variant: also decoding
+    hf_context: int = 2048  # the evaluation length the tasks default to (their *_lengths, diag_length)
+    hf_tokenizer: str = ""  # default: the model's own (tokenizer.json of the folder or hub repository)
 
 
 def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def parse(argv) -> EvalRunConfig:
+def parse(argv) -> tuple[EvalRunConfig, dict]:
+    """The evaluation's settings, and the attention settings (model config keys) given for --hf."""
+    from config import ModelConfig
+
+    model_fields = dataclass_fields(ModelConfig)
+    is_setting = lambda arg: arg.startswith("--") and arg[2:].partition("=")[0].replace("-", "_") in model_fields
     e = EvalRunConfig()
-    apply_args(e, argv, dataclass_fields(EvalRunConfig))
+    apply_args(e, [arg for arg in argv if not is_setting(arg)], dataclass_fields(EvalRunConfig))
+    given = [arg for arg in argv if is_setting(arg)]
+    model = ModelConfig()
+    apply_args(model, given, model_fields)
+    settings = {key: getattr(model, key) for key in (arg[2:].partition("=")[0].replace("-", "_") for arg in given)}
+    if settings and not e.hf:
+        raise ConfigError(f"--{next(iter(settings))}: model settings apply to --hf models; a run is evaluated with "
+                          "its own config (--window sets a test-time window)")
+    if e.hf:
+        if e.hf_decode not in ("full", "variant"):
+            raise ConfigError(f"hf_decode={e.hf_decode!r}: expected full or variant")
+        if not e.data_dir:
+            raise ConfigError(f"--hf needs --data_dir: text prepared with the model's tokenizer, e.g. python "
+                              f"data/prepare.py --dataset=NAME --tokenizer={e.hf_tokenizer or e.hf}")
+        if e.hf_context < 2:
+            raise ConfigError(f"hf_context={e.hf_context}: must be >= 2")
+        slug = lambda text: "".join(c if c.isalnum() else "_" for c in text.strip("/").split("/")[-1])
+        e.out_dir = e.out_dir or f"out/hf_{slug(e.hf)}_{slug(settings.get('attn_pattern', 'full'))}"
     if not e.out_dir:
-        raise ConfigError("--out_dir is required: the run folder to evaluate")
+        raise ConfigError("--out_dir is required: the run folder to evaluate (or --hf=NAME_OR_PATH for a "
+                          "Hugging Face model)")
     unknown = set(e.tasks.split(",")) - set(TASKS)
     if unknown:
         raise ConfigError(f"unknown task(s) {', '.join(sorted(unknown))}: expected some of {', '.join(TASKS)}")
@@ -115,7 +151,7 @@ def parse(argv) -> EvalRunConfig:
     if e.limit < 0 or e.batch_size < 1 or e.niah_samples < 1 or e.niah_candidates < 2 or e.ppl_max_tokens < 2 or e.niah_needles < 2:
         raise ConfigError("need limit >= 0, batch_size >= 1, niah_samples >= 1, niah_candidates >= 2, niah_needles >= 2, "
                           "ppl_max_tokens >= 2")
-    return e
+    return e, settings
 
 
 def config_hash(cfg: Config) -> str:
@@ -135,7 +171,7 @@ def run_ppl(e: EvalRunConfig, ctx) -> dict:
         docs = ppl_task.documents(tokens, meta["eot_id"], e.ppl_max_tokens)
     rows = []
     for window in ints(e.ppl_windows) or [e.window or None]:  # None: the model as trained
-        model = ctx["model"] if window in (None, trained) else ctx["with_config"](**{e.window_key: window})
+        model = ctx["with_config"](**({} if window in (None, trained) else {e.window_key: window}))
         for length in lengths:
             if model.wpe is not None and length > cfg.model.block_size:
                 rows.append({"length": length, "window": window, "ppl": None, "nll": None, "tokens": 0,
@@ -244,8 +280,9 @@ def summary_markdown(eval_dir: Path) -> str:
     for path in sorted(eval_dir.glob("*.json")):
         report = json.loads(path.read_text())
         prov = report["provenance"]
-        lines += [f"## {report['task']}", "", f"`{prov['command']}`  ", f"checkpoint {prov['ckpt']} at step "
-                  f"{prov['step']}, git {prov['git_hash']}, config {prov['config_hash']}, seed {prov['seed']}", ""]
+        source = f"checkpoint {prov['ckpt']} at step {prov['step']}" if prov["step"] is not None else f"model {prov['ckpt']}"
+        lines += [f"## {report['task']}", "", f"`{prov['command']}`  ",
+                  f"{source}, git {prov['git_hash']}, config {prov['config_hash']}, seed {prov['seed']}", ""]
         rows = report["results"]["rows"]
         if rows:
             keys = [k for k in rows[0] if k != "note" and not isinstance(rows[0][k], list)]
@@ -273,25 +310,17 @@ def ppl_grid(rows: list[dict], trained_window=None) -> list[str]:
     return lines
 
 
-def main(argv):
-    e = exit_on_config_error(parse, argv)
-    device = e.device if e.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype_name = e.dtype if e.dtype != "auto" else (
-        "bfloat16" if device == "cuda" and torch.cuda.is_bf16_supported() else "float32")
-    torch.manual_seed(e.seed)
-    try:
-        model, cfg, ckpt = load_model(e.out_dir, e.ckpt, device)
-        tokenizer = get_tokenizer(ckpt["tokenizer"])
-        data_dir = e.data_dir or cfg.data.data_dir or str(REPO / "data" / cfg.data.dataset)
-        meta = load_meta(data_dir)
-    except (CheckpointError, TokenizerUnavailable, DataError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
-    dtype = getattr(torch, dtype_name)
+def load_run(e: EvalRunConfig, device: str, dtype):
+    """A trained run's model, config, tokenizer, data folder and provenance."""
+    model, cfg, ckpt = load_model(e.out_dir, e.ckpt, device)
+    tokenizer = get_tokenizer(ckpt["tokenizer"])
+    data_dir = e.data_dir or cfg.data.data_dir or str(REPO / "data" / cfg.data.dataset)
     model = model.to(dtype)
 
     def with_config(**changes):
         """The same weights under a changed model config (e.g. another evaluation window)."""
+        if not changes:
+            return model
         from model import GPT
 
         other = GPT(dataclasses.replace(cfg.model, **changes))
@@ -300,19 +329,59 @@ def main(argv):
 
     if e.window:  # a test-time window for every task (ppl takes it as its default --ppl_windows)
         if e.window_key not in dataclass_fields(type(cfg.model)):
-            print(f"config error: window_key={e.window_key!r} is not a model config field", file=sys.stderr)
-            sys.exit(2)
+            raise ConfigError(f"window_key={e.window_key!r} is not a model config field")
         if model.set_window(e.window) == 0:
-            print(f"config error: --window={e.window}: the model of {e.out_dir} ({cfg.model.attn_pattern}) has no "
-                  "sliding-window layers", file=sys.stderr)
-            sys.exit(2)
+            raise ConfigError(f"--window={e.window}: the model of {e.out_dir} ({cfg.model.attn_pattern}) has no "
+                              "sliding-window layers")
+    source = {"config_hash": config_hash(cfg), "ckpt": str(checkpoint_path(e.out_dir, e.ckpt)), "step": ckpt["step"]}
+    return model, cfg, tokenizer, data_dir, with_config, source
+
+
+def load_hf(e: EvalRunConfig, settings: dict, device: str, dtype_name: str):
+    """The same for a Hugging Face model with a variant in its attention (eval/hf_model.py)."""
+    from config import Config
+    from eval.hf_model import load_pretrained_lm
+
+    if e.window:
+        settings = {**settings, e.window_key: e.window}
+    model, tokenizer = load_pretrained_lm(e.hf, settings, dtype_name, device, e.hf_context, e.hf_decode,
+                                          e.hf_tokenizer)
+    cfg = Config(model=model.config)
+    cfg.data.dataset, cfg.data.data_dir = Path(e.data_dir).name, e.data_dir
+    source = {"config_hash": config_hash(cfg), "ckpt": e.hf, "step": None,
+              "attention": {"hf_decode": e.hf_decode, **settings}}
+    return model, cfg, tokenizer, e.data_dir, model.with_changes, source
+
+
+def main(argv):
+    from pretrained import PretrainedError
+
+    e, settings = exit_on_config_error(parse, argv)
+    device = e.device if e.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype_name = e.hf_dtype or (e.dtype if e.dtype != "auto" else (
+        "bfloat16" if device == "cuda" and torch.cuda.is_bf16_supported() else "float32"))
+    torch.manual_seed(e.seed)
+    try:
+        if e.hf:
+            model, cfg, tokenizer, data_dir, with_config, source = load_hf(e, settings, device, dtype_name)
+        else:
+            model, cfg, tokenizer, data_dir, with_config, source = load_run(e, device, getattr(torch, dtype_name))
+        meta = load_meta(data_dir)
+        if e.hf and meta.get("tokenizer") != tokenizer.name:
+            raise DataError(f"{data_dir} was prepared with the {meta.get('tokenizer')!r} tokenizer, not the model's "
+                            f"{tokenizer.name!r}: prepare the text with --tokenizer={tokenizer.name}")
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except (CheckpointError, TokenizerUnavailable, DataError, PretrainedError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
     ctx = {"model": model, "cfg": cfg, "meta": meta, "tokenizer": tokenizer, "data_dir": data_dir,
            "device": device, "with_config": with_config}
     eval_dir = Path(e.out_dir) / "eval"
     eval_dir.mkdir(parents=True, exist_ok=True)
     provenance = {"command": " ".join([os.path.basename(sys.executable), "-m", "eval", *argv]),
-                  "git_hash": git_hash(), "config_hash": config_hash(cfg), "seed": e.seed,
-                  "ckpt": str(checkpoint_path(e.out_dir, e.ckpt)), "step": ckpt["step"],
+                  "git_hash": git_hash(), "seed": e.seed, **source,
                   "eval_config": dataclasses.asdict(e), "device": device, "dtype": dtype_name}
     failed = []
     for task in e.tasks.split(","):

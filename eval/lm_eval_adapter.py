@@ -29,6 +29,17 @@ same thing. Give the batch size and device with --batch_size (the CLI's default 
 cuda:0; the CPU is used where CUDA is missing); a batch_size or device inside --model_args takes precedence,
 with a warning. --include_path adds task YAMLs of your own, as usual.
 
+A Hugging Face causal LM with a variant in its attention layers (attention/hf.py, paper 000 §4.2) takes
+hf=NAME_OR_PATH instead of out_dir, with any attention setting of the model config:
+
+    python -m eval.lm_eval_adapter --model efficient-attention-gpt --device cuda --batch_size 8 \
+        --model_args hf=Qwen/Qwen3-8B,hf_dtype=bfloat16,attn_pattern=sa,swa_window=128 \
+        --tasks hellaswag,mmlu,lambada_openai,arc_easy,arc_challenge,boolq
+
+(hf_decode=full|variant, hf_context=2048: the length lm_eval's rolling windows use, hf_tokenizer= another
+tokenizer). The model's own tokenizer.json scores the requests. model_args is split at commas, so a layer
+pattern is written with colons there: attn_pattern=pbb:pbb:pbb:full.
+
 Constructor arguments (also the keys of --model_args): out_dir, ckpt=best|last, device=cpu, batch_size=16,
 max_length (default: block_size for learned positions; RoPE/position-free models have no hard limit, and
 then only the rolling-window size defaults to block_size), max_gen_toks=256. `CheckpointLM.from_model(model,
@@ -79,10 +90,25 @@ class CheckpointLM(LM):
 
     def __init__(self, out_dir=None, ckpt: str = "best", device: str = "cpu", batch_size=16,
                  max_length: int | None = None, max_gen_toks: int = 256, max_batch_size=None, *,
-                 model=None, tokenizer=None):
+                 model=None, tokenizer=None, hf=None, hf_dtype="float32", hf_decode="full", hf_context=2048,
+                 hf_tokenizer="", **settings):
         super().__init__()
         device = self._resolve_device(device)
-        if model is None:
+        if settings and hf is None:
+            raise ValueError(f"unknown argument(s) {', '.join(sorted(settings))}: attention settings go with hf=NAME_OR_PATH")
+        if hf is not None and model is None:  # a Hugging Face causal LM with a variant in its attention
+            from config import ModelConfig, dataclass_fields, set_value
+            from eval.hf_model import load_pretrained_lm
+
+            typed = ModelConfig()
+            for key, value in settings.items():  # lm_eval's model_args arrive as strings or guessed types
+                value = str(value).replace(":", ",") if key == "attn_pattern" else str(value)  # commas split model_args
+                set_value(typed, key, value, dataclass_fields(ModelConfig))
+            settings = {key: getattr(typed, key) for key in settings}
+            model, tokenizer = load_pretrained_lm(hf, settings, hf_dtype, device or "cpu", int(hf_context),
+                                                  hf_decode, hf_tokenizer)
+            self._info = {"hf": hf, "hf_decode": hf_decode, **settings}
+        elif model is None:
             if out_dir is None:
                 raise ValueError("CheckpointLM needs out_dir (a training run's folder), "
                                  "or use CheckpointLM.from_model(model, tokenizer)")

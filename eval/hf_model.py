@@ -1,0 +1,99 @@
+"""A Hugging Face causal LM, its attention replaced by a variant (attention/hf.py), behind the interface this
+codebase's evaluation reads from a trained GPT: `model(idx) -> (logits, None)`, `generate(...)`,
+`config` (the variant's ModelConfig; block_size is the evaluation context), `wpe` (not None for learned
+positions, which limit the context), `num_params()`. So `python -m eval --hf=...` runs ppl, niah, recall and
+diagnostics on it, and the lm-eval adapter scores it (`CheckpointLM.from_model`).
+
+    from eval.hf_model import load_pretrained_lm
+    model, tokenizer = load_pretrained_lm("Qwen/Qwen3-8B", {"attn_pattern": "sa", "swa_window": 128},
+                                          dtype="bfloat16", device="cuda", context=4096)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from attention.hf import use_variant_attention, variant_config
+from model import sample_next
+from pretrained import PretrainedError
+
+
+class VariantLM(nn.Module):
+    def __init__(self, hf_model, settings: dict, hf_decode: str = "full", context: int = 2048):
+        super().__init__()
+        self.hf = hf_model.eval()
+        self.hf_decode = hf_decode
+        self.context = context
+        position_tables = [m for name, m in hf_model.named_modules() if name.endswith(("wpe", "embed_positions"))]
+        self.wpe = position_tables[0] if position_tables else None  # learned positions: a hard limit
+        self.base_settings = settings
+        self.use(**settings)
+
+    def use(self, **settings):
+        """Apply the variant of these settings (replacing the current one); returns self."""
+        self.settings = settings
+        self.mixers = use_variant_attention(self.hf, hf_decode=self.hf_decode, **settings)
+        limit = self.hf.config.get_text_config().max_position_embeddings if self.wpe is not None else None
+        self.config = dataclasses.replace(variant_config(self.hf, **settings),
+                                          block_size=min(self.context, limit or self.context))
+        return self
+
+    def with_changes(self, **changes):
+        """The same weights under the base settings with these changed (e.g. another window)."""
+        return self.use(**{**self.base_settings, **changes})
+
+    def set_window(self, window: int) -> int:
+        self.with_changes(swa_window=window)
+        return sum(mixer.set_window(window) for mixer in self.mixers)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.hf.parameters())
+
+    def forward(self, idx, targets=None):
+        if targets is not None:
+            raise ValueError("a pretrained model is evaluated here, not trained: call it without targets")
+        return self.hf(idx, use_cache=False).logits, None
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, generator=None,
+                 use_cache=True):
+        """GPT.generate's contract over the model's own KV cache (decoding as hf_decode says)."""
+        cache, context = None, idx
+        for _ in range(max_new_tokens):
+            if use_cache:
+                out = self.hf(context, past_key_values=cache, use_cache=True)
+                cache = out.past_key_values
+            else:
+                out = self.hf(idx, use_cache=False)
+            idx_next = sample_next(out.logits[:, -1, :], temperature, top_k, top_p, generator)
+            idx = torch.cat((idx, idx_next), dim=1)
+            context = idx_next
+        return idx
+
+
+def load_pretrained_lm(source: str, settings: dict, dtype: str = "float32", device: str = "cpu",
+                       context: int = 2048, hf_decode: str = "full", tokenizer: str = ""):
+    """(VariantLM, tokenizer) of a hub name or a folder written by save_pretrained. The tokenizer (data.tokenizer
+    interface) is the model's own tokenizer.json unless `tokenizer` names another."""
+    from data.tokenizer import TokenizerUnavailable, get_tokenizer
+
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        raise PretrainedError("--hf needs transformers: pip install -r requirements.txt") from None
+    try:
+        hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype))
+    except (OSError, ValueError) as e:
+        raise PretrainedError(f"cannot load {source!r} ({str(e).splitlines()[0][:200]}): give a hub name (downloads "
+                              "need the network once) or a folder written by save_pretrained") from None
+    try:
+        model = VariantLM(hf_model.to(device), settings, hf_decode, context)
+    except ValueError as e:
+        raise PretrainedError(str(e)) from None
+    try:
+        return model, get_tokenizer(tokenizer or source)
+    except TokenizerUnavailable as e:
+        raise PretrainedError(f"{e} (--hf_tokenizer= names another tokenizer.json or hub tokenizer)") from None

@@ -1,0 +1,182 @@
+"""Paper 000's training-free sweep (§4.2, Fig. 4, Tables 4-5): a pretrained model's accuracy on
+lm-evaluation-harness tasks with full attention, and with SWA, SA and MoBA at growing effective windows.
+
+    python scripts/hf_window_sweep.py --hf=Qwen/Qwen3-8B --hf_dtype=bfloat16 --device=cuda --batch_size=8 \\
+        --tasks=hellaswag,mmlu,lambada_openai,arc_easy,arc_challenge,boolq,humaneval \\
+        --windows=16,32,64,128,256,512 --moba_blocks=32,64,128,256 --moba_topk=2 --out=out/qwen3_8b_sweep
+
+The model is loaded once; each mode re-patches its attention layers (attention/hf.py) and is scored through
+the repository's lm-eval adapter (eval/lm_eval_adapter.py). As in the paper the variant applies to the
+prompt's forward only and generation decodes over the full KV cache (--hf_decode=full); sa draws one
+permutation per layer and forward (--sa_mode=deterministic fixes them per layer from --sa_seed).
+Effective window: w for swa and sa, moba_block x moba_topk for moba (the paper's c x k).
+
+Writes OUT/results.json (every cell with its metric), OUT/table.md (Tables 4-5's layout: one row per mode and
+window, one column per task, then the average) and OUT/accuracy_vs_window.png (Fig. 4: average accuracy
+against the effective window, full attention as a dashed line) with OUT/accuracy_by_task.png (Figs. 5-6).
+Tasks live on the Hugging Face hub (downloaded on first use); --include_path adds local task YAMLs. HumanEval
+executes generated code: lm_eval asks for HF_ALLOW_CODE_EVAL=1 and --confirm_run_unsafe_code.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from checkpoint import atomic_write, git_hash, write_json  # noqa: E402
+
+# the score of each task in the paper's tables: accuracy for multiple choice and LAMBADA, pass@1 for HumanEval
+METRICS = ("acc,none", "pass@1,create_test", "pass_at_1,none", "exact_match,none", "exact_match,strict-match")
+
+
+def modes(windows: list[int], moba_blocks: list[int], moba_topk: int) -> list[dict]:
+    """Every cell of the sweep: (mode, effective window, attention settings)."""
+    cells = [{"mode": "full", "window": None, "settings": {"attn_pattern": "full"}}]
+    for w in windows:
+        cells.append({"mode": "swa", "window": w, "settings": {"attn_pattern": "swa", "swa_window": w}})
+        cells.append({"mode": "sa", "window": w, "settings": {"attn_pattern": "sa", "swa_window": w}})
+    for c in moba_blocks:
+        cells.append({"mode": "moba", "window": c * moba_topk,
+                      "settings": {"attn_pattern": "moba", "moba_block": c, "moba_topk": moba_topk}})
+    return cells
+
+
+def task_score(task: str, results: dict) -> tuple[str, float]:
+    """(metric, value) of one task's lm_eval results: the first of METRICS it reports."""
+    for metric in METRICS:
+        if isinstance(results.get(metric), (int, float)):
+            return metric, float(results[metric])
+    raise ValueError(f"task {task} reports no accuracy ({', '.join(sorted(k for k in results if ',' in k))}): the "
+                     f"sweep averages accuracies ({', '.join(METRICS)})")
+
+
+def table(rows: list[dict], tasks: list[str]) -> str:
+    lines = ["| mode | window | " + " | ".join(tasks) + " | average |", "|---|---|" + "---|" * (len(tasks) + 1)]
+    for row in rows:
+        cells = [f"{100 * row['scores'][t]:.1f}" for t in tasks] + [f"{100 * row['average']:.1f}"]
+        lines.append(f"| {row['mode']} | {row['window'] or '-'} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], tasks: list[str], out: str, title: str) -> list[str]:
+    """Fig. 4 (the average) and Figs. 5-6 (each task) as PNGs; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"swa": "tab:blue", "sa": "tab:red", "moba": "tab:green"}
+    full = next((row for row in rows if row["mode"] == "full"), None)
+    paths = []
+    for name, panels in (("accuracy_vs_window", ["average"]), ("accuracy_by_task", tasks)):
+        cols = min(4, len(panels))
+        rows_n = -(-len(panels) // cols)
+        fig, axes = plt.subplots(rows_n, cols, figsize=(4.2 * cols, 3.4 * rows_n), squeeze=False)
+        for ax, panel in zip(axes.flat, panels):
+            value = (lambda row: row["average"]) if panel == "average" else (lambda row, p=panel: row["scores"][p])
+            for mode, color in colors.items():
+                points = sorted((row["window"], 100 * value(row)) for row in rows if row["mode"] == mode)
+                if points:
+                    ax.plot(*zip(*points), "o-", color=color, label=mode)
+            if full is not None:
+                ax.axhline(100 * value(full), color="gray", linestyle="--", label="full")
+            ax.set_xscale("log", base=2)
+            ticks = sorted({row["window"] for row in rows if row["window"] is not None})
+            ax.set_xticks(ticks, [str(t) for t in ticks])
+            ax.minorticks_off()
+            ax.set_xlabel("effective window")
+            ax.set_ylabel("average accuracy (%)" if panel == "average" else "accuracy (%)")
+            ax.set_title(title if panel == "average" else panel)
+            ax.grid(alpha=0.3)
+        for ax in list(axes.flat)[len(panels):]:
+            ax.axis("off")
+        axes.flat[0].legend()
+        fig.tight_layout()
+        path = os.path.join(out, f"{name}.png")
+        atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120))
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hf", required=True, help="hub name or save_pretrained folder of a causal LM")
+    parser.add_argument("--tasks", required=True, help="comma-separated lm-eval tasks")
+    parser.add_argument("--windows", default="16,32,64,128,256,512", help="swa and sa windows")
+    parser.add_argument("--moba_blocks", default="32,64,128,256", help="moba block sizes c (empty: no moba)")
+    parser.add_argument("--moba_topk", type=int, default=2)
+    parser.add_argument("--modes", default="full,swa,sa,moba", help="which modes to run")
+    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--hf_dtype", default="float32")
+    parser.add_argument("--hf_decode", default="full", choices=("full", "variant"))
+    parser.add_argument("--hf_context", type=int, default=4096, help="longest input (lm-eval's max_length)")
+    parser.add_argument("--sa_mode", default="stochastic", choices=("stochastic", "deterministic"))
+    parser.add_argument("--sa_seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--limit", type=int, default=None, help="examples per task (quick checks)")
+    parser.add_argument("--num_fewshot", type=int, default=None)
+    parser.add_argument("--include_path", default=None, help="folder of extra task YAMLs")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--confirm_run_unsafe_code", action="store_true", help="needed by code tasks (HumanEval)")
+    args = parser.parse_args(argv)
+    try:
+        windows = [int(x) for x in args.windows.split(",") if x]
+        moba_blocks = [int(x) for x in args.moba_blocks.split(",") if x]
+    except ValueError:
+        parser.error("--windows and --moba_blocks take comma-separated integers, e.g. 16,32,64")
+    wanted = set(args.modes.split(","))
+    if wanted - {"full", "swa", "sa", "moba"} or not wanted:
+        parser.error(f"--modes={args.modes}: expected some of full, swa, sa, moba")
+    tasks = [t for t in args.tasks.split(",") if t]
+
+    import lm_eval
+    import torch
+    from lm_eval.tasks import TaskManager
+
+    from eval.hf_model import load_pretrained_lm
+    from eval.lm_eval_adapter import CheckpointLM
+    from pretrained import PretrainedError
+
+    device = "cpu" if args.device.startswith("cuda") and not torch.cuda.is_available() else args.device
+    try:
+        model, tokenizer = load_pretrained_lm(args.hf, {"attn_pattern": "full"}, args.hf_dtype, device,
+                                              args.hf_context, args.hf_decode)
+    except PretrainedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    lm = CheckpointLM.from_model(model, tokenizer, batch_size=args.batch_size)
+    task_manager = TaskManager(include_path=args.include_path) if args.include_path else TaskManager()
+    os.makedirs(args.out, exist_ok=True)
+    rows = []
+    cells = [cell for cell in modes(windows, moba_blocks, args.moba_topk) if cell["mode"] in wanted]
+    for i, cell in enumerate(cells):
+        model.with_changes(**cell["settings"], sa_mode=args.sa_mode, sa_seed=args.sa_seed)
+        started = time.time()  # simple_evaluate seeds torch: sa draws the same permutations in every run
+        results = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=task_manager, limit=args.limit,
+                                          num_fewshot=args.num_fewshot, bootstrap_iters=0, random_seed=args.seed,
+                                          numpy_random_seed=args.seed, torch_random_seed=args.seed,
+                                          fewshot_random_seed=args.seed,
+                                          confirm_run_unsafe_code=args.confirm_run_unsafe_code)["results"]
+        metrics = {task: task_score(task, results[task]) for task in tasks}
+        scores = {task: value for task, (_, value) in metrics.items()}
+        rows.append({**cell, "scores": scores, "metrics": {t: m for t, (m, _) in metrics.items()},
+                     "average": sum(scores.values()) / len(scores), "seconds": round(time.time() - started, 1)})
+        label = cell["mode"] + ("" if cell["window"] is None else f" w={cell['window']}")
+        print(f"[{i + 1}/{len(cells)}] {label:<12} average {100 * rows[-1]['average']:.1f}  "
+              + "  ".join(f"{t} {100 * s:.1f}" for t, s in scores.items()), flush=True)
+        # written after every cell: an interrupted sweep keeps what it has measured
+        write_json({"model": args.hf, "tasks": tasks, "rows": rows, "command": " ".join(sys.argv),
+                    "git_hash": git_hash(), "args": vars(args)}, os.path.join(args.out, "results.json"))
+    atomic_write(os.path.join(args.out, "table.md"), lambda f: f.write(table(rows, tasks).encode()))
+    paths = plot(rows, tasks, args.out, os.path.basename(args.hf.rstrip("/")))
+    print(table(rows, tasks))
+    print(f"wrote results.json, table.md, {', '.join(os.path.basename(p) for p in paths)} in {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""python -m eval --hf: this codebase's tasks on a Hugging Face causal LM (a small random Qwen3 saved with
+save_pretrained, a byte-level BPE tokenizer trained here), with a variant in its attention."""
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from conftest import REPO
+from data.meta import open_tokens
+from data.prepare import prepare
+from eval import ppl as ppl_task
+from eval.hf_model import load_pretrained_lm
+from tests.test_lm_eval import offline  # noqa: F401  (fixture: no network)
+
+
+def build_tokenizer(text: str, path):
+    """A byte-level BPE tokenizer.json with GPT-2's end-of-text token, trained on `text`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(path))
+    return tok.get_vocab_size()
+
+
+@pytest.fixture(scope="module")
+def local_model(tmp_path_factory):
+    """(model folder with its tokenizer.json, data folder prepared with that tokenizer)."""
+    from data.embedded import documents
+
+    root = tmp_path_factory.mktemp("hf")
+    text = "\n\n".join(documents(60, seed=0))
+    (root / "corpus.txt").write_text(text)
+    folder = root / "tiny-qwen3"
+    folder.mkdir()
+    vocab = build_tokenizer(text, folder / "tokenizer.json")
+    config = transformers.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=16, vocab_size=vocab, max_position_embeddings=512)
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(config).save_pretrained(folder)
+    data_dir = root / "corpus_tok"
+    prepare(str(root / "corpus.txt"), tokenizer=str(folder), out_dir=str(data_dir), val_fraction=0.2, num_proc=1,
+            quiet=True)
+    return folder, data_dir
+
+
+def run_eval(*args):
+    return subprocess.run([sys.executable, "-m", "eval", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_tasks_run_on_the_model_with_its_tokenizer_and_full_pattern_scores_as_the_model_itself(local_model, tmp_path):
+    folder, data_dir = local_model
+    out = tmp_path / "sa"
+    proc = run_eval(f"--hf={folder}", f"--data_dir={data_dir}", f"--out_dir={out}", "--attn_pattern=sa,sa,sa,full",
+                    "--swa_window=16", "--hf_context=128", "--tasks=ppl,niah,diagnostics", "--limit=2",
+                    "--niah_samples=2", "--niah_kinds=single", "--niah_depths=0.5", "--diag_samples=2",
+                    "--diag_distances=16,32", "--diag_block=64", "--diag_half=32", "--progress=False")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    for task in ("ppl", "niah", "diagnostics"):
+        report = json.loads((out / "eval" / f"{task}.json").read_text())
+        assert report["provenance"]["ckpt"] == str(folder)
+        assert report["provenance"]["attention"] == {"hf_decode": "full", "attn_pattern": "sa,sa,sa,full",
+                                                     "swa_window": 16}
+    assert "model " + str(folder) in (out / "eval" / "summary.md").read_text()
+
+    # full attention through the patched model: the perplexity of the unpatched transformers model
+    proc = run_eval(f"--hf={folder}", f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'full'}",
+                    "--attn_pattern=full", "--ppl_lengths=64", "--ppl_max_tokens=2000", "--progress=False")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    measured = json.loads((tmp_path / "full" / "eval" / "ppl.json").read_text())["results"]["rows"][0]
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").eval()
+    docs = ppl_task.documents(open_tokens(str(data_dir), "val"), json.loads((data_dir / "meta.json").read_text())
+                              ["eot_id"], 2000)
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for inputs, targets in ppl_task.windows(docs, 64):
+            logits = reference(torch.from_numpy(np.asarray(inputs))[None]).logits[0]
+            nll += float(torch.nn.functional.cross_entropy(logits, torch.from_numpy(np.asarray(targets)), reduction="sum"))
+            count += len(targets)
+    assert measured["tokens"] == count
+    assert math.isclose(measured["nll"], nll / count, rel_tol=1e-5)
+
+
+def test_windows_switch_on_the_same_weights_and_generation_follows_hf_decode(local_model):
+    folder, _ = local_model
+    model, tokenizer = load_pretrained_lm(str(folder), {"attn_pattern": "swa", "swa_window": 8}, hf_decode="variant")
+    assert tokenizer.eot_id == 0 and model.config.block_size == 2048 and model.wpe is None
+    idx = torch.randint(0, 200, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        w8 = model(idx)[0]
+        w4 = model.with_changes(swa_window=4)(idx)[0]
+        assert not torch.allclose(w8, w4, atol=1e-4)
+        torch.testing.assert_close(model.with_changes()(idx)[0], w8)  # back to the base settings
+        # hf_decode=variant: cached greedy decoding equals re-running the whole sequence under swa each step
+        cached = model.generate(idx, 5, temperature=0, use_cache=True)
+        rerun = model.generate(idx, 5, temperature=0, use_cache=False)
+    assert torch.equal(cached, rerun)
+
+
+@pytest.mark.parametrize("args, status, message", [
+    (["--attn_pattern=sa"], 2, "--hf needs --data_dir"),
+    (["--hf=MISSING", "--data_dir=DATA"], 1, "cannot load"),
+    (["--data_dir=EMBEDDED"], 1, "prepare the text with --tokenizer="),
+    (["--data_dir=DATA", "--attn_pattern=sa_swa"], 1, "parameters or state of its own"),
+])
+def test_bad_hf_invocations_exit_with_one_line(local_model, tmp_path, capsys, args, status, message):
+    from eval.__main__ import main
+
+    folder, data_dir = local_model
+    places = {"MISSING": str(tmp_path / "missing"), "DATA": str(data_dir), "EMBEDDED": str(REPO / "data" / "embedded_byte")}
+    for key, value in places.items():
+        args = [arg.replace(key, value) for arg in args]
+    if not any(arg.startswith("--hf=") for arg in args):
+        args = [f"--hf={folder}", *args]
+    with pytest.raises(SystemExit) as exit_:
+        main([*args, f"--out_dir={tmp_path / 'out'}"])
+    assert exit_.value.code == status and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_model_settings_without_hf_are_refused():
+    from config import ConfigError
+    from eval.__main__ import parse
+
+    with pytest.raises(ConfigError, match="model settings apply to --hf models"):
+        parse(["--out_dir=out/run", "--attn_pattern=sa"])
+
+
+def test_lm_eval_adapter_scores_the_model_with_its_variant(local_model):
+    from lm_eval.api.instance import Instance
+
+    from eval.lm_eval_adapter import CheckpointLM
+
+    folder, _ = local_model
+    requests = [Instance(request_type="loglikelihood", doc={}, arguments=("the old house stood", " on the hill"), idx=0)]
+    full = CheckpointLM.create_from_arg_string(f"hf={folder},attn_pattern=full", {"batch_size": 2, "device": "cpu"})
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    context, continuation = full._encode_pair(*requests[0].arguments)
+    with torch.no_grad():
+        logits = reference(torch.tensor([context + continuation])).logits[0, len(context) - 1:-1]
+    expected = float(torch.log_softmax(logits, -1)[torch.arange(len(continuation)), torch.tensor(continuation)].sum())
+    assert math.isclose(full.loglikelihood(requests)[0][0], expected, rel_tol=1e-5)
+    sparse = CheckpointLM.create_from_arg_string(f"hf={folder},attn_pattern=block:block:block:full,block_len=2")
+    assert [mixer.rule.block for mixer in sparse.model.mixers[:3]] == [2, 2, 2]
+    assert not math.isclose(sparse.loglikelihood(requests)[0][0], expected, rel_tol=1e-3)
+    with pytest.raises(ValueError, match="attention settings go with hf="):
+        CheckpointLM(out_dir="out/x", swa_window=8)
+
+
+def test_window_sweep_writes_the_table_and_the_plots(local_model, tmp_path, offline):
+    from scripts.hf_window_sweep import main
+    from tests.test_lm_eval import MC_ITEMS, write_tasks
+
+    folder, _ = local_model
+    write_tasks(tmp_path)
+    out = tmp_path / "sweep"
+    main([f"--hf={folder}", "--tasks=tiny_mc,tiny_gen", f"--include_path={tmp_path}", "--windows=4,8",
+          "--moba_blocks=2,4", "--moba_topk=2", f"--out={out}", "--device=cpu", "--batch_size=4"])
+    results = json.loads((out / "results.json").read_text())
+    cells = [(row["mode"], row["window"]) for row in results["rows"]]
+    assert cells == [("full", None), ("swa", 4), ("sa", 4), ("swa", 8), ("sa", 8), ("moba", 4), ("moba", 8)]
+    full = results["rows"][0]
+    assert full["metrics"] == {"tiny_mc": "acc,none", "tiny_gen": "exact_match,none"}
+    assert full["scores"]["tiny_mc"] in {i / len(MC_ITEMS) for i in range(len(MC_ITEMS) + 1)}
+    table = (out / "table.md").read_text()
+    assert "| mode | window | tiny_mc | tiny_gen | average |" in table and "| moba | 8 |" in table
+    for name in ("accuracy_vs_window.png", "accuracy_by_task.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
