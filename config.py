@@ -45,6 +45,11 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     init_std: float = 0.02
+    # attention shapes of pretrained Llama-family checkpoints (pretrained.py); attention mixers only
+    n_kv_head: int = 0  # key/value heads, each shared by n_head / n_kv_head query heads (grouped-query); 0: n_head
+    attn_head_dim: int = 0  # width of each q, k, v head; 0: n_embd // n_head (Qwen3's small models differ)
+    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3)
+    qkv_bias: bool = False  # biases on the q, k, v projections even with bias=False (Qwen2)
     # token mixers: a comma-separated list of registered names, repeated to fill n_layer
     # (e.g. "full", or "swa,swa,swa,full" for 3 local : 1 full); see attention/__init__.py
     attn_pattern: str = "full"
@@ -83,7 +88,11 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        return self.attn_head_dim or self.n_embd // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
 
     @property
     def resolved_pos_embedding(self) -> str:
@@ -111,7 +120,7 @@ class DataConfig:
 class TrainConfig:
     out_dir: str = "out"
     # scratch | resume | gpt2 | gpt2-medium | gpt2-large | gpt2-xl (OpenAI's weights, as nanoGPT) |
-    # hf:NAME_OR_PATH (a Hugging Face checkpoint of GPT-2's architecture); see pretrained.py
+    # hf:NAME_OR_PATH (a Hugging Face checkpoint: gpt2, llama, mistral, qwen2, qwen3); see pretrained.py
     init_from: str = "scratch"
     batch_size: int = 12  # micro-batch size per process
     gradient_accumulation_steps: int = 40  # global: divided among DDP processes, as in nanoGPT
@@ -343,10 +352,14 @@ def validate(cfg: Config) -> None:
     for key in ("max_iters", "warmup_iters", "lr_decay_iters", "ckpt_interval", "vocab_size", "mlp_hidden",
                 "eval_tasks_interval", "loss_chunk"):
         positive(key, get_value(cfg, key), allow_zero=True)
-    if m.n_embd % m.n_head:
+    positive("n_kv_head", m.n_kv_head, allow_zero=True)
+    positive("attn_head_dim", m.attn_head_dim, allow_zero=True)
+    if m.n_embd % m.n_head and not m.attn_head_dim:
         raise ConfigError(f"n_embd={m.n_embd} is not divisible by n_head={m.n_head}")
+    if m.n_head % m.kv_heads:
+        raise ConfigError(f"n_kv_head={m.n_kv_head} does not divide n_head={m.n_head}")
     if m.resolved_pos_embedding == "rope" and m.head_dim % 2:
-        raise ConfigError(f"rope needs an even head dimension; n_embd/n_head = {m.head_dim}")
+        raise ConfigError(f"rope needs an even head dimension; the head dimension is {m.head_dim}")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"dropout={m.dropout}: must be in [0, 1)")
     if t.learning_rate <= 0 or t.min_lr < 0 or t.min_lr > t.learning_rate:

@@ -3,12 +3,18 @@
     python train.py configs/owt_124m_pbb.py --init_from=gpt2            # OpenAI's GPT-2 small, any attn_pattern
     python train.py CONFIG --init_from=gpt2-medium                      # gpt2-large, gpt2-xl likewise
     python train.py CONFIG --init_from=hf:./my-gpt2                     # a local (or hub) GPT-2-shaped checkpoint
+    python train.py CONFIG --init_from=hf:Qwen/Qwen3-0.6B --attn_pattern=sa_swa   # Llama-family, below
 
 The checkpoint is read with Hugging Face `transformers` (hub names download once into its cache; a folder
-written by `save_pretrained` works offline). Its architecture replaces the config's (gpt2 arch, layers, heads,
-width, vocabulary, biases, LayerNorm eps, tanh GELU, tied embeddings); everything else stays the config's,
-attn_pattern included: the attention weights (c_attn, c_proj) load into any mixer that has them (full, swa,
-block, the bridges, sa, swat, mswa, ...), so a full-attention model can be uptrained to a sparse pattern.
+written by `save_pretrained` works offline). These architectures load (LLAMA_FAMILY): gpt2, and llama, mistral,
+qwen2, qwen3 into the llama arch, with grouped-query attention (n_kv_head), Qwen3's head width (attn_head_dim)
+and qk-norm, and Qwen2's q/k/v biases; refused are RoPE scaling (Llama 3.1's llama3 type, YaRN, ...), biases
+on the output projection or the MLP, and activations other than SiLU. Mistral's and Qwen's own sliding window
+is not copied: the log says which swa_window reproduces it. The checkpoint's architecture replaces the
+config's (layers, heads, widths, vocabulary, biases, norm eps, RoPE theta, GELU form, tied embeddings);
+everything else stays the config's, attn_pattern included: the attention weights (c_attn, c_proj, the qk-norms)
+load into any mixer that has them (full, swa, block, the bridges, sa, swat, mswa, moba, ...), so a
+full-attention model can be uptrained to a sparse pattern.
 Parameters the checkpoint lacks (e.g. sa_swa's gates, attn_gate) keep their fresh initialisation and are
 listed; a mixer with no attention weights (mlstm, gated_deltanet, linear) is refused. block_size may be at
 most the checkpoint's context (the position table is cropped to it).
@@ -16,9 +22,12 @@ most the checkpoint's context (the position table is cropped to it).
 
 from __future__ import annotations
 
+import torch
+
 from config import ModelConfig
 
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 # GPT-2's MLP activations that are the tanh approximation (gelu_new is OpenAI's original)
 TANH_GELU = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 
@@ -37,9 +46,9 @@ def pretrained_source(init_from: str) -> str | None:
 
 
 def load_hf_model(source: str):
-    """The transformers model of a GPT-2-shaped checkpoint, in float32 on the CPU."""
+    """The transformers model of a checkpoint of an architecture that loads, in float32 on the CPU."""
     try:
-        from transformers import AutoConfig, GPT2LMHeadModel
+        from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
         raise PretrainedError("init_from with pretrained weights needs transformers: pip install transformers") from None
     try:
@@ -47,14 +56,22 @@ def load_hf_model(source: str):
     except (OSError, ValueError) as e:
         raise PretrainedError(f"cannot read the checkpoint {source!r} ({str(e).splitlines()[0][:200]}): give a hub "
                               "name (downloads need the network once) or a folder written by save_pretrained") from None
-    if hf_config.model_type != "gpt2":
-        raise PretrainedError(f"{source!r} is a {hf_config.model_type} model: init_from loads GPT-2's architecture "
-                              "(model_type gpt2) only")
-    return GPT2LMHeadModel.from_pretrained(source, torch_dtype="float32").eval()
+    if hf_config.model_type not in ("gpt2", *LLAMA_FAMILY):
+        raise PretrainedError(f"{source!r} is a {hf_config.model_type} model: init_from loads gpt2, "
+                              f"{', '.join(LLAMA_FAMILY)} checkpoints")
+    return AutoModelForCausalLM.from_pretrained(source, dtype="float32").eval()
 
 
 def pretrained_model_config(hf_config, m: ModelConfig) -> list[str]:
-    """Give m the checkpoint's architecture (in place); returns the settings that changed, for the log."""
+    """Give m the checkpoint's architecture (in place); returns the settings that changed (and notes), for the log."""
+    settings, notes = (gpt2_settings if hf_config.model_type == "gpt2" else llama_settings)(hf_config, m)
+    changed = [f"{key}={value!r}" for key, value in settings.items() if getattr(m, key) != value]
+    for key, value in settings.items():
+        setattr(m, key, value)
+    return changed + notes
+
+
+def gpt2_settings(hf_config, m: ModelConfig) -> tuple[dict, list[str]]:
     if hf_config.activation_function not in TANH_GELU + ("gelu",):
         raise PretrainedError(f"the checkpoint's MLP activation {hf_config.activation_function!r} is not GELU")
     if getattr(hf_config, "scale_attn_by_inverse_layer_idx", False) or not getattr(hf_config, "scale_attn_weights", True):
@@ -67,10 +84,68 @@ def pretrained_model_config(hf_config, m: ModelConfig) -> list[str]:
                 "vocab_size": hf_config.vocab_size, "bias": True, "mlp_hidden": hf_config.n_inner or 4 * hf_config.n_embd,
                 "pos_embedding": "learned", "norm_eps": hf_config.layer_norm_epsilon, "tie_embeddings": True,
                 "gelu": "tanh" if hf_config.activation_function in TANH_GELU else "exact"}
-    changed = [f"{key}={value!r}" for key, value in settings.items() if getattr(m, key) != value]
-    for key, value in settings.items():
-        setattr(m, key, value)
-    return changed
+    return settings, []
+
+
+def llama_settings(c, m: ModelConfig) -> tuple[dict, list[str]]:
+    """Llama, Mistral, Qwen2, Qwen3 in the llama arch (RMSNorm, SwiGLU, half-split RoPE, as transformers')."""
+    kind = c.model_type
+    rope = getattr(c, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(c, "rope_theta", 1e4)}
+    if rope.get("rope_type", "default") != "default":
+        raise PretrainedError(f"the checkpoint scales RoPE ({rope['rope_type']}), which this model's RoPE does not")
+    if c.hidden_act != "silu":
+        raise PretrainedError(f"the checkpoint's MLP activation {c.hidden_act!r} is not SiLU (SwiGLU)")
+    if getattr(c, "mlp_bias", False) or (kind != "qwen2" and getattr(c, "attention_bias", False)):
+        raise PretrainedError("the checkpoint has biases on the MLP or the attention output, which the llama arch "
+                              "does not (only Qwen2's q/k/v biases are expressed, as qkv_bias)")
+    if m.block_size > c.max_position_embeddings:
+        raise PretrainedError(f"block_size={m.block_size} is longer than the checkpoint's context "
+                              f"{c.max_position_embeddings}: use --block_size={c.max_position_embeddings} or less")
+    heads = c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    settings = {"arch": "llama", "n_layer": c.num_hidden_layers, "n_head": heads, "n_embd": c.hidden_size,
+                "n_kv_head": 0 if kv_heads == heads else kv_heads,
+                "attn_head_dim": 0 if head_dim * heads == c.hidden_size else head_dim,
+                "qk_norm": kind == "qwen3", "qkv_bias": kind == "qwen2", "vocab_size": c.vocab_size, "bias": False,
+                "mlp_hidden": c.intermediate_size, "pos_embedding": "rope", "rope_theta": float(rope["rope_theta"]),
+                "norm_eps": c.rms_norm_eps, "tie_embeddings": bool(c.tie_word_embeddings)}
+    window = getattr(c, "sliding_window", None) if kind == "mistral" or getattr(c, "use_sliding_window", False) else None
+    notes = [f"note: the checkpoint attends within a sliding window of {window} (--attn_pattern=swa "
+             f"--swa_window={window} reproduces it)"] if window and window < m.block_size else []
+    return settings, notes
+
+
+def pretrained_state_dict(hf_model, block_size: int) -> dict:
+    """The checkpoint's weights under this codebase's names."""
+    if hf_model.config.model_type == "gpt2":
+        return gpt2_state_dict(hf_model, block_size)
+    return llama_state_dict(hf_model)
+
+
+def llama_state_dict(hf_model) -> dict:
+    """q, k and v projections fused into c_attn (rows in that order, as Attention splits them); the rest renamed."""
+    renamed = {"input_layernorm": "ln_1", "post_attention_layernorm": "ln_2", "self_attn.o_proj": "mixer.c_proj",
+               "self_attn.q_norm": "mixer.q_norm", "self_attn.k_norm": "mixer.k_norm", "mlp.gate_proj": "mlp.c_gate",
+               "mlp.up_proj": "mlp.c_fc", "mlp.down_proj": "mlp.c_proj"}
+    hf_state = hf_model.state_dict()
+    state = {"wte.weight": hf_state["model.embed_tokens.weight"], "ln_f.weight": hf_state["model.norm.weight"]}
+    if not hf_model.config.tie_word_embeddings:
+        state["lm_head.weight"] = hf_state["lm_head.weight"]
+    for name, value in hf_state.items():
+        if not name.startswith("model.layers."):
+            continue
+        index, rest = name.removeprefix("model.layers.").split(".", 1)
+        module, _, leaf = rest.rpartition(".")
+        if module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+            if module == "self_attn.q_proj":
+                parts = [hf_state[f"model.layers.{index}.self_attn.{p}_proj.{leaf}"] for p in "qkv"]
+                state[f"blocks.{index}.mixer.c_attn.{leaf}"] = torch.cat(parts, dim=0)
+        elif module in renamed:
+            state[f"blocks.{index}.{renamed[module]}.{leaf}"] = value
+        else:
+            raise PretrainedError(f"the checkpoint's {name} has no counterpart in the llama arch")
+    return state
 
 
 def gpt2_state_dict(hf_model, block_size: int) -> dict:
@@ -99,7 +174,7 @@ def gpt2_state_dict(hf_model, block_size: int) -> dict:
 def load_pretrained_weights(model, hf_model) -> list[str]:
     """Copy the checkpoint's weights into model (built from pretrained_model_config's settings). Returns the
     model's parameters the checkpoint has no value for, which keep their fresh initialisation."""
-    state = gpt2_state_dict(hf_model, model.config.block_size)
+    state = pretrained_state_dict(hf_model, model.config.block_size)
     own = model.state_dict()
     for name, value in state.items():
         if name not in own:

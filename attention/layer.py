@@ -19,25 +19,37 @@ from attention.rope import apply_rope
 
 
 class Attention(Mixer):
+    pretrained_attention_shapes = True
+
     def __init__(self, config, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.n_head = config.n_head
+        self.n_head, self.n_kv_head = config.n_head, config.kv_heads
         self.head_dim = config.head_dim
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        inner, kv = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
+        self.split = (inner, kv, kv)
+        self.c_attn = nn.Linear(config.n_embd, inner + 2 * kv, bias=config.bias or config.qkv_bias)
+        # Qwen3's qk-norm: RMSNorm over each head's q and k, before RoPE
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else None
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else None
         # gate of paper 000 (Alg. 2): y <- sigmoid(W y) * y, W d x d without bias, before the output projection
-        self.gate = nn.Linear(config.n_embd, config.n_embd, bias=False) if config.attn_gate else None
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.gate = nn.Linear(inner, inner, bias=False) if config.attn_gate else None
+        self.c_proj = nn.Linear(inner, config.n_embd, bias=config.bias)
         self.rope_theta = config.rope_theta if config.resolved_pos_embedding == "rope" else None
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x, pos, cache=None, plan=None):
-        B, T, C = x.shape
-        q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-                   for t in self.c_attn(x).split(C, dim=2))
+        B, T, _ = x.shape
+        q, k, v = (t.view(B, T, -1, self.head_dim) for t in self.c_attn(x).split(self.split, dim=2))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.rope_theta is not None:
             q, k = apply_rope(q, pos, self.rope_theta), apply_rope(k, pos, self.rope_theta)
+        if self.n_kv_head < self.n_head:  # grouped-query: each k/v head serves consecutive query heads
+            groups = self.n_head // self.n_kv_head
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         return self.resid_dropout(self.c_proj(self.mix(q, k, v, pos, cache, plan)))
 
     def mix(self, q, k, v, pos, cache, plan=None):

@@ -33,6 +33,8 @@ class Mixer(nn.Module):
     """
 
     supports_cache = True
+    # whether the mixer takes the pretrained attention shapes (n_kv_head, attn_head_dim, qk_norm, qkv_bias)
+    pretrained_attention_shapes = False
 
     @classmethod
     def check_config(cls, config) -> None:
@@ -145,8 +147,15 @@ def has_window_layers(config) -> bool:
     return any(MIXERS[name].set_window is not Mixer.set_window for name in set(layer_names(config)))
 
 
+PRETRAINED_SHAPES = ("n_kv_head", "attn_head_dim", "qk_norm", "qkv_bias")
+
+
 def validate_config(config) -> None:
+    shaped = [key for key in PRETRAINED_SHAPES if getattr(config, key)]
     for name in sorted(set(layer_names(config))):
+        if shaped and not MIXERS[name].pretrained_attention_shapes:
+            raise ValueError(f"{', '.join(shaped)}: only attention mixers take these (pretrained Llama-family shapes), "
+                             f"not {name}")
         MIXERS[name].check_config(config)
 
 

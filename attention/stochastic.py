@@ -215,8 +215,9 @@ class GatedStochasticSlidingAttention(StochasticAttention):
     def __init__(self, config, layer_idx):
         super().__init__(config, layer_idx)
         self.gate = None  # replaced by one gate per path
-        self.gate_sa = nn.Linear(config.n_embd, config.n_embd, bias=False)
-        self.gate_swa = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        inner = config.n_head * config.head_dim
+        self.gate_sa = nn.Linear(inner, inner, bias=False)
+        self.gate_swa = nn.Linear(inner, inner, bias=False)
 
     def plan(self, batch_size, seq_len, device, start=0):
         return self.sa_plans(batch_size, seq_len, device), plan_attention(

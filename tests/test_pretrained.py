@@ -1,6 +1,6 @@
-"""init_from=gpt2 / hf:PATH: a GPT-2 checkpoint of transformers loads into this model exactly (checked on a small
-random one written by save_pretrained, shaped like the real thing), trains under any attention pattern, and
-what cannot load is refused with a message."""
+"""init_from=gpt2 / hf:PATH: GPT-2, Llama, Mistral, Qwen2 and Qwen3 checkpoints of transformers load into this
+model exactly (checked on small random ones written by save_pretrained, shaped like the real things), train
+under any attention pattern, and what cannot load is refused with a message."""
 
 import json
 import os
@@ -65,14 +65,100 @@ def test_attention_weights_load_into_sparse_patterns_and_new_parameters_are_list
         load(gpt2_dir, block_size=128)
 
 
-def test_only_gpt2_checkpoints_load(tmp_path):
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=2, vocab_size=64)
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
-    with pytest.raises(PretrainedError, match="is a llama model"):
-        load_hf_model(str(tmp_path / "llama"))
+LLAMA_LIKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=320, max_position_embeddings=128)
+LLAMA_FAMILY = {  # grouped-query attention in all; Qwen2's qkv biases, Qwen3's head width and qk-norm, tied
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {**LLAMA_LIKE, "rope_theta": 5e5}),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, LLAMA_LIKE),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
+              {**LLAMA_LIKE, "head_dim": 32, "tie_word_embeddings": True}),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {**LLAMA_LIKE, "sliding_window": 16}),
+}
+
+
+def save_llama_like(name, path, **overrides):
+    config_class, model_class, settings = LLAMA_FAMILY[name]
+    torch.manual_seed(0)
+    model = model_class(config_class(**{**settings, **overrides}))
+    with torch.no_grad():  # non-trivial norms and biases, so a misplaced one shows
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("name", LLAMA_FAMILY)
+def test_llama_family_checkpoints_equal_transformers(name, tmp_path):
+    path = save_llama_like(name, tmp_path / name)
+    hf = load_hf_model(str(path))
+    # Mistral's own sliding window of 16: the note's swa setting reproduces the model
+    m = ModelConfig(block_size=64, **({"attn_pattern": "swa", "swa_window": 16} if name == "mistral" else {}))
+    changed = pretrained_model_config(hf.config, m)
+    model = GPT(m)
+    assert load_pretrained_weights(model, hf) == []
+    assert (m.arch, m.n_kv_head, m.qk_norm, m.qkv_bias) == ("llama", 2, name == "qwen3", name == "qwen2")
+    assert m.attn_head_dim == (32 if name == "qwen3" else 0) and m.tie_embeddings == (name == "qwen3")
+    assert (name == "mistral") == any("sliding window of 16" in line for line in changed)
+    idx = torch.randint(0, 320, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(idx)[0], hf(idx).logits, atol=1e-5, rtol=0)
+
+
+def test_what_the_llama_arch_cannot_express_is_refused(tmp_path):
+    path = save_llama_like("llama", tmp_path / "scaled", rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                                         "rope_theta": 1e4})
+    with pytest.raises(PretrainedError, match="scales RoPE"):
+        pretrained_model_config(load_hf_model(str(path)).config, ModelConfig(block_size=64))
+    path = save_llama_like("llama", tmp_path / "biased", attention_bias=True)
+    with pytest.raises(PretrainedError, match="biases on the MLP or the attention output"):
+        pretrained_model_config(load_hf_model(str(path)).config, ModelConfig(block_size=64))
+    config = transformers.GPTNeoXConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=2, vocab_size=64)
+    transformers.GPTNeoXForCausalLM(config).save_pretrained(tmp_path / "neox")
+    with pytest.raises(PretrainedError, match="is a gpt_neox model"):
+        load_hf_model(str(tmp_path / "neox"))
     with pytest.raises(PretrainedError, match="cannot read the checkpoint"):
         load_hf_model(str(tmp_path / "missing"))
+    hf = load_hf_model(str(save_llama_like("qwen3", tmp_path / "qwen3")))
+    m = ModelConfig(block_size=64, attn_pattern="gated_deltanet")
+    pretrained_model_config(hf.config, m)
+    from attention import validate_config
+
+    with pytest.raises(ValueError, match="only attention mixers take these"):
+        validate_config(m)
+
+
+def test_training_continues_from_a_qwen3_checkpoint_with_its_own_tokenizer(tmp_path):
+    """The checkpoint's tokenizer.json tokenizes the data (prepare.py --tokenizer=FOLDER); step 0's validation
+    loss is the transformers model's on the same batches; training continues under another pattern."""
+    from data.embedded import documents
+    from data.loader import WindowSampler
+    from data.prepare import prepare
+    from tests.test_hf_eval import build_tokenizer
+
+    text = "\n\n".join(documents(60, seed=0))
+    folder = tmp_path / "qwen3"
+    folder.mkdir()
+    vocab = build_tokenizer(text, folder / "tokenizer.json")
+    save_llama_like("qwen3", folder, vocab_size=vocab)
+    (tmp_path / "corpus.txt").write_text(text)
+    data_dir = tmp_path / "data"
+    prepare(str(tmp_path / "corpus.txt"), tokenizer=str(folder), out_dir=str(data_dir), val_fraction=0.2,
+            num_proc=1, quiet=True)
+    args = ["configs/quickstart.py", f"--init_from=hf:{folder}", f"--data_dir={data_dir}", "--block_size=32",
+            "--batch_size=4", "--eval_iters=2", "--dropout=0.0"]
+    train_subprocess([*args, "--eval_only=True", f"--out_dir={tmp_path / 'eval'}"])
+    val_loss = [json.loads(line)["val_loss"] for line in open(tmp_path / "eval" / "metrics.jsonl")][0]
+    hf = load_hf_model(str(folder))
+    val = WindowSampler(str(data_dir), "val", 32, 4, 2)
+    with torch.no_grad():
+        expected = sum(torch.nn.functional.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()).item()
+                       for x, y in (val.batch(0, i) for i in range(2))) / 2
+    assert val_loss == pytest.approx(expected, abs=1e-5)
+    proc = train_subprocess([*args, "--attn_pattern=sa_swa", "--swa_window=8", "--max_iters=2", "--eval_interval=2",
+                             "--warmup_iters=1", "--lr_decay_iters=2", f"--out_dir={tmp_path / 'sa_swa'}"])
+    assert "loaded" in proc.stdout and "done" in proc.stdout
 
 
 def test_training_starts_from_the_pretrained_weights(gpt2_dir, tmp_path):
