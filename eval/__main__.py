@@ -380,6 +380,9 @@ def main(argv):
            "device": device, "with_config": with_config}
     eval_dir = Path(e.out_dir) / "eval"
     eval_dir.mkdir(parents=True, exist_ok=True)
+    if e.hf:  # the evaluated model's resolved config, so scripts/compare.py reads the folder as a run
+        cfg.train.init_from = f"hf:{e.hf}"
+        write_json(cfg.to_dict(), Path(e.out_dir) / "config.json")
     provenance = {"command": " ".join([os.path.basename(sys.executable), "-m", "eval", *argv]),
                   "git_hash": git_hash(), "seed": e.seed, **source,
                   "eval_config": dataclasses.asdict(e), "device": device, "dtype": dtype_name}

@@ -128,6 +128,8 @@ def check_run_dir(path: Path) -> None:
     if not path.is_dir():
         raise CompareError(f"{path} is not a run folder (it is a file; give the out_dir of a train.py run)")
     missing = [f for f in ("config.json", "metrics.jsonl") if not (path / f).is_file()]
+    if missing == ["metrics.jsonl"] and any((path / "eval").glob("*.json")):
+        return  # an evaluation-only folder (python -m eval --hf=...): its config, no training
     if missing:
         raise CompareError(f"{path} is not a run folder: missing {' and '.join(missing)} "
                            "(a train.py out_dir has both)")
@@ -139,7 +141,7 @@ def load_local_run(path) -> dict:
     config = _read_json(path / "config.json")
     if not isinstance(config, dict):
         raise CompareError(f"{path / 'config.json'} does not hold a config object")
-    metrics = load_metrics(path / "metrics.jsonl")
+    metrics = load_metrics(path / "metrics.jsonl") if (path / "metrics.jsonl").is_file() else []
     train = [(m["step"], m["train_loss"]) for m in metrics if _is_number(m.get("train_loss"))]
     val = [(m["step"], m["val_loss"]) for m in metrics if _is_number(m.get("val_loss"))]
     extra = {}

@@ -19,7 +19,6 @@ executes generated code: lm_eval asks for HF_ALLOW_CODE_EVAL=1 and --confirm_run
 """
 
 import argparse
-import json
 import os
 import sys
 import time

@@ -60,10 +60,11 @@ def run_eval(*args):
 def test_tasks_run_on_the_model_with_its_tokenizer_and_full_pattern_scores_as_the_model_itself(local_model, tmp_path):
     folder, data_dir = local_model
     out = tmp_path / "sa"
+    diagnostics = ["--diag_samples=2", "--diag_distances=16,32", "--diag_block=64", "--diag_half=32",
+                   "--diag_probes=needle,bridge_window", "--hf_context=128", "--progress=False"]
     proc = run_eval(f"--hf={folder}", f"--data_dir={data_dir}", f"--out_dir={out}", "--attn_pattern=sa,sa,sa,full",
-                    "--swa_window=16", "--hf_context=128", "--tasks=ppl,niah,diagnostics", "--limit=2",
-                    "--niah_samples=2", "--niah_kinds=single", "--niah_depths=0.5", "--diag_samples=2",
-                    "--diag_distances=16,32", "--diag_block=64", "--diag_half=32", "--progress=False")
+                    "--swa_window=16", "--tasks=ppl,niah,diagnostics", "--limit=2", "--niah_samples=2",
+                    "--niah_kinds=single", "--niah_depths=0.5", *diagnostics)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     for task in ("ppl", "niah", "diagnostics"):
         report = json.loads((out / "eval" / f"{task}.json").read_text())
@@ -74,8 +75,18 @@ def test_tasks_run_on_the_model_with_its_tokenizer_and_full_pattern_scores_as_th
 
     # full attention through the patched model: the perplexity of the unpatched transformers model
     proc = run_eval(f"--hf={folder}", f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'full'}",
-                    "--attn_pattern=full", "--ppl_lengths=64", "--ppl_max_tokens=2000", "--progress=False")
+                    "--attn_pattern=full", "--tasks=ppl,diagnostics", "--ppl_lengths=64", "--ppl_max_tokens=2000",
+                    *diagnostics)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    # the folders compare as runs: the same probes, paired by example
+    from scripts.compare import load_local_run, paired
+
+    runs = [load_local_run(tmp_path / name) for name in ("full", "sa")]
+    assert runs[1]["config"]["model"]["attn_pattern"] == "sa,sa,sa,full"
+    assert runs[1]["config"]["train"]["init_from"] == f"hf:{folder}"
+    examples = runs[1]["evals"]["diagnostics"]["per_example"]
+    assert {e["probe"] for e in examples} == {"needle", "bridge_window"}
+    assert paired(*runs, "diagnostics")["all"]["n"] == len(examples)
     measured = json.loads((tmp_path / "full" / "eval" / "ppl.json").read_text())["results"]["rows"][0]
     reference = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").eval()
     docs = ppl_task.documents(open_tokens(str(data_dir), "val"), json.loads((data_dir / "meta.json").read_text())
