@@ -72,7 +72,7 @@ class ModelConfig:
     sa_seed: int = 0  # sa_mode=deterministic: the fixed permutations come from this seed (training draws from the run's RNG)
     swat_activation: str = "sigmoid"  # swat: sigmoid (paper 001, no normalisation) | softmax (the ablations' counterpart)
     swat_rope: bool = True  # swat: RoPE on q, k (with ALiBi: the paper's AliRope); False: ALiBi alone
-    swat_slopes: str = "paper"  # swat ALiBi magnitudes: paper (2^-k, k = 1.. per direction) | alibi (2^(-8k/H)) | none
+    swat_slopes: str = "paper"  # swat ALiBi magnitudes: paper (2^-k, k = 1.. per direction) | alibi (the authors' code: 2^(-8k/H), k = 1.. per direction) | none
     swat_split: str = ""  # swat "neg:pos" heads with negative (classic ALiBi) and positive slopes; "": half and half
     swat_bias: str = "0"  # swat constant score bias b: a number, or "-log(w)"
     linear_feature_dim: int = 16  # linear: q/k feature dimension of Taylor linear attention (paper 002)

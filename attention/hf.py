@@ -20,7 +20,8 @@ with trained parameters of their own (sa_swa's gates, attn_gate, the recurrent m
 Decoding (`hf_decode`): `full` (paper 000's protocol) applies the variant to the prompt's forward only and
 decodes over the full KV cache; `variant` keeps each layer's rule while decoding (recomputed over the cache
 under the rule's mask; moba's new queries choose their blocks among the cache's). sa has no decoding form of
-its own (a new permutation every forward), so it decodes `full` either way.
+its own (a new permutation every forward): over a cache it decodes `full` either way, and eval/hf_model.py's
+generate re-runs the whole sequence at every step under `variant` instead, as GPT.generate does.
 """
 
 from __future__ import annotations

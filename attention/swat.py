@@ -9,9 +9,14 @@ softmax counterpart with the same position options, for the paper's ablations (T
 
 Slopes follow the paper's sign convention: the bias is s_h (i - j), so a negative slope is classic ALiBi
 (favours recent keys) and a positive one favours older keys. swat_split="neg:pos" says how many heads get
-each sign (the first `neg` heads are negative). Magnitudes:
+each sign (under `paper` the first `neg` heads are negative). Magnitudes:
     paper  2^-k, k = 1..count within each direction (Eq. 4: 6:6 gives -1/2..-1/64 and +1/2..+1/64)
-    alibi  the classic ALiBi sequence 2^(-8k/H), k = 1..H over all heads in order (the authors' code)
+    alibi  the authors' code (their flash-linear-attention fork, fla/layers/sig_attn.py, get_alibi_slope):
+           ALiBi's magnitudes 2^(-8k/H) with H all heads, k restarting at 1 in each direction; as there, the
+           positive heads come first (k = 1..pos), then the negative ones in increasing magnitude (k = neg..1).
+           12:0 is the original ALiBi ("traditional ALiBi slopes", 001 App. C.3: Table 3's ALiBi-12:0 and
+           SWAT (-)/(+)). Their code's slopes are flash-attention's, which subtract slope * (i - j): its
+           negative values are this module's positive slopes.
     none   no ALiBi (RoPE alone, or no position information at all)
 The bias lives in the kernels as a ScoreBias (attention/kernels.py), computed inside each chunk, never as an
 n x n matrix. Sliding-window training is plain: block_size (the training length T) is independent of
@@ -56,8 +61,8 @@ def swat_slopes(n_head: int, schedule: str = "paper", split: str = "") -> list[f
     if schedule == "paper":
         return [-2.0 ** -k for k in range(1, neg + 1)] + [2.0 ** -k for k in range(1, pos + 1)]
     if schedule == "alibi":
-        magnitudes = [2.0 ** (-8 * k / n_head) for k in range(1, n_head + 1)]
-        return [-m for m in magnitudes[:neg]] + magnitudes[neg:]
+        magnitude = lambda k: 2.0 ** (-8 * k / n_head)
+        return [magnitude(k) for k in range(1, pos + 1)] + [-magnitude(k) for k in range(neg, 0, -1)]
     raise ValueError(f"swat_slopes={schedule!r}: expected one of {', '.join(SLOPE_SCHEDULES)}")
 
 

@@ -3,7 +3,8 @@
 # 0.5M tokens per step, 15B tokens of FineWeb-Edu, Llama 2's 32000-token vocabulary.
 #   python data/prepare.py --dataset=fineweb_edu --tokenizer=meta-llama/Llama-2-7b-hf --max_tokens=16000000000
 #   torchrun --standalone --nproc_per_node=8 train.py configs/fineweb_swat_340m.py --wandb_log=True
-# SWAT (-): --swat_split=16:0; SWAT (+): --swat_split=0:16. Evaluate at longer lengths with the same window:
+# SWAT (-): --swat_split=16:0 --swat_slopes=alibi; SWAT (+): --swat_split=0:16 --swat_slopes=alibi ("traditional
+# ALiBi slopes", 001 App. C.3). Evaluate at longer lengths with the same window:
 #   python -m eval --out_dir=out/fineweb_swat_340m --tasks=ppl --ppl_lengths=4096,16384,65536 --ppl_stream=True
 out_dir = "out/fineweb_swat_340m"
 dataset = "fineweb_edu_meta-llama_Llama-2-7b-hf"

@@ -4,7 +4,7 @@ include("configs/owt_swat_base.py")
 out_dir = "out/owt_swat_11_vanilla_sigmoid_alibi_w128"
 swat_activation = "sigmoid"
 swat_rope = False
-swat_slopes = "paper"
+swat_slopes = "alibi"  # "the origin ALiBi model" (001 App. C.3): classic magnitudes 2^(-8k/12)
 swat_split = "12:0"
 swa_window = 128
 block_size = 128

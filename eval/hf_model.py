@@ -60,7 +60,11 @@ class VariantLM(nn.Module):
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, generator=None,
                  use_cache=True):
-        """GPT.generate's contract over the model's own KV cache (decoding as hf_decode says)."""
+        """GPT.generate's contract over the model's own KV cache (decoding as hf_decode says). Under
+        hf_decode=variant a layer without a decoding form (sa: a new permutation every forward) makes every
+        step re-run the whole sequence, as GPT.generate does."""
+        if self.hf_decode == "variant" and not all(mixer.supports_cache for mixer in self.mixers):
+            use_cache = False
         cache, context = None, idx
         for _ in range(max_new_tokens):
             if use_cache:

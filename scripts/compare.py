@@ -122,14 +122,25 @@ def load_evals(run_dir: Path) -> dict:
     return evals
 
 
+def evaluation_only(path: Path) -> bool:
+    """A folder of python -m eval --hf=...: a config.json and eval/ results of a model that was not trained here
+    (their provenance has no checkpoint step)."""
+    for result in sorted((path / "eval").glob("*.json")):
+        try:
+            return _read_json(result).get("provenance", {}).get("step", 0) is None
+        except (CompareError, AttributeError):
+            return False
+    return False
+
+
 def check_run_dir(path: Path) -> None:
     if not path.exists():
         raise CompareError(f"{path}: no such run folder")
     if not path.is_dir():
         raise CompareError(f"{path} is not a run folder (it is a file; give the out_dir of a train.py run)")
     missing = [f for f in ("config.json", "metrics.jsonl") if not (path / f).is_file()]
-    if missing == ["metrics.jsonl"] and any((path / "eval").glob("*.json")):
-        return  # an evaluation-only folder (python -m eval --hf=...): its config, no training
+    if missing == ["metrics.jsonl"] and evaluation_only(path):
+        return
     if missing:
         raise CompareError(f"{path} is not a run folder: missing {' and '.join(missing)} "
                            "(a train.py out_dir has both)")

@@ -186,3 +186,14 @@ def test_window_sweep_writes_the_table_and_the_plots(local_model, tmp_path, offl
     assert "| mode | window | tiny_mc | tiny_gen | average |" in table and "| moba | 8 |" in table
     for name in ("accuracy_vs_window.png", "accuracy_by_task.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("hf_decode, last_forward", [("full", 40), ("variant", 42)])
+def test_sa_decodes_over_the_full_cache_or_reruns_the_sequence(local_model, hf_decode, last_forward):
+    folder, _ = local_model
+    model, _ = load_pretrained_lm(str(folder), {"attn_pattern": "sa", "swa_window": 8}, hf_decode=hf_decode)
+    idx = torch.randint(0, 200, (1, 40), generator=torch.Generator().manual_seed(0))
+    model.generate(idx, 3, temperature=0, use_cache=True)
+    # full: the prompt's forward drew the last permutation, then steps over the cache; variant: each step re-ran
+    # the whole sequence under a new permutation, the last one over 42 tokens
+    assert model.mixers[0].last_order.shape[-1] == last_forward

@@ -32,12 +32,29 @@ def test_slopes_by_schedule_and_split():
     assert swat_slopes(12, "paper", "") == swat_slopes(12, "paper", "6:6")  # balanced by default
     assert swat_slopes(4, "paper", "4:0") == [-1 / 2, -1 / 4, -1 / 8, -1 / 16]  # classic direction only
     assert swat_slopes(4, "paper", "0:4") == [1 / 2, 1 / 4, 1 / 8, 1 / 16]
-    alibi = swat_slopes(12, "alibi", "8:4")
-    magnitudes = [2 ** (-8 * k / 12) for k in range(1, 13)]
-    assert alibi == [-m for m in magnitudes[:8]] + magnitudes[8:]
-    assert swat_slopes(12, "alibi", "12:0")[:2] == [-2 ** (-2 / 3), -2 ** (-4 / 3)]  # ALiBi's 12-head sequence
     assert swat_slopes(3, "none", "") == [0.0, 0.0, 0.0]
     assert parse_bias("-log(w)", 128) == -math.log(128) and parse_bias("0.5", 128) == 0.5
+
+
+# The authors' slopes for 12 heads (their flash-linear-attention fork, fla/layers/sig_attn.py, get_alibi_slope:
+# x = 256^(1/H), magnitudes 1/x^(k) with k = 1.. in each direction, reverse-direction heads first, then the classic
+# heads flipped), as flash-attention slopes (bias -slope * (i - j)), written out: 6:6 is the function at commit
+# 293ab61 (H/2 each way), 8:4 at commit 60a2650 (H/3 reverse, H/1.5 classic), 12:0 its all-classic case.
+M = [0.629961, 0.39685, 0.25, 0.15749, 0.099213, 0.0625, 0.039373, 0.024803, 0.015625, 0.009843, 0.006201, 0.003906]
+AUTHORS_FLASH_SLOPES = {
+    "6:6": [-M[0], -M[1], -M[2], -M[3], -M[4], -M[5], M[5], M[4], M[3], M[2], M[1], M[0]],
+    "8:4": [-M[0], -M[1], -M[2], -M[3], M[7], M[6], M[5], M[4], M[3], M[2], M[1], M[0]],
+    "12:0": [M[11], M[10], M[9], M[8], M[7], M[6], M[5], M[4], M[3], M[2], M[1], M[0]],
+}
+
+
+@pytest.mark.parametrize("split", AUTHORS_FLASH_SLOPES)
+def test_alibi_schedule_is_the_authors_code(split):
+    # our bias is +s_h (i - j): the authors' flash-attention slopes with the sign turned
+    expected = [-slope for slope in AUTHORS_FLASH_SLOPES[split]]
+    assert swat_slopes(12, "alibi", split) == pytest.approx(expected, abs=1e-6)
+    neg, pos = (int(n) for n in split.split(":"))
+    assert sum(s < 0 for s in swat_slopes(12, "alibi", split)) == neg  # neg heads are classic ALiBi
 
 
 def test_bias_sign_and_slopes_by_hand_two_heads_four_tokens():
