@@ -78,6 +78,7 @@ class ModelConfig:
     linear_feature_dim: int = 16  # linear: q/k feature dimension of Taylor linear attention (paper 002)
     linear_chunk: int = 64  # linear: chunk length of the chunked training form
     # recurrent mixers of SWAX (paper 003): attn_pattern "swa,mlstm" (or the alias "swax"), "swa,gated_deltanet"
+    mlstm_n_head: int = 8  # mlstm: heads of the matrix memory, independent of n_head (xLSTM 7B's 8: q/k 256, v 512 at d=4096)
     mlstm_qk_dim_factor: float = 0.5  # mlstm: q, k width as a fraction of n_embd (v keeps n_embd), xLSTM 7B
     mlstm_gate_soft_cap: float = 15.0  # mlstm: input/forget gate pre-activations soft-capped to (-cap, cap)
     mlstm_chunk: int = 64  # mlstm: chunk length of the chunkwise-parallel training form

@@ -174,7 +174,7 @@ class GatedDeltaNet(RecurrentMixer):
 
     @torch.no_grad()
     def init_weights(self):
-        """fla's Mamba2-style decay init: A ~ U(1, 16), step dt log-uniform in [1e-3, 1e-1] (floor 1e-4), with
+        """fla's Mamba2-style decay init: A ~ U(0, 16), step dt log-uniform in [1e-3, 1e-1] (floor 1e-4), with
         dt_offset = softplus^-1(dt), so each head starts with its own memory time scale. The short convolutions
         keep PyTorch's Conv1d init (uniform +-1/sqrt(width)), as in fla, not the model's N(0, 0.02) for matrices:
         with that, q, k, v would start about 25x too small."""
@@ -182,7 +182,7 @@ class GatedDeltaNet(RecurrentMixer):
             return
         for conv in (self.q_conv, self.k_conv, self.v_conv):
             conv.reset_parameters()
-        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0, 16).log())
         dt = torch.empty_like(self.dt_offset).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp(min=1e-4)
         self.dt_offset.copy_(dt + torch.log(-torch.expm1(-dt)))
         self.o_norm_weight.fill_(1.0)

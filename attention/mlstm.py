@@ -1,7 +1,7 @@
 """The mLSTM layer of xLSTM 7B (Beck et al. 2025), the recurrent mixer of SWAX (paper 003).
 
-Per head, with q, k of width d_qk (= mlstm_qk_dim_factor * n_embd / H) and v of width d_v (= n_embd / H),
-an exponential input gate i_t and a sigmoid forget gate f_t (pre-activations, soft-capped to +-15) and a
+Per head (H = mlstm_n_head, 8 by default as in xLSTM 7B, independent of the attention layers' n_head), with
+q, k of width d_qk (= mlstm_qk_dim_factor * n_embd / H) and v of width d_v (= n_embd / H), an exponential input gate i_t and a sigmoid forget gate f_t (pre-activations, soft-capped to +-15) and a
 stabiliser m (m_0 = 0) that keeps every exponent <= 0:
 
     m_t = max(log sigmoid(f_t) + m_{t-1}, i_t)
@@ -227,10 +227,13 @@ def mlstm_sequence(q, k, v, i, f, state=None, chunk: int = 64, kernel: str = "au
 class MLSTMLayer(RecurrentMixer):
     @classmethod
     def check_config(cls, config):
+        heads = config.mlstm_n_head
+        if heads < 1 or config.n_embd % heads:
+            raise ValueError(f"mlstm_n_head={heads}: must be >= 1 and divide n_embd={config.n_embd}")
         qk_dim = int(config.n_embd * config.mlstm_qk_dim_factor)
-        if qk_dim < config.n_head or qk_dim % config.n_head:
+        if qk_dim < heads or qk_dim % heads:
             raise ValueError(f"mlstm_qk_dim_factor={config.mlstm_qk_dim_factor}: q/k width {qk_dim} must be a "
-                             f"positive multiple of n_head={config.n_head}")
+                             f"positive multiple of mlstm_n_head={heads}")
         if config.mlstm_chunk < 1:
             raise ValueError(f"mlstm_chunk={config.mlstm_chunk}: must be >= 1")
         if config.mlstm_gate_soft_cap <= 0:
@@ -240,9 +243,9 @@ class MLSTMLayer(RecurrentMixer):
 
     def __init__(self, config, layer_idx: int):
         super().__init__()
-        self.n_head = config.n_head
+        self.n_head = config.mlstm_n_head  # the memory's heads, not the attention layers'
         self.qk_dim = int(config.n_embd * config.mlstm_qk_dim_factor)
-        self.v_head_dim = config.n_embd // config.n_head
+        self.v_head_dim = config.n_embd // self.n_head
         self.chunk, self.soft_cap, self.kernel = config.mlstm_chunk, config.mlstm_gate_soft_cap, config.mlstm_kernel
         # resolved once here, not inside a compiled forward: the Triton kernel trains on CUDA when installed
         self.triton = self.kernel != "native" and triton_available()
@@ -253,8 +256,8 @@ class MLSTMLayer(RecurrentMixer):
         self.k = nn.Linear(config.n_embd, self.qk_dim, bias=config.bias)
         self.v = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.o_gate = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.i_gate = nn.Linear(config.n_embd, config.n_head, bias=True)
-        self.f_gate = nn.Linear(config.n_embd, config.n_head, bias=True)
+        self.i_gate = nn.Linear(config.n_embd, self.n_head, bias=True)
+        self.f_gate = nn.Linear(config.n_embd, self.n_head, bias=True)
         self.norm_weight = nn.Parameter(torch.ones(config.n_embd))  # per-head LayerNorm, weight only (xLSTM 7B)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)

@@ -60,8 +60,12 @@ class MultiScaleWindowAttention(MaskedAttention):
         if any(VARIES[names[i]][1] for i in family) and config.n_head % 4:
             raise ValueError(f"MSWA splits heads into 4 equal groups: n_head={config.n_head} is not a multiple of 4 "
                              "(or use mswa_l, which varies layers only)")
-        for i in family:
-            mswa_windows(config, i)
+        longest = max(max(mswa_windows(config, i)) for i in family)
+        if longest >= config.block_size:
+            raise ValueError(f"the MSWA schedule of swa_window={config.swa_window} gives windows up to {longest}, at "
+                             f"least block_size={config.block_size}: those heads would be full attention in training. "
+                             f"Use block_size > {longest} (e.g. {2 * longest}, with fewer sequences per step) or a "
+                             "smaller swa_window")
 
     def __init__(self, config, layer_idx):
         super().__init__(config, layer_idx, HeadWindows(mswa_windows(config, layer_idx)))

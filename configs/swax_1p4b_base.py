@@ -19,6 +19,7 @@ tie_embeddings = False
 vocab_size = 50304
 rope_theta = 10000.0
 attn_pattern = "swax"  # swa, mlstm, swa, mlstm, ...
+mlstm_n_head = 8  # xLSTM 7B's mLSTM heads (q/k 128, v 256 per head at d=2048), set apart from the 16 attention heads
 swa_window = 2048  # the long (and test-time) window
 swax_short_window = 128
 swax_short_prob = 0.5

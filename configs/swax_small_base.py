@@ -17,6 +17,7 @@ n_embd = 128
 block_size = 128
 attn_pattern = "swax"  # swa, mlstm, swa, mlstm
 mlstm_chunk = 32
+mlstm_n_head = 4  # as the models in docs/results.md were trained (before the memory's heads were set apart)
 swa_window = 128  # the long window: training (fixed) and test-time window
 swax_short_window = 16
 swax_short_prob = 0.5

@@ -15,6 +15,11 @@ Tokenise a text dataset into token memmaps for training:
     openwebtext   Skylion007/openwebtext from the Hugging Face hub (field "text")
     slimpajama    cerebras/SlimPajama-627B from the hub (fields "text", "meta.redpajama_set_name")
     fineweb_edu   HuggingFaceFW/fineweb-edu, subset sample-100BT, from the hub (field "text"; paper 001's data)
+    enwik8        the Hutter prize's 100M bytes (paper 002's character-level benchmark), downloaded once from
+                  ENWIK8_URL, or a local enwik8 / enwik8.zip file given as --dataset=path/to/enwik8.zip.
+                  --tokenizer=byte only, and the standard split: the first 90M bytes train, the next 5M val
+                  (--enwik8_val=test takes the last 5M, the split the papers report), one stream each, no
+                  end-of-text tokens; --max_tokens, --val_fraction and --seed do not apply.
     a local .txt / .jsonl / .json / .parquet file, a folder of them, or a glob.
       A .txt file is one document; .jsonl/.json/.parquet rows need a "text" field.
 Everything is streamed through the `datasets` library, so nothing is held in memory.
@@ -66,6 +71,8 @@ GENERATED = {"embedded": "data.embedded", "recall": "data.recall", "recall_near"
 # name -> (hub repository, subset or None)
 HUB_DATASETS = {"openwebtext": ("Skylion007/openwebtext", None), "slimpajama": ("cerebras/SlimPajama-627B", None),
                 "fineweb_edu": ("HuggingFaceFW/fineweb-edu", "sample-100BT")}
+ENWIK8_URL = "http://mattmahoney.net/dc/enwik8.zip"
+ENWIK8_SPLITS = {"train": (0, 90_000_000), "val": (90_000_000, 95_000_000), "test": (95_000_000, 100_000_000)}
 LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 DOCS_PER_BATCH = 256
 MIN_VAL_TOKENS = 1024  # for a single-document split: enough to evaluate on, unless the data is tiny
@@ -338,9 +345,91 @@ def single_document_val_tokens(total, val_fraction):
     return min(n, total - 1)
 
 
+def is_enwik8(dataset) -> bool:
+    return dataset == "enwik8" or os.path.basename(dataset) in ("enwik8", "enwik8.zip")
+
+
+def read_enwik8(dataset, quiet=False) -> bytes:
+    """The 100M bytes of enwik8: from a local file or zip, or downloaded once into the Hugging Face cache folder."""
+    import zipfile
+
+    path = dataset
+    if dataset == "enwik8":
+        from huggingface_hub.constants import HF_HOME
+
+        path = os.path.join(HF_HOME, "enwik8.zip")
+        if not os.path.exists(path):
+            import urllib.request
+
+            if not quiet:
+                print(f"downloading {ENWIK8_URL}")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = temp_path(os.path.dirname(path), "enwik8.zip")
+            try:
+                urllib.request.urlretrieve(ENWIK8_URL, tmp)
+                os.replace(tmp, path)
+            except OSError as e:
+                raise DataError(f"could not download {ENWIK8_URL} ({e}): download it elsewhere and pass "
+                                "--dataset=path/to/enwik8.zip") from None
+            finally:
+                if os.path.exists(tmp):
+                    os.remove(tmp)
+    if not os.path.isfile(path):
+        raise DataError(f"--dataset={dataset}: no such file (give the enwik8 or enwik8.zip file)")
+    try:
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as archive:
+                data = archive.read("enwik8")
+        else:
+            with open(path, "rb") as f:
+                data = f.read()
+    except (KeyError, zipfile.BadZipFile, OSError) as e:
+        raise DataError(f"{path} is not enwik8 or its zip ({e})") from None
+    size = ENWIK8_SPLITS["test"][1]
+    if len(data) != size:
+        raise DataError(f"{path} holds {len(data):,} bytes, not enwik8's {size:,}: the standard split needs the "
+                        "whole file")
+    return data
+
+
+def prepare_enwik8(dataset, tokenizer, out_dir, enwik8_val="val", quiet=False) -> dict:
+    """paper 002's character-level benchmark: enwik8's bytes as byte tokens, the standard split."""
+    if tokenizer != "byte":
+        raise DataError(f"enwik8 is a character-level benchmark (bits per byte): use --tokenizer=byte, not {tokenizer}")
+    if enwik8_val not in ("val", "test"):
+        raise DataError(f"--enwik8_val={enwik8_val}: expected val or test")
+    tok = get_tokenizer("byte")
+    data = read_enwik8(dataset, quiet)
+    made_dir = not os.path.isdir(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    files = TokenFiles(out_dir, vocab_dtype(tok.vocab_size))
+    try:
+        for split, part in (("train", "train"), ("val", enwik8_val)):
+            start, end = ENWIK8_SPLITS[part]
+            files.write(split, np.frombuffer(data, dtype=np.uint8, count=end - start, offset=start).astype(files.dtype))
+        meta = {"format_version": FORMAT_VERSION, "tokenizer": tok.name, "vocab_size": tok.vocab_size,
+                "eot_id": tok.eot_id, "dtype": files.dtype.name, "train_tokens": files.tokens["train"],
+                "val_tokens": files.tokens["val"], "train_documents": 1, "val_documents": 1, "source": "enwik8",
+                "split": {"method": "enwik8", "train": list(ENWIK8_SPLITS["train"]),
+                          "val": list(ENWIK8_SPLITS[enwik8_val]), "val_is": enwik8_val},
+                "max_tokens": None, "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        files.commit(meta)
+    except BaseException:
+        files.discard()
+        if made_dir and not os.listdir(out_dir):
+            os.rmdir(out_dir)
+        raise
+    if not quiet:
+        print(f"wrote enwik8 to {display_path(out_dir)}: train {meta['train_tokens']:,} bytes, "
+              f"{enwik8_val} {meta['val_tokens']:,} bytes (as val.bin)")
+    return meta
+
+
 def prepare(dataset, tokenizer="byte", out_dir=None, max_tokens=None, val_fraction=0.005, num_proc=None,
-            seed=0, slimpajama_sets=None, quiet=False) -> dict:
+            seed=0, slimpajama_sets=None, quiet=False, enwik8_val="val") -> dict:
     """Tokenise dataset into out_dir/{train,val}.bin and meta.json (see the module docstring); returns the meta."""
+    if is_enwik8(dataset):
+        return prepare_enwik8(dataset, tokenizer, out_dir or default_out_dir("enwik8", tokenizer), enwik8_val, quiet)
     if not 0 < val_fraction < 1:
         raise DataError(f"--val_fraction must be between 0 and 1, not {val_fraction}")
     if max_tokens is not None and max_tokens < 2:
@@ -477,6 +566,8 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
     parser.add_argument("--slimpajama_sets", default=None,
                         help="comma-separated meta.redpajama_set_name values to keep")
+    parser.add_argument("--enwik8_val", default="val", choices=("val", "test"),
+                        help="enwik8: the 5M bytes that become val.bin (the standard validation or test split)")
     args = parser.parse_args(argv)
     # a plain `kill` should clean up temp files like Ctrl-C does
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

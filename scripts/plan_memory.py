@@ -372,7 +372,7 @@ def mlstm_saved(mixer: MLSTMLayer, m: ModelConfig, k: Kernels, B: int, T: int):
     for three matmuls, k^T and the chunk's decayed keys), 4 dv (the numerator, q C_before, v copied for two
     matmuls) and ~14 scalars (stabilisers, normalisers, gates); per chunk, the state before it, its own
     contribution and the scan's states, 3 (dk dv + dk)."""
-    C, H, a, tokens = m.n_embd, m.n_head, k.act, B * T
+    C, H, a, tokens = m.n_embd, mixer.n_head, k.act, B * T  # the memory's heads (mlstm_n_head)
     dk, dv = mixer.qk_dim // H, mixer.v_head_dim
     triton = k.device == "cuda" and mixer.kernel != "native"
     saved = {"linear inputs": tokens * linear_inputs(k, 6, C),

@@ -518,3 +518,29 @@ def test_fineweb_edu_streams_the_sample_subset_of_paper_001(tmp_path, monkeypatc
     assert calls[0][1]["streaming"] is True
     meta = load_meta(out)
     assert meta["train_documents"] + meta["val_documents"] == 50
+
+
+def test_enwik8_standard_split_from_a_file_or_its_zip(tmp_path, monkeypatch):
+    import zipfile
+
+    import data.prepare as prep
+
+    monkeypatch.setattr(prep, "ENWIK8_SPLITS", {"train": (0, 90), "val": (90, 95), "test": (95, 100)})
+    payload = bytes(range(100))  # stands in for the 100M bytes: the same 90 / 5 / 5 layout, scaled down
+    (tmp_path / "enwik8").write_bytes(payload)
+    with zipfile.ZipFile(tmp_path / "enwik8.zip", "w") as archive:
+        archive.writestr("enwik8", payload)
+    for source, val, expected in ((tmp_path / "enwik8", "val", payload[90:95]),
+                                  (tmp_path / "enwik8.zip", "test", payload[95:])):
+        out = tmp_path / f"out_{val}"
+        meta = prep.prepare(str(source), tokenizer="byte", out_dir=str(out), quiet=True, enwik8_val=val)
+        assert np.fromfile(out / "train.bin", dtype=np.uint16).tobytes() == np.frombuffer(payload[:90], np.uint8).astype(np.uint16).tobytes()
+        assert bytes(np.fromfile(out / "val.bin", dtype=np.uint16).astype(np.uint8)) == expected
+        assert meta["split"]["val_is"] == val and meta["train_tokens"] == 90
+    with pytest.raises(DataError, match="use --tokenizer=byte"):
+        prep.prepare(str(tmp_path / "enwik8"), tokenizer="gpt2", out_dir=str(tmp_path / "x"), quiet=True)
+    (tmp_path / "short" / "enwik8").parent.mkdir()
+    (tmp_path / "short" / "enwik8").write_bytes(payload[:50])
+    with pytest.raises(DataError, match="holds 50 bytes"):
+        prep.prepare(str(tmp_path / "short" / "enwik8"), out_dir=str(tmp_path / "y"), quiet=True)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

@@ -109,7 +109,8 @@ def tiny(pattern="mlstm", **kw):
 
 
 def test_gate_initialisation_and_soft_cap():
-    model = tiny(n_head=4, n_embd=32)
+    assert tiny(n_embd=32).blocks[0].mixer.n_head == 8  # xLSTM 7B's memory heads by default, whatever n_head is
+    model = tiny(n_head=2, n_embd=32, mlstm_n_head=4)  # the memory's heads are set apart from the attention's
     for block in model.blocks:
         mixer = block.mixer
         assert torch.equal(mixer.i_gate.bias, torch.full((4,), -10.0, dtype=torch.float64))

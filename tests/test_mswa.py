@@ -18,7 +18,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without to
 
 
 def schedule(*args):
-    cfg = load_config(["configs/quickstart.py", "--n_embd=64", "--swa_window=128", *args]).model
+    cfg = load_config(["configs/quickstart.py", "--n_embd=64", "--swa_window=128", "--block_size=1024", *args]).model
     return [mswa_windows(cfg, i) if name.startswith("mswa") else None
             for i, name in enumerate(cfg.attn_pattern.split(",") * (cfg.n_layer // len(cfg.attn_pattern.split(","))))]
 
@@ -28,6 +28,14 @@ def test_table_1_for_12_layers_and_8_heads():
     for layer, base in zip(range(12), [32] * 3 + [64] * 3 + [128] * 3 + [256] * 3):
         assert windows[layer] == (base // 4, base // 4, base // 2, base // 2, base, base, 2 * base, 2 * base)
     assert windows[0][0] == 8 and windows[11][-1] == 512
+
+
+def test_a_window_as_long_as_the_training_length_is_refused():
+    from config import ConfigError
+
+    with pytest.raises(ConfigError, match="windows up to 512, at least block_size=512"):
+        schedule("--n_layer=4", "--n_head=4", "--attn_pattern=mswa", "--block_size=512")  # deepest heads: 2 x 2 x 128
+    schedule("--n_layer=4", "--n_head=4", "--attn_pattern=mswa", "--block_size=513")
 
 
 def test_variants_and_ablations():
@@ -61,7 +69,7 @@ def test_schedule_errors(args, message):
 
 
 def test_mswa_h_needs_no_layer_multiple():
-    load_config(["configs/quickstart.py", "--n_layer=3", "--n_head=4", "--n_embd=64", "--attn_pattern=mswa_h"])
+    load_config(["configs/quickstart.py", "--n_layer=3", "--n_head=4", "--n_embd=64", "--attn_pattern=mswa_h", "--swa_window=32"])
 
 
 def qkv(n, heads=8):
@@ -112,7 +120,7 @@ def test_model_is_causal_and_cached_generation_matches():
 def test_mask_stats_relative_cost_of_table_2():
     proc = subprocess.run([sys.executable, "scripts/mask_stats.py", "--config", "configs/quickstart.py", "--seq_len",
                            "512", "--json", "--receptive_field=no", "--n_layer=12", "--n_head=8", "--n_embd=64",
-                           "--attn_pattern=mswa", "--swa_window=128"], cwd=REPO, capture_output=True, text=True,
+                           "--attn_pattern=mswa", "--swa_window=128", "--block_size=1024"], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     summed = json.loads(proc.stdout)["summed_windows"]

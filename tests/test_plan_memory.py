@@ -182,6 +182,7 @@ RECIPES = {
     **{f"configs/swax_gdn_1p4b_{v}.py": (8, 1_048_576) for v in ("stochastic", "w128", "w2048")},
     **{f"configs/mswa_wt103_{v}.py": (1, 16_384) for v in ("swa", "mswa", "mswa_h", "mswa_l", "w64", "w256", "w512",
                                                              "reverse", "arithmetic")},
+    **{f"configs/mswa_enwik8_{v}.py": (1, 49_152) for v in ("swa", "mswa", "mswa_h", "mswa_l")},
     **{f"configs/mswa_linear_{v}.py": (1, 16_384) for v in ("transformer", "linear", "linear_swa", "linear_mswa",
                                                               "mswa")},
     **{f"configs/swax_7b_{v}.py": (8, 1_048_576) for v in ("stochastic", "w128", "w2048")},  # sharded

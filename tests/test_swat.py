@@ -265,11 +265,11 @@ def test_recipe_and_ablation_grid_configs():
     assert cfg.train.batch_size * cfg.train.gradient_accumulation_steps * m.block_size == 2 ** 19  # 0.5M tokens
     # Table 3: (activation, rope, slopes, split, window, training length), the paper's numbers divided by 8
     grid = {1: ("softmax", True, "none", "", 16, 16), 2: ("sigmoid", True, "none", "", 16, 16),
-            3: ("softmax", True, "none", "", 16, 128), 4: ("sigmoid", False, "paper", "12:0", 16, 128),
+            3: ("softmax", True, "none", "", 16, 128), 4: ("sigmoid", False, "alibi", "12:0", 16, 128),
             5: ("sigmoid", False, "paper", "8:4", 16, 128), 6: ("sigmoid", False, "paper", "6:6", 16, 128),
             7: ("sigmoid", False, "paper", "6:6", 16, 256), 8: ("sigmoid", True, "paper", "6:6", 16, 128),
             9: ("sigmoid", True, "paper", "6:6", 128, 128), 10: ("softmax", True, "none", "", 128, 128),
-            11: ("sigmoid", False, "paper", "12:0", 128, 128)}
+            11: ("sigmoid", False, "alibi", "12:0", 128, 128)}  # the origin ALiBi (App. C.3)
     files = sorted((REPO / "configs").glob("owt_swat_[01]*.py"))
     assert len(files) == 11
     for path in files:
