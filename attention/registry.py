@@ -35,6 +35,9 @@ class Mixer(nn.Module):
     supports_cache = True
     # whether the mixer takes the pretrained attention shapes (n_kv_head, attn_head_dim, qk_norm, qkv_bias)
     pretrained_attention_shapes = False
+    # whether a position's output is independent of the sequence's length (how far it was padded): false for sa,
+    # whose permutation is drawn over the whole length
+    length_independent = True
 
     @classmethod
     def check_config(cls, config) -> None:

@@ -136,6 +136,7 @@ class StochasticAttention(MaskedAttention):
     """Sliding-window attention in the slot space of a random permutation, redrawn every forward."""
 
     supports_cache = False
+    length_independent = False
 
     @classmethod
     def check_config(cls, config):

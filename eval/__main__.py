@@ -69,19 +69,19 @@ class EvalRunConfig:
     #                           windows see them) instead of document by document: lengths beyond the documents
     # niah
     niah_lengths: str = ""  # default: the run's block_size
-    niah_depths: str = "0,0.25,0.5,0.75,1"
-    niah_kinds: str = "single,multikey,multivalue,multiquery"
+    niah_depths: str = ""  # e.g. 0,0.25,0.5,0.75,1: the asked needle at each depth; "": RULER's random depths
+    niah_kinds: str = ",".join(niah_task.KINDS)  # RULER's subtasks (eval/niah.py)
     niah_samples: int = 10
-    niah_candidates: int = 4
-    niah_needles: int = 4  # needles in multikey / multivalue / multiquery contexts
-    niah_digits: int = 7
+    niah_candidates: int = 4  # the ranking score: each expected value against candidates - 1 others
+    niah_digits: int = 7  # RULER's 7-digit numbers
+    niah_gen_tokens: int = niah_task.GEN_TOKENS  # tokens generated for the answer (RULER: 128), within the length
     # recall
     recall_lengths: str = ""  # default: the run's block_size
     recall_samples: int = 500
     recall_pairs: int = 1  # key-value pairs per document, as in data/recall.py (1 for the training corpus)
     recall_filler: str = ""  # comma-separated "MIN:MAX" filler digits between the pairs and the question
     #                          (default 60:80, as trained); longer filler asks for values further back
-    niah_haystack: str = "val"  # val (the run's validation text) | embedded (the built-in corpus)
+    niah_haystack: str = "val"  # essay haystack: val (the run's validation text) | embedded | PATH (a text file)
     # diagnostics (paper 004): the geometry must be the same for every run compared (pairing is by example)
     diag_probes: str = ""  # default: every probe the format has
     diag_format: str = "auto"  # notes | recall; auto: recall for runs trained on a recall corpus, else notes
@@ -136,9 +136,15 @@ def parse(argv) -> tuple[EvalRunConfig, dict]:
         raise ConfigError(f"unknown task(s) {', '.join(sorted(unknown))}: expected some of {', '.join(TASKS)}")
     unknown = set(e.niah_kinds.split(",")) - set(niah_task.KINDS)
     if unknown:
-        raise ConfigError(f"unknown niah kind(s) {', '.join(sorted(unknown))}: expected {', '.join(niah_task.KINDS)}")
-    if e.niah_haystack not in ("val", "embedded"):
-        raise ConfigError(f"niah_haystack={e.niah_haystack!r}: expected val or embedded")
+        raise ConfigError(f"unknown niah subtask(s) {', '.join(sorted(unknown))}: expected {', '.join(niah_task.KINDS)}")
+    if e.niah_haystack not in ("val", "embedded") and not os.path.isfile(e.niah_haystack):
+        raise ConfigError(f"niah_haystack={e.niah_haystack!r}: expected val, embedded or a text file")
+    try:
+        depths = [float(d) for d in e.niah_depths.split(",") if d.strip()]
+    except ValueError:
+        raise ConfigError(f"niah_depths={e.niah_depths!r}: expected fractions such as 0,0.5,1") from None
+    if any(not 0 <= d <= 1 for d in depths):
+        raise ConfigError(f"niah_depths={e.niah_depths}: every depth must be in [0, 1]")
     if e.window < 0:
         raise ConfigError(f"window={e.window}: must be >= 0 (0: the trained window)")
     for key in ("ppl_lengths", "ppl_windows", "niah_lengths", "recall_lengths", "diag_distances"):
@@ -148,9 +154,10 @@ def parse(argv) -> tuple[EvalRunConfig, dict]:
             raise ConfigError(f"{key}={getattr(e, key)!r}: expected comma-separated integers, e.g. 256,1024") from None
         if any(v < 1 for v in values):
             raise ConfigError(f"{key}={getattr(e, key)}: every value must be >= 1")
-    if e.limit < 0 or e.batch_size < 1 or e.niah_samples < 1 or e.niah_candidates < 2 or e.ppl_max_tokens < 2 or e.niah_needles < 2:
-        raise ConfigError("need limit >= 0, batch_size >= 1, niah_samples >= 1, niah_candidates >= 2, niah_needles >= 2, "
-                          "ppl_max_tokens >= 2")
+    if e.limit < 0 or e.batch_size < 1 or e.niah_samples < 1 or e.niah_candidates < 2 or e.ppl_max_tokens < 2 or \
+            e.niah_gen_tokens < 1 or not 1 <= e.niah_digits <= 18:
+        raise ConfigError("need limit >= 0, batch_size >= 1, niah_samples >= 1, niah_candidates >= 2, niah_gen_tokens >= 1, "
+                          "1 <= niah_digits <= 18, ppl_max_tokens >= 2")
     return e, settings
 
 
@@ -190,24 +197,30 @@ def filler_text(tokens, eot_id: int, limit: int = 2_000_000) -> np.ndarray:
     return tokens[tokens != eot_id]
 
 
-def run_niah(e: EvalRunConfig, ctx) -> dict:
-    cfg, meta = ctx["cfg"], ctx["meta"]
-    if e.niah_haystack == "val":
-        haystack = open_tokens(ctx["data_dir"], "val")
-    else:
+def essay_text(e: EvalRunConfig, ctx, tokens_needed: int) -> str:
+    """The natural text of the essay haystack: the run's validation text, the embedded corpus or a file."""
+    if e.niah_haystack == "embedded":
         from data.embedded import documents
 
-        haystack = ctx["tokenizer"].encode("\n".join(documents(200, seed=e.seed)))
-    result = niah_task.run(ctx["model"], ctx["tokenizer"], filler_text(haystack, meta["eot_id"]),
-                           ints(e.niah_lengths) or [cfg.model.block_size],
-                           [float(d) for d in e.niah_depths.split(",")], e.niah_kinds.split(","),
+        return "\n".join(documents(200, seed=e.seed))
+    if e.niah_haystack != "val":
+        return Path(e.niah_haystack).read_text(errors="replace")
+    tokens = filler_text(open_tokens(ctx["data_dir"], "val"), ctx["meta"]["eot_id"], limit=max(tokens_needed, 100_000))
+    return ctx["tokenizer"].decode(tokens)
+
+
+def run_niah(e: EvalRunConfig, ctx) -> dict:
+    cfg = ctx["cfg"]
+    lengths = ints(e.niah_lengths) or [cfg.model.block_size]
+    result = niah_task.run(ctx["model"], ctx["tokenizer"], essay_text(e, ctx, 2 * max(lengths)), lengths,
+                           [float(d) for d in e.niah_depths.split(",") if d.strip()] or None, e.niah_kinds.split(","),
                            min(e.niah_samples, e.limit or e.niah_samples), e.seed, e.batch_size, e.niah_digits,
-                           e.niah_candidates, e.progress,
-                           e.niah_needles)
+                           e.niah_candidates, e.progress, e.niah_gen_tokens)
     for row in result["rows"]:
         if row["n"]:
-            print(f"niah {row['kind']:<10} L={row['length']:<6} depth={row['depth']:<5} "
-                  f"generate {row['acc_generate']:.2f}  rank {row['acc_rank']:.2f}")
+            depth = "" if row["depth"] is None else f" depth={row['depth']:<5}"
+            print(f"niah {row['kind']:<16} L={row['length']:<6}{depth} RULER {100 * row['score']:5.1f}  "
+                  f"rank {row['acc_rank']:.2f}")
     return result
 
 

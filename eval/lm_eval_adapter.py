@@ -21,10 +21,10 @@ module, which registers it first (any lm_eval option works after it):
 
     python -m eval.lm_eval_adapter --model efficient-attention-gpt \\
         --model_args out_dir=out/run,ckpt=best --device cuda --batch_size 32 \\
-        --tasks wikitext,lambada_openai,piqa,hellaswag,winogrande,arc_easy,arc_challenge,boolq,social_iqa
+        --tasks wikitext,lambada_openai,lambada_standard,piqa,hellaswag,winogrande,arc_easy,arc_challenge,boolq,social_iqa
 
-(those nine are the zero-shot suites of the papers; their datasets come from the Hugging Face hub on first
-use). `python -c "import eval.lm_eval_adapter, lm_eval.__main__ as m; m.cli_evaluate()" --model ...` is the
+(those ten are the zero-shot suites of the papers: paper 000 reports LAMBADA's standard version, LMB-s,
+the others its OpenAI version; their datasets come from the Hugging Face hub on first use). `python -c "import eval.lm_eval_adapter, lm_eval.__main__ as m; m.cli_evaluate()" --model ...` is the
 same thing. Give the batch size and device with --batch_size (the CLI's default is 1) and --device (default
 cuda:0; the CPU is used where CUDA is missing); a batch_size or device inside --model_args takes precedence,
 with a warning. --include_path adds task YAMLs of your own, as usual.

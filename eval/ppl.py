@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from eval.ranking import length_batches, length_independent
+
 
 def documents(tokens: np.ndarray, eot_id: int, max_tokens: int | None = None) -> list[np.ndarray]:
     """Documents in order (each ending with eot_id, except a trailing unterminated one), up to max_tokens."""
@@ -58,9 +60,9 @@ def perplexity(model, docs: list[np.ndarray], length: int, batch_size: int = 8, 
     `limit` windows when given)."""
     pairs = list(windows(docs, length))[:limit]
     total_nll, total_tokens = 0.0, 0
-    bar = tqdm(range(0, len(pairs), batch_size), desc=f"ppl L={length}", disable=not progress, leave=False)
-    for start in bar:
-        batch = pairs[start:start + batch_size]
+    batches = length_batches([len(x) for x, _ in pairs], batch_size, length_independent(model))
+    for batch in tqdm(batches, desc=f"ppl L={length}", disable=not progress, leave=False):
+        batch = [pairs[i] for i in batch]
         width = max(len(x) for x, _ in batch)
         x = torch.zeros(len(batch), width, dtype=torch.long)
         y = torch.full((len(batch), width), -1, dtype=torch.long)  # -1: padding, not predicted

@@ -24,14 +24,15 @@ def training_probes(model, tasks: list[str], lengths: list[int], val_tokens: np.
         docs = ppl_task.documents(val_tokens, eot_id, ppl_max_tokens)
         for L in lengths:
             values[f"ppl@{L}"] = ppl_task.perplexity(model, docs, L, device=device, progress=False)["ppl"]
-    if "niah" in tasks:
+    if "niah" in tasks:  # RULER's niah_single_2 over the validation text, scored by ranking (no generation)
         from data.tokenizer import get_tokenizer
 
-        haystack = np.asarray(val_tokens[:500_000], dtype=np.int64)
-        haystack = haystack[haystack != eot_id]
-        result = niah_task.run(model, get_tokenizer(tokenizer_name), haystack, lengths, [0.0, 0.5, 1.0],
-                               ["single"], niah_samples, seed, digits=3, progress=False)
-        for L in lengths:
+        tokenizer = get_tokenizer(tokenizer_name)
+        text = np.asarray(val_tokens[:4 * max(lengths, default=0) + 20_000], dtype=np.int64)
+        essay = tokenizer.decode(text[text != eot_id])
+        result = niah_task.run(model, tokenizer, essay, lengths, [0.0, 0.5, 1.0], ["niah_single_2"], niah_samples,
+                               seed, progress=False, gen_tokens=0, generate=False)
+        for L in lengths:  # lengths too short for RULER's template are skipped
             accs = [r["acc_rank"] for r in result["rows"] if r["length"] == L and r["n"]]
             if accs:
                 values[f"niah@{L}"] = float(np.mean(accs))

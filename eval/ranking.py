@@ -1,9 +1,12 @@
 """Log-likelihood of continuations, batched: the scorer behind candidate ranking, retrieval probes and the
 lm-evaluation-harness adapter.
 
-Every sequence is scored in one forward pass of context + continuation (right-padded in a batch: all mixers
-are causal, so padding never changes earlier positions). Contexts longer than the model can take are cut
-from the left.
+Every sequence is scored in one forward pass of context + continuation, right-padded in a batch: every mixer is
+causal, so padding never changes earlier positions, except where a layer's edges depend on the sequence's
+length (sa draws its permutation over the padded length: a 255-token sequence at w = 256 is full attention
+alone but sparse padded to 300). Such models batch only sequences of equal length (`length_batches`), so a
+score never depends on batch_size or on its batch-mates. Contexts longer than the model can take are cut from
+the left.
 """
 
 from __future__ import annotations
@@ -18,6 +21,29 @@ def context_limit(model, max_len: int | None = None) -> int | None:
     if max_len:
         return max_len
     return model.config.block_size if model.wpe is not None else None
+
+
+def length_independent(model) -> bool:
+    """Whether padding a sequence leaves its positions' outputs unchanged (a GPT, or eval/hf_model's VariantLM)."""
+    mixers = getattr(model, "mixers", None)
+    if mixers is None:
+        mixers = [block.mixer for block in model.blocks] if hasattr(model, "blocks") else []
+    return all(mixer.length_independent for mixer in mixers)
+
+
+def length_batches(lengths: list[int], batch_size: int, pad: bool) -> list[list[int]]:
+    """Batches of indices, longest first: any lengths together when padding is harmless (pad), else only equal
+    lengths."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # similar lengths batch together
+    if pad:
+        return [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
+    batches, run = [], []
+    for i in order:
+        if run and (lengths[i] != lengths[run[0]] or len(run) == batch_size):
+            batches.append(run)
+            run = []
+        run.append(i)
+    return batches + [run] if run else batches
 
 
 @torch.no_grad()
@@ -41,10 +67,8 @@ def continuation_logprobs(model, pairs, batch_size: int = 16, max_len: int | Non
         if len(seq) < 2:
             raise ValueError("context + continuation need at least two tokens (give a context, e.g. end-of-text)")
         items.append((seq[:-1], seq[1:], len(continuation)))
-    order = sorted(range(len(items)), key=lambda i: -len(items[i][0]))  # similar lengths batch together
     results: list[dict | None] = [None] * len(items)
-    for start in range(0, len(order), batch_size):
-        batch = order[start:start + batch_size]
+    for batch in length_batches([len(item[0]) for item in items], batch_size, length_independent(model)):
         width = max(len(items[i][0]) for i in batch)
         x = torch.zeros(len(batch), width, dtype=torch.long)
         for row, i in enumerate(batch):

@@ -305,7 +305,8 @@ def eval_summaries(evals: dict) -> dict:
     """{column: (sort key, value)}: one summary per (task, metric, length[, window]), not one per row.
 
     ppl: ppl per (length, window) -> "ppl@L=1024,w=128" ("ppl@L=1024" without a window).
-    niah: acc_rank per length, averaged over depth and kind weighted by n -> "niah_rank@L=1024".
+    niah: RULER's score and the rank accuracy per length: the run's average over the subtasks when it has one
+        (RULER's average), else the mean over depths and subtasks weighted by n -> "niah@L=1024", "niah_rank@L=1024".
     other tasks: each float metric per length when rows have one ("TASK_METRIC@L=..."), else over all rows.
     """
     out = {}
@@ -318,14 +319,16 @@ def eval_summaries(evals: dict) -> dict:
                     name = f"ppl@L={r['length']}" + (f",w={w}" if w is not None else "")
                     out[name] = ((task, "ppl", -1 if w is None else w, r["length"]), float(r["ppl"]))
             continue
-        metrics = ["acc_rank"] if task == "niah" else sorted({m for r in rows for m in _row_fields(r)[1]})
-        label = {"acc_rank": "niah_rank"} if task == "niah" else {}
+        metrics = ["score", "acc_rank"] if task == "niah" else sorted({m for r in rows for m in _row_fields(r)[1]})
+        label = {"score": "niah", "acc_rank": "niah_rank"} if task == "niah" else {}
         for metric in metrics:
             prefix = label.get(metric, f"{task}_{metric}")
             lengths = sorted({r["length"] for r in rows if _is_number(r.get("length")) and metric in r})
             if lengths:
                 for length in lengths:
-                    value = _weighted_mean([r for r in rows if r.get("length") == length], metric)
+                    at_length = [r for r in rows if r.get("length") == length]
+                    averaged = [r for r in at_length if r.get("kind") == "average"]
+                    value = _weighted_mean(averaged or at_length, metric)
                     if value is not None:
                         out[f"{prefix}@L={length}"] = ((task, metric, -1, length), value)
             else:
@@ -572,7 +575,8 @@ def plot_all(records: list[dict], out_dir: Path) -> list[Path]:
         all_lengths = []
         for record, color, rows in niah:
             lengths = sorted({row["length"] for row in rows if _is_number(row.get("length"))})
-            points = [(n, _weighted_mean([row for row in rows if row.get("length") == n], "acc_rank")) for n in lengths]
+            points = [(n, _weighted_mean([row for row in rows if row.get("length") == n and row.get("kind") != "average"],
+                                          "acc_rank")) for n in lengths]
             points = [(n, v) for n, v in points if v is not None]
             if points:
                 all_lengths += [n for n, _ in points]

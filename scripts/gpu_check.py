@@ -115,7 +115,8 @@ TRAIN_RUNS = {
     "full": ["--attn_pattern=full"],
     "swa": ["--attn_pattern=swa"],
     "block": ["--attn_pattern=block"],
-    "mswa": ["--attn_pattern=mswa", "--n_layer=4"],  # its windows change over four depth groups
+    # its windows change over four depth groups and reach 4x the base: half the window keeps them within block_size
+    "mswa": ["--attn_pattern=mswa", "--n_layer=4", "--swa_window={half_window}"],
     "sa": ["--attn_pattern=sa"],
     "sa_swa": ["--attn_pattern=sa_swa"],
     "swat": ["--attn_pattern=swat"],
@@ -126,6 +127,7 @@ TRAIN_RUNS = {
     "swax": ["--attn_pattern=swax"],  # swa, mlstm
     "swax_gdn": ["--attn_pattern=swax_gdn"],  # swa, gated_deltanet
     "linear": ["--attn_pattern=linear"],
+    "moba": ["--attn_pattern=moba", "--moba_block={half_window}", "--moba_topk=2"],
     # FSDP2 in one process: bf16 through its mixed-precision policy, sharded checkpoints
     "swax_fsdp": ["--attn_pattern=swax", "--parallelism=fsdp"],
 }
@@ -477,7 +479,7 @@ def step_train_runs(ctx: StepContext) -> dict:
     """A 50-step run per mixer family. On an H100 each is process start and CUDA init (~8 s), compiling its block
     graphs for training and for evaluation (~15-30 s; kernels shared with earlier runs come from the inductor
     cache; mswa has four windows, so four graphs) and 50 steps of 8 x 1024 tokens through 2 layers (~2 s):
-    15 runs in about 6-8 minutes."""
+    16 runs in about 6-8 minutes."""
     from data.meta import prepare_generated_if_missing
 
     size = ctx.sizes["train_runs"]
@@ -500,8 +502,9 @@ def step_train_runs(ctx: StepContext) -> dict:
             reason = "the check was stopped" if _stopping.is_set() else "the step's time budget ran out"
             return {"mixer": name, "status": "failed", "error": f"not run: {reason}"}
         out_dir = ctx.out / "runs" / name
-        done = ctx.run([ctx.python, "train.py", *base, *TRAIN_RUNS[name], f"--out_dir={out_dir}"], f"train_{name}")
-        result = {"mixer": name, "options": " ".join(TRAIN_RUNS[name]), "seconds": round(done.seconds, 1),
+        options = [option.format(half_window=size["window"] // 2) for option in TRAIN_RUNS[name]]
+        done = ctx.run([ctx.python, "train.py", *base, *options, f"--out_dir={out_dir}"], f"train_{name}")
+        result = {"mixer": name, "options": " ".join(options), "seconds": round(done.seconds, 1),
                   **read_metrics(out_dir / "metrics.jsonl")}
         problem = ""
         if done.timed_out or done.returncode != 0:

@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import shlex
 import subprocess
 import sys
@@ -28,7 +29,7 @@ def tiny_run(tmp_path_factory):
     proc = subprocess.run([sys.executable, "train.py", "configs/quickstart.py", f"--out_dir={out}", "--arch=llama",
                            "--bias=False", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=64",
                            "--max_iters=30", "--eval_interval=30", "--eval_iters=2", "--log_interval=10",
-                           "--eval_tasks=ppl,niah", "--eval_task_lengths=32,256"],
+                           "--eval_tasks=ppl,niah", "--eval_task_lengths=32,512"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
@@ -73,8 +74,8 @@ def test_ppl_is_exp_of_mean_nll_counted_independently(tiny_run):
 
 
 def test_every_result_carries_a_command_that_reproduces_it(tiny_run):
-    run_eval(tiny_run, "--tasks=ppl,niah", "--ppl_lengths=32", "--niah_lengths=256", "--niah_kinds=single,multikey",
-             "--niah_needles=2", "--niah_samples=3", "--niah_digits=3", "--niah_depths=0,1")
+    run_eval(tiny_run, "--tasks=ppl,niah", "--ppl_lengths=32", "--niah_lengths=512",
+             "--niah_kinds=niah_single_1,niah_multikey_2", "--niah_samples=3", "--niah_gen_tokens=8", "--niah_depths=0,1")
     first = {t: json.load(open(tiny_run / "eval" / f"{t}.json")) for t in ("ppl", "niah")}
     prov = first["niah"]["provenance"]
     assert {"command", "git_hash", "config_hash", "seed", "step"} <= set(prov)
@@ -93,12 +94,12 @@ def test_training_probes_are_logged(tiny_run):
     records = [json.loads(line) for line in open(tiny_run / "metrics.jsonl")]
     probes = [r for r in records if "ppl@32" in r]
     assert [r["step"] for r in probes] == [0, 30]
-    assert all(r["ppl@32"] > 1 and "ppl@256" in r and 0 <= r["niah@256"] <= 1 for r in probes)
+    assert all(r["ppl@32"] > 1 and "ppl@512" in r and 0 <= r["niah@512"] <= 1 for r in probes)
 
 
 def test_limit_caps_the_work(tiny_run):
-    run_eval(tiny_run, "--tasks=ppl,niah", "--ppl_lengths=16", "--limit=3", "--niah_lengths=256",
-             "--niah_kinds=single", "--niah_depths=0.5", "--niah_digits=3", "--niah_samples=10")
+    run_eval(tiny_run, "--tasks=ppl,niah", "--ppl_lengths=16", "--limit=3", "--niah_lengths=512",
+             "--niah_kinds=niah_single_1", "--niah_gen_tokens=8", "--niah_samples=10")
     assert json.load(open(tiny_run / "eval" / "ppl.json"))["results"]["rows"][0]["windows"] == 3
     assert len(json.load(open(tiny_run / "eval" / "niah.json"))["per_example"]) == 3
 
@@ -155,19 +156,70 @@ def test_candidate_ranking_finds_the_planted_answer_of_a_copy_model():
     assert hits >= 18, hits
 
 
-def test_niah_examples_are_exact_and_deterministic():
+ESSAY = " ".join(f"Sentence {i} of the essay tells of rivers and hills." for i in range(400))
+
+
+@pytest.mark.parametrize("kind", niah.KINDS)
+def test_ruler_subtasks_are_built_as_ruler_defines_them(kind):
     tok = get_tokenizer("byte")
-    hay = np.frombuffer(("lorem ipsum dolor sit amet " * 200).encode(), dtype=np.uint8).astype(np.int64)
-    for kind in niah.KINDS:
-        e = niah.make_example(tok, hay, kind, 600, 0.5, 3, seed=7, n_needles=3, digits=5)
-        again = niah.make_example(tok, hay, kind, 600, 0.5, 3, seed=7, n_needles=3, digits=5)
-        assert e == again and len(e["context"]) == 600
-        text = tok.decode(e["context"])
-        assert all(f"is: {v}." in text for v in e["expected"])
-        assert not any(d in text for d in e["distractors"])
-        assert {"single": 1, "multikey": 1, "multivalue": 3, "multiquery": 2}[kind] == len(e["expected"])
-    deep = niah.make_example(tok, hay, "single", 600, 0.0, 0, seed=7)
-    shallow = niah.make_example(tok, hay, "single", 600, 1.0, 0, seed=7)
-    assert tok.decode(deep["context"]).startswith(" The special magic number for")  # depth 0: first
-    shallow_text = tok.decode(shallow["context"])
-    assert shallow_text.index("The special magic") > 0.6 * len(shallow_text)  # depth 1: just before the question
+    essay = niah.haystack_sentences(ESSAY)
+    e = niah.make_example(tok, essay, kind, 2000, None, 3, seed=7, gen_tokens=32)
+    assert e == niah.make_example(tok, essay, kind, 2000, None, 3, seed=7, gen_tokens=32)  # deterministic
+    assert 2000 - 32 - 200 < len(e["context"]) <= 2000 - 32  # the haystack grown to the budget
+    text = tok.decode(e["context"])
+    haystack, type_k, type_v, n_keys, n_values, n_asked = niah.SUBTASKS[kind]
+    assert len(e["expected"]) == n_values * n_asked
+    for value in e["expected"]:
+        assert re.search(rf"One of the special magic {type_v} for [^ ]+ is: {value}\.", text)
+    assert not any(d in text for d in e["distractors"])
+    one = n_values * n_asked == 1
+    assert text.startswith(f"a special magic {type_v[:-1]} is hidden" if one else f"Some special magic {type_v} are")
+    assert text.endswith(f"mentioned in the provided text {'is' if one else 'are'}")
+    if kind == "niah_multiquery":
+        assert re.search(r"for [a-z]+-[a-z]+, [a-z]+-[a-z]+, [a-z]+-[a-z]+, and [a-z]+-[a-z]+ mentioned", text)
+    if "uuids" in (type_k, type_v):
+        assert re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}", e["expected"][0])
+    needles = text.count("One of the special magic")
+    if haystack == "needle":
+        assert needles > 10 and "\n" in text  # distractor needles, one per line, are the haystack
+    else:
+        assert needles == n_keys * n_values
+        assert (niah.NOISE in text) == (haystack == "noise") and ("rivers and hills" in text) == (haystack == "essay")
+
+
+def test_depth_places_the_asked_needle_and_string_match_gives_partial_credit():
+    tok = get_tokenizer("byte")
+    essay = niah.haystack_sentences(ESSAY)
+    first = niah.make_example(tok, essay, "niah_single_2", 2000, 0.0, 0, seed=7, gen_tokens=32)
+    last = niah.make_example(tok, essay, "niah_single_2", 2000, 1.0, 0, seed=7, gen_tokens=32)
+    assert tok.decode(first["context"]).index("One of the special") < 200
+    text = tok.decode(last["context"])
+    assert text.index("One of the special") > 0.8 * len(text)
+    assert niah.string_match_all(" 1234567, 7654321 and 42", ["1234567", "7654321", "0000000", "1111111"]) == 0.5
+    assert niah.string_match_all("ABCDEF-01", ["abcdef-01"]) == 1.0  # case-insensitive, as RULER
+
+
+def test_ruler_score_is_generation_and_rank_is_labelled_second():
+    """An oracle that generates the expected values gets RULER's full score; its flat logits rank nothing."""
+    tok = get_tokenizer("byte")
+    examples = [niah.make_example(tok, niah.haystack_sentences(ESSAY), kind, 1200, None, 0, seed=1, gen_tokens=40)
+                for kind in ("niah_single_1", "niah_multivalue")]
+    answers = {tuple(e["context"]): tok.encode(" " + ", ".join(e["expected"][:3])) for e in examples}
+
+    class Oracle(torch.nn.Module):
+        config, wpe = None, None
+
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, x):
+            return torch.zeros(*x.shape, 257), None
+
+        def generate(self, x, n, **kwargs):
+            out = [answers[tuple(row)] + [32] * n for row in x.tolist()]
+            return torch.cat([x, torch.tensor([o[:n] for o in out])], dim=1)
+
+    records = niah.score_examples(Oracle(), tok, examples, gen_tokens=40)
+    assert [r["score"] for r in records] == [1.0, 0.75]  # three of multivalue's four values: partial credit
+    assert [r["correct"] for r in records] == [True, False] and not any(r["correct_rank"] for r in records)

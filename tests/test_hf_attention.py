@@ -75,8 +75,8 @@ def capture(mixers):
     ("pbb,pbb,pbb,full", {"bridge_fusion": "union"}),
     ("se_bridge,se_bridge,se_bridge,full", {"bridge_fusion": "branch"}),
     ("block,block,block,full", {}),
-    ("mswa_h,mswa_h,mswa_h,full", {"swa_window": 16}),
-    ("mswa", {"swa_window": 16}),  # its windows also change with depth: four groups of one layer here
+    ("mswa_h,mswa_h,mswa_h,full", {"swa_window": 16, "block_size": 128}),
+    ("mswa", {"swa_window": 16, "block_size": 128}),  # its windows also change with depth: four groups of one layer
     ("moba,moba,moba,full", {"moba_block": 8, "moba_topk": 3}),
 ])
 def test_every_layer_of_a_3_to_1_schedule_equals_the_dense_reference_on_its_own_q_k_v(pattern, settings):

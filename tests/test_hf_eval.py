@@ -64,7 +64,7 @@ def test_tasks_run_on_the_model_with_its_tokenizer_and_full_pattern_scores_as_th
                    "--diag_probes=needle,bridge_window", "--hf_context=128", "--progress=False"]
     proc = run_eval(f"--hf={folder}", f"--data_dir={data_dir}", f"--out_dir={out}", "--attn_pattern=sa,sa,sa,full",
                     "--swa_window=16", "--tasks=ppl,niah,diagnostics", "--limit=2", "--niah_samples=2",
-                    "--niah_kinds=single", "--niah_depths=0.5", *diagnostics)
+                    "--niah_kinds=niah_single_1", "--niah_lengths=256", "--niah_gen_tokens=8", *diagnostics)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     for task in ("ppl", "niah", "diagnostics"):
         report = json.loads((out / "eval" / f"{task}.json").read_text())

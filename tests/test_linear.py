@@ -76,7 +76,8 @@ def test_hybrid_is_causal_and_decodes_with_constant_state():
 
 def test_hybrid_config_reproduces_the_paper_layout():
     cfg = load_config(["configs/quickstart.py", "--n_layer=12", "--n_head=8", "--n_embd=64", "--arch=llama",
-                       "--attn_pattern=linear,mswa,mswa", "--swa_window=128", "--vocab_size=320"])
+                       "--attn_pattern=linear,mswa,mswa", "--swa_window=128", "--vocab_size=320",
+                       "--block_size=2048"])
     with torch.device("meta"):
         model = GPT(cfg.model)
     kinds = [type(b.mixer).__name__ for b in model.blocks]

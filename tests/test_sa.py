@@ -326,3 +326,24 @@ if torch.cuda.is_available():  # defined only where CUDA exists, so CPU runs nei
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
         for g, r in zip(grads, ref_grads):
             torch.testing.assert_close(g, r, atol=2e-5, rtol=1e-4)
+
+
+def test_batched_scoring_of_sa_does_not_depend_on_batch_mates():
+    """sa draws its permutation over the whole (padded) length: scoring batches only equal lengths keeps a
+    sequence's score what it is alone, whatever batch_size (deterministic permutations make it comparable)."""
+    import numpy as np
+
+    from eval.ppl import perplexity
+    from eval.ranking import continuation_logprobs
+
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(arch="llama", n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=61, bias=False,
+                            attn_pattern="sa", swa_window=16, sa_mode="deterministic")).eval()
+    g = torch.Generator().manual_seed(1)
+    pairs = [(torch.randint(0, 61, (n,), generator=g).tolist(), [5, 6]) for n in (20, 45, 20, 30)]
+    alone = [continuation_logprobs(model, [pair], batch_size=1)[0]["logprob"] for pair in pairs]
+    batched = [r["logprob"] for r in continuation_logprobs(model, pairs, batch_size=4)]
+    assert batched == pytest.approx(alone, abs=1e-5)
+    docs = [np.random.default_rng(2).integers(0, 61, n) for n in (50, 70, 33)]
+    assert perplexity(model, docs, 32, batch_size=8, progress=False)["nll"] == \
+        pytest.approx(perplexity(model, docs, 32, batch_size=1, progress=False)["nll"], rel=1e-6)

@@ -188,9 +188,9 @@ def test_evaluation_builds_no_autograd_graph():
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
         loss = evaluate(model, val, 3, 0, 1, nullcontext(), torch.device("cpu"))
-        probes = training_probes(model, ["ppl", "niah"], [256], open_tokens(data_dir, "val"), meta["eot_id"],
+        probes = training_probes(model, ["ppl", "niah"], [512], open_tokens(data_dir, "val"), meta["eot_id"],
                                  meta["tokenizer"], 0, "cpu", ppl_max_tokens=2000, niah_samples=1)
-    assert saved == [] and math.isfinite(loss) and set(probes) == {"ppl@256", "niah@256"}
+    assert saved == [] and math.isfinite(loss) and set(probes) == {"ppl@512", "niah@512"}
     assert model.training  # evaluation puts the model back in training mode
 
 
