@@ -19,7 +19,7 @@ gradient_accumulation_steps = 8  # global; 16 x 8 x 1024 = 131,072 tokens per st
 # memory (python scripts/plan_memory.py configs/owt_124m_full.py): 8 x 80 GB GPUs, batch 16 x accumulation 8
 # (one micro-batch per GPU per step), no activation checkpointing: about 19 GiB per GPU (20 for the bridge
 # variants of configs/owt_124m_local.py); a micro-batch of 32 would not keep the global batch on 8 GPUs
-max_iters = 20000
+max_iters = 20001  # through step 20,000: the paper's 20,001 updates (App. D)
 learning_rate = 2e-4
 min_lr = 6e-5
 warmup_iters = 1000

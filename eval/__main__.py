@@ -85,7 +85,7 @@ class EvalRunConfig:
     # diagnostics (paper 004): the geometry must be the same for every run compared (pairing is by example)
     diag_probes: str = ""  # default: every probe the format has
     diag_format: str = "auto"  # notes | recall; auto: recall for runs trained on a recall corpus, else notes
-    diag_samples: int = 25  # examples per cell (distance, offset) or per probe without cells
+    diag_samples: int = 0  # examples per cell (distance, offset); 0: the paper's prompts per probe (1,600 needle, 400 bridge window, ...)
     diag_distances: str = "16,32,48,64,96,128,192,256,384,512,768"  # needle and semantic distances (< length)
     diag_length: int = 0  # context length; 0: the run's block_size
     diag_block: int = 0  # block size b of the boundaries; 0: the run's block_len
@@ -154,6 +154,8 @@ def parse(argv) -> tuple[EvalRunConfig, dict]:
             raise ConfigError(f"{key}={getattr(e, key)!r}: expected comma-separated integers, e.g. 256,1024") from None
         if any(v < 1 for v in values):
             raise ConfigError(f"{key}={getattr(e, key)}: every value must be >= 1")
+    if e.diag_samples < 0:
+        raise ConfigError(f"diag_samples={e.diag_samples}: must be >= 0 (0: the paper's prompts per probe)")
     if e.limit < 0 or e.batch_size < 1 or e.niah_samples < 1 or e.niah_candidates < 2 or e.ppl_max_tokens < 2 or \
             e.niah_gen_tokens < 1 or not 1 <= e.niah_digits <= 18:
         raise ConfigError("need limit >= 0, batch_size >= 1, niah_samples >= 1, niah_candidates >= 2, niah_gen_tokens >= 1, "
@@ -276,7 +278,8 @@ def run_diagnostics(e: EvalRunConfig, ctx) -> dict:
                                          e.diag_half or cfg.model.bridge_width // 2)
     haystack = filler_text(open_tokens(ctx["data_dir"], "val"), meta["eot_id"])
     result = diagnostics_task.run(ctx["model"], ctx["tokenizer"], haystack, geometry, probes,
-                                  min(e.diag_samples, e.limit or e.diag_samples), e.seed, ints(e.diag_distances),
+                                  (min(e.diag_samples, e.limit) if e.diag_samples else e.limit) if e.limit else e.diag_samples,
+                                  e.seed, ints(e.diag_distances),
                                   e.batch_size, e.progress, fact_format)
     for row in result["rows"]:
         if row["cell"] == "all":

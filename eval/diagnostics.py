@@ -12,13 +12,19 @@ format:
                          d over a distance grid
     bridge_window        the same, with the code in [p - h, p) and the readout in [p, p + h) for a block
                          boundary p: the dependency a bridge window repairs (h = bridge width / 2)
-    boundary_sweep       a fixed distance, the code at signed offsets from p (negative: before the boundary)
+    boundary_sweep       a fixed distance, the code at every signed offset from p in [-h, h) (token resolution;
+                         negative: before the boundary)
     boundary_tail        the code in the last quarter of a block, the readout in the second half of the next
     semantic_exact       "Mia keeps the lamp in the blue jar." ... "Mia keeps the lamp in the"
     semantic_paraphrase  ... "Where does Mia keep the lamp? In the"          (the answer: " blue jar")
     semantic_distractor  the paraphrase, with the other candidates stated in facts about other people
     semantic_boundary    the paraphrase in the bridge window's geometry
-    prompt_nll           next-token NLL of every prompt position of the needle prompts, in 16-token bins
+    prompt_nll           next-token NLL of every prompt position, in 16-token bins, over the needle prompts
+                         (Fig. 5a) and over the boundary-focused prompts of the boundary probes (Fig. 5b)
+
+Sample sizes default to the paper's per seed (PAPER_PROMPTS: 1,600 needle prompts, 400 bridge-window prompts,
+1,600 for each single-fact semantic probe, so Table 9's pair counts and p-values are comparable), spread evenly
+over a probe's cells; `samples` > 0 asks that many per cell instead.
 
 That is the `notes` format. Runs trained on the recall corpus (data/recall.py, e.g. recall_near) are asked in
 its `recall` format instead, the fact "#k=V|" hidden in the corpus's counting digits and the query "?k>" read
@@ -42,13 +48,19 @@ from tqdm import tqdm
 
 from data import recall
 from data.embedded import COLORS, CONTAINERS, NAMES, THINGS
-from eval.ranking import continuation_logprobs
+from eval.ranking import continuation_logprobs, length_batches
 
 GEOMETRY_PROBES = ("needle", "bridge_window", "boundary_sweep", "boundary_tail")
 PROBES = GEOMETRY_PROBES + ("semantic_exact", "semantic_paraphrase", "semantic_distractor", "semantic_boundary")
 FORMATS = {"notes": PROBES, "recall": GEOMETRY_PROBES}  # the probes each format can ask
 CANDIDATES = 4
 NLL_BIN = 16
+# prompts per probe and seed in the paper (004 Table 9: 1,200 bridge-window pairs over 3 seeds, 4,800 needle,
+# 9,600 clean semantic = exact + paraphrase); the probes the paper does not count get the bridge window's 400
+PAPER_PROMPTS = {"needle": 1600, "bridge_window": 400, "boundary_sweep": 400, "boundary_tail": 400,
+                 "semantic_exact": 1600, "semantic_paraphrase": 1600, "semantic_distractor": 1600,
+                 "semantic_boundary": 400}
+BOUNDARY_PROBES = ("bridge_window", "boundary_sweep", "boundary_tail", "semantic_boundary")
 
 
 @dataclass
@@ -142,9 +154,15 @@ def _balanced(answers: list, index: int) -> tuple[list, int]:
     return rotated, k
 
 
+def cell_samples(total: int, cells: int, cell: int) -> int:
+    """Cell `cell`'s share when `total` prompts are spread evenly over `cells` cells."""
+    return total // cells + (cell < total % cells)
+
+
 def make_examples(builder: Builder, geometry: Geometry, probe: str, samples: int, seed: int,
                   distances: list[int], fact_format: str = "notes") -> list[dict]:
-    """`samples` examples per cell (distance, offset or boundary) of one probe."""
+    """`samples` examples per cell (distance, offset or boundary) of one probe; samples 0: the paper's number of
+    prompts for the probe (PAPER_PROMPTS), spread over its cells."""
     if probe not in FORMATS[fact_format]:
         raise ValueError(f"probe {probe} has no {fact_format} form: expected one of {', '.join(FORMATS[fact_format])}")
     g, out = geometry, []
@@ -152,11 +170,11 @@ def make_examples(builder: Builder, geometry: Geometry, probe: str, samples: int
     if probe == "needle" or probe.startswith("semantic_") and probe != "semantic_boundary":
         cells = [("d", d) for d in distances if d < L]
     elif probe == "boundary_sweep":
-        cells = [("offset", o) for o in range(-h, h, max(1, h // 4))]
+        cells = [("offset", o) for o in range(-h, h)]
     else:
         cells = [("window", 0)]
-    for cell_name, cell in cells:
-        for i in range(samples):
+    for position, (cell_name, cell) in enumerate(cells):
+        for i in range(samples or cell_samples(PAPER_PROMPTS[probe], len(cells), position)):
             rng = random.Random(f"{seed}/{probe}/{cell}/{i}")
             if probe.startswith("semantic_"):
                 fact = _keeper_fact(rng, paraphrase=probe != "semantic_exact")
@@ -218,24 +236,26 @@ def score(model, examples: list[dict], batch_size: int) -> list[dict]:
 
 @torch.no_grad()
 def prompt_nll(model, contexts: list[list[int]], batch_size: int) -> list[dict]:
-    """Mean next-token NLL by position over equal-length prompts, in bins of NLL_BIN positions."""
+    """Mean next-token NLL by position over prompts (of any lengths: each position averages the prompts that
+    reach it), in bins of NLL_BIN positions; bin_start is the first predicted position of the bin."""
     device = next(model.parameters()).device
-    total, count = None, 0
-    for start in range(0, len(contexts), batch_size):
-        x = torch.tensor(contexts[start:start + batch_size], device=device)
+    width = max((len(c) for c in contexts), default=1) - 1
+    total, count = torch.zeros(width, dtype=torch.float64), torch.zeros(width, dtype=torch.float64)
+    for batch in length_batches([len(c) for c in contexts], batch_size, pad=False):  # no padding: exact positions
+        x = torch.tensor([contexts[i] for i in batch], device=device)
         logits, _ = model(x[:, :-1])
         nll = F.cross_entropy(logits.float().transpose(1, 2), x[:, 1:], reduction="none").sum(0)
-        total = nll if total is None else total + nll
-        count += x.shape[0]
-    per_position = (total / count).cpu()  # position t predicts token t + 1
-    return [{"bin_start": s + 1, "nll": float(per_position[s:s + NLL_BIN].mean())}
-            for s in range(0, len(per_position), NLL_BIN)]
+        total[:nll.shape[0]] += nll.double().cpu()
+        count[:nll.shape[0]] += x.shape[0]
+    per_position = total / count.clamp(min=1)  # position t predicts token t + 1
+    return [{"bin_start": s + 1, "nll": float(per_position[s:s + NLL_BIN][count[s:s + NLL_BIN] > 0].mean()),
+             "prompts": int(count[s])} for s in range(0, width, NLL_BIN) if count[s] > 0]
 
 
 def run(model, tokenizer, text: np.ndarray, geometry: Geometry, probes, samples: int, seed: int,
         distances: list[int], batch_size: int = 8, progress: bool = True, fact_format: str = "notes") -> dict:
     builder = Builder(tokenizer, haystack(fact_format, tokenizer, text))
-    rows, per_example, nll_rows = [], [], []
+    rows, per_example, nll_rows, boundary_prompts = [], [], [], []
     for probe in tqdm(probes, desc="diagnostics", disable=not progress):
         examples = make_examples(builder, geometry, probe, samples, seed, distances, fact_format)
         records = score(model, examples, batch_size)
@@ -251,5 +271,8 @@ def run(model, tokenizer, text: np.ndarray, geometry: Geometry, probes, samples:
         if probe == "needle":
             full_length = [e["context"] for e in examples if len(e["context"]) == geometry.length]
             nll_rows = prompt_nll(model, full_length, batch_size)
-    return {"rows": rows, "prompt_nll": nll_rows, "per_example": per_example, "format": fact_format,
+        if probe in BOUNDARY_PROBES:
+            boundary_prompts += [e["context"] for e in examples]
+    return {"rows": rows, "prompt_nll": nll_rows, "prompt_nll_boundary": prompt_nll(model, boundary_prompts, batch_size)
+            if boundary_prompts else [], "per_example": per_example, "format": fact_format,
             "geometry": {"length": geometry.length, "block": geometry.block, "half": geometry.half}}

@@ -11,8 +11,13 @@ then writes OUT/tables.md and OUT/tables.json:
     Table 3   per family, means over seeds: best-validation perplexity and the diagnostic accuracies
     Table 4   bridge-window recovery: gain over Block (Eq. 42), share of the SWA-over-Block gap recovered
               (Eq. 43), gain per 100 write-back positions
+    Tables 6-8  the same per seed: perplexity and needle, the boundary-local probes, the semantic probes
     Table 9   paired comparisons pooled over seeds (exact McNemar, paired bootstrap CI, A-only / B-only wins)
     Fig. 5    prompt-token NLL improvement over Block in 16-token bins, inside and outside the bridge write-back
+and the figures as PNGs in OUT: fig2_needle_by_distance.png (mean over seeds, shaded one standard deviation),
+fig3_semantic_by_distance.png, fig4_boundary_offset.png (accuracy by offset from the boundary) and
+fig5_prompt_nll.png (16-token bins of NLL improvement over Block, needle and boundary-focused prompts, block
+boundaries dashed).
 """
 
 from __future__ import annotations
@@ -38,15 +43,19 @@ LOCAL = FAMILIES[1:]
 CONFIGS = {"cpu": "configs/bridges_cpu_{}.py", "cpu_recall": "configs/bridges_cpu_recall_{}.py",
            "124m": "configs/owt_124m_{}.py"}
 # what every run is evaluated with (python -m eval arguments; diagnostics are required)
-EVAL = {"cpu": "--tasks=ppl,diagnostics --progress=False",
+EVAL = {"cpu": "--tasks=ppl,diagnostics --diag_samples=25 --progress=False",
         # answers only (no text perplexity); needles at the trained distances: further back, a statement is
         # always an earlier document's, which a model trained on this corpus rightly ignores
         "cpu_recall": "--tasks=diagnostics --diag_samples=200 --diag_distances=16,32,48,64,80,96 --progress=False",
-        "124m": "--tasks=ppl,diagnostics --progress=False"}
+        "124m": "--tasks=ppl,diagnostics --progress=False"}  # the paper's prompts per probe and seed
 COLUMNS = [("needle", "Needle"), ("bridge_window", "Bridge-window"), ("semantic_exact", "Semantic exact"),
            ("semantic_paraphrase", "Semantic paraphrase"), ("clean_semantic", "Clean sem. avg"),
            ("semantic_distractor", "Semantic distractor"), ("semantic_boundary", "Semantic boundary"),
            ("boundary_tail", "Boundary tail"), ("boundary_sweep", "Boundary sweep")]
+PER_SEED = [("Table 6: per-seed perplexity and standard needle retrieval", ["needle"]),
+            ("Table 7: per-seed boundary-local diagnostics", ["bridge_window", "boundary_tail", "semantic_boundary"]),
+            ("Table 8: per-seed semantically cued single-fact retrieval",
+             ["semantic_exact", "semantic_paraphrase", "semantic_distractor"])]
 PAIRS = [("clean_semantic", "se_bridge", "swa"), ("bridge_window", "bridge", "block"),
          ("bridge_window", "pbb", "block"), ("bridge_window", "se_bridge", "block"),
          ("bridge_window", "se_bridge", "swa"), ("needle", "swa", "se_bridge")]
@@ -70,7 +79,8 @@ def load_run(path: Path) -> dict:
         e["clean_semantic"] = True
     config = json.loads((path / "config.json").read_text())
     return {"ppl": math.exp(best), "accuracy": accuracy, "examples": examples,
-            "prompt_nll": diag["results"].get("prompt_nll", []), "model": config["model"],
+            "prompt_nll": diag["results"].get("prompt_nll", []),
+            "prompt_nll_boundary": diag["results"].get("prompt_nll_boundary", []), "model": config["model"],
             "answers_only": bool(config.get("data", {}).get("loss_after")),
             "geometry": diag["results"].get("geometry")}
 
@@ -116,7 +126,7 @@ def tables(runs: dict[str, dict[int, dict]]) -> tuple[str, dict]:
         lines.append(f"| {f} | " + " | ".join(cells) + " |")
     lines += ["", "Four-candidate ranking accuracies (chance 0.25); bold: the best local model (Full excluded).", ""]
 
-    if "block" in summary and "swa" in summary:
+    if "bridge_window" in summary.get("block", {}) and "bridge_window" in summary.get("swa", {}):
         lines += ["## Table 4: bridge-window recovery", "",
                   "| Model | Bridge-window acc. | Gain over Block (Eq. 42) | SWA gap recovered (Eq. 43) | "
                   "Gain / 100 write-back positions |", "|---|---|---|---|---|"]
@@ -124,7 +134,7 @@ def tables(runs: dict[str, dict[int, dict]]) -> tuple[str, dict]:
         any_run = next(iter(runs["block"].values()))
         n = any_run["geometry"]["length"] if any_run["geometry"] else any_run["model"]["block_size"]
         for f in ("bridge", "pbb", "se_bridge", "swa"):
-            if f not in summary:
+            if "bridge_window" not in summary.get(f, {}):
                 continue
             gain = summary[f]["bridge_window"] - block_acc
             gap = swa_acc - block_acc
@@ -132,6 +142,21 @@ def tables(runs: dict[str, dict[int, dict]]) -> tuple[str, dict]:
             lines.append(f"| {f} | {summary[f]['bridge_window']:.3f} | {gain:+.3f} | "
                          + (f"{100 * gain / gap:.1f}%" if gap else "-") + " | "
                          + (f"{100 * gain / covered:+.3f} ({covered} of {n})" if covered else "-") + " |")
+        lines.append("")
+
+    for title, probes in PER_SEED:
+        probes = [p for p in probes if any(p in summary[f] for f in families)]
+        if not probes:
+            continue
+        with_ppl = title.startswith("Table 6")
+        names = dict(COLUMNS)
+        lines += [f"## {title}", "", "| Architecture | Seed | " + ("PPL | " if with_ppl else "")
+                  + " | ".join(names[p] for p in probes) + " |", "|---|---|" + "---|" * (len(probes) + with_ppl)]
+        for f in families:
+            for seed, r in sorted(runs[f].items()):
+                cells = ([f"{r['ppl']:.2f}"] if with_ppl else []) + \
+                    [f"{r['accuracy'][p]:.3f}" if p in r["accuracy"] else "-" for p in probes]
+                lines.append(f"| {f} | {seed} | " + " | ".join(cells) + " |")
         lines.append("")
 
     lines += ["## Table 9: paired comparisons (identical prompts per seed, pooled over seeds)", "",
@@ -182,6 +207,113 @@ def tables(runs: dict[str, dict[int, dict]]) -> tuple[str, dict]:
     return "\n".join(lines), {"summary": summary, "paired": paired, "prompt_nll_gain_over_block": nll}
 
 
+def cell_accuracy(examples: list[dict], probes: tuple, key: str) -> dict:
+    """{cell value: accuracy} over the examples of the given probes, by example field `key` (distance d, offset)."""
+    cells = {}
+    for e in examples:
+        if e["probe"] in probes and key in e:
+            cells.setdefault(e[key], []).append(e["correct"])
+    return {value: sum(c) / len(c) for value, c in sorted(cells.items())}
+
+
+def figures(runs: dict[str, dict[int, dict]], out: Path) -> list[Path]:
+    """Figs. 2-5 of paper 004 from the runs' per-example results and prompt NLL (PNGs in out)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from checkpoint import atomic_write
+
+    families = [f for f in FAMILIES if runs.get(f)]
+    colors = dict(zip(FAMILIES, ["black", "tab:blue", "tab:red", "tab:orange", "tab:green", "tab:gray"]))
+    written = []
+
+    def save(fig, name):
+        path = out / name
+        fig.tight_layout()
+        atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120))
+        plt.close(fig)
+        written.append(path)
+
+    def curves(ax, probes, key, title, xlabel):
+        drawn = False
+        for f in families:
+            per_seed = [cell_accuracy(r["examples"], probes, key) for r in runs[f].values()]
+            xs = sorted(set.intersection(*(set(c) for c in per_seed))) if per_seed else []
+            if not xs:
+                continue
+            values = np.array([[c[x] for x in xs] for c in per_seed])
+            mean, std = values.mean(0), values.std(0)
+            ax.plot(xs, mean, marker="o", markersize=3, color=colors[f], label=f)
+            if len(per_seed) > 1:
+                ax.fill_between(xs, mean - std, mean + std, color=colors[f], alpha=0.15)
+            drawn = True
+        ax.axhline(0.25, color="gray", linestyle=":", linewidth=1)  # four-candidate chance
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("accuracy")
+        ax.set_ylim(-0.02, 1.02)
+        return drawn
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if curves(ax, ("needle",), "d", "Fig. 2: standard needle retrieval by distance", "distance (tokens)"):
+        ax.legend(fontsize=8)
+        save(fig, "fig2_needle_by_distance.png")
+    else:
+        plt.close(fig)
+    semantic = ("semantic_exact", "semantic_paraphrase", "semantic_distractor")
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    drawn = [curves(ax, (p,), "d", f"Fig. 3: {p.replace('_', ' ')}", "distance (tokens)")
+             for ax, p in zip(axes, semantic)]
+    if any(drawn):
+        axes[0].legend(fontsize=8)
+        save(fig, "fig3_semantic_by_distance.png")
+    else:
+        plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if curves(ax, ("boundary_sweep",), "offset", "Fig. 4: accuracy by offset from the block boundary",
+              "offset of the answer from the boundary (tokens; positive: after it)"):
+        ax.axvline(0, color="gray", linestyle="--", linewidth=1)
+        ax.legend(fontsize=8)
+        save(fig, "fig4_boundary_offset.png")
+    else:
+        plt.close(fig)
+    if "block" in runs and not any(r.get("answers_only") for f in families for r in runs[f].values()):
+        geometry = next(iter(runs["block"].values()))["geometry"]
+        panels = [(key, title) for key, title in (("prompt_nll", "(a) standard needle prompts"),
+                                                  ("prompt_nll_boundary", "(b) boundary-focused prompts"))
+                  if all(r.get(key) for r in runs["block"].values())]
+        others = [f for f in families if f != "block"]
+        if panels and others:
+            fig, axes = plt.subplots(len(panels), 1, figsize=(12, 1.2 + 0.45 * len(others) * len(panels) + 1),
+                                     squeeze=False)
+            for ax, (key, title) in zip(axes[:, 0], panels):
+                block = {}
+                for r in runs["block"].values():
+                    for row in r[key]:
+                        block.setdefault(row["bin_start"], []).append(row["nll"])
+                starts = sorted(block)
+                grid = []
+                for f in others:
+                    gain = {}
+                    for r in runs[f].values():
+                        for row in r.get(key, []):
+                            gain.setdefault(row["bin_start"], []).append(np.mean(block[row["bin_start"]]) - row["nll"])
+                    grid.append([max(0.0, float(np.mean(gain[s]))) if s in gain else 0.0 for s in starts])
+                image = ax.imshow(grid, aspect="auto", cmap="Reds", vmin=0,
+                                  extent=(starts[0] - 1, starts[-1] - 1 + 16, len(others) - 0.5, -0.5))
+                for boundary in range(geometry["block"], geometry["length"], geometry["block"]):
+                    ax.axvline(boundary, color="gray", linestyle="--", linewidth=0.8)
+                ax.set_yticks(range(len(others)), others)
+                ax.set_title(f"Fig. 5 {title}: NLL improvement over Block, 16-token bins", fontsize=10)
+                ax.set_xlabel("prompt position")
+                fig.colorbar(image, ax=ax, label="nats")
+            save(fig, "fig5_prompt_nll.png")
+    return written
+
+
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scale", choices=sorted(CONFIGS), default="cpu")
@@ -219,8 +351,9 @@ def main(argv):
     command = "python scripts/bridge_sweep.py " + " ".join(shlex.quote(a) for a in argv)
     (out / "tables.md").write_text(f"# Paper 004 comparison\n\nCommand: `{command}`\n\n{text}")
     write_json({"command": command, **data}, out / "tables.json")
+    pngs = figures(runs, out)
     print(text)
-    print(f"wrote {out / 'tables.md'} and {out / 'tables.json'}")
+    print(f"wrote {out / 'tables.md'}, {out / 'tables.json'}" + "".join(f", {p.name}" for p in pngs))
 
 
 if __name__ == "__main__":

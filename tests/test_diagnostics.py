@@ -106,12 +106,15 @@ def test_one_command_runs_every_diagnostic_and_one_compares_two_checkpoints(tmp_
         runs[pattern] = tmp_path / pattern
         assert train(runs[pattern], pattern).returncode == 0
         proc = subprocess.run([sys.executable, "-m", "eval", f"--out_dir={runs[pattern]}", "--tasks=diagnostics",
-                               "--diag_samples=4", "--diag_distances=48,200", "--progress=False"],
+                               "--diag_samples=2", "--diag_distances=48,200", "--progress=False"],
                               cwd=REPO, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((runs["pbb"] / "eval" / "diagnostics.json").read_text())
     assert {row["probe"] for row in report["results"]["rows"]} == set(PROBES)
     assert len(report["results"]["prompt_nll"]) == 512 // 16
+    assert report["results"]["prompt_nll_boundary"]  # Fig. 5b: the boundary-focused prompts
+    offsets = [row["cell"] for row in report["results"]["rows"] if row["probe"] == "boundary_sweep" and row["cell"] != "all"]
+    assert offsets == [f"offset={o}" for o in range(-32, 32)]  # token resolution around the boundary (h = 32)
     assert "| diagnostics" not in (runs["pbb"] / "eval" / "summary.md").read_text()  # the markdown table
     assert "| probe | cell | n | accuracy |" in (runs["pbb"] / "eval" / "summary.md").read_text()
     proc = subprocess.run([sys.executable, "scripts/compare.py", "--paired", str(runs["pbb"]), str(runs["block"]),
@@ -154,6 +157,35 @@ def test_tables_follow_equations_42_43_and_pair_identical_prompts():
     assert math.isclose(row["bootstrap"]["diff"], 0.45)
     assert "| swa | **30.00** | **1.000** |" in text and "| block | 30.60 |" in text  # bold: best local
     assert "| Architecture | Best PPL | Bridge-window |" in text  # only the probes the runs were asked
+
+
+def test_sample_sizes_default_to_the_papers(builder):
+    # 004 Table 9: 400 bridge-window and 1,600 needle prompts per seed, spread evenly over the cells
+    assert len(make_examples(builder, GEOMETRY, "bridge_window", 0, seed=0, distances=[48])) == 400
+    needle = make_examples(builder, GEOMETRY, "needle", 0, seed=0, distances=[48, 96, 300])
+    assert len(needle) == 1600 and {sum(e["d"] == d for e in needle) for d in (48, 96, 300)} == {533, 534}
+
+
+def test_per_seed_tables_and_figures_2_to_5(tmp_path):
+    from scripts.bridge_sweep import figures
+
+    def run(family, seed, skill):
+        examples = [{"id": f"needle/d={d}/{i}", "probe": "needle", "d": d, "correct": (i + d) % 10 < skill}
+                    for d in (64, 128, 256) for i in range(10)]
+        examples += [{"id": f"boundary_sweep/offset={o}/{i}", "probe": "boundary_sweep", "offset": o,
+                      "correct": o >= 0 or i < skill} for o in range(-4, 4) for i in range(4)]
+        nll = [{"bin_start": 1 + 16 * k, "nll": 3.0 - skill / 10 * (k % 4 == 0)} for k in range(32)]
+        accuracy = {"needle": sum(e["correct"] for e in examples if e["probe"] == "needle") / 30}
+        return {**fake_run(accuracy, examples, ppl=30.0 - skill), "prompt_nll": nll, "prompt_nll_boundary": nll}
+
+    runs = {f: {seed: run(f, seed, skill + (seed == 1337)) for seed in (1337, 2025)}
+            for f, skill in (("block", 2), ("pbb", 6), ("swa", 8))}
+    text, _ = tables(runs)
+    assert "## Table 6: per-seed perplexity and standard needle retrieval" in text
+    assert "| pbb | 1337 | 23.00 |" in text and "| pbb | 2025 | 24.00 |" in text
+    names = sorted(p.name for p in figures(runs, tmp_path))
+    assert names == ["fig2_needle_by_distance.png", "fig4_boundary_offset.png", "fig5_prompt_nll.png"]
+    assert all((tmp_path / n).read_bytes()[:4] == b"\x89PNG" for n in names)
 
 
 def test_facts_corpus_asks_every_fact_back_after_stating_it():
