@@ -133,7 +133,8 @@ def load_sharded_meta(path) -> dict:
     found = sharded_checkpoint_path(path)
     if found is None:
         raise CheckpointError(f"no checkpoint at {path}: train a model first (python train.py CONFIG "
-                              f"--out_dir={Path(path).parent}), or pick the other one with --ckpt=best|last")
+                              f"--out_dir={Path(path).parent}), or pick the other one: --ckpt=best|last (sample.py, eval), "
+                              "--resume_from=best|last (train.py)")
     try:
         meta = torch.load(found / "meta.pt", map_location="cpu", weights_only=True)
     except Exception as e:
@@ -159,14 +160,16 @@ def load_checkpoint(path, map_location="cpu") -> dict:
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"no checkpoint at {path}: train a model first (python train.py CONFIG "
-                              f"--out_dir={path.parent}), or pick the other one with --ckpt=best|last")
+                              f"--out_dir={path.parent}), or pick the other one: --ckpt=best|last (sample.py, eval), "
+                              "--resume_from=best|last (train.py)")
     if str(map_location).startswith("cuda") and not torch.cuda.is_available():
         raise CheckpointError(f"cannot load {path} onto {map_location}: CUDA is not available here; use --device=cpu")
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:
         raise CheckpointError(f"cannot read {path} ({type(e).__name__}: {str(e)[:200]}): the file is damaged "
-                              "or was not written by train.py; use the other checkpoint (--ckpt=best|last)") from None
+                              "or was not written by train.py; use the other checkpoint (--ckpt=best|last for sample.py "
+                              "and eval, --resume_from=best|last for train.py)") from None
     missing = [k for k in ("model", "config", "step") if k not in ckpt]
     if missing:
         raise CheckpointError(f"{path} lacks {', '.join(missing)}: it was not written by train.py")
@@ -182,14 +185,23 @@ def checkpoint_path(out_dir, which: str = "best") -> Path:
     return sharded if not single.exists() and sharded_checkpoint_path(sharded) is not None else single
 
 
+def checkpoint_exists(path: Path) -> bool:
+    return path.exists() if path.suffix == ".pt" else sharded_checkpoint_path(path) is not None
+
+
 def load_model(out_dir, which: str = "best", device="cpu"):
     """The trained GPT of a run folder, in eval mode, with its config and the checkpoint (for a sharded one:
     its meta, the weights loaded into the model in this process)."""
     from model import GPT
 
     path = checkpoint_path(out_dir, which)
+    if which == "best" and not checkpoint_exists(path) and checkpoint_exists(checkpoint_path(out_dir, "last")):
+        # no best yet (a run stopped before its first evaluation saved one): the last is what there is
+        path = checkpoint_path(out_dir, "last")
+        print(f"note: {out_dir} has no best checkpoint; using {path.name}", file=sys.stderr)
     sharded = path.suffix != ".pt"
     ckpt = load_sharded_meta(path) if sharded else load_checkpoint(path, map_location=device)
+    ckpt["path"] = str(path)
     cfg = Config.from_dict(ckpt["config"])
     model = GPT(cfg.model)
     if sharded:

@@ -123,6 +123,7 @@ class TrainConfig:
     # scratch | resume | gpt2 | gpt2-medium | gpt2-large | gpt2-xl (OpenAI's weights, as nanoGPT) |
     # hf:NAME_OR_PATH (a Hugging Face checkpoint: gpt2, llama, mistral, qwen2, qwen3); see pretrained.py
     init_from: str = "scratch"
+    resume_from: str = "last"  # init_from=resume: continue from ckpt_last (where the run stopped) or ckpt_best
     batch_size: int = 12  # micro-batch size per process
     gradient_accumulation_steps: int = 40  # global: divided among DDP processes, as in nanoGPT
     max_iters: int = 600000
@@ -332,6 +333,7 @@ def validate(cfg: Config) -> None:
     choice("gelu", m.gelu, ("exact", "tanh"))
     choice("dtype", t.dtype, ("auto", "float32", "bfloat16", "float16"))
     choice("wandb_mode", t.wandb_mode, ("online", "offline", "disabled"))
+    choice("resume_from", t.resume_from, ("last", "best"))
     choice("window_schedule", t.window_schedule, ("fixed", "stochastic"))
     choice("activation_checkpointing", t.activation_checkpointing, ("none", "full", "selective"))
     choice("parallelism", t.parallelism, ("ddp", "fsdp"))

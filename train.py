@@ -5,8 +5,9 @@ Single process (CPU or one GPU):
 DDP (NCCL on GPUs, gloo on CPU), or FSDP2 sharding with --parallelism=fsdp (sharded checkpoint folders):
     torchrun --standalone --nproc_per_node=8 train.py configs/owt_124m_full.py
     torchrun --standalone --nproc_per_node=8 train.py configs/swax_7b_stochastic.py
-Resume the run in out_dir exactly where ckpt_last.pt (or the folder ckpt_last/ under FSDP) left it:
-    python train.py configs/quickstart.py --init_from=resume
+Resume the run in out_dir exactly where ckpt_last.pt (or the folder ckpt_last/ under FSDP) left it, or from its
+best checkpoint:
+    python train.py configs/quickstart.py --init_from=resume [--resume_from=best]
 """
 
 import json
@@ -27,7 +28,8 @@ from checkpoint import (CheckpointError, load_checkpoint, load_sharded_meta, loa
                         sharded_training_state, write_json)
 from config import Config, ConfigError, exit_on_config_error, load_config, validate
 from data.loader import WindowSampler
-from data.meta import DataError, load_meta, open_tokens, prepare_generated_if_missing, unigram_entropy
+from data.meta import (DataError, check_vocabulary, load_meta, open_tokens, prepare_generated_if_missing,
+                       unigram_entropy)
 from data.tokenizer import TokenizerUnavailable, get_tokenizer
 from eval.probes import training_probes
 from model import GPT
@@ -43,6 +45,29 @@ PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H
               ("GH200", 989e12), ("H800", 989e12), ("B200", 2250e12), ("A100", 312e12), ("A800", 312e12),
               ("L40S", 362e12), ("L40", 181e12), ("L4", 121e12), ("A10G", 125e12), ("RTX 4090", 165e12),
               ("RTX 3090", 71e12), ("V100", 125e12), ("A6000", 155e12))
+
+
+def wandb_problem(mode: str) -> str:
+    """Why an online wandb run cannot start here ("" when it can): no login, or no route to the server."""
+    import netrc
+    import socket
+    from urllib.parse import urlparse
+
+    if mode != "online":
+        return ""
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    if not os.environ.get("WANDB_API_KEY"):
+        try:
+            logged_in = netrc.netrc().authenticators(host) is not None
+        except (OSError, netrc.NetrcParseError):
+            logged_in = False
+        if not logged_in:
+            return f"no wandb login (no WANDB_API_KEY, no {host} entry in ~/.netrc)"
+    try:
+        socket.create_connection((host, 443), timeout=5).close()
+    except OSError as e:
+        return f"{host} cannot be reached ({e.strerror or e})"
+    return ""
 
 
 def fail(message: str, status: int = 1):
@@ -195,6 +220,15 @@ def main(argv):
     if device_name.startswith("cuda") and not torch.cuda.is_available():
         fail(f"device={device_name} but CUDA is not available here (torch {torch.__version__}): use --device=cpu "
              "or --device=auto", status=2)
+    # WANDB_MODE=offline in the environment counts as --wandb_mode=offline; an online run needs a login and the
+    # network, checked now rather than after the model is built and the run folder written
+    wandb_mode = t.wandb_mode
+    if wandb_mode == "online" and os.environ.get("WANDB_MODE") in ("offline", "disabled", "dryrun"):
+        wandb_mode = "offline" if os.environ["WANDB_MODE"] == "dryrun" else os.environ["WANDB_MODE"]
+    problem = wandb_problem(wandb_mode) if t.wandb_log else ""
+    if problem:
+        fail(f"--wandb_log=True cannot log online: {problem}. Use --wandb_mode=offline (or WANDB_MODE=offline) to log "
+             "to the run folder and `wandb sync` it later, or `wandb login` first", status=2)
     if distributed and device_name == "cuda":
         device_name = f"cuda:{local_rank}"
     device = torch.device(device_name)
@@ -241,6 +275,7 @@ def main(argv):
         if distributed:
             dist.barrier()
         meta = load_meta(data_dir)
+        check_vocabulary(data_dir, meta)
     except DataError as e:
         fail(str(e))
     if m.vocab_size == 0:
@@ -286,11 +321,11 @@ def main(argv):
     if t.init_from == "resume":
         try:
             if fsdp:  # a sharded folder: its meta here, the model and optimizer shards once they exist below
-                ckpt = load_sharded_meta(out_dir / "ckpt_last")
+                ckpt = load_sharded_meta(out_dir / f"ckpt_{t.resume_from}")
             else:  # on the CPU: RNG states must stay CPU ByteTensors; load_state_dict moves the rest
-                ckpt = load_checkpoint(out_dir / "ckpt_last.pt", map_location="cpu")
+                ckpt = load_checkpoint(out_dir / f"ckpt_{t.resume_from}.pt", map_location="cpu")
         except CheckpointError as e:
-            other = out_dir / ("ckpt_last.pt" if fsdp else "ckpt_last")
+            other = out_dir / (f"ckpt_{t.resume_from}.pt" if fsdp else f"ckpt_{t.resume_from}")
             hint = (f"; {other} exists: resume with --parallelism={'ddp' if fsdp else 'fsdp'}, the run's own setting"
                     if other.exists() else "")
             fail(f"cannot resume: {e}{hint}", status=2)
@@ -341,6 +376,14 @@ def main(argv):
         del ckpt
         if distributed:  # every process has read the checkpoint before rank 0 tidies the folder below
             dist.barrier()
+        if step >= t.max_iters and not ev.eval_only:  # nothing to train: leave the finished run's logs as they are
+            if master:
+                print(f"{out_dir} already finished at step {step} (max_iters={t.max_iters}): nothing to do; raise "
+                      "--max_iters to train further")
+            if dist.is_initialized():
+                del model  # as at the end: DDP's reducer released before the group (see there)
+                dist.destroy_process_group()
+            return
 
     # ---- output folder, logs, signals ---------------------------------------------------------------------
     if master:
@@ -348,7 +391,9 @@ def main(argv):
         remove_stale_temp_files(out_dir)
         info = run_info(world_size)
         # the resolved config (its data section included), the run, and the prepared data's meta beside it
-        write_json({**cfg.to_dict(), "run": info, "data_meta": meta}, out_dir / "config.json")
+        unigram = unigram_entropy(open_tokens(data_dir, "val")[:10_000_000], meta["vocab_size"])
+        write_json({**cfg.to_dict(), "run": info, "data_meta": {**meta, "unigram_entropy": unigram}},
+                   out_dir / "config.json")
         n_params = raw_model.num_params()
         print(f"model: {m.arch}, {m.n_layer} layers x {m.n_head} heads x {m.n_embd}, mixers {m.attn_pattern!r}: "
               f"{n_params / 1e6:.2f}M parameters ({raw_model.num_params(exclude_embeddings=True) / 1e6:.2f}M "
@@ -359,7 +404,6 @@ def main(argv):
         print(f"data: {data_dir} ({meta['tokenizer']} tokenizer, {meta['train_tokens']:,} train / "
               f"{meta['val_tokens']:,} val tokens); {tokens_per_step:,} tokens per step; "
               f"{world_size} process(es) on {device_name}, {dtype_name}")
-        unigram = unigram_entropy(open_tokens(data_dir, "val")[:10_000_000], meta["vocab_size"])
         print(f"unigram baseline (val token entropy): {unigram:.4f} nats")
         wandb_run = None
         if t.wandb_log:
@@ -367,12 +411,13 @@ def main(argv):
 
             wandb_run = wandb.init(project=t.wandb_project, name=t.wandb_run_name or out_dir.name,
                                    config={**cfg.to_dict(), "run": info, "n_params": n_params},
-                                   id=wandb_run_id, resume="allow", dir=str(out_dir), mode=t.wandb_mode)
+                                   id=wandb_run_id, resume="allow", dir=str(out_dir), mode=wandb_mode)
             wandb_run_id = wandb_run.id
         metrics = MetricsLog(out_dir / "metrics.jsonl", wandb_run)
         if step > 0:
             metrics.truncate_after(step)
-            print(f"resumed from {out_dir / ('ckpt_last' if fsdp else 'ckpt_last.pt')} at step {step} (best val loss {best_val_loss:.4f})")
+            print(f"resumed from {out_dir / (f'ckpt_{t.resume_from}' + ('' if fsdp else '.pt'))} at step {step} "
+                  f"(best val loss {best_val_loss:.4f})")
         elif (out_dir / "metrics.jsonl").exists():
             (out_dir / "metrics.jsonl").unlink()  # a fresh run does not append to an old run's log
 

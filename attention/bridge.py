@@ -34,6 +34,7 @@ FUSIONS = ("branch", "union")
 
 class BridgedBlockAttention(MaskedAttention):
     kind = ""
+    settings = MaskedAttention.settings + ("block_len", "bridge_width", "bridge_fusion")
 
     @classmethod
     def width(cls, config) -> int:
@@ -97,3 +98,4 @@ class PostBoundaryBridge(BridgedBlockAttention):
 @register("se_bridge")
 class SourceExtendedBridge(BridgedBlockAttention):
     kind = "se_bridge"
+    settings = tuple(k for k in BridgedBlockAttention.settings if k != "bridge_width") + ("bridge_extension",)

@@ -136,6 +136,8 @@ class GDNState:
 
 @register("gated_deltanet")
 class GatedDeltaNet(RecurrentMixer):
+    settings = ("gdn_chunk", "gdn_conv_size", "gdn_kernel")
+
     @classmethod
     def check_config(cls, config):
         if config.gdn_chunk < 1:

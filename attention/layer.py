@@ -20,6 +20,7 @@ from attention.rope import apply_rope
 
 class Attention(Mixer):
     pretrained_attention_shapes = True
+    settings = ("attn_backend", "attn_gate", "n_kv_head", "attn_head_dim", "qk_norm", "qkv_bias")
 
     def __init__(self, config, layer_idx: int):
         super().__init__()

@@ -86,6 +86,8 @@ def recurrent_linear_attention(q, k, v, state=None):
 
 @register("linear")
 class TaylorLinearAttention(RecurrentMixer):
+    settings = ("linear_feature_dim", "linear_chunk")
+
     @classmethod
     def check_config(cls, config):
         if config.linear_feature_dim < 2 or config.linear_feature_dim % 2:

@@ -25,6 +25,8 @@ class CausalSelfAttention(MaskedAttention):
 class SlidingWindowAttention(MaskedAttention):
     """The swa_window most recent positions, the query included."""
 
+    settings = MaskedAttention.settings + ("swa_window",)
+
     @classmethod
     def check_config(cls, config):
         super().check_config(config)
@@ -44,6 +46,8 @@ class SlidingWindowAttention(MaskedAttention):
 @register("block")
 class BlockAttention(MaskedAttention):
     """Causal attention within fixed blocks of block_len positions."""
+
+    settings = MaskedAttention.settings + ("block_len",)
 
     @classmethod
     def check_config(cls, config):

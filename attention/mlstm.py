@@ -225,6 +225,8 @@ def mlstm_sequence(q, k, v, i, f, state=None, chunk: int = 64, kernel: str = "au
 
 @register("mlstm")
 class MLSTMLayer(RecurrentMixer):
+    settings = ("mlstm_n_head", "mlstm_qk_dim_factor", "mlstm_gate_soft_cap", "mlstm_chunk", "mlstm_kernel")
+
     @classmethod
     def check_config(cls, config):
         heads = config.mlstm_n_head

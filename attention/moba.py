@@ -103,6 +103,8 @@ class MixtureOfBlockAttention(Attention):
     """Each query attends to the moba_topk key blocks (of moba_block positions) that score best against it,
     its own block included."""
 
+    settings = ("attn_backend", "moba_block", "moba_topk")
+
     @classmethod
     def check_config(cls, config):
         if config.attn_backend not in BACKENDS:

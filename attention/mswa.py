@@ -45,6 +45,8 @@ def mswa_windows(config, layer_idx: int) -> tuple[int, ...]:
 
 
 class MultiScaleWindowAttention(MaskedAttention):
+    settings = MaskedAttention.settings + ("swa_window", "mswa_variation", "mswa_layer_order")
+
     @classmethod
     def check_config(cls, config):
         super().check_config(config)

@@ -35,6 +35,8 @@ class Mixer(nn.Module):
     supports_cache = True
     # whether the mixer takes the pretrained attention shapes (n_kv_head, attn_head_dim, qk_norm, qkv_bias)
     pretrained_attention_shapes = False
+    # the ModelConfig keys this mixer reads besides the model's shape (scripts/compare.py leaves the others out)
+    settings: tuple = ()
     # whether a position's output is independent of the sequence's length (how far it was padded): false for sa,
     # whose permutation is drawn over the whole length
     length_independent = True
@@ -143,6 +145,15 @@ def layer_names(config) -> list[str]:
     if config.n_layer % len(pattern):
         raise ValueError(f"attn_pattern has {len(pattern)} entries, which does not divide n_layer={config.n_layer}")
     return pattern * (config.n_layer // len(pattern))
+
+
+def used_settings(config) -> set[str]:
+    """The mixer settings (Mixer.settings) some layer of this config reads."""
+    return {key for name in set(layer_names(config)) for key in MIXERS[name].settings}
+
+
+def mixer_settings() -> set[str]:
+    return {key for cls in MIXERS.values() for key in cls.settings}
 
 
 def has_window_layers(config) -> bool:

@@ -92,6 +92,9 @@ class AlibiBias(ScoreBias):
 class SigmoidWindowAttention(SlidingWindowAttention):
     """swa's window with SWAT's scores: sigmoid (or softmax), ALiBi slopes, optional RoPE and bias."""
 
+    settings = SlidingWindowAttention.settings + ("swat_activation", "swat_rope", "swat_slopes", "swat_split",
+                                                  "swat_bias")
+
     @classmethod
     def check_config(cls, config):
         super().check_config(config)  # the window

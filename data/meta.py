@@ -25,10 +25,43 @@ class DataError(Exception):
 
 
 def prepare_command(data_dir, meta=None):
-    """The command that (re)creates data_dir, as precisely as meta allows."""
-    dataset = (meta or {}).get("source", "...")
-    tokenizer = (meta or {}).get("tokenizer", "...")
-    return f"python data/prepare.py --dataset={dataset} --tokenizer={tokenizer} --out_dir={data_dir}"
+    """The command that (re)creates data_dir, as precisely as meta allows: the original options repeated."""
+    meta = meta if isinstance(meta, dict) else {}
+    options = [f"--dataset={meta.get('source', '...')}", f"--tokenizer={meta.get('tokenizer', '...')}"]
+    if meta.get("max_tokens"):
+        options.append(f"--max_tokens={meta['max_tokens']}")
+    split = meta.get("split") if isinstance(meta.get("split"), dict) else {}
+    if split.get("method") == "enwik8":
+        options.append(f"--enwik8_val={split.get('val_is', 'val')}")
+    elif "val_fraction" in split:
+        options.append(f"--val_fraction={split['val_fraction']}")
+    if split.get("seed"):
+        options.append(f"--seed={split['seed']}")
+    if meta.get("slimpajama_sets"):
+        options.append(f"--slimpajama_sets={','.join(meta['slimpajama_sets'])}")
+    return "python data/prepare.py " + " ".join(options) + f" --out_dir={data_dir}"
+
+
+def check_vocabulary(data_dir, meta) -> None:
+    """meta.json's vocab_size and eot_id against its tokenizer's, and the token ids against vocab_size (a meta
+    that does not describe its data would crash, or worse train silently, further on)."""
+    from data.tokenizer import TokenizerUnavailable, get_tokenizer
+
+    redo = f"re-run {prepare_command(data_dir, meta)}"
+    try:
+        tok = get_tokenizer(meta["tokenizer"])
+    except TokenizerUnavailable:
+        tok = None  # not loadable here (no network): the token ids are still checked below
+    if tok is not None and (tok.vocab_size, tok.eot_id) != (meta["vocab_size"], meta["eot_id"]):
+        raise DataError(f"{data_dir}/meta.json says vocab_size {meta['vocab_size']} and eot_id {meta['eot_id']}, but "
+                        f"its tokenizer {meta['tokenizer']!r} has {tok.vocab_size} and {tok.eot_id}: the meta does not "
+                        f"describe this data; {redo}")
+    for split in SPLITS:
+        tokens = open_tokens(data_dir, split)
+        top = int(np.max(tokens[:50_000_000]))
+        if top >= meta["vocab_size"]:
+            raise DataError(f"{data_dir}/{split}.bin holds token id {top}, beyond meta.json's vocab_size "
+                            f"{meta['vocab_size']}: the bins and the meta do not match; {redo}")
 
 
 def load_meta(data_dir) -> dict:

@@ -29,9 +29,10 @@ contributes its file stem or folder name, e.g. data/my_corpus_byte):
     train.bin, val.bin   token ids (uint16 if the vocabulary allows, else uint32),
                          every document followed by the tokenizer's end-of-text id
     meta.json            tokenizer, vocab_size, eot_id, dtype, token and document counts, provenance
-Documents go to val with probability --val_fraction, decided by a hash of
+Documents go to val with probability --val_fraction (default 0.005), decided by a hash of
 (--seed, document index), so the split does not depend on --num_proc or --max_tokens.
-With a single document (e.g. one .txt file) its last tokens form val instead.
+With a single document (e.g. one .txt file) its last tokens form val instead, 10% of them unless
+--val_fraction says otherwise (nanoGPT's 0.9 / 0.1 split of a text file).
 
 The bins are written to temporary files and only renamed into place once complete,
 with meta.json last: an interrupted run leaves the previous data intact.
@@ -59,7 +60,7 @@ from contextlib import closing
 from datetime import datetime, timezone
 
 import numpy as np
-from tqdm import tqdm
+from progress import progress_bar
 
 from data.meta import FORMAT_VERSION, DataError
 from data.tokenizer import TokenizerUnavailable, get_tokenizer, vocab_dtype
@@ -76,6 +77,8 @@ ENWIK8_SPLITS = {"train": (0, 90_000_000), "val": (90_000_000, 95_000_000), "tes
 LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 DOCS_PER_BATCH = 256
 MIN_VAL_TOKENS = 1024  # for a single-document split: enough to evaluate on, unless the data is tiny
+VAL_FRACTION = 0.005  # documents drawn for val
+SINGLE_DOCUMENT_VAL_FRACTION = 0.1  # the tail of a single document (nanoGPT's split of a text file)
 
 
 # ----------------------------------------------------------------------------
@@ -139,6 +142,35 @@ def load_rows(dataset, quiet=False):
     # sample_by="document": a whole .txt file is one document, not one document per line
     options = {"sample_by": "document"} if builder == "text" else {}
     return iter(datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **options))
+
+
+def locate_unreadable(dataset) -> str | None:
+    """Where a local dataset cannot be read: the first file and line that is not UTF-8 text (.txt) or not one JSON
+    object with a "text" field (.jsonl), as a message naming the fix; None when every file reads."""
+    try:
+        files = local_files(dataset)
+    except DataError:
+        return None
+    for path in files:
+        extension = os.path.splitext(path)[1]
+        if extension not in (".txt", ".jsonl"):
+            continue
+        with open(path, "rb") as f:
+            for number, line in enumerate(f, start=1):
+                try:
+                    text = line.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    return (f"{path}, line {number}: not UTF-8 text (byte {line[e.start]:#04x} at column {e.start + 1}): "
+                            "convert the file to UTF-8, e.g. iconv -f latin1 -t utf-8 FILE > FILE.utf8.txt")
+                if extension == ".jsonl" and text.strip():
+                    try:
+                        row = json.loads(text)
+                    except ValueError as e:
+                        return (f"{path}, line {number}: not valid JSON ({e}): each line of a .jsonl file must be one "
+                                'JSON object such as {"text": "..."}')
+                    if not isinstance(row, dict) or "text" not in row:
+                        return f'{path}, line {number}: not an object with a "text" field: each line needs one'
+    return None
 
 
 def chain_first(first, rest):
@@ -425,12 +457,13 @@ def prepare_enwik8(dataset, tokenizer, out_dir, enwik8_val="val", quiet=False) -
     return meta
 
 
-def prepare(dataset, tokenizer="byte", out_dir=None, max_tokens=None, val_fraction=0.005, num_proc=None,
+def prepare(dataset, tokenizer="byte", out_dir=None, max_tokens=None, val_fraction=None, num_proc=None,
             seed=0, slimpajama_sets=None, quiet=False, enwik8_val="val") -> dict:
-    """Tokenise dataset into out_dir/{train,val}.bin and meta.json (see the module docstring); returns the meta."""
+    """Tokenise dataset into out_dir/{train,val}.bin and meta.json (see the module docstring); returns the meta.
+    val_fraction None: VAL_FRACTION of the documents, or SINGLE_DOCUMENT_VAL_FRACTION of a single document."""
     if is_enwik8(dataset):
         return prepare_enwik8(dataset, tokenizer, out_dir or default_out_dir("enwik8", tokenizer), enwik8_val, quiet)
-    if not 0 < val_fraction < 1:
+    if val_fraction is not None and not 0 < val_fraction < 1:
         raise DataError(f"--val_fraction must be between 0 and 1, not {val_fraction}")
     if max_tokens is not None and max_tokens < 2:
         raise DataError(f"--max_tokens must be at least 2 (one train and one val token), not {max_tokens}")
@@ -447,7 +480,15 @@ def prepare(dataset, tokenizer="byte", out_dir=None, max_tokens=None, val_fracti
     os.makedirs(out_dir, exist_ok=True)
     files = TokenFiles(out_dir, dtype)
     try:
-        meta = write_tokens(files, rows, tok, dataset, keep_sets, max_tokens, val_fraction, num_proc, seed, quiet)
+        try:
+            meta = write_tokens(files, rows, tok, dataset, keep_sets, max_tokens, val_fraction, num_proc, seed, quiet)
+        except (DataError, KeyboardInterrupt, SystemExit, TokenizerUnavailable):
+            raise
+        except Exception as e:  # an unreadable local file fails deep inside datasets / pyarrow: say where
+            where = locate_unreadable(dataset) if not (dataset in GENERATED or dataset in HUB_DATASETS) else None
+            if where is None:
+                raise
+            raise DataError(where) from e
         files.commit(meta)
     except BaseException:
         files.discard()
@@ -468,7 +509,8 @@ def write_tokens(files, rows, tok, dataset, keep_sets, max_tokens, val_fraction,
     set_counts = Counter()
     total = 0
     batches = batched(documents_from_rows(rows, dataset, keep_sets), DOCS_PER_BATCH)
-    progress = tqdm(total=max_tokens, unit="tok", unit_scale=True, disable=quiet, desc=f"tokenising {dataset}")
+    progress = progress_bar(total=max_tokens, enabled=not quiet, unit="tok", unit_scale=True,
+                            desc=f"tokenising {dataset}")
     with closing(encode_batches(batches, tok, num_proc)) as results, progress:
         for batch, (tokens, lengths) in results:
             if max_tokens is not None and total + len(tokens) > max_tokens:
@@ -478,7 +520,7 @@ def write_tokens(files, rows, tok, dataset, keep_sets, max_tokens, val_fraction,
                 lengths = lengths[:keep].copy()
                 lengths[-1] -= ends[keep - 1] - (max_tokens - total)
                 tokens, batch = tokens[:max_tokens - total], batch[:keep]
-            is_val = val_mask(seed, docs["train"] + docs["val"], len(lengths), val_fraction)
+            is_val = val_mask(seed, docs["train"] + docs["val"], len(lengths), val_fraction or VAL_FRACTION)
             token_is_val = np.repeat(is_val, lengths)
             files.write("train", tokens[~token_is_val])
             files.write("val", tokens[token_is_val])
@@ -520,14 +562,15 @@ def write_tokens(files, rows, tok, dataset, keep_sets, max_tokens, val_fraction,
 
 def ensure_both_splits(files, docs, last_doc_tokens, val_fraction, seed, dataset):
     """Make neither split empty, which the random document split allows for few documents; returns (docs, split)."""
-    split = {"method": "document", "val_fraction": val_fraction, "seed": seed}
+    split = {"method": "document", "val_fraction": val_fraction or VAL_FRACTION, "seed": seed}
     if docs["train"] + docs["val"] == 1:
+        val_fraction = val_fraction or SINGLE_DOCUMENT_VAL_FRACTION
         if docs["val"]:
             files.move_tail("val", "train", files.tokens["val"])
         if files.tokens["train"] < 2:
             raise DataError(f"--dataset={dataset} holds a single token; it cannot be split into train and val")
         files.move_tail("train", "val", single_document_val_tokens(files.tokens["train"], val_fraction))
-        split = {"method": "token_tail", "val_fraction": val_fraction, "min_val_tokens": MIN_VAL_TOKENS,
+        split = {"method": "token_tail", "val_fraction": val_fraction, "seed": seed, "min_val_tokens": MIN_VAL_TOKENS,
                  "note": "a single document: its last tokens are val, and it counts as a train document"}
         return {"train": 1, "val": 0}, split
     if docs["val"] == 0:
@@ -561,7 +604,8 @@ def main(argv=None):
                         help="byte, gpt2, or a Hugging Face tokenizer name or tokenizer.json path")
     parser.add_argument("--out_dir", default=None, help="default: data/<dataset>_<tokenizer>")
     parser.add_argument("--max_tokens", type=count, default=None, help="stop after this many tokens")
-    parser.add_argument("--val_fraction", type=float, default=0.005)
+    parser.add_argument("--val_fraction", type=float, default=None,
+                        help=f"default: {VAL_FRACTION} of the documents, {SINGLE_DOCUMENT_VAL_FRACTION} of a single one")
     parser.add_argument("--num_proc", type=int, default=default_num_proc(), help="tokeniser processes")
     parser.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
     parser.add_argument("--slimpajama_sets", default=None,

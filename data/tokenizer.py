@@ -146,11 +146,20 @@ class HFTokenizer(Tokenizer):
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
+BUILT_IN = ("byte", "gpt2")
+
+
 def get_tokenizer(name: str) -> Tokenizer:
     if name == "byte":
         return ByteTokenizer()
     if name == "gpt2":
         return TiktokenTokenizer("gpt2")
+    import difflib
+
+    close = difflib.get_close_matches(name, BUILT_IN, n=1, cutoff=0.75)
+    if close and not os.path.exists(name):
+        raise TokenizerUnavailable(f"unknown tokenizer {name!r}: did you mean {close[0]!r}? (byte, gpt2, or a Hugging "
+                                   "Face tokenizer name or tokenizer.json path)")
     return HFTokenizer(name)
 
 

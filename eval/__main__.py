@@ -183,8 +183,9 @@ def run_ppl(e: EvalRunConfig, ctx) -> dict:
         model = ctx["with_config"](**({} if window in (None, trained) else {e.window_key: window}))
         for length in lengths:
             if model.wpe is not None and length > cfg.model.block_size:
-                rows.append({"length": length, "window": window, "ppl": None, "nll": None, "tokens": 0,
-                             "note": f"longer than block_size {cfg.model.block_size} (learned positions)"})
+                note = f"longer than block_size {cfg.model.block_size} (learned positions)"
+                rows.append({"length": length, "window": window, "ppl": None, "nll": None, "tokens": 0, "note": note})
+                print(f"ppl  L={length:<6} skipped: {note}")
                 continue
             row = ppl_task.perplexity(model, docs, length, e.batch_size, ctx["device"], e.progress, e.limit or None)
             rows.append({**row, "window": window})
@@ -219,7 +220,9 @@ def run_niah(e: EvalRunConfig, ctx) -> dict:
                            min(e.niah_samples, e.limit or e.niah_samples), e.seed, e.batch_size, e.niah_digits,
                            e.niah_candidates, e.progress, e.niah_gen_tokens)
     for row in result["rows"]:
-        if row["n"]:
+        if not row["n"]:
+            print(f"niah {row['kind']:<16} L={row['length']:<6} skipped: {row.get('note', 'no example')}")
+        else:
             depth = "" if row["depth"] is None else f" depth={row['depth']:<5}"
             print(f"niah {row['kind']:<16} L={row['length']:<6}{depth} RULER {100 * row['score']:5.1f}  "
                   f"rank {row['acc_rank']:.2f}")
@@ -349,7 +352,8 @@ def load_run(e: EvalRunConfig, device: str, dtype):
         if model.set_window(e.window) == 0:
             raise ConfigError(f"--window={e.window}: the model of {e.out_dir} ({cfg.model.attn_pattern}) has no "
                               "sliding-window layers")
-    source = {"config_hash": config_hash(cfg), "ckpt": str(checkpoint_path(e.out_dir, e.ckpt)), "step": ckpt["step"]}
+    source = {"config_hash": config_hash(cfg), "ckpt": ckpt.get("path", str(checkpoint_path(e.out_dir, e.ckpt))),
+              "step": ckpt["step"]}
     return model, cfg, tokenizer, data_dir, with_config, source
 
 

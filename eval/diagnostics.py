@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
+from progress import progress_bar
 
 from data import recall
 from data.embedded import COLORS, CONTAINERS, NAMES, THINGS
@@ -256,7 +256,7 @@ def run(model, tokenizer, text: np.ndarray, geometry: Geometry, probes, samples:
         distances: list[int], batch_size: int = 8, progress: bool = True, fact_format: str = "notes") -> dict:
     builder = Builder(tokenizer, haystack(fact_format, tokenizer, text))
     rows, per_example, nll_rows, boundary_prompts = [], [], [], []
-    for probe in tqdm(probes, desc="diagnostics", disable=not progress):
+    for probe in progress_bar(probes, progress, desc="diagnostics"):
         examples = make_examples(builder, geometry, probe, samples, seed, distances, fact_format)
         records = score(model, examples, batch_size)
         per_example += records

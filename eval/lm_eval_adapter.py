@@ -63,7 +63,7 @@ from __future__ import annotations
 import logging
 
 import torch
-from tqdm import tqdm
+from progress import progress_bar
 
 try:
     from lm_eval.api.model import LM
@@ -239,7 +239,7 @@ class CheckpointLM(LM):
         """continuation_logprobs over all pairs, longest first, one batch at a time for the progress bar."""
         results: list[dict | None] = [None] * len(pairs)
         order = sorted(range(len(pairs)), key=lambda i: -(len(pairs[i][0]) + len(pairs[i][1])))
-        with tqdm(total=len(pairs), desc=desc, disable=disable_tqdm) as bar:
+        with progress_bar(total=len(pairs), enabled=not disable_tqdm, desc=desc) as bar:
             for start in range(0, len(order), self.batch_size):
                 batch = order[start:start + self.batch_size]
                 scored = continuation_logprobs(self.model, [pairs[i] for i in batch], self.batch_size,
@@ -322,7 +322,7 @@ class CheckpointLM(LM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         out = []
-        for req in tqdm(requests, desc="generate_until", disable=disable_tqdm):
+        for req in progress_bar(requests, not disable_tqdm, desc="generate_until"):
             context, gen_kwargs = req.args
             with torch.no_grad():
                 text = self._generate(context, dict(gen_kwargs or {}))

@@ -39,7 +39,7 @@ import uuid
 
 import numpy as np
 import torch
-from tqdm import tqdm
+from progress import progress_bar
 
 from eval.ranking import continuation_logprobs, length_batches
 
@@ -212,7 +212,7 @@ def run(model, tokenizer, essay_text: str, lengths, depths, kinds, samples: int,
     essay = haystack_sentences(essay_text)
     rows, per_example = [], []
     cells = [(k, L, d) for L in lengths for k in kinds for d in (depths or [None])]
-    for kind, length, depth in tqdm(cells, desc="niah", disable=not progress):
+    for kind, length, depth in progress_bar(cells, progress, desc="niah"):
         if limit is not None and length > limit:
             rows.append({"kind": kind, "length": length, "depth": depth, "n": 0, "score": None, "acc_rank": None,
                          "note": f"longer than block_size {limit} (learned positions)"})

@@ -14,7 +14,7 @@ import math
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
+from progress import progress_bar
 
 from eval.ranking import length_batches, length_independent
 
@@ -61,7 +61,7 @@ def perplexity(model, docs: list[np.ndarray], length: int, batch_size: int = 8, 
     pairs = list(windows(docs, length))[:limit]
     total_nll, total_tokens = 0.0, 0
     batches = length_batches([len(x) for x, _ in pairs], batch_size, length_independent(model))
-    for batch in tqdm(batches, desc=f"ppl L={length}", disable=not progress, leave=False):
+    for batch in progress_bar(batches, progress, desc=f"ppl L={length}", leave=False):
         batch = [pairs[i] for i in batch]
         width = max(len(x) for x, _ in batch)
         x = torch.zeros(len(batch), width, dtype=torch.long)

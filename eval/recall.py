@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
-from tqdm import tqdm
+from progress import progress_bar
 
 from data.recall import VALUES, document, document_parts
 
@@ -40,8 +40,7 @@ def accuracy(model, tokenizer, eot_id: int, length: int, samples: int, seed: int
     letter_ids = torch.tensor([tokenizer.encode(v)[0] for v in VALUES], device=device)
     examples = contexts(tokenizer, eot_id, length, samples, seed, **options)
     correct = []
-    for start in tqdm(range(0, len(examples), batch_size), desc=f"recall L={length}", disable=not progress,
-                      leave=False):
+    for start in progress_bar(range(0, len(examples), batch_size), progress, desc=f"recall L={length}", leave=False):
         batch = examples[start:start + batch_size]
         idx = torch.tensor([ids for ids, _ in batch], device=device)
         logits, _ = model(idx)

@@ -94,13 +94,18 @@ def make_record(name: str, source: str, config: dict, train: list, val: list, ex
     """
     train = sorted((int(s), float(v)) for s, v in train)
     val = sorted((int(s), float(v)) for s, v in val)
-    if best_val_loss is None and val:
-        best_val_loss = min(v for _, v in val)
+    if best_val_loss is None and any(step > 0 for step, _ in val):  # step 0 is the untrained model, never "best"
+        best_val_loss = min(v for step, v in val if step > 0)
     if final_train_loss is None and train:
         final_train_loss = train[-1][1]
+    last = train[-1][0] if train else None
+    max_iters = (config.get("train") or {}).get("max_iters") if isinstance(config.get("train"), dict) else None
+    # a run stopped before max_iters (interrupted, or still running): its numbers are not the finished run's
+    incomplete = last is not None and _is_number(max_iters) and last < max_iters
     return {"name": name, "source": source, "config": config, "n_params": n_params, "train": train, "val": val,
-            "best_val_loss": best_val_loss, "final_train_loss": final_train_loss,
-            "last_train_step": train[-1][0] if train else None, "extra": extra or {}, "evals": evals or {}}
+            "best_val_loss": best_val_loss, "final_train_loss": final_train_loss, "last_train_step": last,
+            "incomplete": f"stopped at step {last} of {max_iters}" if incomplete else "",
+            "extra": extra or {}, "evals": evals or {}}
 
 
 def load_evals(run_dir: Path) -> dict:
@@ -117,6 +122,7 @@ def load_evals(run_dir: Path) -> dict:
         results = data.get("results") or {}
         rows = results.get("rows", []) if isinstance(results, dict) else []
         evals[data.get("task") or path.stem] = {"rows": [r for r in rows if isinstance(r, dict)],
+                                                "trained_window": results.get("trained_window") if isinstance(results, dict) else None,
                                                 "per_example": data.get("per_example"),
                                                 "provenance": data.get("provenance") or {}, "path": str(path)}
     return evals
@@ -199,7 +205,13 @@ def load_wandb_runs(path: str, names: list[str] | None = None) -> list[dict]:
     import wandb
 
     records = []
-    for run in wandb.Api().runs(path):
+    try:
+        runs = list(wandb.Api().runs(path))
+    except Exception as e:  # no login, no network, or no such project: wandb raises many kinds
+        raise CompareError(f"cannot read {path} from wandb ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}): "
+                           "without a login or network, compare the local run folders instead "
+                           "(python scripts/compare.py out/RUN_A out/RUN_B ...)") from None
+    for run in runs:
         if names and run.name not in names:
             continue
         records.append(wandb_record(run))
@@ -313,9 +325,11 @@ def eval_summaries(evals: dict) -> dict:
     for task, result in evals.items():
         rows = result.get("rows") or []
         if task == "ppl":
+            trained = result.get("trained_window")
             for r in rows:
                 if _is_number(r.get("ppl")) and _is_number(r.get("length")):
                     w = r.get("window")
+                    w = None if w == trained else w  # the trained window is the model as trained: plain column
                     name = f"ppl@L={r['length']}" + (f",w={w}" if w is not None else "")
                     out[name] = ((task, "ppl", -1 if w is None else w, r["length"]), float(r["ppl"]))
             continue
@@ -360,6 +374,20 @@ def _fmt_config(value) -> str:
     return str(value)
 
 
+def mixer_settings_used(config: dict) -> set[str] | None:
+    """The mixer settings (Mixer.settings) some layer of a run reads; None when its pattern cannot be read."""
+    from types import SimpleNamespace
+
+    from attention.registry import used_settings
+
+    model = config.get("model") if isinstance(config.get("model"), dict) else {}
+    try:
+        return used_settings(SimpleNamespace(attn_pattern=model.get("attn_pattern", "full"),
+                                             n_layer=model.get("n_layer", 1)))
+    except (ValueError, TypeError):
+        return None
+
+
 def build_tables(records: list[dict], columns: list[str] | None = None) -> dict:
     """Everything the output needs, from records only: {"diff_keys", "columns", "rows", "groups"}.
 
@@ -372,8 +400,16 @@ def build_tables(records: list[dict], columns: list[str] | None = None) -> dict:
     keys: list[str] = []
     for flat in flats:
         keys += [k for k in flat if k not in keys]
+    # a mixer setting counts only for the runs whose layers read it (swat_split means nothing to a full model)
+    from attention.registry import mixer_settings
+
+    settings = mixer_settings()
+    used = [mixer_settings_used(r["config"]) for r in records]
+    for flat, run_uses in zip(flats, used):
+        for key in settings - (run_uses if run_uses is not None else settings):
+            flat.pop(key, None)
     diff_keys = [k for k in keys if k not in IGNORED_KEYS
-                 and len({json.dumps(f.get(k, "\0missing"), default=str) for f in flats}) > 1]
+                 and len({json.dumps(f.get(k, "\0missing"), default=str) for f in flats if k not in settings or k in f}) > 1]
     rows, extra_cols = [], {}
     for record, flat in zip(records, flats):
         n_params = record["n_params"] if record["n_params"] is not None else count_params(record["config"])
@@ -384,7 +420,7 @@ def build_tables(records: list[dict], columns: list[str] | None = None) -> dict:
         for name, (sort_key, value) in summaries.items():
             extra_cols.setdefault(name, sort_key)
             cells[name] = value
-        rows.append({"run": record["name"], "flat": flat, "cells": cells})
+        rows.append({"run": record["name"], "flat": flat, "cells": cells, "incomplete": record.get("incomplete", "")})
     task_order = {"ppl": 0, "niah": 1, "~": 3}  # ppl, niah, other tasks, then metrics.jsonl/summary values
     eval_cols = sorted(extra_cols, key=lambda c: (task_order.get(extra_cols[c][0], 2), extra_cols[c], c))
     if columns:
@@ -448,7 +484,8 @@ def markdown_table(headers: list[str], rows: list[list[str]], right: set[int] = 
 def render_runs(tables: dict) -> str:
     headers = ["run", *tables["diff_keys"], *tables["columns"]]
     first_num = 1 + len(tables["diff_keys"])
-    body = [[row["run"], *(_fmt_config(row["flat"].get(k, MISSING)) for k in tables["diff_keys"]),
+    body = [[row["run"] + (f" (incomplete: {row['incomplete']})" if row.get("incomplete") else ""),
+             *(_fmt_config(row["flat"].get(k, MISSING)) for k in tables["diff_keys"]),
              *(fmt_value(c, row["cells"].get(c)) for c in tables["columns"])] for row in tables["rows"]]
     return markdown_table(headers, body, right=set(range(first_num, len(headers))))
 
@@ -527,6 +564,13 @@ def _log2_lengths(ax, lengths):
     ax.minorticks_off()
 
 
+def unigram_baseline(record: dict) -> float | None:
+    """The validation text's unigram entropy, which train.py saves with the data's meta in config.json."""
+    meta = record["config"].get("data_meta") if isinstance(record["config"].get("data_meta"), dict) else {}
+    value = meta.get("unigram_entropy")
+    return float(value) if _is_number(value) else None
+
+
 def plot_all(records: list[dict], out_dir: Path) -> list[Path]:
     plt = _pyplot()
     from matplotlib import ticker
@@ -534,13 +578,22 @@ def plot_all(records: list[dict], out_dir: Path) -> list[Path]:
     colors = _colors(plt, len(records))
     written = []
 
+    curves = [(r, c, r["train"], [(step, v) for step, v in r["val"] if step > 0]) for r, c in zip(records, colors)]
+    if not any(train or val for _, _, train, val in curves):  # no curve to draw: no empty figure
+        warn("no training or validation losses to plot: loss_curves.png not written")
+        curves = []
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for record, color in zip(records, colors):
-        for ax, curve in zip(axes, (record["train"], record["val"])):
+    for record, color, *pair in curves:  # validation from the first evaluation after step 0 (the untrained model)
+        for ax, curve in zip(axes, pair):
             if curve:
                 ax.plot(*zip(*curve), color=color, label=record["name"], marker="o" if len(curve) < 15 else None,
                         markersize=3)
-    for ax, title in zip(axes, ("Training loss", "Validation loss")):
+    baselines = {round(b, 6) for b in (unigram_baseline(r) for r, *_ in curves) if b is not None}
+    for baseline in sorted(baselines):  # the loss of predicting token frequencies alone
+        for ax in axes:
+            ax.axhline(baseline, color="gray", linestyle=":", linewidth=1,
+                       label="unigram baseline" if len(baselines) == 1 else f"unigram {baseline:.3f}")
+    for ax, title in zip(axes if curves else [], ("Training loss", "Validation loss")):
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.set_ylabel("loss (nats per token)")
@@ -548,7 +601,10 @@ def plot_all(records: list[dict], out_dir: Path) -> list[Path]:
         ax.yaxis.set_major_locator(ticker.MaxNLocator(8))
         ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%.3g"))
         ax.yaxis.set_minor_formatter(ticker.NullFormatter())
-    written.append(_save(fig, axes, out_dir / "loss_curves.png"))
+    if curves:
+        written.append(_save(fig, axes, out_dir / "loss_curves.png"))
+    else:
+        plt.close(fig)
 
     ppl = [(r, c, [row for row in r["evals"].get("ppl", {}).get("rows", [])
                    if _is_number(row.get("length")) and _is_number(row.get("ppl"))]) for r, c in zip(records, colors)]
@@ -686,7 +742,14 @@ def main(argv=None) -> int:
             if (Path(path) / "compare.md").is_file() and not (Path(path) / "config.json").exists():
                 warn(f"{path} is a compare output folder; skipped")  # `out/*` after a --plot into out/compare
                 continue
-            records.append(load_local_run(path))
+            try:
+                records.append(load_local_run(path))
+            except CompareError as e:
+                if len(args.run_dirs) == 1:
+                    raise
+                warn(f"{e}; skipped")  # e.g. `out/*/` also matching a folder that is not a run
+        if args.run_dirs and not records:
+            raise CompareError(f"none of {', '.join(args.run_dirs)} is a run folder (config.json and metrics.jsonl)")
     if names:
         found = {r["name"] for r in records}
         missing = [n for n in names if n not in found]

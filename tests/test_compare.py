@@ -213,9 +213,11 @@ def test_table_groups_and_plots(runs, tmp_path):
 
 def test_not_a_run_folder(runs, tmp_path):
     (runs[0] / "metrics.jsonl").unlink()
-    proc = run_cli(runs[0], runs[1])
-    assert proc.returncode == 2
-    assert str(runs[0]) in proc.stderr and "metrics.jsonl" in proc.stderr and "config.json" not in proc.stderr
+    proc = run_cli(runs[0], runs[1])  # e.g. out/*/ matching a folder that is not a run: skipped, said so
+    assert proc.returncode == 0 and "skipped" in proc.stderr and str(runs[0]) in proc.stderr
+    assert "metrics.jsonl" in proc.stderr and runs[1].name in proc.stdout and f"| {runs[0].name} " not in proc.stdout
+    proc = run_cli(runs[0])
+    assert proc.returncode == 2 and "metrics.jsonl" in proc.stderr and "config.json" not in proc.stderr
     proc = run_cli(tmp_path / "nowhere")
     assert proc.returncode == 2 and "nowhere" in proc.stderr
 
@@ -248,7 +250,7 @@ class FakeRun:
     def __init__(self, name, seed, attn, val, train):
         cfg = Config().to_dict()
         cfg["model"].update({**model_overrides(attn), "attn_pattern": attn})
-        cfg["train"].update({"seed": seed, "batch_size": 2, "gradient_accumulation_steps": 3})
+        cfg["train"].update({"seed": seed, "batch_size": 2, "gradient_accumulation_steps": 3, "max_iters": 30})
         cfg["data"] = {"dataset": "embedded_byte", "data_dir": ""}
         self.name, self.id, self.path = name, name + "id", ["ent", "proj", name + "id"]
         self.config = {**cfg, "run": {"git_hash": name}, "n_params": 123456}
@@ -321,3 +323,33 @@ def test_eval_summaries_are_per_length_and_generic():
     values = {k: v for k, (_, v) in compare.eval_summaries(evals).items()}
     assert values == {"niah_rank@L=64": pytest.approx((4 * 1.0 + 12 * 0.5) / 16), "ppl@L=128": 2.5,
                       "probes_acc@L=128": pytest.approx(0.875), "probes_acc@L=256": 0.25, "probes_score": 0.3}
+
+
+def test_what_a_new_user_should_not_be_misled_by(runs, tmp_path, capsys):
+    """An unfinished run is marked; a step-0 loss is never "best"; the trained window's perplexity is the plain
+    column; a setting is shown only for the runs whose mixers read it; the validation plot starts after step 0
+    with the unigram baseline; no plot is written without data."""
+    compare = load_compare()
+    full, _, swa = runs
+    config = json.loads((swa / "config.json").read_text())
+    config["model"].update({"swat_split": "8:4"})  # a swat setting: neither run's mixers read it
+    config["data_meta"]["unigram_entropy"] = 3.2
+    (swa / "config.json").write_text(json.dumps(config))
+    (full / "metrics.jsonl").write_text(json.dumps({"step": 0, "val_loss": 5.0}) + "\n" +
+                                        json.dumps({"step": 10, "train_loss": 4.0}) + "\n")
+    ppl = json.loads((swa / "eval" / "ppl.json").read_text())
+    ppl["results"]["trained_window"] = 32
+    (swa / "eval" / "ppl.json").write_text(json.dumps(ppl))
+    full_record, swa_record = compare.load_local_run(full), compare.load_local_run(swa)
+    assert full_record["best_val_loss"] is None and "stopped at step 10 of 100" in full_record["incomplete"]
+    assert swa_record["incomplete"] == ""
+    tables = compare.build_tables([full_record, swa_record])
+    assert "swat_split" not in tables["diff_keys"] and "swa_window" not in tables["diff_keys"]
+    assert "ppl@L=64" in tables["rows"][1]["cells"] and "ppl@L=64,w=32" not in tables["rows"][1]["cells"]
+    text = compare.render(tables)
+    assert "full_s1 (incomplete: stopped at step 10 of 100)" in text
+    written = compare.plot_all([swa_record], tmp_path)
+    assert tmp_path / "loss_curves.png" in written
+    empty = {**swa_record, "train": [], "val": [(0, 5.0)], "evals": {}}
+    assert compare.plot_all([empty], tmp_path / "none") == [] and not (tmp_path / "none" / "loss_curves.png").exists()
+    assert "no training or validation losses to plot" in capsys.readouterr().err

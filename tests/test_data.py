@@ -1,6 +1,7 @@
 """Data pipeline: tokenizers, prepare.py on every kind of source, meta.json validation, the embedded corpus."""
 
 import json
+import math
 import os
 import pickle
 import re
@@ -428,6 +429,7 @@ def test_cli_runs_as_a_script_and_as_a_module(tmp_path):
             cwd=REPO, capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stderr
         assert "tokens" in result.stdout and str(out.name) in result.stdout
+        assert "tokenising" not in result.stderr  # a progress bar only on a terminal, never in a log
         assert load_meta(out)["train_tokens"] + load_meta(out)["val_tokens"] == len((TEXT * 20).encode()) + 1
 
     result = subprocess.run([sys.executable, "data/prepare.py", f"--dataset={tmp_path / 'missing.txt'}"],
@@ -544,3 +546,53 @@ def test_enwik8_standard_split_from_a_file_or_its_zip(tmp_path, monkeypatch):
     with pytest.raises(DataError, match="holds 50 bytes"):
         prep.prepare(str(tmp_path / "short" / "enwik8"), out_dir=str(tmp_path / "y"), quiet=True)
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_unreadable_local_files_are_named_with_their_line(tmp_path):
+    from data.prepare import prepare
+
+    bad_txt = tmp_path / "latin.txt"
+    bad_txt.write_bytes("first line\nsecond line caf\xe9\n".encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin.txt, line 2: not UTF-8 text .* iconv"):
+        prepare(str(bad_txt), out_dir=str(tmp_path / "a"), quiet=True, num_proc=1)
+    bad_jsonl = tmp_path / "rows.jsonl"
+    bad_jsonl.write_text('{"text": "fine"}\n{"text": "also fine"}\n{"text": broken\n')
+    with pytest.raises(DataError, match=r"rows.jsonl, line 3: not valid JSON"):
+        prepare(str(bad_jsonl), out_dir=str(tmp_path / "b"), quiet=True, num_proc=1)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_single_file_gets_a_tenth_for_validation_and_fixes_repeat_the_options(tmp_path):
+    from data.meta import prepare_command
+    from data.prepare import prepare
+
+    text = tmp_path / "book.txt"
+    text.write_text("a line of a long book. " * 2000)
+    meta = prepare(str(text), out_dir=str(tmp_path / "out"), quiet=True, num_proc=1)
+    assert meta["val_tokens"] == math.ceil(0.1 * (meta["train_tokens"] + meta["val_tokens"]))  # nanoGPT's 0.9 / 0.1
+    meta = prepare(str(text), out_dir=str(tmp_path / "out"), quiet=True, num_proc=1, max_tokens=20_000,
+                   val_fraction=0.25, seed=3)
+    command = prepare_command(tmp_path / "out", meta)
+    assert f"--dataset={text}" in command and "--max_tokens=20000" in command and "--val_fraction=0.25" in command
+    assert "--seed=3" in command and "--tokenizer=byte" in command
+    with pytest.raises(TokenizerUnavailable, match="did you mean 'byte'"):
+        get_tokenizer("bytes")
+
+
+def test_token_ids_beyond_the_meta_vocabulary_are_caught_without_the_tokenizer(tmp_path, monkeypatch):
+    import shutil
+
+    import data.tokenizer
+    from data.meta import check_vocabulary
+
+    source = REPO / "data" / "embedded_byte"
+    prepare_generated_if_missing(str(source))
+    shutil.copytree(source, tmp_path / "data")
+    meta = {**load_meta(tmp_path / "data"), "vocab_size": 100}
+
+    def unavailable(name):
+        raise TokenizerUnavailable("no network")
+
+    monkeypatch.setattr(data.tokenizer, "get_tokenizer", unavailable)  # the tokenizer cannot be checked here
+    with pytest.raises(DataError, match=r"train.bin holds token id \d+, beyond meta.json's vocab_size 100"):
+        check_vocabulary(tmp_path / "data", meta)

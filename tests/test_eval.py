@@ -98,8 +98,9 @@ def test_training_probes_are_logged(tiny_run):
 
 
 def test_limit_caps_the_work(tiny_run):
-    run_eval(tiny_run, "--tasks=ppl,niah", "--ppl_lengths=16", "--limit=3", "--niah_lengths=512",
-             "--niah_kinds=niah_single_1", "--niah_gen_tokens=8", "--niah_samples=10")
+    proc = run_eval(tiny_run, "--tasks=ppl,niah", "--ppl_lengths=16", "--limit=3", "--niah_lengths=64,512",
+                    "--niah_kinds=niah_single_1", "--niah_gen_tokens=8", "--niah_samples=10")
+    assert "niah niah_single_1    L=64     skipped: niah length 64 leaves 56 tokens" in proc.stdout  # said, not only saved
     assert json.load(open(tiny_run / "eval" / "ppl.json"))["results"]["rows"][0]["windows"] == 3
     assert len(json.load(open(tiny_run / "eval" / "niah.json"))["per_example"]) == 3
 

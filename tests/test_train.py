@@ -228,3 +228,55 @@ def test_a_runs_saved_config_json_trains_the_same_run(reference_run, tmp_path):
     assert metrics(tmp_path) == metrics(reference_run)
     saved, again = (json.load(open(path / "config.json")) for path in (reference_run, tmp_path))
     assert {**saved["model"]} == again["model"] and saved["train"]["max_iters"] == again["train"]["max_iters"]
+
+
+@pytest.mark.parametrize("vocab_size, message", [(100, "says vocab_size 100 and eot_id 256, but its tokenizer 'byte' has 257"),
+                                                 (50257, "says vocab_size 50257")])
+def test_a_meta_that_does_not_describe_its_data_is_refused_before_anything_is_written(tmp_path, vocab_size, message):
+    import shutil
+
+    from data.meta import prepare_generated_if_missing
+
+    source = REPO / "data" / "embedded_byte"
+    prepare_generated_if_missing(str(source))
+    data = tmp_path / "data"
+    shutil.copytree(source, data)
+    meta = json.loads((data / "meta.json").read_text())
+    (data / "meta.json").write_text(json.dumps({**meta, "vocab_size": vocab_size, "dtype": "uint16"}))
+    proc = train_subprocess(["configs/quickstart.py", f"--data_dir={data}", f"--out_dir={tmp_path / 'run'}",
+                             "--max_iters=1"], check=False)
+    assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert len(proc.stderr.strip().splitlines()) == 1 and "python data/prepare.py" in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_online_wandb_without_a_login_says_to_log_offline_before_the_run_starts(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("WANDB_MODE", "WANDB_API_KEY")}
+    env["HOME"] = str(tmp_path)  # no ~/.netrc: no login
+    proc = subprocess.run([sys.executable, "train.py", "configs/quickstart.py", "--wandb_log=True",
+                           f"--out_dir={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode == 2 and "--wandb_mode=offline" in proc.stderr and "no wandb login" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+    proc = subprocess.run([sys.executable, "scripts/compare.py", "--wandb", "someone/project"], cwd=REPO,
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2 and "compare the local run folders instead" in proc.stderr, proc.stderr[-1500:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_resume_from_best_a_finished_run_and_the_last_checkpoint_when_there_is_no_best(reference_run, tmp_path):
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference_run, run_dir)
+    lines = (run_dir / "metrics.jsonl").read_text()
+    proc = run(["--max_iters=12", "--eval_interval=4", "--init_from=resume"], run_dir)
+    assert "already finished at step 12" in proc.stdout
+    assert (run_dir / "metrics.jsonl").read_text() == lines  # no second val line for step 12
+    best_step = load_checkpoint(run_dir / "ckpt_best.pt")["step"]
+    proc = run(["--max_iters=14", "--eval_interval=4", "--init_from=resume", "--resume_from=best"], run_dir)
+    assert f"resumed from {run_dir / 'ckpt_best.pt'} at step {best_step}" in proc.stdout
+    (run_dir / "ckpt_best.pt").unlink()  # e.g. a run stopped before its first evaluation
+    sample = subprocess.run([sys.executable, "sample.py", f"--out_dir={run_dir}", "--max_new_tokens=4",
+                             "--num_samples=1", "--device=cpu"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert sample.returncode == 0 and "no best checkpoint; using ckpt_last.pt" in sample.stderr, sample.stderr[-1500:]
