@@ -1,6 +1,6 @@
 """Start training from pretrained weights, as nanoGPT's init_from='gpt2' does.
 
-    python train.py configs/owt_124m_pbb.py --init_from=gpt2            # OpenAI's GPT-2 small, any attn_pattern
+    python train.py configs/bridges/owt_124m_pbb.py --init_from=gpt2            # OpenAI's GPT-2 small, any attn_pattern
     python train.py CONFIG --init_from=gpt2-medium                      # gpt2-large, gpt2-xl likewise
     python train.py CONFIG --init_from=hf:./my-gpt2                     # a local (or hub) GPT-2-shaped checkpoint
     python train.py CONFIG --init_from=hf:Qwen/Qwen3-0.6B --attn_pattern=sa_swa   # Llama-family, below

@@ -3,8 +3,8 @@
 Single process (CPU or one GPU):
     python train.py configs/quickstart.py [--key=value ...]
 DDP (NCCL on GPUs, gloo on CPU), or FSDP2 sharding with --parallelism=fsdp (sharded checkpoint folders):
-    torchrun --standalone --nproc_per_node=8 train.py configs/owt_124m_full.py
-    torchrun --standalone --nproc_per_node=8 train.py configs/swax_7b_stochastic.py
+    torchrun --standalone --nproc_per_node=8 train.py configs/bridges/owt_124m_full.py
+    torchrun --standalone --nproc_per_node=8 train.py configs/swax/swax_7b_stochastic.py
 Resume the run in out_dir exactly where ckpt_last.pt (or the folder ckpt_last/ under FSDP) left it, or from its
 best checkpoint:
     python train.py configs/quickstart.py --init_from=resume [--resume_from=best]

@@ -33,10 +33,14 @@ def prepare_command(data_dir, meta=None):
     split = meta.get("split") if isinstance(meta.get("split"), dict) else {}
     if split.get("method") == "enwik8":
         options.append(f"--enwik8_val={split.get('val_is', 'val')}")
-    elif "val_fraction" in split:
+    elif "val_fraction" in split and split.get("method") != "source":
         options.append(f"--val_fraction={split['val_fraction']}")
     if split.get("seed"):
         options.append(f"--seed={split['seed']}")
+    if meta.get("split_articles"):
+        options.append("--split_articles")
+    if split.get("method") == "source" and split.get("val_split") == "test":
+        options.append("--wikitext_val=test")
     if meta.get("slimpajama_sets"):
         options.append(f"--slimpajama_sets={','.join(meta['slimpajama_sets'])}")
     return "python data/prepare.py " + " ".join(options) + f" --out_dir={data_dir}"

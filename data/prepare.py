@@ -15,13 +15,19 @@ Tokenise a text dataset into token memmaps for training:
     openwebtext   Skylion007/openwebtext from the Hugging Face hub (field "text")
     slimpajama    cerebras/SlimPajama-627B from the hub (fields "text", "meta.redpajama_set_name")
     fineweb_edu   HuggingFaceFW/fineweb-edu, subset sample-100BT, from the hub (field "text"; paper 001's data)
+    wikitext2, wikitext103
+                  Salesforce/wikitext from the hub, raw text (wikitext2_tokenized, wikitext103_tokenized: the
+                  tokenised configs, rare words as <unk>); each article (from its " = Title = " line to the next)
+                  is a document, and the official splits are kept: train -> train.bin, validation (or test,
+                  --wikitext_val=test) -> val.bin (paper 002's Wikitext-103 recipes)
     enwik8        the Hutter prize's 100M bytes (paper 002's character-level benchmark), downloaded once from
                   ENWIK8_URL, or a local enwik8 / enwik8.zip file given as --dataset=path/to/enwik8.zip.
                   --tokenizer=byte only, and the standard split: the first 90M bytes train, the next 5M val
                   (--enwik8_val=test takes the last 5M, the split the papers report), one stream each, no
                   end-of-text tokens; --max_tokens, --val_fraction and --seed do not apply.
     a local .txt / .jsonl / .json / .parquet file, a folder of them, or a glob.
-      A .txt file is one document; .jsonl/.json/.parquet rows need a "text" field.
+      A .txt file is one document (with --split_articles, one per WikiText article: a local copy of WikiText);
+      .jsonl/.json/.parquet rows need a "text" field.
 Everything is streamed through the `datasets` library, so nothing is held in memory.
 
 Writes to --out_dir (default data/<dataset>_<tokenizer>, where a local path
@@ -74,6 +80,10 @@ HUB_DATASETS = {"openwebtext": ("Skylion007/openwebtext", None), "slimpajama": (
                 "fineweb_edu": ("HuggingFaceFW/fineweb-edu", "sample-100BT")}
 ENWIK8_URL = "http://mattmahoney.net/dc/enwik8.zip"
 ENWIK8_SPLITS = {"train": (0, 90_000_000), "val": (90_000_000, 95_000_000), "test": (95_000_000, 100_000_000)}
+# name -> Salesforce/wikitext config; its rows are lines, grouped into articles (wikitext_articles)
+WIKITEXT = {"wikitext2": "wikitext-2-raw-v1", "wikitext103": "wikitext-103-raw-v1",
+            "wikitext2_tokenized": "wikitext-2-v1", "wikitext103_tokenized": "wikitext-103-v1"}
+WIKITEXT_HEADING = re.compile(r"^ = [^=].* = $")  # an article's title line; sections are " = = ... = = "
 LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 DOCS_PER_BATCH = 256
 MIN_VAL_TOKENS = 1024  # for a single-document split: enough to evaluate on, unless the data is tiny
@@ -116,10 +126,54 @@ def local_files(pattern):
     return files
 
 
-def load_rows(dataset, quiet=False):
-    """An iterator over the dataset's rows (dicts with at least "text"), streamed."""
+def wikitext_articles(lines):
+    """WikiText's lines grouped into articles, each from its " = Title = " line up to the next title."""
+    article = []
+    for line in lines:
+        if WIKITEXT_HEADING.match(line.rstrip("\n")) and any(part.strip() for part in article):
+            yield "".join(article)
+            article = []
+        article.append(line if line.endswith("\n") else line + "\n")
+    if any(part.strip() for part in article):
+        yield "".join(article)
+
+
+def wikitext_rows(dataset, wikitext_val="validation", quiet=False):
+    """Salesforce/wikitext's train split, then its validation (or test) split, as articles marked with the split
+    they belong to (write_tokens keeps the official split instead of drawing one)."""
     import datasets
 
+    config = WIKITEXT[dataset]
+    if not quiet:
+        print(f"streaming Salesforce/wikitext ({config}) from the Hugging Face hub")
+    try:
+        splits = {name: iter(datasets.load_dataset("Salesforce/wikitext", config, split=name, streaming=True))
+                  for name in ("train", wikitext_val)}
+        firsts = {name: next(rows, None) for name, rows in splits.items()}  # proves the hub is reachable
+    except Exception as e:
+        raise DataError(f"could not load --dataset={dataset} (Salesforce/wikitext, {config}) from the Hugging Face "
+                        f"hub ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Without network, "
+                        "pass a local copy: --dataset=path/to/wiki.train.txt --split_articles") from e
+    for name, rows in splits.items():
+        lines = (row["text"] for row in chain_first(firsts[name], rows) if row is not None)
+        for article in wikitext_articles(lines):
+            yield {"text": article, "split": "train" if name == "train" else "val"}
+
+
+def local_articles(files):
+    """The WikiText articles of local text files (--split_articles)."""
+    for path in files:
+        with open(path, encoding="utf-8") as f:
+            for article in wikitext_articles(f):
+                yield {"text": article}
+
+
+def load_rows(dataset, quiet=False, split_articles=False, wikitext_val="validation"):
+    """An iterator over the dataset's rows (dicts with at least "text"; "split" when the source has its own), streamed."""
+    import datasets
+
+    if dataset in WIKITEXT:
+        return wikitext_rows(dataset, wikitext_val, quiet)
     if dataset in GENERATED:
         return iter(datasets.IterableDataset.from_generator(generated_rows, gen_kwargs={"name": dataset}))
     if dataset in HUB_DATASETS:
@@ -139,6 +193,11 @@ def load_rows(dataset, quiet=False):
         return rows if first is None else chain_first(first, rows)
     files = local_files(dataset)
     builder = LOCAL_BUILDERS[os.path.splitext(files[0])[1]]
+    if split_articles:
+        if builder != "text":
+            raise DataError("--split_articles splits .txt files at their WikiText article headings; "
+                            f"--dataset={dataset} is not .txt")
+        return local_articles(files)
     # sample_by="document": a whole .txt file is one document, not one document per line
     options = {"sample_by": "document"} if builder == "text" else {}
     return iter(datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **options))
@@ -179,7 +238,7 @@ def chain_first(first, rest):
 
 
 def documents_from_rows(rows, dataset, keep_sets):
-    """(text, set name or None) for every non-empty document, keeping only keep_sets if given."""
+    """(text, set name or None, split or None) for every non-empty document, keeping only keep_sets if given."""
     for row in rows:
         if "text" not in row:
             raise DataError(f"rows of --dataset={dataset} have no 'text' field (fields: {', '.join(row)})")
@@ -192,7 +251,7 @@ def documents_from_rows(rows, dataset, keep_sets):
             if set_name not in keep_sets:
                 continue
         if row["text"]:
-            yield row["text"], set_name
+            yield row["text"], set_name, row.get("split")
 
 
 def batched(items, n):
@@ -246,12 +305,12 @@ def encode_batches(batches, tokenizer, num_proc):
     if num_proc <= 1:
         init_worker(tokenizer, in_pool=False)
         for batch in batches:
-            yield batch, encode_batch([text for text, _ in batch])
+            yield batch, encode_batch([text for text, *_ in batch])
         return
     with multiprocessing.Pool(num_proc, initializer=init_worker, initargs=(tokenizer,)) as pool:
         pending = deque()
         for batch in batches:
-            pending.append((batch, pool.apply_async(encode_batch, ([text for text, _ in batch],))))
+            pending.append((batch, pool.apply_async(encode_batch, ([text for text, *_ in batch],))))
             if len(pending) >= 4 * num_proc:
                 batch, result = pending.popleft()
                 yield batch, result.get()
@@ -343,7 +402,7 @@ def slug(text):
 
 def dataset_name(dataset):
     """embedded -> embedded; corpus/*.jsonl -> corpus; books/moby.txt -> moby."""
-    if dataset in GENERATED or dataset in HUB_DATASETS:
+    if dataset in GENERATED or dataset in HUB_DATASETS or dataset in WIKITEXT:
         return dataset
     magic = re.search(r"[*?[]", dataset)
     path = os.path.dirname(dataset[:magic.start()]) if magic else dataset  # a glob: the folder it starts in
@@ -458,7 +517,8 @@ def prepare_enwik8(dataset, tokenizer, out_dir, enwik8_val="val", quiet=False) -
 
 
 def prepare(dataset, tokenizer="byte", out_dir=None, max_tokens=None, val_fraction=None, num_proc=None,
-            seed=0, slimpajama_sets=None, quiet=False, enwik8_val="val") -> dict:
+            seed=0, slimpajama_sets=None, quiet=False, enwik8_val="val", split_articles=False,
+            wikitext_val="validation") -> dict:
     """Tokenise dataset into out_dir/{train,val}.bin and meta.json (see the module docstring); returns the meta.
     val_fraction None: VAL_FRACTION of the documents, or SINGLE_DOCUMENT_VAL_FRACTION of a single document."""
     if is_enwik8(dataset):
@@ -475,13 +535,20 @@ def prepare(dataset, tokenizer="byte", out_dir=None, max_tokens=None, val_fracti
     dtype = vocab_dtype(tok.vocab_size)
     out_dir = out_dir or default_out_dir(dataset, tokenizer)
 
-    rows = load_rows(dataset, quiet)  # fails here, before anything is written, if the data cannot be reached
+    if wikitext_val not in ("validation", "test"):
+        raise DataError(f"--wikitext_val={wikitext_val}: expected validation or test")
+    # fails here, before anything is written, if the data cannot be reached
+    rows = load_rows(dataset, quiet, split_articles, wikitext_val)
     made_dir = not os.path.isdir(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     files = TokenFiles(out_dir, dtype)
     try:
         try:
             meta = write_tokens(files, rows, tok, dataset, keep_sets, max_tokens, val_fraction, num_proc, seed, quiet)
+            if split_articles:
+                meta["split_articles"] = True
+            if meta["split"]["method"] == "source":
+                meta["split"]["val_split"] = wikitext_val
         except (DataError, KeyboardInterrupt, SystemExit, TokenizerUnavailable):
             raise
         except Exception as e:  # an unreadable local file fails deep inside datasets / pyarrow: say where
@@ -507,7 +574,7 @@ def write_tokens(files, rows, tok, dataset, keep_sets, max_tokens, val_fraction,
     docs = {"train": 0, "val": 0}
     last_doc_tokens = {"train": 0, "val": 0}  # for moving a whole document between splits at the end
     set_counts = Counter()
-    total = 0
+    total, official = 0, False
     batches = batched(documents_from_rows(rows, dataset, keep_sets), DOCS_PER_BATCH)
     progress = progress_bar(total=max_tokens, enabled=not quiet, unit="tok", unit_scale=True,
                             desc=f"tokenising {dataset}")
@@ -520,7 +587,11 @@ def write_tokens(files, rows, tok, dataset, keep_sets, max_tokens, val_fraction,
                 lengths = lengths[:keep].copy()
                 lengths[-1] -= ends[keep - 1] - (max_tokens - total)
                 tokens, batch = tokens[:max_tokens - total], batch[:keep]
-            is_val = val_mask(seed, docs["train"] + docs["val"], len(lengths), val_fraction or VAL_FRACTION)
+            forced = [split for _, _, split in batch]
+            if any(split is not None for split in forced):  # the source's own split (WikiText's)
+                is_val, official = np.array([split == "val" for split in forced]), True
+            else:
+                is_val = val_mask(seed, docs["train"] + docs["val"], len(lengths), val_fraction or VAL_FRACTION)
             token_is_val = np.repeat(is_val, lengths)
             files.write("train", tokens[~token_is_val])
             files.write("val", tokens[token_is_val])
@@ -528,7 +599,7 @@ def write_tokens(files, rows, tok, dataset, keep_sets, max_tokens, val_fraction,
                 if in_split.any():
                     docs[split] += int(in_split.sum())
                     last_doc_tokens[split] = int(lengths[in_split][-1])
-            set_counts.update(name for _, name in batch if name is not None)
+            set_counts.update(name for _, name, _ in batch if name is not None)
             total += len(tokens)
             progress.update(len(tokens))
             if max_tokens is not None and total >= max_tokens:
@@ -537,6 +608,8 @@ def write_tokens(files, rows, tok, dataset, keep_sets, max_tokens, val_fraction,
         only = f" in --slimpajama_sets={','.join(sorted(keep_sets))}" if keep_sets else ""
         raise DataError(f"--dataset={dataset} has no non-empty documents{only}")
     docs, split = ensure_both_splits(files, docs, last_doc_tokens, val_fraction, seed, dataset)
+    if official:
+        split = {**split, "method": "source", "note": "the source's own train and validation splits"}
 
     meta = {
         "format_version": FORMAT_VERSION,
@@ -610,6 +683,10 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
     parser.add_argument("--slimpajama_sets", default=None,
                         help="comma-separated meta.redpajama_set_name values to keep")
+    parser.add_argument("--split_articles", action="store_true",
+                        help="local .txt files: one document per WikiText article (from each ' = Title = ' line)")
+    parser.add_argument("--wikitext_val", default="validation", choices=("validation", "test"),
+                        help="wikitext2/103 from the hub: the split that becomes val.bin")
     parser.add_argument("--enwik8_val", default="val", choices=("val", "test"),
                         help="enwik8: the 5M bytes that become val.bin (the standard validation or test split)")
     args = parser.parse_args(argv)

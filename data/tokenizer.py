@@ -102,7 +102,7 @@ class TiktokenTokenizer(Tokenizer):
         return self.backend.decode([int(i) for i in ids])
 
 
-EOT_CANDIDATES = ("</s>", "<|endoftext|>")
+EOT_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>")  # Llama 2 / Mistral, GPT-2 / Qwen, Llama 3
 
 
 class HFTokenizer(Tokenizer):

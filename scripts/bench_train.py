@@ -2,7 +2,7 @@
 
     python scripts/bench_train.py                                   # CPU: 124M gpt2 and 360M llama at 2 layers
     python scripts/bench_train.py --device=cuda --n_layer=0 --compile=True   # GPU: full depth
-    python scripts/bench_train.py --configs=configs/owt_124m_full.py --batch_size=4 --json=out/bench.json
+    python scripts/bench_train.py --configs=configs/bridges/owt_124m_full.py --batch_size=4 --json=out/bench.json
     python scripts/bench_train.py --n_layer=0 --compile=True --batch_size=16 --activation_checkpointing=selective \
         --loss_chunk=4096
 
@@ -30,7 +30,7 @@ from train import peak_flops  # noqa: E402
 
 @dataclass
 class BenchConfig:
-    configs: str = "configs/owt_124m_full.py,configs/slimpajama_360m_full.py"
+    configs: str = "configs/bridges/owt_124m_full.py,configs/sa/slimpajama_360m_full.py"
     n_layer: int = 2  # 0: each config's own depth
     batch_size: int = 1
     block_size: int = 0  # 0: each config's own

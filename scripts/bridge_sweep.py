@@ -5,7 +5,7 @@
     python scripts/bridge_sweep.py --scale=124m --seeds=1337,2025,3047            # App. D's setting, on GPUs
     python scripts/bridge_sweep.py --scale=cpu --tables_only                      # re-tabulate finished runs
 
-Trains configs/bridges_cpu_<family>.py (or configs/owt_124m_<family>.py) for every seed with scripts/sweep.py
+Trains configs/bridges/bridges_cpu_<family>.py (or configs/bridges/owt_124m_<family>.py) for every seed with scripts/sweep.py
 (finished runs are kept, interrupted ones resumed), evaluates each with `python -m eval --tasks=ppl,diagnostics`,
 then writes OUT/tables.md and OUT/tables.json:
     Table 3   per family, means over seeds: best-validation perplexity and the diagnostic accuracies
@@ -40,8 +40,8 @@ FAMILIES = ["full", "swa", "se_bridge", "pbb", "bridge", "block"]  # Table 3's r
 LOCAL = FAMILIES[1:]
 # cpu: language modelling on the facts corpus; cpu_recall: answer-only training on recall_near, where models
 # this small learn to retrieve (its diagnostics: the geometry probes, in the recall format)
-CONFIGS = {"cpu": "configs/bridges_cpu_{}.py", "cpu_recall": "configs/bridges_cpu_recall_{}.py",
-           "124m": "configs/owt_124m_{}.py"}
+CONFIGS = {"cpu": "configs/bridges/bridges_cpu_{}.py", "cpu_recall": "configs/bridges/bridges_cpu_recall_{}.py",
+           "124m": "configs/bridges/owt_124m_{}.py"}
 # what every run is evaluated with (python -m eval arguments; diagnostics are required)
 EVAL = {"cpu": "--tasks=ppl,diagnostics --diag_samples=25 --progress=False",
         # answers only (no text perplexity); needles at the trained distances: further back, a statement is

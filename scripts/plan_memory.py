@@ -1,9 +1,9 @@
 """Per-GPU memory of a training config under DDP or FSDP, and the largest micro-batch that fits a GPU.
 
-    python scripts/plan_memory.py configs/swax_1p4b_stochastic.py --gpu_mem_gb=80 --world_size=8
-    python scripts/plan_memory.py configs/slimpajama_360m_sa_swa.py --world_size=4 --json=out/plan.json
-    python scripts/plan_memory.py configs/swax_7b_stochastic.py --world_size=8       # parallelism=fsdp: sharded
-    python scripts/plan_memory.py configs/owt_124m_pbb.py --batch_size=16 --activation_checkpointing=full
+    python scripts/plan_memory.py configs/swax/swax_1p4b_stochastic.py --gpu_mem_gb=80 --world_size=8
+    python scripts/plan_memory.py configs/sa/slimpajama_360m_sa_swa.py --world_size=4 --json=out/plan.json
+    python scripts/plan_memory.py configs/swax/swax_7b_stochastic.py --world_size=8       # parallelism=fsdp: sharded
+    python scripts/plan_memory.py configs/bridges/owt_124m_pbb.py --batch_size=16 --activation_checkpointing=full
 
 Under DDP every GPU holds the whole model, so its memory is the same on every GPU: fp32 weights, fp32
 gradients, DDP's gradient buckets, AdamW's two moments, autocast's bf16 copies of the weights it casts; under
@@ -678,7 +678,7 @@ def parse(argv) -> tuple[PlanOptions, list[str]]:
         key = arg[2:].partition("=")[0].replace("-", "_") if arg.startswith("--") else None
         (apply_args(options, [arg], own) if key in own else rest.append(arg))
     if not any(not arg.startswith("--") for arg in rest):
-        raise ConfigError("give a config file, e.g. python scripts/plan_memory.py configs/owt_124m_full.py")
+        raise ConfigError("give a config file, e.g. python scripts/plan_memory.py configs/bridges/owt_124m_full.py")
     if options.gpu_mem_gb <= 0 or options.world_size < 1 or not 0 <= options.headroom < 1:
         raise ConfigError("need gpu_mem_gb > 0, world_size >= 1 and 0 <= headroom < 1")
     if options.kernels not in ("cuda", "cpu"):

@@ -1,7 +1,7 @@
 """Train a list of configs (x seeds), optionally evaluate them, and write one comparison table.
 
-    python scripts/sweep.py configs/mswa_cpu_swa.py configs/mswa_cpu_mswa.py --out=out/sweeps/mswa_table2
-    python scripts/sweep.py configs/mswa_cpu_*.py --seeds=1337,2025 --eval="--tasks=ppl --ppl_lengths=64,256"
+    python scripts/sweep.py configs/mswa/mswa_cpu_swa.py configs/mswa/mswa_cpu_mswa.py --out=out/sweeps/mswa_table2
+    python scripts/sweep.py configs/mswa/mswa_cpu_*.py --seeds=1337,2025 --eval="--tasks=ppl --ppl_lengths=64,256"
 
 Each run goes to OUT/<config name>_s<seed>; a run whose ckpt_last.pt (or sharded ckpt_last/) already reached max_iters is kept, so an
 interrupted sweep picks up where it stopped. The table (scripts/compare.py) and the exact command of the

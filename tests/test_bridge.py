@@ -47,7 +47,7 @@ def test_the_predicate_is_table_1(kind, width, n):
 
 
 def stats(*args):
-    proc = subprocess.run([sys.executable, "scripts/mask_stats.py", "--config", "configs/owt_124m_full.py", "--json",
+    proc = subprocess.run([sys.executable, "scripts/mask_stats.py", "--config", "configs/bridges/owt_124m_full.py", "--json",
                            "--receptive_field=no", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     layer = json.loads(proc.stdout)["layers"][0]
@@ -211,7 +211,7 @@ def test_paper_configs_share_the_124m_recipe():
 
     sizes = set()
     for family in ("full", "block", "swa", "bridge", "pbb", "se_bridge"):
-        cfg = load_config([f"configs/owt_124m_{family}.py"])
+        cfg = load_config([f"configs/bridges/owt_124m_{family}.py"])
         m, t = cfg.model, cfg.train
         assert (m.n_layer, m.n_head, m.n_embd, m.block_size, m.dropout, m.bias) == (12, 12, 768, 1024, 0.0, True)
         assert (t.batch_size, t.gradient_accumulation_steps, t.learning_rate, t.min_lr, t.warmup_iters) == \

@@ -85,3 +85,33 @@ def test_a_saved_config_json_loads_and_a_bad_one_is_named(tmp_path):
     path.write_text(json.dumps({"model": {"n_layers": 2}}))
     with pytest.raises(ConfigError, match="n_layers"):
         load_config([str(path)])
+
+
+def test_every_config_path_the_docs_name_exists():
+    """README.md, docs/ and the per-paper READMEs name configs (with {a,b} alternatives and globs): each exists."""
+    import glob
+    import itertools
+    import re
+
+    from conftest import REPO
+
+    texts = [REPO / "README.md", *(REPO / "docs").glob("*.md"), *(REPO / "configs").glob("*/README.md")]
+    named = set()
+    for path in texts:
+        text = path.read_text()
+        folder = path.parent.relative_to(REPO).as_posix() if path.name == "README.md" and path.parent.name != REPO.name \
+            else None
+        names = re.findall(r"configs/[\w/.*{},\[\]-]+?\.py", text)
+        if folder:  # a folder README names its own files bare: `name.py`, `prefix_{a,b}.py`
+            names += [f"{folder}/{n}" for n in re.findall(r"`([\w.*{},\[\]-]+?\.py)`", text)]
+        named.update(names)
+    assert len(named) > 40
+    missing = []
+    for name in sorted(named):
+        parts = re.split(r"\{([^}]*)\}", name)
+        choices = [[p] if i % 2 == 0 else p.split(",") for i, p in enumerate(parts)]
+        for combo in itertools.product(*choices):
+            expanded = "".join(combo)
+            if not glob.glob(str(REPO / expanded)):
+                missing.append(expanded)
+    assert not missing, missing

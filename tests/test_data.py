@@ -596,3 +596,44 @@ def test_token_ids_beyond_the_meta_vocabulary_are_caught_without_the_tokenizer(t
     monkeypatch.setattr(data.tokenizer, "get_tokenizer", unavailable)  # the tokenizer cannot be checked here
     with pytest.raises(DataError, match=r"train.bin holds token id \d+, beyond meta.json's vocab_size 100"):
         check_vocabulary(tmp_path / "data", meta)
+
+
+WIKI_LINES = [" \n", " = First Article = \n", " \n", " Some text of the first article . \n", " = = A section = = \n",
+              " More of the first . \n", " \n", " = Second Article = \n", " \n", " The second one . \n",
+              " = Third = \n", " Third text . \n"]
+
+
+def test_wikitext_articles_are_documents_and_the_hub_keeps_its_splits(tmp_path, monkeypatch):
+    import datasets
+
+    import data.prepare as prep
+
+    assert [a.split("\n")[1] if a.startswith(" \n") else a.split("\n")[0] for a in prep.wikitext_articles(WIKI_LINES)] \
+        == [" = First Article = ", " = Second Article = ", " = Third = "]
+    local = tmp_path / "wiki.valid.txt"  # the local copy: articles become documents, whole articles held out
+    local.write_text("".join(WIKI_LINES * 20))
+    meta = prep.prepare(str(local), out_dir=str(tmp_path / "local"), split_articles=True, val_fraction=0.1, quiet=True,
+                        num_proc=1)
+    assert meta["train_documents"] + meta["val_documents"] == 60 and meta["val_documents"] > 0
+    val = bytes(np.fromfile(tmp_path / "local" / "val.bin", dtype=np.uint16).astype(np.uint8)[:20])
+    assert val.startswith(b" \n = ") or val.startswith(b" = ")  # a whole article, from its title
+    assert "--split_articles" in prepare_command_of(tmp_path / "local")
+
+    served = []
+
+    def fake_load_dataset(repo, config, split, streaming):  # the hub's rows: one line of text each
+        served.append((repo, config, split))
+        return [{"text": line} for line in WIKI_LINES * (3 if split == "train" else 1)]
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    meta = prep.prepare("wikitext103", out_dir=str(tmp_path / "hub"), quiet=True, num_proc=1, wikitext_val="test")
+    assert served == [("Salesforce/wikitext", "wikitext-103-raw-v1", "train"),
+                      ("Salesforce/wikitext", "wikitext-103-raw-v1", "test")]
+    assert (meta["train_documents"], meta["val_documents"]) == (9, 3) and meta["split"]["method"] == "source"
+    assert "--wikitext_val=test" in prepare_command_of(tmp_path / "hub")
+
+
+def prepare_command_of(data_dir):
+    from data.meta import prepare_command
+
+    return prepare_command(data_dir, load_meta(data_dir))

@@ -93,7 +93,7 @@ def test_scoring_ranks_by_nll_over_balanced_candidates(builder):
     assert all("context" not in r and r["probe"] == "needle" for r in records)
 
 
-def train(out, pattern, config="configs/bridges_cpu_base.py"):
+def train(out, pattern, config="configs/bridges/bridges_cpu_base.py"):
     return subprocess.run([sys.executable, "train.py", config, f"--out_dir={out}",
                            f"--attn_pattern={pattern}", "--n_layer=2", "--n_embd=32", "--max_iters=2",
                            "--eval_interval=2", "--eval_iters=1", "--batch_size=2"],
@@ -125,7 +125,7 @@ def test_one_command_runs_every_diagnostic_and_one_compares_two_checkpoints(tmp_
 
 
 def test_a_run_trained_on_recall_is_asked_in_the_recall_format(tmp_path):
-    assert train(tmp_path, "pbb", "configs/bridges_cpu_recall_base.py").returncode == 0
+    assert train(tmp_path, "pbb", "configs/bridges/bridges_cpu_recall_base.py").returncode == 0
     evaluate = lambda *extra: subprocess.run([sys.executable, "-m", "eval", f"--out_dir={tmp_path}",  # noqa: E731
                                               "--tasks=diagnostics", "--diag_samples=2", "--progress=False", *extra],
                                              cwd=REPO, capture_output=True, text=True, timeout=300)

@@ -19,8 +19,8 @@ def meta_params(config_file):
 
 
 def test_paper_configs_have_the_papers_sizes():
-    assert abs(meta_params("configs/owt_124m_full.py") / 124.4e6 - 1) < 0.005
-    assert abs(meta_params("configs/slimpajama_360m_full.py") / 360e6 - 1) < 0.01
+    assert abs(meta_params("configs/bridges/owt_124m_full.py") / 124.4e6 - 1) < 0.005
+    assert abs(meta_params("configs/sa/slimpajama_360m_full.py") / 360e6 - 1) < 0.01
 
 
 def test_families_differ_as_specified():

@@ -42,7 +42,7 @@ def test_loss_after_keeps_only_the_answers(tmp_path):
 
 
 def train(out, *args):
-    return subprocess.run([sys.executable, "train.py", "configs/sa_small_swa.py", f"--out_dir={out}", "--n_layer=2",
+    return subprocess.run([sys.executable, "train.py", "configs/sa/sa_small_swa.py", f"--out_dir={out}", "--n_layer=2",
                            "--n_embd=32", "--max_iters=4", "--eval_interval=4", "--eval_iters=2", "--batch_size=4",
                            *args], cwd=REPO, capture_output=True, text=True, timeout=300)
 

@@ -219,15 +219,15 @@ def meta_params(config_file):
 
 def test_recipe_sizes():
     for variant in ("full", "swa", "sa"):
-        assert abs(meta_params(f"configs/slimpajama_360m_{variant}.py") / 360e6 - 1) < 0.01, variant
-    assert abs(meta_params("configs/slimpajama_360m_sa_swa.py") / 385e6 - 1) < 0.01
-    cfg = load_config(["configs/slimpajama_360m_sa.py"])
+        assert abs(meta_params(f"configs/sa/slimpajama_360m_{variant}.py") / 360e6 - 1) < 0.01, variant
+    assert abs(meta_params("configs/sa/slimpajama_360m_sa_swa.py") / 385e6 - 1) < 0.01
+    cfg = load_config(["configs/sa/slimpajama_360m_sa.py"])
     assert (cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head, cfg.model.mlp_hidden, cfg.model.swa_window,
             cfg.model.block_size, cfg.model.vocab_size) == (24, 1024, 16, 2734, 256, 2048, 32000)
     assert cfg.train.learning_rate == 3e-4 and cfg.train.min_lr == 3e-5
     assert 3.8e6 < cfg.train.batch_size * cfg.train.gradient_accumulation_steps * 2048 < 4.0e6
     for variant in ("full", "swa", "sa", "sa_swa"):
-        small = load_config([f"configs/sa_small_{variant}.py"])
+        small = load_config([f"configs/sa/sa_small_{variant}.py"])
         assert small.model.attn_pattern == variant and small.data.dataset == "recall_byte"
 
 
@@ -294,7 +294,7 @@ def test_sa_stats_script_prints_and_plots(tmp_path):
 
 
 def test_training_draws_reproducible_permutations_and_resumes_exactly(tmp_path):
-    args = [sys.executable, "train.py", "configs/sa_small_sa_swa.py", "--n_layer=2", "--n_embd=32",
+    args = [sys.executable, "train.py", "configs/sa/sa_small_sa_swa.py", "--n_layer=2", "--n_embd=32",
             "--block_size=64", "--batch_size=4", "--eval_iters=2", "--log_interval=1", "--warmup_iters=2",
             "--lr_decay_iters=8", "--eval_interval=4"]
 

@@ -255,7 +255,7 @@ def test_sliding_window_training_and_one_eval_command_for_lengths_and_windows(tm
 
 
 def test_recipe_and_ablation_grid_configs():
-    cfg = load_config(["configs/fineweb_swat_340m.py"])
+    cfg = load_config(["configs/swat/fineweb_swat_340m.py"])
     with torch.device("meta"):
         params = GPT(cfg.model).num_params()
     assert abs(params / 340e6 - 1) < 0.01, params
@@ -270,7 +270,7 @@ def test_recipe_and_ablation_grid_configs():
             7: ("sigmoid", False, "paper", "6:6", 16, 256), 8: ("sigmoid", True, "paper", "6:6", 16, 128),
             9: ("sigmoid", True, "paper", "6:6", 128, 128), 10: ("softmax", True, "none", "", 128, 128),
             11: ("sigmoid", False, "alibi", "12:0", 128, 128)}  # the origin ALiBi (App. C.3)
-    files = sorted((REPO / "configs").glob("owt_swat_[01]*.py"))
+    files = sorted((REPO / "configs" / "swat").glob("owt_swat_[01]*.py"))
     assert len(files) == 11
     for path in files:
         m = load_config([str(path.relative_to(REPO))]).model

@@ -177,7 +177,7 @@ def test_paper_configs_have_the_papers_settings():
         with torch.device("meta"):
             return GPT(cfg.model).num_params()
 
-    small = load_config(["configs/swax_1p4b_stochastic.py"])
+    small = load_config(["configs/swax/swax_1p4b_stochastic.py"])
     m, t = small.model, small.train
     assert (m.n_layer, m.n_embd, m.n_head, m.block_size, m.rope_theta) == (24, 2048, 16, 16384, 10000.0)
     assert layer_names(m)[:2] == ["swa", "mlstm"] and m.arch == "llama"  # gated SiLU MLP
@@ -187,12 +187,12 @@ def test_paper_configs_have_the_papers_settings():
         ("stochastic", 128, 2048, 0.5, 0.1)
     assert abs(params(small) / 1.4e9 - 1) < 0.02
     for w in (128, 256, 512, 1024, 2048):
-        fixed = load_config([f"configs/swax_1p4b_w{w}.py"])
+        fixed = load_config([f"configs/swax/swax_1p4b_w{w}.py"])
         assert fixed.model.swa_window == w and fixed.train.window_schedule == "fixed"
-    assert set(layer_names(load_config(["configs/swax_1p4b_xlstm.py"]).model)) == {"mlstm"}
-    assert set(layer_names(load_config(["configs/swax_1p4b_swa_w128.py"]).model)) == {"swa"}
-    assert layer_names(load_config(["configs/swax_gdn_1p4b_stochastic.py"]).model)[:2] == ["swa", "gated_deltanet"]
-    large = load_config(["configs/swax_7b_stochastic.py"])
+    assert set(layer_names(load_config(["configs/swax/swax_1p4b_xlstm.py"]).model)) == {"mlstm"}
+    assert set(layer_names(load_config(["configs/swax/swax_1p4b_swa_w128.py"]).model)) == {"swa"}
+    assert layer_names(load_config(["configs/swax/swax_gdn_1p4b_stochastic.py"]).model)[:2] == ["swa", "gated_deltanet"]
+    large = load_config(["configs/swax/swax_7b_stochastic.py"])
     assert (large.model.n_layer, large.model.n_embd, large.train.swax_short_prob) == (32, 4096, 0.75)
     assert large.train.batch_size * large.train.gradient_accumulation_steps * large.model.block_size == 2 ** 20
     assert 6.5e9 < params(large) < 7.2e9

@@ -1,0 +1,4 @@
+# Paper 004 retrieval at CPU scale (configs/bridges/bridges_cpu_recall_base.py): swa.
+include("configs/bridges/bridges_cpu_recall_base.py")
+out_dir = "out/bridges_cpu_recall_swa"
+attn_pattern = "swa"

@@ -1,0 +1,5 @@
+# Paper 004 (App. D): GPT-2 small on OpenWebText with bridge attention (configs/bridges/owt_124m_local.py).
+#   torchrun --standalone --nproc_per_node=8 train.py configs/bridges/owt_124m_bridge.py --wandb_log=True
+include("configs/bridges/owt_124m_local.py")
+out_dir = "out/owt_124m_bridge"
+attn_pattern = "bridge"

@@ -1,4 +1,0 @@
-# Paper 004 at CPU scale (configs/bridges_cpu_base.py): pbb.
-include("configs/bridges_cpu_base.py")
-out_dir = "out/bridges_cpu_pbb"
-attn_pattern = "pbb"

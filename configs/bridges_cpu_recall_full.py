@@ -1,4 +1,0 @@
-# Paper 004 retrieval at CPU scale (configs/bridges_cpu_recall_base.py): full.
-include("configs/bridges_cpu_recall_base.py")
-out_dir = "out/bridges_cpu_recall_full"
-attn_pattern = "full"

@@ -1,0 +1,3 @@
+include("configs/mswa/mswa_wt103_base.py")
+out_dir = "out/mswa_wt103_mswa_h"
+attn_pattern = "mswa_h"

@@ -1,0 +1,3 @@
+include("configs/mswa/mswa_wt103_base.py")
+out_dir = "out/mswa_wt103_swa"
+attn_pattern = "swa"

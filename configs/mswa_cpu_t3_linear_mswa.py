@@ -1,6 +1,0 @@
-# Table 3 at CPU scale: linear,mswa,mswa (6 layers: two [linear, local, local] stacks; 4 local layers for MSWA)
-include("configs/mswa_cpu_base.py")
-out_dir = "out/mswa_cpu_t3_linear_mswa"
-n_layer = 6
-linear_feature_dim = 16
-attn_pattern = "linear,mswa,mswa"

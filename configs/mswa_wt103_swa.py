@@ -1,3 +1,0 @@
-include("configs/mswa_wt103_base.py")
-out_dir = "out/mswa_wt103_swa"
-attn_pattern = "swa"

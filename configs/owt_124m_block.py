@@ -1,5 +1,0 @@
-# Paper 004 (App. D): GPT-2 small on OpenWebText with block attention (configs/owt_124m_local.py).
-#   torchrun --standalone --nproc_per_node=8 train.py configs/owt_124m_block.py --wandb_log=True
-include("configs/owt_124m_local.py")
-out_dir = "out/owt_124m_block"
-attn_pattern = "block"

@@ -1,5 +1,0 @@
-# Paper 003, 1.4B (configs/swax_1p4b_base.py): the pure SWA baseline, window 128 (Table 1, App. A Fig. 9).
-include("configs/swax_1p4b_base.py")
-out_dir = "out/swax_1p4b_swa_w128"
-attn_pattern = "swa"
-swa_window = 128

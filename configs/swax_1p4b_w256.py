@@ -1,4 +1,0 @@
-# Paper 003, 1.4B (configs/swax_1p4b_base.py): SWAX trained and tested with a fixed window of 256 (Table 1, Fig. 5).
-include("configs/swax_1p4b_base.py")
-out_dir = "out/swax_1p4b_w256"
-swa_window = 256

@@ -1,0 +1,4 @@
+# Paper 002 on WikiText-2 (configs/wikitext/wikitext_base.py): mswa with base window 64 (Table 2's rows).
+include("configs/wikitext/wikitext_base.py")
+out_dir = "out/wikitext_mswa_mswa"
+attn_pattern = "mswa"
