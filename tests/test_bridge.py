@@ -216,8 +216,9 @@ def test_paper_configs_share_the_124m_recipe():
         assert (m.n_layer, m.n_head, m.n_embd, m.block_size, m.dropout, m.bias) == (12, 12, 768, 1024, 0.0, True)
         assert (t.batch_size, t.gradient_accumulation_steps, t.learning_rate, t.min_lr, t.warmup_iters) == \
             (16, 8, 2e-4, 6e-5, 1000)
+        # through step 20,000: the paper's 20,001 updates (App. D), as the loop stops before the step it is given
         assert (t.max_iters, t.weight_decay, t.grad_clip, cfg.eval.eval_interval, cfg.eval.eval_iters) == \
-            (20000, 0.1, 1.0, 500, 100)
+            (20001, 0.1, 1.0, 500, 100)
         if family != "full":
             assert (m.block_len, m.swa_window, m.bridge_width, m.bridge_extension, m.bridge_fusion) == \
                 (128, 128, 128, 64, "branch")
