@@ -62,14 +62,14 @@ import shutil
 import signal
 import uuid
 from collections import Counter, deque
-from contextlib import closing
+from contextlib import closing, contextmanager
 from datetime import datetime, timezone
 
 import numpy as np
-from progress import progress_bar
 
 from data.meta import FORMAT_VERSION, DataError
 from data.tokenizer import TokenizerUnavailable, get_tokenizer, vocab_dtype
+from progress import progress_bar
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # built here, no download: name -> "module" (its documents()) or "module:function"
@@ -402,7 +402,7 @@ def slug(text):
 
 def dataset_name(dataset):
     """embedded -> embedded; corpus/*.jsonl -> corpus; books/moby.txt -> moby."""
-    if dataset in GENERATED or dataset in HUB_DATASETS or dataset in WIKITEXT:
+    if is_named_source(dataset):
         return dataset
     magic = re.search(r"[*?[]", dataset)
     path = os.path.dirname(dataset[:magic.start()]) if magic else dataset  # a glob: the folder it starts in
@@ -483,6 +483,36 @@ def read_enwik8(dataset, quiet=False) -> bytes:
     return data
 
 
+def is_named_source(dataset) -> bool:
+    """A corpus this module knows by name (generated, or from the hub), not a local path."""
+    return dataset in GENERATED or dataset in HUB_DATASETS or dataset in WIKITEXT
+
+
+@contextmanager
+def token_files(out_dir, dtype):
+    """TokenFiles in out_dir (created if missing): on any failure before they are committed, the temporary files
+    are removed, and so is the folder if it was made for them."""
+    made_dir = not os.path.isdir(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    files = TokenFiles(out_dir, dtype)
+    try:
+        yield files
+    except BaseException:
+        files.discard()
+        if made_dir and not os.listdir(out_dir):
+            os.rmdir(out_dir)
+        raise
+
+
+def token_meta(tok, files, docs, source, split, max_tokens) -> dict:
+    """meta.json's common fields for the tokens written to files."""
+    return {"format_version": FORMAT_VERSION, "tokenizer": tok.name, "vocab_size": tok.vocab_size,
+            "eot_id": tok.eot_id, "dtype": files.dtype.name, "train_tokens": files.tokens["train"],
+            "val_tokens": files.tokens["val"], "train_documents": docs["train"], "val_documents": docs["val"],
+            "source": source, "split": split, "max_tokens": max_tokens,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
 def prepare_enwik8(dataset, tokenizer, out_dir, enwik8_val="val", quiet=False) -> dict:
     """paper 002's character-level benchmark: enwik8's bytes as byte tokens, the standard split."""
     if tokenizer != "byte":
@@ -491,25 +521,14 @@ def prepare_enwik8(dataset, tokenizer, out_dir, enwik8_val="val", quiet=False) -
         raise DataError(f"--enwik8_val={enwik8_val}: expected val or test")
     tok = get_tokenizer("byte")
     data = read_enwik8(dataset, quiet)
-    made_dir = not os.path.isdir(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    files = TokenFiles(out_dir, vocab_dtype(tok.vocab_size))
-    try:
+    with token_files(out_dir, vocab_dtype(tok.vocab_size)) as files:
         for split, part in (("train", "train"), ("val", enwik8_val)):
             start, end = ENWIK8_SPLITS[part]
             files.write(split, np.frombuffer(data, dtype=np.uint8, count=end - start, offset=start).astype(files.dtype))
-        meta = {"format_version": FORMAT_VERSION, "tokenizer": tok.name, "vocab_size": tok.vocab_size,
-                "eot_id": tok.eot_id, "dtype": files.dtype.name, "train_tokens": files.tokens["train"],
-                "val_tokens": files.tokens["val"], "train_documents": 1, "val_documents": 1, "source": "enwik8",
-                "split": {"method": "enwik8", "train": list(ENWIK8_SPLITS["train"]),
-                          "val": list(ENWIK8_SPLITS[enwik8_val]), "val_is": enwik8_val},
-                "max_tokens": None, "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        meta = token_meta(tok, files, {"train": 1, "val": 1}, "enwik8",
+                          {"method": "enwik8", "train": list(ENWIK8_SPLITS["train"]),
+                           "val": list(ENWIK8_SPLITS[enwik8_val]), "val_is": enwik8_val}, None)
         files.commit(meta)
-    except BaseException:
-        files.discard()
-        if made_dir and not os.listdir(out_dir):
-            os.rmdir(out_dir)
-        raise
     if not quiet:
         print(f"wrote enwik8 to {display_path(out_dir)}: train {meta['train_tokens']:,} bytes, "
               f"{enwik8_val} {meta['val_tokens']:,} bytes (as val.bin)")
@@ -539,10 +558,7 @@ def prepare(dataset, tokenizer="byte", out_dir=None, max_tokens=None, val_fracti
         raise DataError(f"--wikitext_val={wikitext_val}: expected validation or test")
     # fails here, before anything is written, if the data cannot be reached
     rows = load_rows(dataset, quiet, split_articles, wikitext_val)
-    made_dir = not os.path.isdir(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    files = TokenFiles(out_dir, dtype)
-    try:
+    with token_files(out_dir, dtype) as files:
         try:
             meta = write_tokens(files, rows, tok, dataset, keep_sets, max_tokens, val_fraction, num_proc, seed, quiet)
             if split_articles:
@@ -552,16 +568,11 @@ def prepare(dataset, tokenizer="byte", out_dir=None, max_tokens=None, val_fracti
         except (DataError, KeyboardInterrupt, SystemExit, TokenizerUnavailable):
             raise
         except Exception as e:  # an unreadable local file fails deep inside datasets / pyarrow: say where
-            where = locate_unreadable(dataset) if not (dataset in GENERATED or dataset in HUB_DATASETS) else None
+            where = None if is_named_source(dataset) else locate_unreadable(dataset)
             if where is None:
                 raise
             raise DataError(where) from e
         files.commit(meta)
-    except BaseException:
-        files.discard()
-        if made_dir and not os.listdir(out_dir):
-            os.rmdir(out_dir)
-        raise
     if not quiet:
         print(f"wrote {meta['train_tokens'] + meta['val_tokens']:,} {meta['dtype']} tokens of {meta['tokenizer']} to "
               f"{display_path(out_dir)}: "
@@ -611,21 +622,7 @@ def write_tokens(files, rows, tok, dataset, keep_sets, max_tokens, val_fraction,
     if official:
         split = {**split, "method": "source", "note": "the source's own train and validation splits"}
 
-    meta = {
-        "format_version": FORMAT_VERSION,
-        "tokenizer": tok.name,
-        "vocab_size": tok.vocab_size,
-        "eot_id": tok.eot_id,
-        "dtype": files.dtype.name,
-        "train_tokens": files.tokens["train"],
-        "val_tokens": files.tokens["val"],
-        "train_documents": docs["train"],
-        "val_documents": docs["val"],
-        "source": dataset,
-        "split": split,
-        "max_tokens": max_tokens,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
+    meta = token_meta(tok, files, docs, dataset, split, max_tokens)
     if set_counts:
         meta["sets"] = dict(sorted(set_counts.items()))
     if keep_sets:

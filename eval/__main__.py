@@ -281,7 +281,7 @@ def run_diagnostics(e: EvalRunConfig, ctx) -> dict:
                                          e.diag_half or cfg.model.bridge_width // 2)
     haystack = filler_text(open_tokens(ctx["data_dir"], "val"), meta["eot_id"])
     result = diagnostics_task.run(ctx["model"], ctx["tokenizer"], haystack, geometry, probes,
-                                  (min(e.diag_samples, e.limit) if e.diag_samples else e.limit) if e.limit else e.diag_samples,
+                                  min(e.diag_samples or e.limit, e.limit or e.diag_samples),  # the smaller of those set; 0: none
                                   e.seed, ints(e.diag_distances),
                                   e.batch_size, e.progress, fact_format)
     for row in result["rows"]:

@@ -44,11 +44,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-from progress import progress_bar
 
 from data import recall
 from data.embedded import COLORS, CONTAINERS, NAMES, THINGS
 from eval.ranking import continuation_logprobs, length_batches
+from progress import progress_bar
 
 GEOMETRY_PROBES = ("needle", "bridge_window", "boundary_sweep", "boundary_tail")
 PROBES = GEOMETRY_PROBES + ("semantic_exact", "semantic_paraphrase", "semantic_distractor", "semantic_boundary")

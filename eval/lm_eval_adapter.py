@@ -63,7 +63,6 @@ from __future__ import annotations
 import logging
 
 import torch
-from progress import progress_bar
 
 try:
     from lm_eval.api.model import LM
@@ -75,6 +74,7 @@ except ImportError as e:
     ) from e
 
 from eval.ranking import context_limit, continuation_logprobs
+from progress import progress_bar
 
 logger = logging.getLogger(__name__)
 

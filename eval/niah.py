@@ -39,9 +39,9 @@ import uuid
 
 import numpy as np
 import torch
-from progress import progress_bar
 
 from eval.ranking import continuation_logprobs, length_batches
+from progress import progress_bar
 
 # RULER's synthetic.yaml, retrieval family: haystack, key type, value type, keys, values per key, keys asked
 SUBTASKS = {
@@ -73,6 +73,15 @@ WORDS = [f"{a}-{n}" for a in ADJECTIVES for n in NOUNS]
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 
+def random_item(kind: str, rng: random.Random, digits: int = 7) -> str:
+    """A key or value of RULER's types: an adjective-noun word pair, a uuid4, or a number of `digits` digits."""
+    if kind == "words":
+        return rng.choice(WORDS)
+    if kind == "uuids":
+        return str(uuid.UUID(int=rng.getrandbits(128), version=4))
+    return str(rng.randrange(10 ** (digits - 1), 10 ** digits))
+
+
 def prompt_template(expected_values: int) -> str:
     """RULER's prompt for a base model (template, then answer prefix), put in the singular as RULER does when
     one value is expected."""
@@ -94,13 +103,11 @@ def make_example(tokenizer, essay: list[str], kind: str, length: int, depth: flo
         raise ValueError(f"unknown niah subtask {kind!r}: expected one of {', '.join(KINDS)}")
     haystack, type_k, type_v, n_keys, n_values, n_asked = SUBTASKS[kind]
     rng = random.Random(f"{seed}/{kind}/{length}/{depth}/{index}")
-    draw = {"words": lambda: rng.choice(WORDS), "uuids": lambda: str(uuid.UUID(int=rng.getrandbits(128), version=4)),
-            "numbers": lambda: str(rng.randrange(10 ** (digits - 1), 10 ** digits))}
     keys = []
     while len(keys) < n_keys:
-        key = draw[type_k]()
+        key = random_item(type_k, rng, digits)
         keys += [key] if key not in keys else []
-    values = [[draw[type_v]() for _ in range(n_values)] for _ in keys]
+    values = [[random_item(type_v, rng, digits) for _ in range(n_values)] for _ in keys]
     type_name = type_v[:-1] if n_asked * n_values == 1 else type_v  # the question's "number" for one value
     needles = [NEEDLE.format(type_v=type_v, key=k, value=v) for k, vs in zip(keys, values) for v in vs]
     asked = sorted(rng.sample(range(n_keys), n_asked))
@@ -119,13 +126,14 @@ def make_example(tokenizer, essay: list[str], kind: str, length: int, depth: flo
             joiner = " "
         else:
             units = [NOISE] * size if haystack == "noise" else \
-                [NEEDLE.format(type_v=type_v, key=distractor_key(place), value=draw_for(place)) for _ in range(size)]
+                [NEEDLE.format(type_v=type_v, key=distractor_key(place), value=random_item(type_v, place, digits))
+                 for _ in range(size)]
             slots = sorted(place.sample(range(size + 1), len(needles)) if size + 1 >= len(needles)
                            else [0] * len(needles))
             joiner = "\n"
         if depth is not None:  # the first asked needle at the requested depth, the others where drawn
             slots[order.index(first_asked)] = int(round(depth * len(units)))
-        placed = sorted(zip(slots, range(len(order))), key=lambda p: (p[0], p[1]))
+        placed = sorted(zip(slots, range(len(order))))
         pieces, cut = [], 0
         for slot, position in placed:
             pieces += units[cut:slot] + [needles[order[position]]]
@@ -133,16 +141,11 @@ def make_example(tokenizer, essay: list[str], kind: str, length: int, depth: flo
         pieces += units[cut:]
         return template.format(type_v=type_name, context=joiner.join(pieces), query=query)
 
-    def distractor_key(place):
+    def distractor_key(place):  # any key but the example's own
         while True:
-            key = draw_key(place)
+            key = random_item(type_k, place, digits)
             if key not in keys:
                 return key
-
-    draw_key = (lambda r: r.choice(WORDS)) if type_k == "words" else \
-        (lambda r: str(uuid.UUID(int=r.getrandbits(128), version=4)))
-    draw_for = (lambda r: str(r.randrange(10 ** (digits - 1), 10 ** digits))) if type_v == "numbers" else \
-        (lambda r: str(uuid.UUID(int=r.getrandbits(128), version=4)))
 
     if haystack == "essay" and not essay:
         raise ValueError("the essay haystack is empty: give natural text (niah_haystack)")
@@ -163,7 +166,7 @@ def make_example(tokenizer, essay: list[str], kind: str, length: int, depth: flo
     used = {v for vs in values for v in vs}
     distractors = []
     while len(distractors) < candidates - 1:
-        value = draw[type_v]()
+        value = random_item(type_v, rng, digits)
         if value not in used:
             used.add(value)
             distractors.append(value)

@@ -14,9 +14,9 @@ import math
 import numpy as np
 import torch
 import torch.nn.functional as F
-from progress import progress_bar
 
 from eval.ranking import length_batches, length_independent
+from progress import progress_bar
 
 
 def documents(tokens: np.ndarray, eot_id: int, max_tokens: int | None = None) -> list[np.ndarray]:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import math
 
 import torch
-from progress import progress_bar
 
 from data.recall import VALUES, document, document_parts
+from progress import progress_bar
 
 EVAL_SEED_OFFSET = 1_000  # evaluation documents come from seeds the training corpus (seed 0) never uses
 
