@@ -178,7 +178,7 @@ def run_ppl(e: EvalRunConfig, ctx) -> dict:
         docs = [ppl_task.stream(tokens, e.ppl_max_tokens)]
     else:
         docs = ppl_task.documents(tokens, meta["eot_id"], e.ppl_max_tokens)
-    rows = []
+    rows, positions, per_example = [], [], []
     for window in ints(e.ppl_windows) or [e.window or None]:  # None: the model as trained
         model = ctx["with_config"](**({} if window in (None, trained) else {e.window_key: window}))
         for length in lengths:
@@ -188,10 +188,17 @@ def run_ppl(e: EvalRunConfig, ctx) -> dict:
                 print(f"ppl  L={length:<6} skipped: {note}")
                 continue
             row = ppl_task.perplexity(model, docs, length, e.batch_size, ctx["device"], e.progress, e.limit or None)
+            window_nll, window_tokens = row.pop("window_nll"), row.pop("window_tokens")
+            positions.append({"length": length, "window": window, "nll": row.pop("nll_by_position")})
+            # the same windows for every run scored with the same data and settings: pairable
+            # (scripts/compare.py --paired A B --task ppl --key nll --by cell)
+            cell = f"L{length}" + (f"/w{window}" if window is not None else "")
+            per_example += [{"id": f"{cell}/{i}", "cell": cell, "length": length, "nll": v, "tokens": n}
+                            for i, (v, n) in enumerate(zip(window_nll, window_tokens))]
             rows.append({**row, "window": window})
             where = f"{e.window_key}={window:<6} " if window is not None else ""
             print(f"ppl  L={length:<6} {where}{row['ppl']:10.4f}  ({row['tokens']:,} tokens)")
-    return {"rows": rows, "trained_window": trained}
+    return {"rows": rows, "trained_window": trained, "positions": positions, "per_example": per_example}
 
 
 def filler_text(tokens, eot_id: int, limit: int = 2_000_000) -> np.ndarray:

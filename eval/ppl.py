@@ -5,6 +5,11 @@ end-of-text), or taken as one stream of documents back to back (`stream`, for ev
 documents' lengths); every document (or the stream) is cut into non-overlapping windows of the evaluation
 length, and every token after the first is predicted exactly once, from the window it falls in. Perplexity is
 exp(total NLL / predicted tokens) with both counted exactly.
+
+Alongside the total, each window's mean NLL (the per-example results `scripts/compare.py --paired` pairs
+across models scored on the same windows) and the mean NLL at each position of the window (where in the
+window a model gains or loses: paper 004's Fig. 5 measured on held-out text, positions taken relative to the
+block boundaries at multiples of the block length).
 """
 
 from __future__ import annotations
@@ -57,21 +62,32 @@ def windows(docs: list[np.ndarray], length: int):
 def perplexity(model, docs: list[np.ndarray], length: int, batch_size: int = 8, device="cpu",
                progress: bool = True, limit: int | None = None) -> dict:
     """Perplexity of the model over the documents, evaluated in windows of `length` tokens (the first
-    `limit` windows when given)."""
+    `limit` windows when given), with each window's mean NLL (`window_nll`, in window order) and the mean NLL
+    at each window position (`nll_by_position`: entry t is over the targets at position t, None where no
+    window reaches it)."""
     pairs = list(windows(docs, length))[:limit]
-    total_nll, total_tokens = 0.0, 0
+    window_nll = [0.0] * len(pairs)
+    position_nll = torch.zeros(length, dtype=torch.float64)
+    position_count = torch.zeros(length, dtype=torch.float64)
     batches = length_batches([len(x) for x, _ in pairs], batch_size, length_independent(model))
     for batch in progress_bar(batches, progress, desc=f"ppl L={length}", leave=False):
-        batch = [pairs[i] for i in batch]
-        width = max(len(x) for x, _ in batch)
+        width = max(len(pairs[i][0]) for i in batch)
         x = torch.zeros(len(batch), width, dtype=torch.long)
         y = torch.full((len(batch), width), -1, dtype=torch.long)  # -1: padding, not predicted
-        for row, (inputs, targets) in enumerate(batch):
+        for row, i in enumerate(batch):
+            inputs, targets = pairs[i]
             x[row, :len(inputs)] = torch.from_numpy(inputs)
             y[row, :len(targets)] = torch.from_numpy(targets)
         logits, _ = model(x.to(device))
-        y = y.to(device)
-        total_nll += float(F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-1, reduction="sum"))
-        total_tokens += int((y != -1).sum())
-    nll = total_nll / total_tokens
-    return {"length": length, "ppl": math.exp(nll), "nll": nll, "tokens": total_tokens, "windows": len(pairs)}
+        nll = F.cross_entropy(logits.float().transpose(1, 2), y.to(device), ignore_index=-1,
+                              reduction="none").double().cpu()  # (batch, width), 0 at padding
+        predicted = (y != -1).double()
+        for row, i in enumerate(batch):
+            window_nll[i] = float(nll[row].sum() / predicted[row].sum())
+        position_nll[:width] += nll.sum(0)
+        position_count[:width] += predicted.sum(0)
+    total_tokens = int(position_count.sum())
+    nll = float(position_nll.sum()) / total_tokens
+    by_position = [float(t / c) if c else None for t, c in zip(position_nll, position_count)]
+    return {"length": length, "ppl": math.exp(nll), "nll": nll, "tokens": total_tokens, "windows": len(pairs),
+            "window_nll": window_nll, "window_tokens": [len(y) for _, y in pairs], "nll_by_position": by_position}

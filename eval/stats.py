@@ -93,7 +93,9 @@ def paired_comparison(per_example_a: list[dict], per_example_b: list[dict], key:
     be the same set on both sides (a ValueError names how many are missing on each side, with examples).
     Returns n, acc_a = mean(a), acc_b = mean(b), a_only / b_only (examples only A / only B gets right), the
     exact McNemar test (mcnemar_exact, on bool(value)) and the bootstrap interval of acc_a - acc_b
-    (paired_bootstrap_ci).
+    (paired_bootstrap_ci). For values that are not all 0/1 (binary false; per-window losses, say) a_only /
+    b_only and the test are instead on the sign of a - b: a_only counts the examples where A's value is
+    lower, and the exact McNemar test on those discordant counts is the exact sign test.
     """
     def index(items, side):
         out = {}
@@ -122,8 +124,12 @@ def paired_comparison(per_example_a: list[dict], per_example_b: list[dict], key:
     ids = sorted(a)
     va = [float(a[i]) for i in ids]
     vb = [float(b[i]) for i in ids]
-    test = mcnemar_exact([bool(v) for v in va], [bool(v) for v in vb])
-    return {"n": len(ids), "key": key, "acc_a": sum(va) / len(ids), "acc_b": sum(vb) / len(ids),
+    binary = all(v in (0.0, 1.0) for v in va + vb)
+    if binary:
+        test = mcnemar_exact([bool(v) for v in va], [bool(v) for v in vb])
+    else:  # the sign test: "A only" is A lower (e.g. a lower loss), "B only" is B lower
+        test = mcnemar_exact([x < y for x, y in zip(va, vb)], [y < x for x, y in zip(va, vb)])
+    return {"n": len(ids), "key": key, "binary": binary, "acc_a": sum(va) / len(ids), "acc_b": sum(vb) / len(ids),
             "a_only": test["a_only"], "b_only": test["b_only"], "both_correct": test["both_correct"],
             "neither": test["neither"], "mcnemar": test,
             "bootstrap": paired_bootstrap_ci(va, vb, n_boot=n_boot, seed=seed, alpha=alpha)}

@@ -3,6 +3,8 @@
     python scripts/compare.py out/full_s1 out/full_s2 out/swa_s1                 # table of runs and seed groups
     python scripts/compare.py out/*/ --plot --out out/compare                    # + PNGs and compare.md
     python scripts/compare.py --paired out/full_s1 out/swa_s1 --task niah        # McNemar + bootstrap on examples
+    python scripts/compare.py --paired out/full_s1 out/swa_s1 --task ppl --key nll   # per window: sign test
+    python scripts/compare.py out/block_s* out/bridge_s* --position_gain block_s1    # NLL gain by position
     python scripts/compare.py --wandb ENTITY/PROJECT --runs full_s1,swa_s1       # the same table from wandb
 
 A run folder is a train.py out_dir: config.json and metrics.jsonl, plus eval/<task>.json from `python -m
@@ -26,6 +28,8 @@ import math
 import os
 import sys
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -124,6 +128,7 @@ def load_evals(run_dir: Path) -> dict:
         evals[data.get("task") or path.stem] = {"rows": [r for r in rows if isinstance(r, dict)],
                                                 "trained_window": results.get("trained_window") if isinstance(results, dict) else None,
                                                 "per_example": data.get("per_example"),
+                                                "positions": results.get("positions") if isinstance(results, dict) else None,
                                                 "provenance": data.get("provenance") or {}, "path": str(path)}
     return evals
 
@@ -354,6 +359,11 @@ def eval_summaries(evals: dict) -> dict:
 
 def _group_label(flat: dict, keys: list[str]) -> str:
     return ", ".join(f"{k}={_fmt_config(flat.get(k, MISSING))}" for k in keys) or "all"
+
+
+def _group_name(group: dict, tables: dict) -> str:
+    """A seed group by its values alone ("swa", "swa, 64"), as the seed-group table's first columns show it."""
+    return ", ".join(_fmt_config(group["flat"].get(k, MISSING)) for k in tables["group_keys"]) or group["label"]
 
 
 class _Missing:
@@ -685,7 +695,12 @@ def paired(run_a: dict, run_b: dict, task: str, key: str = "correct", by: str | 
 
 
 def render_paired(result: dict) -> str:
-    headers = ["A", "B", "task", "subset", "n", "acc A", "acc B", "A only", "B only", "McNemar p", "A - B [95% CI]"]
+    if result["all"].get("binary", True):
+        headers = ["A", "B", "task", "subset", "n", "acc A", "acc B", "A only", "B only", "McNemar p", "A - B [95% CI]"]
+    else:  # continuous values (e.g. per-window NLL): means, the sign test, the mean difference
+        headers = ["A", "B", "task", "subset", "n", "mean A", "mean B", "A lower", "B lower", "sign test p",
+                   "A - B [95% CI]"]
+    digits = 3 if result["all"].get("binary", True) else 4  # losses differ in the third decimal
     items = [("all", result["all"])] + [(f"{result['by']}={k}", v) for k, v in result.get("groups", {}).items()]
     rows = []
     for subset, r in items:
@@ -693,10 +708,95 @@ def render_paired(result: dict) -> str:
         level = round(100 * (1 - bs["alpha"]))
         headers[-1] = f"A - B [{level}% CI]"
         rows.append([result["a"]["name"], result["b"]["name"], result["task"], subset, str(r["n"]),
-                     f"{r['acc_a']:.3f}", f"{r['acc_b']:.3f}", str(r["a_only"]), str(r["b_only"]),
+                     f"{r['acc_a']:.{digits}f}", f"{r['acc_b']:.{digits}f}", str(r["a_only"]), str(r["b_only"]),
                      f"{r['mcnemar']['p_value']:.3g}",
-                     f"{bs['diff']:+.3f} [{bs['ci_low']:+.3f}, {bs['ci_high']:+.3f}]"])
+                     f"{bs['diff']:+.{digits}f} [{bs['ci_low']:+.{digits}f}, {bs['ci_high']:+.{digits}f}]"])
     return markdown_table(headers, rows, right=set(range(4, len(headers))))
+
+
+# ---- NLL by window position -------------------------------------------------------------------------------
+
+def position_gain(tables: dict, records: list[dict], reference: str, length: int | None = None,
+                  block: int | None = None, bin_size: int = 16) -> dict:
+    """Each seed group's NLL gain over the reference's group by position in the evaluation window (paper
+    004's Fig. 5 on held-out text: where blocks lose context, just after a block boundary, is where a bridge
+    should gain).
+
+    The profiles are the ppl eval's mean NLL at each window position (eval/ppl.py) at `length` (default: the
+    reference's training length) with the models as trained; a group's profile is the mean over its seeds.
+    gain = reference NLL - group NLL (positive: better than the reference), reported in bins of `bin_size`
+    over the whole window (`bins`) and by offset from the last block boundary at multiples of `block`
+    (default: the reference's block_len) for the positions after the first block (`offsets`), each as
+    mean +- sample std over the group's seeds.
+    """
+    by_name = {r["name"]: r for r in records}
+    if reference not in by_name:
+        raise CompareError(f"--position_gain {reference}: no such run (runs: {', '.join(sorted(by_name))})")
+    model = by_name[reference]["config"].get("model", {})
+    length = length or model.get("block_size")
+    block = block or model.get("block_len")
+    if not (isinstance(block, int) and block > 0 and isinstance(length, int) and length > block):
+        raise CompareError(f"--position_gain needs a block length below the evaluation length (block {block}, "
+                           f"length {length}): set --position_block and --position_length")
+
+    def profile(record) -> np.ndarray:
+        for entry in record["evals"].get("ppl", {}).get("positions") or []:
+            if entry.get("length") == length and entry.get("window") is None:
+                return np.array([np.nan if v is None else v for v in entry["nll"]], dtype=np.float64)
+        raise CompareError(f"{record['source']} has no NLL by position at L={length} (run: python -m eval "
+                           f"--out_dir={record['source']} --tasks=ppl --ppl_lengths={length})")
+
+    groups = {_group_name(g, tables): [profile(by_name[n]) for n in g["runs"]] for g in tables["groups"]}
+    ref_label = next(_group_name(g, tables) for g in tables["groups"] if reference in g["runs"])
+    ref_profile = np.nanmean(groups[ref_label], axis=0)
+    positions = np.arange(length)
+    offset_bins = list(range(0, block, bin_size))
+    out = {"reference": ref_label, "length": length, "block": block, "bin": bin_size, "groups": {}}
+    for label, profiles in groups.items():
+        gains = [ref_profile - p for p in profiles]  # one per seed
+
+        def summary(mask):
+            values = [float(np.nanmean(g[mask])) for g in gains]
+            return mean_std(values)
+
+        out["groups"][label] = {
+            "all": summary(positions >= block),
+            "offsets": [summary((positions >= block) & (positions % block >= o) & (positions % block < o + bin_size))
+                        for o in offset_bins],
+            "bins": [summary((positions >= s) & (positions < s + bin_size)) for s in range(0, length, bin_size)]}
+    out["offset_bins"] = offset_bins
+    return out
+
+
+def render_position_gain(result: dict) -> str:
+    b, size = result["block"], result["bin"]
+    headers = ["model", "all after the first block"] + [f"offset [{o}, {o + size})" for o in result["offset_bins"]]
+    rows = [[label] + [f"{m:+.4f} ± {sd:.4f}" for m, sd in [g["all"], *g["offsets"]]]
+            for label, g in result["groups"].items() if label != result["reference"]]
+    return (f"NLL gain over {result['reference']} (nats per token, reference minus model: positive is better) at "
+            f"L={result['length']}, by offset from the last block boundary (multiples of {b}), mean ± std over "
+            f"seeds:\n\n" + markdown_table(headers, rows, right=set(range(1, len(headers)))))
+
+
+def plot_position_gain(result: dict, out_dir: Path) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    size = result["bin"]
+    labels = [label for label in result["groups"] if label != result["reference"]]
+    for label, color in zip(labels, _colors(plt, len(labels))):
+        bins = result["groups"][label]["bins"]
+        starts = [i * size for i in range(len(bins))]
+        ax.errorbar(starts, [m for m, _ in bins], yerr=[sd for _, sd in bins], color=color, marker="o",
+                    markersize=3, capsize=2, label=label)
+    for boundary in range(result["block"], result["length"], result["block"]):
+        ax.axvline(boundary, color="gray", linestyle="--", linewidth=0.8)
+    ax.axhline(0, color="black", linewidth=0.8)
+    ax.set_title(f"NLL gain over {result['reference']} by window position ({size}-token bins; dashed: block "
+                 f"boundaries)")
+    ax.title.set_fontsize(9)
+    ax.set_xlabel("position in the evaluation window (bin start)")
+    ax.set_ylabel("reference NLL - model NLL")
+    return _save(fig, [ax], out_dir / "position_gain.png")
 
 
 # ---- command line -----------------------------------------------------------------------------------------
@@ -719,6 +819,14 @@ def parse_args(argv):
     p.add_argument("--by", default=None, help="also pair within each value of this per_example field (e.g. length)")
     p.add_argument("--n_boot", type=int, default=10000, help="bootstrap replicates (default 10000)")
     p.add_argument("--boot_seed", type=int, default=0, help="bootstrap seed (default 0)")
+    p.add_argument("--position_gain", metavar="RUN", help="each seed group's NLL gain over RUN's group by window "
+                   "position and by offset from the block boundaries (ppl evals; paper 004's Fig. 5)")
+    p.add_argument("--position_length", type=int, default=None, help="the ppl length for --position_gain "
+                   "(default: RUN's block_size)")
+    p.add_argument("--position_block", type=int, default=None, help="block length for --position_gain "
+                   "(default: RUN's block_len)")
+    p.add_argument("--position_bin", type=int, default=16, help="positions per bin for --position_gain (default "
+                   "16, paper 004's Fig. 5)")
     args = p.parse_args(argv)
     if args.paired and not args.task:
         p.error("--paired needs --task (e.g. --task niah)")
@@ -775,13 +883,19 @@ def main(argv=None) -> int:
     if records:
         tables = build_tables(records, [c for c in args.columns.split(",") if c])
         text = render(tables)
+        gain = None
+        if args.position_gain:
+            gain = position_gain(tables, records, args.position_gain, args.position_length, args.position_block,
+                                 args.position_bin)
+            text += "\n## NLL by window position\n\n" + render_position_gain(gain) + "\n"
+
         print(text, end="")
         if args.plot or args.out:
             out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / "compare.md").write_text(text)
             print(f"wrote {out_dir / 'compare.md'}", file=sys.stderr)
         if args.plot:
-            for path in plot_all(records, out_dir):
+            for path in plot_all(records, out_dir) + ([plot_position_gain(gain, out_dir)] if gain else []):
                 print(f"wrote {path}", file=sys.stderr)
 
     if args.paired:
@@ -790,7 +904,8 @@ def main(argv=None) -> int:
         result = paired(*pair, task=args.task, key=args.key, by=args.by, n_boot=args.n_boot, seed=args.boot_seed)
         if records:
             print()
-        print(f"## Paired comparison on {args.task} ({args.key}; exact McNemar, paired bootstrap "
+        test = "exact McNemar" if result["all"]["binary"] else "exact sign test"
+        print(f"## Paired comparison on {args.task} ({args.key}; {test}, paired bootstrap "
               f"n_boot={args.n_boot})\n")
         print(render_paired(result))
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -162,6 +162,19 @@ def test_paired_comparison_counts_and_id_join():
         paired_comparison(a, b + [b[0]])
 
 
+def test_paired_comparison_of_losses_uses_the_sign_test():
+    # per-window losses: A lower on 7 windows, B lower on 2, one tie; the sign test is McNemar on who is lower
+    a = [{"id": f"w{i}", "nll": 1.0 + (0.1 if i in (7, 8) else -0.2 if i < 7 else 0.0)} for i in range(10)]
+    b = [{"id": f"w{i}", "nll": 1.0} for i in range(10)]
+    r = paired_comparison(a, b, key="nll")
+    assert r["binary"] is False
+    assert (r["a_only"], r["b_only"]) == (7, 2)
+    assert r["mcnemar"]["p_value"] == pytest.approx(2 * sum(math.comb(9, i) for i in range(3)) / 2**9, abs=1e-15)
+    assert r["acc_a"] == pytest.approx(1.0 + (2 * 0.1 - 7 * 0.2) / 10)
+    assert r["bootstrap"]["diff"] == pytest.approx((2 * 0.1 - 7 * 0.2) / 10)
+    assert paired_comparison([{"id": 0, "correct": True}], [{"id": 0, "correct": False}])["binary"] is True
+
+
 # ---- the command line -------------------------------------------------------------------------------------
 
 def test_table_groups_and_plots(runs, tmp_path):
@@ -353,3 +366,59 @@ def test_what_a_new_user_should_not_be_misled_by(runs, tmp_path, capsys):
     empty = {**swa_record, "train": [], "val": [(0, 5.0)], "evals": {}}
     assert compare.plot_all([empty], tmp_path / "none") == [] and not (tmp_path / "none" / "loss_curves.png").exists()
     assert "no training or validation losses to plot" in capsys.readouterr().err
+
+
+def test_position_gain_over_a_reference_by_offset_from_block_boundaries(runs, tmp_path):
+    """NLL by window position (the ppl eval's profiles): swa_s1 is 0.5 nats better than the full group just
+    after each block boundary (offsets [0, 8) of 16) and equal elsewhere; the first block is left out."""
+    length, block = 64, 16
+
+    def profile(name, seed):
+        base = 2.0 + 0.2 * (seed - 1)  # full_s1 2.0, full_s2 2.2: the reference group's mean is 2.1
+        if name.startswith("swa"):
+            return [2.1 - (0.5 if t >= block and t % block < 8 else 0.0) for t in range(length)]
+        return [base] * length
+
+    for run, seed in zip(runs, (1, 2, 1)):
+        config = json.loads((run / "config.json").read_text())
+        config["model"]["block_len"] = block
+        (run / "config.json").write_text(json.dumps(config))
+        data = json.loads((run / "eval" / "ppl.json").read_text())
+        data["results"]["positions"] = [{"length": length, "window": None, "nll": profile(run.name, seed)},
+                                        {"length": 128, "window": None, "nll": [9.0] * 128}]
+        (run / "eval" / "ppl.json").write_text(json.dumps(data))
+    out = tmp_path / "cmp"
+    proc = run_cli(*runs, "--plot", "--out", out, "--position_gain", "full_s1", "--position_bin", "8")
+    assert proc.returncode == 0, proc.stderr
+    header, rows = table_rows(proc.stdout, "## NLL by window position")
+    assert header == ["model", "all after the first block", "offset [0, 8)", "offset [8, 16)"]
+    assert list(rows) == ["swa"]  # the reference's group is not a row of its own
+    assert rows["swa"]["offset [0, 8)"] == "+0.5000 ± 0.0000"
+    assert rows["swa"]["offset [8, 16)"] == "+0.0000 ± 0.0000"
+    assert rows["swa"]["all after the first block"] == "+0.2500 ± 0.0000"
+    assert "over full" in proc.stdout and "L=64" in proc.stdout
+    data = (out / "position_gain.png").read_bytes()
+    assert data[:8] == PNG_SIGNATURE and len(data) > 5000
+    # a run evaluated without the profile at that length: one line naming the eval command, exit 2
+    proc = run_cli(*runs, "--position_gain", "full_s1", "--position_length", "256")
+    assert proc.returncode == 2 and "--ppl_lengths=256" in proc.stderr
+    proc = run_cli(*runs, "--position_gain", "nobody")
+    assert proc.returncode == 2 and "no such run" in proc.stderr
+
+
+def test_paired_cli_on_per_window_losses(runs, tmp_path):
+    # the ppl eval's per-window losses: full_s1 lower on windows 0-7, swa_s1 lower on 8-9
+    for run, offset in ((runs[0], 0.0), (runs[2], 0.1)):
+        data = json.loads((run / "eval" / "ppl.json").read_text())
+        data["per_example"] = [{"id": f"L64/{i}", "cell": "L64", "length": 64, "tokens": 64,
+                                "nll": 1.0 + (offset if i < 8 else -offset)} for i in range(10)]
+        (run / "eval" / "ppl.json").write_text(json.dumps(data))
+    proc = run_cli("--paired", runs[0], runs[2], "--task", "ppl", "--key", "nll", "--by", "cell", "--out", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "exact sign test" in proc.stdout
+    header, rows = table_rows(proc.stdout, "## Paired comparison")
+    assert header[5:10] == ["mean A", "mean B", "A lower", "B lower", "sign test p"]
+    row = rows["full_s1"]
+    assert (row["mean A"], row["mean B"], row["A lower"], row["B lower"]) == ("1.0000", "1.0600", "8", "2")
+    assert row["sign test p"] == f"{2 * sum(math.comb(10, i) for i in range(3)) / 2**10:.3g}"
+    assert row["A - B [95% CI]"].startswith("-0.0600 [")

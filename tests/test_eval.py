@@ -54,8 +54,10 @@ def test_ppl_is_exp_of_mean_nll_counted_independently(tiny_run):
     for end in np.flatnonzero(tokens == meta["eot_id"]):
         docs.append(tokens[start:end + 1])
         start = end + 1
+    positions = {p["length"]: p["nll"] for p in report["results"]["positions"]}
     for row in report["results"]["rows"]:
         L, budget, nll, count = row["length"], 3000, 0.0, 0
+        window_nll, position_sum, position_count = [], np.zeros(L), np.zeros(L)
         for doc in docs:
             doc = doc[:budget]
             budget -= len(doc)
@@ -64,13 +66,23 @@ def test_ppl_is_exp_of_mean_nll_counted_independently(tiny_run):
                 x = torch.from_numpy(doc[s:s + len(y)])
                 with torch.no_grad():
                     logits, _ = model(x[None])
-                nll += F.cross_entropy(logits[0], y, reduction="sum").item()
+                token_nll = F.cross_entropy(logits[0], y, reduction="none")
+                nll += token_nll.sum().item()
                 count += len(y)
+                window_nll.append(token_nll.mean().item())
+                position_sum[:len(y)] += token_nll.numpy()
+                position_count[:len(y)] += 1
             if budget <= 0:
                 break
         assert row["tokens"] == count
         assert row["ppl"] == pytest.approx(math.exp(nll / count), rel=1e-5)
         assert row["nll"] == pytest.approx(nll / count, rel=1e-5)
+        # each window's mean NLL (pairable per example, in window order) and the mean NLL at each position
+        windows = [e for e in report["per_example"] if e["length"] == L]
+        assert [e["id"] for e in windows] == [f"L{L}/{i}" for i in range(len(window_nll))]
+        assert [e["nll"] for e in windows] == pytest.approx(window_nll, rel=1e-5)
+        assert sum(e["tokens"] for e in windows) == count
+        assert positions[L] == pytest.approx(list(position_sum / position_count), rel=1e-5)
 
 
 def test_every_result_carries_a_command_that_reproduces_it(tiny_run):
