@@ -581,6 +581,41 @@ def unigram_baseline(record: dict) -> float | None:
     return float(value) if _is_number(value) else None
 
 
+def _mean_curve(curves: list[list]) -> tuple[list, list]:
+    """[(step, mean)] and [std] over the steps every curve has (sample std over the curves)."""
+    common = set.intersection(*(set(step for step, _ in c) for c in curves)) if curves else set()
+    values = [dict(c) for c in curves]
+    stats = [(step, *mean_std([v[step] for v in values])) for step in sorted(common)]
+    return [(step, m) for step, m, _ in stats], [sd for _, _, sd in stats]
+
+
+def seed_group_records(records: list[dict], tables: dict) -> list[dict]:
+    """What the plots draw: a seed group of several runs as one record (its name and seed count; loss curves
+    and perplexities as means over the seeds, with their sample std for a band), other runs as they are."""
+    by_name = {r["name"]: r for r in records}
+    out = []
+    for g in tables["groups"]:
+        members = [by_name[n] for n in g["runs"]]
+        if len(members) == 1:
+            out.append(members[0])
+            continue
+        train, train_std = _mean_curve([m["train"] for m in members])
+        val, val_std = _mean_curve([m["val"] for m in members])
+        cells: dict = {}
+        for m in members:
+            for row in m["evals"].get("ppl", {}).get("rows", []):
+                if _is_number(row.get("length")) and _is_number(row.get("ppl")):
+                    cells.setdefault((row["length"], row.get("window")), []).append(row["ppl"])
+        ppl_rows = [{"length": length, "window": window, "ppl": mean, "ppl_std": std}
+                    for (length, window), values in cells.items() if len(values) == len(members)
+                    for mean, std in [mean_std(values)]]
+        niah_rows = [row for m in members for row in m["evals"].get("niah", {}).get("rows", [])]  # equal weights
+        out.append({**members[0], "name": f"{_group_name(g, tables)} ({len(members)} seeds)", "train": train,
+                    "val": val, "train_std": train_std, "val_std": val_std,
+                    "evals": {"ppl": {"rows": ppl_rows}, "niah": {"rows": niah_rows}}})
+    return out
+
+
 def plot_all(records: list[dict], out_dir: Path) -> list[Path]:
     plt = _pyplot()
     from matplotlib import ticker
@@ -588,16 +623,25 @@ def plot_all(records: list[dict], out_dir: Path) -> list[Path]:
     colors = _colors(plt, len(records))
     written = []
 
-    curves = [(r, c, r["train"], [(step, v) for step, v in r["val"] if step > 0]) for r, c in zip(records, colors)]
+    def after_step_0(record, key):  # validation from the first evaluation after step 0 (the untrained model)
+        stds = record.get(f"{key}_std") or [None] * len(record[key])  # std: a seed group's spread
+        points = [(step, v, sd) for (step, v), sd in zip(record[key], stds)]
+        return [p for p in points if p[0] > 0] if key == "val" else points
+
+    curves = [(r, c, after_step_0(r, "train"), after_step_0(r, "val")) for r, c in zip(records, colors)]
     if not any(train or val for _, _, train, val in curves):  # no curve to draw: no empty figure
         warn("no training or validation losses to plot: loss_curves.png not written")
         curves = []
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for record, color, *pair in curves:  # validation from the first evaluation after step 0 (the untrained model)
+    for record, color, *pair in curves:
         for ax, curve in zip(axes, pair):
             if curve:
-                ax.plot(*zip(*curve), color=color, label=record["name"], marker="o" if len(curve) < 15 else None,
+                steps, values, stds = zip(*curve)
+                ax.plot(steps, values, color=color, label=record["name"], marker="o" if len(curve) < 15 else None,
                         markersize=3)
+                if stds[0] is not None:  # a seed group: mean +- std over its seeds
+                    ax.fill_between(steps, [v - sd for v, sd in zip(values, stds)],
+                                    [v + sd for v, sd in zip(values, stds)], color=color, alpha=0.2, linewidth=0)
     baselines = {round(b, 6) for b in (unigram_baseline(r) for r, *_ in curves) if b is not None}
     for baseline in sorted(baselines):  # the loss of predicting token frequencies alone
         for ax in axes:
@@ -625,10 +669,15 @@ def plot_all(records: list[dict], out_dir: Path) -> list[Path]:
                          key=lambda w: (w is not None, w or 0))
         for record, color, rows in ppl:
             for i, window in enumerate(windows):
-                points = sorted((row["length"], row["ppl"]) for row in rows if row.get("window") == window)
+                points = sorted((row["length"], row["ppl"], row.get("ppl_std")) for row in rows
+                                if row.get("window") == window)
                 if points:
                     label = record["name"] + (f" (window {window})" if window is not None else "")
-                    ax.plot(*zip(*points), color=color, linestyle=styles[i % 4], marker=markers[i % 4], label=label)
+                    lengths, values, stds = zip(*points)
+                    ax.plot(lengths, values, color=color, linestyle=styles[i % 4], marker=markers[i % 4], label=label)
+                    if stds[0] is not None:  # a seed group: mean +- std over its seeds
+                        ax.fill_between(lengths, [v - sd for v, sd in zip(values, stds)],
+                                        [v + sd for v, sd in zip(values, stds)], color=color, alpha=0.2, linewidth=0)
         _log2_lengths(ax, [row["length"] for _, _, rows in ppl for row in rows])
         ax.set_title("Perplexity vs evaluation length")
         ax.set_xlabel("evaluation length (tokens)")
@@ -895,7 +944,8 @@ def main(argv=None) -> int:
             (out_dir / "compare.md").write_text(text)
             print(f"wrote {out_dir / 'compare.md'}", file=sys.stderr)
         if args.plot:
-            for path in plot_all(records, out_dir) + ([plot_position_gain(gain, out_dir)] if gain else []):
+            plotted = plot_all(seed_group_records(records, tables), out_dir)
+            for path in plotted + ([plot_position_gain(gain, out_dir)] if gain else []):
                 print(f"wrote {path}", file=sys.stderr)
 
     if args.paired:

@@ -422,3 +422,19 @@ def test_paired_cli_on_per_window_losses(runs, tmp_path):
     assert (row["mean A"], row["mean B"], row["A lower"], row["B lower"]) == ("1.0000", "1.0600", "8", "2")
     assert row["sign test p"] == f"{2 * sum(math.comb(10, i) for i in range(3)) / 2**10:.3g}"
     assert row["A - B [95% CI]"].startswith("-0.0600 [")
+
+
+def test_plots_draw_a_seed_group_as_its_mean_over_seeds(runs, tmp_path):
+    compare = load_compare()
+    records = [compare.load_local_run(r) for r in runs]
+    tables = compare.build_tables(records)
+    plotted = {r["name"]: r for r in compare.seed_group_records(records, tables)}
+    assert set(plotted) == {"full (2 seeds)", "swa_s1"}  # a group of several seeds is one series
+    group = plotted["full (2 seeds)"]
+    assert group["val"] == [(0, 5.0), (50, pytest.approx(1.8)), (100, pytest.approx(1.6))]  # VAL's means
+    assert group["val_std"][1] == pytest.approx(mean_std([2.0, 1.6])[1])
+    at_64 = next(r for r in group["evals"]["ppl"]["rows"] if r["length"] == 64 and r["window"] is None)
+    assert at_64["ppl"] == pytest.approx(3.15 + 64 / 512) and at_64["ppl_std"] == pytest.approx(mean_std([3.1, 3.2])[1])
+    assert plotted["swa_s1"] is records[2]
+    written = compare.plot_all(list(plotted.values()), tmp_path)
+    assert {p.name for p in written} == {"loss_curves.png", "ppl_vs_length.png", "retrieval_vs_distance.png"}
