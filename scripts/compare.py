@@ -26,6 +26,7 @@ import io
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -361,9 +362,11 @@ def _group_label(flat: dict, keys: list[str]) -> str:
     return ", ".join(f"{k}={_fmt_config(flat.get(k, MISSING))}" for k in keys) or "all"
 
 
-def _group_name(group: dict, tables: dict) -> str:
-    """A seed group by its values alone ("swa", "swa, 64"), as the seed-group table's first columns show it."""
-    return ", ".join(_fmt_config(group["flat"].get(k, MISSING)) for k in tables["group_keys"]) or group["label"]
+def _group_name(group: dict) -> str:
+    """A seed group's name for plots and tables: its runs' common name without the seed suffix (a sweep's
+    CONFIG_sSEED folders), else the config values that set it apart ("attn_pattern=swa")."""
+    stems = {re.sub(r"_s\d+$", "", name) for name in group["runs"]}
+    return stems.pop() if len(stems) == 1 else group["label"]
 
 
 class _Missing:
@@ -610,7 +613,7 @@ def seed_group_records(records: list[dict], tables: dict) -> list[dict]:
                     for (length, window), values in cells.items() if len(values) == len(members)
                     for mean, std in [mean_std(values)]]
         niah_rows = [row for m in members for row in m["evals"].get("niah", {}).get("rows", [])]  # equal weights
-        out.append({**members[0], "name": f"{_group_name(g, tables)} ({len(members)} seeds)", "train": train,
+        out.append({**members[0], "name": f"{_group_name(g)} ({len(members)} seeds)", "train": train,
                     "val": val, "train_std": train_std, "val_std": val_std,
                     "evals": {"ppl": {"rows": ppl_rows}, "niah": {"rows": niah_rows}}})
     return out
@@ -647,8 +650,9 @@ def plot_all(records: list[dict], out_dir: Path) -> list[Path]:
         for ax in axes:
             ax.axhline(baseline, color="gray", linestyle=":", linewidth=1,
                        label="unigram baseline" if len(baselines) == 1 else f"unigram {baseline:.3f}")
+    band = " (shaded: ± 1 std over seeds)" if any(r.get("val_std") for r in records) else ""
     for ax, title in zip(axes if curves else [], ("Training loss", "Validation loss")):
-        ax.set_title(title)
+        ax.set_title(title + band)
         ax.set_xlabel("step")
         ax.set_ylabel("loss (nats per token)")
         ax.set_yscale("log")  # early losses are several times the final ones
@@ -679,7 +683,7 @@ def plot_all(records: list[dict], out_dir: Path) -> list[Path]:
                         ax.fill_between(lengths, [v - sd for v, sd in zip(values, stds)],
                                         [v + sd for v, sd in zip(values, stds)], color=color, alpha=0.2, linewidth=0)
         _log2_lengths(ax, [row["length"] for _, _, rows in ppl for row in rows])
-        ax.set_title("Perplexity vs evaluation length")
+        ax.set_title("Perplexity vs evaluation length" + band)
         ax.set_xlabel("evaluation length (tokens)")
         ax.set_ylabel("perplexity")
         written.append(_save(fig, [ax], out_dir / "ppl_vs_length.png"))
@@ -795,8 +799,8 @@ def position_gain(tables: dict, records: list[dict], reference: str, length: int
         raise CompareError(f"{record['source']} has no NLL by position at L={length} (run: python -m eval "
                            f"--out_dir={record['source']} --tasks=ppl --ppl_lengths={length})")
 
-    groups = {_group_name(g, tables): [profile(by_name[n]) for n in g["runs"]] for g in tables["groups"]}
-    ref_label = next(_group_name(g, tables) for g in tables["groups"] if reference in g["runs"])
+    groups = {_group_name(g): [profile(by_name[n]) for n in g["runs"]] for g in tables["groups"]}
+    ref_label = next(_group_name(g) for g in tables["groups"] if reference in g["runs"])
     ref_profile = np.nanmean(groups[ref_label], axis=0)
     positions = np.arange(length)
     offset_bins = list(range(0, block, bin_size))

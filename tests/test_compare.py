@@ -392,7 +392,7 @@ def test_position_gain_over_a_reference_by_offset_from_block_boundaries(runs, tm
     assert proc.returncode == 0, proc.stderr
     header, rows = table_rows(proc.stdout, "## NLL by window position")
     assert header == ["model", "all after the first block", "offset [0, 8)", "offset [8, 16)"]
-    assert list(rows) == ["swa"]  # the reference's group is not a row of its own
+    assert list(rows) == ["swa"]  # named by its runs without the seed; the reference group is not a row
     assert rows["swa"]["offset [0, 8)"] == "+0.5000 ± 0.0000"
     assert rows["swa"]["offset [8, 16)"] == "+0.0000 ± 0.0000"
     assert rows["swa"]["all after the first block"] == "+0.2500 ± 0.0000"
