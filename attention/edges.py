@@ -231,9 +231,8 @@ BRIDGE_KINDS = ("bridge", "pbb", "se_bridge")
 
 @dataclass(frozen=True)
 class BoundaryWindows(EdgeRule):
-    """The bridge path of paper 004 (Sec. 4, Table 1): one causal window per block boundary p = j b, for
-    j = 1 .. ceil(context / b) - 1 (the boundaries of the configured context: a position's edges never depend
-    on how many tokens follow it). Window j has a source interval and a write-back set:
+    """The bridge path of paper 004 (Sec. 4, Table 1): one causal window per block boundary p = j b, j >= 1.
+    Window j has a source interval and a write-back set:
 
         bridge     sources [p - w/2, p + w/2)    write-back [p - w/2, p + w/2)
         pbb        sources [p - w/2, p + w/2)    write-back [p, p + w/2)           (post-boundary bridge)
@@ -244,6 +243,12 @@ class BoundaryWindows(EdgeRule):
     Write-back sets never overlap (the settings are checked), so every position gets at most one window and
     positions outside every write-back set have no bridge edges (their bridge output is zero).
     `width` is w for bridge and pbb, e for se_bridge.
+
+    Within the configured context the boundaries are the paper's, j = 1 .. ceil(context / b) - 1: the first
+    boundary at or past the context's end (j = last_window + 1) is not one in training, so the bridge kind's
+    pre-boundary half of its window is never written back. Past the context every boundary is bridged as in
+    training, so a model keeps its trained local structure at any evaluation length. A position's edges
+    depend on its position alone, never on how many tokens follow it.
     """
 
     kind: str = "pbb"
@@ -253,6 +258,7 @@ class BoundaryWindows(EdgeRule):
 
     @property
     def last_window(self) -> int:
+        """The last window inside the configured context."""
         return -(-self.context // self.block) - 1
 
     @property
@@ -271,10 +277,22 @@ class BoundaryWindows(EdgeRule):
         j, r = q // self.block, q % self.block
         if self.kind == "bridge":  # post-boundary half of window j, pre-boundary half of window j + 1
             half = self.width // 2
-            j = torch.where(r < half, j, torch.where(r >= self.block - half, j + 1, 0))
+            pre = r >= self.block - half
+            j = torch.where(r < half, j, torch.where(pre, j + 1, 0))
+            j = torch.where(pre & (j == self.last_window + 1), 0, j)  # the context's end is not a boundary
         else:
             j = torch.where(r < (self.width // 2 if self.kind == "pbb" else self.width), j, 0)
-        return torch.where((j >= 1) & (j <= self.last_window), j, 0)
+        return torch.where(j >= 1, j, 0)
+
+    def _windows(self, n):
+        """The windows whose write-back sets start inside [0, n): their indices and sources' [start, end)."""
+        j = torch.arange(1, max(self.last_window, -(-n // self.block)) + 1)
+        start, end = self.source(j)
+        written_from = end - (self.width if self.kind != "pbb" else self.width // 2)
+        if self.kind == "bridge":  # only the post-boundary half of window last_window + 1 is written back
+            written_from = torch.where(j == self.last_window + 1, j * self.block, written_from)
+        inside = written_from < n
+        return j[inside], start[inside], end[inside]
 
     def allowed(self, q, k, h=None):
         j = self.window_of(q)
@@ -282,23 +300,18 @@ class BoundaryWindows(EdgeRule):
 
     def window_tiles(self, n):
         # each window's write-back rows over its sources up to the last row: the bridge path's only scores
-        j = torch.arange(1, self.last_window + 1)
-        first_key, end = self.source(j)
+        # (rows a window does not write back, the pre-boundary half at the context's end, are masked out)
+        _, first_key, end = self._windows(n)
         rows = self.width if self.kind != "pbb" else self.width // 2
-        first_row = end - rows  # write-back sets end where the sources do
-        inside = first_row < n
-        return first_row[inside], first_key[inside], rows, int(end[0] - first_key[0]) if len(j) else rows
+        keys = self.width if self.kind != "se_bridge" else self.block + self.width
+        return end - rows, first_key, rows, keys  # write-back sets end where the sources do
 
     def computed_scores(self, n: int) -> int:
         """Scores the branch form computes over n positions: each window's whole causal triangle over its
         sources inside the sequence, before write-back pruning (paper 004's Table 2 accounting)."""
-        total = 0
-        for j in range(1, self.last_window + 1):
-            start, end = self.source(j)
-            start, end = max(0, start), min(n, end)
-            if start < n:
-                total += (end - start) * (end - start + 1) // 2
-        return total
+        _, starts, ends = self._windows(n)
+        sizes = [min(n, int(end)) - max(0, int(start)) for start, end in zip(starts, ends)]
+        return sum(size * (size + 1) // 2 for size in sizes)
 
 
 # ---- stochastic attention (paper 000): a sliding window over a random permutation ----------------------

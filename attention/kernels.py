@@ -288,14 +288,16 @@ def window_attention(q, k, v, rule: EdgeRule, dropout_p: float = 0.0, tiles=None
 @functools.lru_cache(maxsize=64)
 def _window_plan(rule: EdgeRule, n: int, device: str):
     """Row and key positions of every window's tile (clamped into the sequence), the tiles' mask, and which
-    tile rows lie inside the sequence; built once per (rule, length, device), on the CPU (no device sync)."""
+    tile rows lie inside the sequence and are written back; built once per (rule, length, device), on the CPU (no device sync)."""
     first_row, first_key, R, K = rule.window_tiles(n)
     q_pos = first_row[:, None] + torch.arange(R)  # (J, R)
     k_pos = first_key[:, None] + torch.arange(K)  # (J, K)
     mask = rule.allowed(q_pos[:, :, None], k_pos[:, None, :]) & (k_pos < n)[:, None, :]
-    outside = q_pos >= n  # rows past the end: any key keeps the fused kernel's rows non-empty; output dropped
-    mask = mask | outside[:, :, None]
-    rows = torch.nonzero(~outside.flatten()).flatten()
+    # rows past the end or not written back by their window (the bridge kind's pre-boundary half at the
+    # configured context's end): any key keeps the fused kernel's rows non-empty; their output stays zero
+    dropped = (q_pos >= n) | ~mask.any(-1)
+    mask = mask | dropped[:, :, None]
+    rows = torch.nonzero(~dropped.flatten()).flatten()
     to = lambda t: t.to(device)  # noqa: E731
     return to(q_pos.clamp(max=n - 1).flatten()), to(k_pos.clamp(max=n - 1).flatten()), to(mask), to(rows)
 

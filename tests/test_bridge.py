@@ -20,15 +20,18 @@ pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without to
 
 
 def table1_mask(kind, n, b, width, context):
-    """The bridge path written out from Table 1's sets, window by window (independent of BoundaryWindows)."""
+    """The bridge path written out from Table 1's sets, window by window (independent of BoundaryWindows):
+    every boundary p = j b, except that the first boundary at or past the configured context's end, which
+    training never has, writes back only after itself."""
     mask = torch.zeros(n, n, dtype=torch.bool)
-    for p in range(b, -(-context // b) * b, b):  # boundaries p = j b inside the configured context
+    context_end = -(-context // b) * b
+    for p in range(b, n + b, b):
         if kind == "se_bridge":
             sources, write_back = range(p - b, p + width), range(p, p + width)
         else:
             h = width // 2
             sources = range(p - h, p + h)
-            write_back = sources if kind == "bridge" else range(p, p + h)
+            write_back = sources if kind == "bridge" and p != context_end else range(p, p + h)
         for q in write_back:
             for k in sources:
                 if 0 <= k <= q < n:
@@ -38,7 +41,7 @@ def table1_mask(kind, n, b, width, context):
 
 @pytest.mark.parametrize("kind, width", [("bridge", 16), ("bridge", 8), ("pbb", 16), ("pbb", 32), ("se_bridge", 8),
                                          ("se_bridge", 16)])
-@pytest.mark.parametrize("n", [64, 75])
+@pytest.mark.parametrize("n", [64, 75, 80, 150, 200])  # within the configured context (80) and past it
 def test_the_predicate_is_table_1(kind, width, n):
     rule = BoundaryWindows(kind, 16, width, context=80)
     torch.testing.assert_close(rule.dense_mask(torch.arange(n)), table1_mask(kind, n, 16, width, 80))
@@ -139,6 +142,24 @@ def test_no_added_parameters_causal_and_cached_generation(kind):
                                    m.generate(prompt, 30, temperature=0, use_cache=False))
 
 
+@pytest.mark.parametrize("kind", ["bridge", "pbb", "se_bridge"])
+def test_past_the_context_every_boundary_is_bridged_as_in_training(kind):
+    """Scored past its context (block_size 96), a RoPE model keeps the local structure it was trained with:
+    a position past the context sees what the same text sees inside the context of a sequence that starts a
+    multiple of the block later. (Bridging only the context's boundaries left every later position on the
+    block path alone, a model it was never trained as: 004's bridges then scored worse than Block at 4x the
+    training length.)"""
+    m = model(kind, arch="llama", bias=False).eval()
+    idx = torch.randint(0, 50, (1, 260), generator=torch.Generator().manual_seed(3))
+    shift = 96  # a multiple of the block (16): the boundaries line up
+    with torch.no_grad():
+        long, short = m(idx)[0], m(idx[:, shift:])[0]
+    # short's positions [64, 88): inside its context, two layers' reach (2 x 23) past its start and before its
+    # context's end; long's [160, 184): past its context, more than that reach after its context's end
+    torch.testing.assert_close(long[:, 160:184], short[:, 64:88])
+    assert not torch.allclose(long[:, 100:110], short[:, 4:14])  # near a start the contexts differ
+
+
 def test_bridges_restore_the_boundary_edge_block_lacks():
     b = 16
     for pattern in ("block", "bridge", "pbb", "se_bridge"):
@@ -147,7 +168,8 @@ def test_bridges_restore_the_boundary_edge_block_lacks():
 
 
 @pytest.mark.parametrize("kind, width", [("bridge", 16), ("pbb", 16), ("pbb", 32), ("se_bridge", 8), ("se_bridge", 16)])
-@pytest.mark.parametrize("n, context", [(64, 96), (75, 96), (96, 96), (20, 96), (10, 96), (12, 16), (40, 40)])
+@pytest.mark.parametrize("n, context", [(64, 96), (75, 96), (96, 96), (20, 96), (10, 96), (12, 16), (40, 40),
+                                        (200, 96), (150, 40), (107, 40)])  # and past the configured context
 def test_window_kernel_equals_dense_forward_and_backward(kind, width, n, context):
     """The bridge path window by window (every backend but dense), at lengths cutting windows anywhere."""
     rule = BoundaryWindows(kind, 16, width, context)
