@@ -328,7 +328,8 @@ def ppl_grid(rows: list[dict], trained_window=None) -> list[str]:
     lengths = sorted({row["length"] for row in rows})
     windows = list(dict.fromkeys(row["window"] for row in rows))
     cell = {(row["window"], row["length"]): row["nll"] for row in rows}
-    label = lambda w: f"window {trained_window if w is None else w}" + (" (trained)" if w in (None, trained_window) else "")
+    # a row without a window is the model as trained, which may have no window at all (full, linear)
+    label = lambda w: "as trained" if w is None else f"window {w}" + (" (trained)" if w == trained_window else "")
     lines = ["| loss | " + " | ".join(f"L={length}" for length in lengths) + " |", "|---|" + "---|" * len(lengths)]
     for window in windows:
         values = [cell.get((window, length)) for length in lengths]

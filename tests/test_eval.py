@@ -100,6 +100,7 @@ def test_every_result_carries_a_command_that_reproduces_it(tiny_run):
     assert len(first["niah"]["per_example"]) == 2 * 2 * 3
     summary = (tiny_run / "eval" / "summary.md").read_text()
     assert "## ppl" in summary and "## niah" in summary and prov["command"] in summary
+    assert "| as trained | " in summary  # scored without --ppl_windows: no window is claimed for the model
 
 
 def test_training_probes_are_logged(tiny_run):
