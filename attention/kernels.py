@@ -288,7 +288,8 @@ def window_attention(q, k, v, rule: EdgeRule, dropout_p: float = 0.0, tiles=None
 @functools.lru_cache(maxsize=64)
 def _window_plan(rule: EdgeRule, n: int, device: str):
     """Row and key positions of every window's tile (clamped into the sequence), the tiles' mask, and which
-    tile rows lie inside the sequence and are written back; built once per (rule, length, device), on the CPU (no device sync)."""
+    tile rows lie inside the sequence and are written back; built once per (rule, length, device), on the CPU
+    (no device sync)."""
     first_row, first_key, R, K = rule.window_tiles(n)
     q_pos = first_row[:, None] + torch.arange(R)  # (J, R)
     k_pos = first_key[:, None] + torch.arange(K)  # (J, K)
