@@ -8,6 +8,16 @@ os.environ.setdefault("WANDB_MODE", "offline")  # tests never reach the network
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # xdist workers (one per core) and their subprocesses share the cores
 
 
+def load_script(name: str):
+    """scripts/NAME.py as a fresh module, to call its functions in this process."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"script_{name}", REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def launcher(processes: int) -> list:
     """python, or torchrun starting that many processes on this machine."""
     return [sys.executable] if processes == 1 else \

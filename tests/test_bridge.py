@@ -2,7 +2,6 @@
 branch and union fusion on every backend against the dense reference, zero added parameters, caches."""
 
 import contextlib
-import importlib.util
 import io
 import json
 
@@ -13,7 +12,7 @@ from attention import validate_config
 from attention.edges import AnyOf, BoundaryWindows, FixedBlock
 from attention.kernels import _window_plan, attend, dense_attention
 from config import ModelConfig
-from conftest import REPO
+from conftest import REPO, load_script
 from model import GPT
 from tests.test_attention import LargestTensor, fwd_bwd, qkv
 
@@ -53,12 +52,9 @@ def test_the_predicate_is_table_1(kind, width, n):
 def stats(*args):
     # scripts/mask_stats.py's main in this process (test_attention runs it as a command): ten counts cost ten
     # interpreter start-ups otherwise
-    spec = importlib.util.spec_from_file_location("mask_stats", REPO / "scripts" / "mask_stats.py")
-    mask_stats = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mask_stats)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        mask_stats.main(["--config", str(REPO / "configs/bridges/owt_124m_full.py"), "--json", "--receptive_field=no", *args])
+        load_script("mask_stats").main(["--config", str(REPO / "configs/bridges/owt_124m_full.py"), "--json", "--receptive_field=no", *args])
     layer = json.loads(printed.getvalue())["layers"][0]
     return layer["scores_per_head"], layer["edges_per_head"], layer["write_back"]
 

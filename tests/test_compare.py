@@ -1,6 +1,5 @@
 """Run comparison: eval/stats.py and scripts/compare.py (tables, seed groups, plots, paired tests, wandb)."""
 
-import importlib.util
 import json
 import math
 import random
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from config import Config
+from conftest import load_script
 from eval.stats import mcnemar_exact, mean_std, paired_bootstrap_ci, paired_comparison
 
 REPO = Path(__file__).resolve().parent.parent
@@ -97,10 +97,7 @@ def table_rows(text, section="## Runs"):
 
 
 def load_compare():
-    spec = importlib.util.spec_from_file_location("compare_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("compare")
 
 
 # ---- stats ------------------------------------------------------------------------------------------------
