@@ -37,8 +37,10 @@ from parallelize import parallelize
 from pretrained import (GPT2_NAMES, PretrainedError, load_hf_model, load_pretrained_weights, pretrained_model_config,
                         pretrained_source)
 
-# dense (no sparsity) bf16/fp16 tensor-core peak FLOP/s by device name, for MFU (float32 runs use the TF32
-# peak: half of it). The first entry whose key is in torch.cuda.get_device_name() wins, so the H100's form
+# dense (no sparsity) bf16 tensor-core peak FLOP/s with float32 accumulation by device name, for MFU (float32
+# runs use the TF32 peak: half of it). GeForce cards accumulate in float32 at half their fp16-accumulate rate:
+# the RTX 3090's 71 TFLOP/s (GA102 whitepaper: bf16 and fp16 with fp32 accumulate 71, fp16 accumulate 142,
+# TF32 35.6) and the RTX 4090's 165 are those figures. The first entry whose key is in torch.cuda.get_device_name() wins, so the H100's form
 # factors come before the plain "H100" (the SXM part, e.g. "NVIDIA H100 80GB HBM3"): the PCIe card and
 # the NVL part run at lower clocks and power.
 PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12),
@@ -398,9 +400,12 @@ def main(argv):
         print(f"model: {m.arch}, {m.n_layer} layers x {m.n_head} heads x {m.n_embd}, mixers {m.attn_pattern!r}: "
               f"{n_params / 1e6:.2f}M parameters ({raw_model.num_params(exclude_embeddings=True) / 1e6:.2f}M "
               "without embeddings)")
-        for i, block in enumerate(raw_model.blocks):  # e.g. per-head windows of multi-scale variants
+        layers_of = {}  # e.g. per-head windows of multi-scale variants; layers alike are said once
+        for i, block in enumerate(raw_model.blocks):
             if block.mixer.describe():
-                print(f"  layer {i}: {block.mixer.describe()}")
+                layers_of.setdefault(block.mixer.describe(), []).append(str(i))
+        for description, layers in layers_of.items():
+            print(f"  layer{'s' if len(layers) > 1 else ''} {', '.join(layers)}: {description}")
         print(f"data: {data_dir} ({meta['tokenizer']} tokenizer, {meta['train_tokens']:,} train / "
               f"{meta['val_tokens']:,} val tokens); {tokens_per_step:,} tokens per step; "
               f"{world_size} process(es) on {device_name}, {dtype_name}")

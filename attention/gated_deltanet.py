@@ -261,5 +261,9 @@ class GatedDeltaNet(RecurrentMixer):
         return self.n_head * (within + across + convolutions)
 
     def describe(self):
-        return (f"Gated DeltaNet, head dim {self.head_dim}, chunk {self.chunk}, conv {self.conv_size}, "
-                f"kernel {self.kernel}")
+        if self.kernel == "auto":
+            kernel = ("kernel fla for bf16/fp16 on CUDA, else native" if fla_chunk_kernel() is not None
+                      else "kernel native (fla not installed)")
+        else:
+            kernel = f"kernel {self.kernel}"
+        return f"Gated DeltaNet: head dim {self.head_dim}, chunk {self.chunk}, conv {self.conv_size}, {kernel}"

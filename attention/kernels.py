@@ -160,9 +160,21 @@ def attend(q, k, v, rule: EdgeRule, backend: str, start: int = 0, score_mod=None
     return attend_planned(q, k, v, plan, dropout_p)
 
 
+def repeat_kv(q, k, v):
+    """Grouped-query attention's k and v (B, H_kv, T, D) repeated to q's heads (each k/v head serves
+    H / H_kv consecutive query heads), for kernels that take one k/v head per query head."""
+    groups = q.shape[1] // k.shape[1]
+    if groups == 1:
+        return k, v
+    return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+
+
 def attend_planned(q, k, v, plan: AttentionPlan, dropout_p: float = 0.0):
-    """Run a plan from plan_attention on q, k, v (B, H, n, D)."""
+    """Run a plan from plan_attention on q (B, H, n, D) and k, v (B, H or fewer, n, D: grouped-query attention,
+    which SDPA and FlexAttention take as it is and the other kernels with k and v repeated)."""
     rule, start, score_mod, activation = plan.rule, plan.start, plan.score_mod, plan.activation
+    if plan.kernel not in ("sdpa", "flex"):
+        k, v = repeat_kv(q, k, v)
     if plan.kernel == "window":
         return window_attention(q, k, v, rule, dropout_p, plan.data)
     if plan.kernel == "dense":
@@ -197,7 +209,8 @@ def attend_planned(q, k, v, plan: AttentionPlan, dropout_p: float = 0.0):
         return flex(q, k, v, rule, start, score_mod, activation, dropout_p, block_mask=plan.data)
     if plan.kernel == "sdpa":
         if plan.data is None:
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                                  enable_gqa=k.shape[1] != q.shape[1])
         return _fused_softmax(q, k, v, plan.data, dropout_p)
     raise ValueError(f"unknown attention kernel {plan.kernel!r}")
 
@@ -233,6 +246,7 @@ def masked_attention(q, k, v, mask, q_pos=None, k_pos=None, score_mod=None, acti
     """
     if fused and score_mod is None and activation == "softmax":
         return _fused_softmax(q, k, v, mask, dropout_p)
+    k, v = repeat_kv(q, k, v)
     compute = torch.promote_types(q.dtype, torch.float32)  # at least float32, float64 when given
     scores = (q.to(compute) @ k.to(compute).transpose(-1, -2)) / math.sqrt(q.shape[-1])
     if score_mod is not None:
@@ -255,7 +269,8 @@ def _fused_softmax(q, k, v, mask, dropout_p=0.0):
     (SDPA alone returns NaN for such rows: here they attend to every key and their output is zeroed.)
     """
     has_key = mask.any(-1, keepdim=True)  # applied unconditionally: a data-dependent branch would sync GPUs
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~has_key, dropout_p=dropout_p)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~has_key, dropout_p=dropout_p,
+                                       enable_gqa=k.shape[1] != q.shape[1])
     return y * has_key
 
 
@@ -738,7 +753,9 @@ def flex(q, k, v, rule: EdgeRule, start: int = 0, score_mod=None, activation="so
     if not on_cuda and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise RuntimeError("FlexAttention has no CPU backward in this torch version: train on CPU with "
                            "attn_backend=chunked (or auto)")
-    kwargs = {} if activation == "softmax" else {"return_aux": AuxRequest(lse=True)}
+    kwargs = {"enable_gqa": k.shape[1] != q.shape[1]}  # grouped-query: k, v heads shared, not repeated
+    if activation == "sigmoid":
+        kwargs["return_aux"] = AuxRequest(lse=True)
     finish = (lambda out: out) if activation == "softmax" else (lambda out: _sigmoid_output(*out, q.dtype))
     if torch.compiler.is_compiling():
         if block_mask is None:
@@ -756,7 +773,11 @@ def flex(q, k, v, rule: EdgeRule, start: int = 0, score_mod=None, activation="so
         q, k, v = (F.pad(t, (0, 0, 0, padded - n)) for t in (q, k, v))
     elif block_mask is None:
         block_mask = flex_block_mask(rule, n, H, device, start)
-    with torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+    # the default stance even where the caller runs eagerly (train.py's probes run under force_eager so that the
+    # compiled blocks do not recompile for every probe length): force_eager would run flex_attention eagerly too,
+    # materialising (B, H, n, n) scores
+    with torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True), \
+            torch.compiler.set_stance("default"):
         try:
             out = _compiled_flex()(q, k, v, score_mod=score_mod, block_mask=block_mask, **kwargs)
         except torch._dynamo.exc.FailOnRecompileLimitHit:

@@ -13,13 +13,16 @@ from torch import nn
 
 from attention.cache import KVCache, RollingKVCache
 from attention.edges import EdgeRule
-from attention.kernels import BACKENDS, attend_planned, masked_attention, plan_attention
+from attention.kernels import BACKENDS, attend_planned, masked_attention, plan_attention, repeat_kv
 from attention.registry import Mixer
 from attention.rope import apply_rope
 
 
 class Attention(Mixer):
     pretrained_attention_shapes = True
+    # whether attend() takes grouped-query k and v as they are (fewer heads than q): the kernels do, and SDPA and
+    # FlexAttention never copy them; variants whose attend() assumes one k/v head per query head get them repeated
+    native_gqa = False
     settings = ("attn_backend", "attn_gate", "n_kv_head", "attn_head_dim", "qk_norm", "qkv_bias")
 
     def __init__(self, config, layer_idx: int):
@@ -48,9 +51,8 @@ class Attention(Mixer):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.rope_theta is not None:
             q, k = apply_rope(q, pos, self.rope_theta), apply_rope(k, pos, self.rope_theta)
-        if self.n_kv_head < self.n_head:  # grouped-query: each k/v head serves consecutive query heads
-            groups = self.n_head // self.n_kv_head
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        if not self.native_gqa:  # grouped-query: each k/v head serves n_head / n_kv_head consecutive query heads
+            k, v = repeat_kv(q, k, v)
         return self.resid_dropout(self.c_proj(self.mix(q, k, v, pos, cache, plan)))
 
     def mix(self, q, k, v, pos, cache, plan=None):
@@ -76,6 +78,7 @@ class MaskedAttention(Attention):
     """Attention under one edge rule (self.rule), with softmax or another activation and an optional score_mod."""
 
     activation = "softmax"
+    native_gqa = True  # attend_planned and masked_attention take grouped-query k, v; the KV cache keeps n_kv_head
 
     @classmethod
     def check_config(cls, config):
@@ -124,7 +127,8 @@ class MaskedAttention(Attention):
         lookback = self.rule.lookback
         size = max_len if lookback is None else min(max_len, lookback + 1)
         cache_type = KVCache if lookback is None else RollingKVCache
-        return cache_type((batch_size, self.n_head, size, self.head_dim), device, dtype)
+        heads = self.n_kv_head if self.native_gqa else self.n_head
+        return cache_type((batch_size, heads, size, self.head_dim), device, dtype)
 
     def edge_counts(self, seq_len):
         heads = range(self.n_head) if self.rule.per_head else [0] * self.n_head

@@ -136,6 +136,19 @@ def chunkwise_mlstm(q, k, v, i, f, state=None, chunk: int = 64, eps: float = EPS
     return h.reshape(B, H, nc * chunk, -1)[:, :, :length], (C, n, m)
 
 
+TRITON_CHUNK = 64  # the chunk mlstm_kernels' Triton kernel runs with (its tuned default)
+TRITON_MIN_HEAD_DIM = 16  # Triton's tl.dot needs inner dimensions of at least 16: the kernel's blocks follow the heads
+
+
+def triton_head_problem(qk_head_dim: int, v_head_dim: int) -> str:
+    """Why the Triton kernel cannot take these head widths ("" when it can): mlstm_kernels sizes its blocks by
+    the head widths, and a block below 16 fails to compile."""
+    if min(qk_head_dim, v_head_dim) >= TRITON_MIN_HEAD_DIM:
+        return ""
+    return (f"q/k and v head widths {qk_head_dim} and {v_head_dim}: the Triton kernel needs both >= "
+            f"{TRITON_MIN_HEAD_DIM} (fewer mlstm_n_head, a larger mlstm_qk_dim_factor or a wider model)")
+
+
 @functools.cache
 def triton_available() -> bool:
     """Whether mlstm_kernels' Triton chunkwise kernel can run here (the package and triton installed)."""
@@ -213,7 +226,7 @@ def mlstm_sequence(q, k, v, i, f, state=None, chunk: int = 64, kernel: str = "au
     if not triton:
         compute = torch.promote_types(q.dtype, torch.float32)
         return chunkwise_mlstm(*(t.to(compute) for t in (q, k, v, i, f)), state, chunk)
-    length, kernel_chunk = q.shape[2], 64
+    length, kernel_chunk = q.shape[2], TRITON_CHUNK
     pad = -length % kernel_chunk  # the kernel wants whole chunks; padding after the end changes no output
     i, f = i.float(), f.float()
     if pad:
@@ -242,6 +255,9 @@ class MLSTMLayer(RecurrentMixer):
             raise ValueError(f"mlstm_gate_soft_cap={config.mlstm_gate_soft_cap}: must be > 0")
         if config.mlstm_kernel not in ("auto", "native", "triton"):
             raise ValueError(f"mlstm_kernel={config.mlstm_kernel!r}: expected auto, native or triton")
+        narrow = triton_head_problem(qk_dim // heads, config.n_embd // heads)
+        if config.mlstm_kernel == "triton" and narrow:
+            raise ValueError(f"mlstm_kernel=triton: {narrow}; or mlstm_kernel=auto, which uses the built-in form here")
 
     def __init__(self, config, layer_idx: int):
         super().__init__()
@@ -249,8 +265,10 @@ class MLSTMLayer(RecurrentMixer):
         self.qk_dim = int(config.n_embd * config.mlstm_qk_dim_factor)
         self.v_head_dim = config.n_embd // self.n_head
         self.chunk, self.soft_cap, self.kernel = config.mlstm_chunk, config.mlstm_gate_soft_cap, config.mlstm_kernel
-        # resolved once here, not inside a compiled forward: the Triton kernel trains on CUDA when installed
-        self.triton = self.kernel != "native" and triton_available()
+        # resolved once here, not inside a compiled forward: the Triton kernel trains on CUDA when installed and
+        # the heads are wide enough for it (auto falls back to the built-in form and describe() says why)
+        self.narrow = triton_head_problem(self.qk_dim // self.n_head, self.v_head_dim)
+        self.triton = self.kernel != "native" and triton_available() and not self.narrow
         if self.kernel == "triton" and not self.triton:
             raise ValueError("mlstm_kernel=triton needs the mlstm_kernels package with triton (pip install -r "
                              "requirements-gpu.txt on a CUDA machine); use mlstm_kernel=native or auto")
@@ -312,10 +330,17 @@ class MLSTMLayer(RecurrentMixer):
 
     def mixing_flops(self, seq_len):
         qk_head = self.qk_dim // self.n_head
-        within = self.chunk / 2 * (qk_head + self.v_head_dim)  # q.k and the weighted sum over a chunk's keys
+        chunk = TRITON_CHUNK if self.triton else self.chunk  # the chunk the training form runs with
+        within = chunk / 2 * (qk_head + self.v_head_dim)  # q.k and the weighted sum over a chunk's keys
         across = 2 * qk_head * self.v_head_dim  # reading the state and (amortised) writing it
         return self.n_head * 2 * (within + across)
 
     def describe(self):
+        if self.triton:
+            kernel = f"kernel triton (mlstm_kernels, chunk {TRITON_CHUNK}, on CUDA)"
+        elif self.kernel == "auto" and self.narrow and triton_available():
+            kernel = f"kernel native ({self.narrow})"
+        else:
+            kernel = "kernel native"
         return (f"mLSTM: {self.n_head} heads, q/k {self.qk_dim // self.n_head} and v {self.v_head_dim} per head, "
-                f"chunk {self.chunk}, kernel {self.kernel}")
+                f"chunk {self.chunk}, {kernel}")

@@ -135,6 +135,7 @@ def stochastic_edge_count(n: int, window: int) -> int:
 class StochasticAttention(MaskedAttention):
     """Sliding-window attention in the slot space of a random permutation, redrawn every forward."""
 
+    native_gqa = False  # its attend() permutes one k/v head per query head
     settings = MaskedAttention.settings + ("swa_window", "sa_mode", "sa_shared_batch", "sa_seed")
 
     supports_cache = False

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from attention.edges import (AnyOf, BoundaryWindows, Causal, FixedBlock, HeadWindows, PermutedWindow,  # noqa: E402
                              SlidingWindow)
-from attention.gated_deltanet import chunked_gated_delta_rule  # noqa: E402
+from attention.gated_deltanet import chunked_gated_delta_rule, fla_chunk_kernel  # noqa: E402
 from attention.kernels import attend, resolve_backend  # noqa: E402
 from attention.mlstm import mlstm_sequence  # noqa: E402
 from attention.stochastic import stochastic_attention  # noqa: E402
@@ -91,18 +91,26 @@ def rule_of(name: str, b: BenchConfig):
 
 
 def recurrent_of(name: str, b: BenchConfig, n: int, device, dtype):
-    """q, k, v -> output of a recurrent mixer's training form, with its gates as extra inputs."""
+    """q, k, v -> output of a recurrent mixer's training form, with its gates as extra inputs: on CUDA the GPU
+    kernel the layer trains with when it is installed (mlstm_kernels' Triton mLSTM, fla's Gated DeltaNet), q, k,
+    v in their own dtype as the layer passes them under autocast."""
     gate = lambda scale, shift: (torch.randn(b.batch, b.heads, n, device=device) * scale + shift).requires_grad_()
     if name == "mlstm":  # input gates near their initialisation (bias -10), forget gates near 3..6
         i, f = gate(2, -10), gate(1, 4)
         half = b.head_dim // 2
-        return lambda q, k, v: mlstm_sequence(q[..., :half].float(), k[..., :half].float(), v.float(), i, f,
-                                              chunk=b.chunk, need_state=False)[0]
+        return lambda q, k, v: mlstm_sequence(q[..., :half], k[..., :half], v, i, f, chunk=b.chunk,
+                                              need_state=False)[0]
     g, beta = gate(0.5, -3), gate(1, 0)  # log decay softplus-shaped below 0, beta through a sigmoid
+    fla = fla_chunk_kernel() if torch.device(device).type == "cuda" else None
 
     def gated_deltanet(q, k, v):
-        q, k = (torch.nn.functional.normalize(t.float(), dim=-1) for t in (q, k))
         decay = -torch.nn.functional.softplus(-g)
+        if fla is not None:  # (B, T, H, D) layout; the kernel normalises q and k itself
+            layout = lambda t: t.transpose(1, 2).contiguous()  # noqa: E731
+            y, _ = fla(layout(q), layout(k), layout(v), layout(decay), layout(torch.sigmoid(beta).to(v.dtype)),
+                       scale=b.head_dim ** -0.5, use_qk_l2norm_in_kernel=True)
+            return y.transpose(1, 2)
+        q, k = (torch.nn.functional.normalize(t.float(), dim=-1) for t in (q, k))
         return chunked_gated_delta_rule(q * b.head_dim ** -0.5, k, v.float(), decay, torch.sigmoid(beta),
                                         chunk=b.chunk)[0]
     return gated_deltanet

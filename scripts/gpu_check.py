@@ -1,32 +1,43 @@
-"""Check the GPU path in one command: the CUDA tests, every attention backend against the dense reference,
-the attention and training benchmarks, a short compiled training run per mixer family, the compile check and
-generation throughput, with one report to paste into docs/benchmarks.md.
+"""Check the GPU path in one command: the GPU tests, training runs of every mixer family and of the settings a
+GPU run depends on (compiled, bf16 and fp16, activation checkpointing, FSDP), an exact resume, measured memory
+against the planner, pretrained models, every attention backend against the dense reference, and the
+benchmarks, with one report to paste into docs/benchmarks.md.
 
-    python scripts/gpu_check.py                                          # everything: budgeted at 22 minutes on one H100
-    python scripts/gpu_check.py --steps=backends,train_runs              # a subset
-    python scripts/gpu_check.py --steps=cuda_tests,backends,bench_attention,bench_train
-    python scripts/gpu_check.py --steps=train_runs,compile_check,generate --merge=True   # the rest, same report
-    python scripts/gpu_check.py --device=cpu --quick                     # reduced sizes on CPU (about 1.5 minutes)
+    python scripts/gpu_check.py --plan                                   # each step's budget on one H100, nothing run
+    python scripts/gpu_check.py                                          # everything: at most 20 minutes on one H100
+    python scripts/gpu_check.py --steps=preflight,gpu_tests,train_runs   # a subset, into a fresh report
+    python scripts/gpu_check.py --only=resume,memory                     # rerun these steps into the same report
+    python scripts/gpu_check.py --device=cpu --quick                     # reduced sizes on CPU (checks this script)
 
-Steps, in this order:
+Steps, riskiest first (what a first GPU run is most likely to find broken runs while the budget is fresh):
 
-    cuda_tests       python -m pytest -q tests/ -k cuda (tests defined only where CUDA exists)
+    preflight        versions of torch, CUDA, Triton, fla and mlstm_kernels; fails at once, with the fix, when a
+                     GPU kernel package is missing or the installed Triton lacks what they build with
+    gpu_tests        python -m pytest -m gpu tests/ (flex backward, the Triton mLSTM, fla's Gated DeltaNet, each
+                     against the reference), in parallel workers
+    train_runs       train.py: a short compiled run per mixer family and per GPU setting, the Triton and fla
+                     mixers first, in parallel processes (loss falls, kernels used as asked)
+    resume           a compiled bf16 run killed after a checkpoint and resumed: its losses against the unbroken run's
+    memory           one block stack of the 1.4B SWAX recipe at 16K tokens: peak memory measured / planned
+    pretrained       init_from=hf: and python -m eval --hf= on a small local model, in bf16
+    multi_gpu        2-rank NCCL DDP and FSDP runs against one rank (two or more GPUs; said so and skipped on one)
     backends         every backend against dense, forward and backward, float32 and bfloat16, every rule family
     bench_attention  scripts/bench_attention.py: full vs swa / sa / sa_swa, next to paper 000's Table 2
     bench_train      scripts/bench_train.py: tokens/s and MFU of the 124M and 360M recipes, compiled, full depth
-    train_runs       train.py: a short compiled run of a 2-layer model per mixer family (loss, tokens/s, memory)
     compile_check    scripts/compile_check.py: graph breaks and unexpected recompiles per mixer
     generate         scripts/bench_generate.py: decode throughput and state size, swax vs full
 
 Each step is isolated: it runs in subprocesses (sys.executable) under a time budget, and a step that fails (an
 exception, a nonzero exit, a timeout) is recorded as failed with the tail of its output while the next step
-still runs. OUT/report.md and OUT/report.json are rewritten atomically before and after every step (and after
-every training run), so a run cut off by a time limit leaves everything it finished; every subprocess's
-output is kept in OUT/logs/. The exit status is 1 when a step failed, 2 for a bad option.
+still runs; a timeout kills the step's whole process tree. OUT/report.md and OUT/report.json are rewritten
+atomically before and after every step (and after every training run), so a run cut off by a time limit leaves
+everything it finished; every subprocess's output is kept in OUT/logs/. The exit status is 1 when a step
+failed, 2 for a bad option.
 
 On CPU, and with --quick, every step runs at reduced sizes and says so in the report: those numbers check
-this script, not the hardware. --merge=True keeps the results of the steps not run now from the report
-already in OUT (a check split over several commands, each within a time limit).
+this script, not the hardware. --only=STEP,... reruns those steps and keeps every other step's result from
+the report already in OUT (a check split over several commands, each within a time limit: --plan suggests
+the split).
 """
 
 import importlib.metadata
@@ -60,27 +71,37 @@ from config import ConfigError, apply_args, dataclass_fields, exit_on_config_err
 
 @dataclass
 class CheckConfig:
-    steps: str = ""  # comma-separated subset of the steps (run in the order above); empty: all of them
+    steps: str = ""  # comma-separated subset of the steps (run in the order above) into a fresh report; empty: all
+    only: str = ""  # rerun these steps, keeping the other steps' results from OUT/report.json
+    plan: bool = False  # print each step's budget and the total on one H100, run nothing
     out: str = "out/gpu_check"
     device: str = "auto"  # auto (cuda when available) | cuda | cpu
     quick: bool = False  # reduced sizes everywhere (always the case on CPU)
-    merge: bool = False  # keep the results of steps not run now from OUT/report.json (a check split in parts)
     budget_scale: float = 1.0  # multiplies every step's time budget (a slower GPU, cold compile caches)
-    jobs: int = 0  # training runs at a time in train_runs; 0: 1 on CUDA (undisturbed tokens/s), 2 on CPU
+    # processes at a time in the steps that compile independent kernels (gpu_tests, train_runs, backends);
+    # 0: 4 on CUDA (compilation is CPU-bound and the GPU is shared), 2 on CPU
+    jobs: int = 0
     # graph breaks and recompiles are Dynamo's and the same under every backend: aot_eager finds them without
     # generating code (minutes faster); train_runs compiles every mixer family with inductor anyway
     compile_check_backend: str = "aot_eager"
     keep_checkpoints: bool = False  # keep the training runs' checkpoints (deleted by default: OUT stays small)
     fail_steps: str = ""  # for testing the report: these steps raise at their start, as a broken step would
-    worker: str = ""  # internal: run a step's in-process work (backends) in this process, a child of the check
+    worker: str = ""  # internal: run a step's in-process work (backends, memory) in this process, a child of the check
+    shard: str = "0/1"  # internal: the part i/n of the backends cases a worker runs
 
 
-STEPS = ("cuda_tests", "backends", "bench_attention", "bench_train", "train_runs", "compile_check", "generate")
+STEPS = ("preflight", "gpu_tests", "train_runs", "resume", "memory", "pretrained", "multi_gpu", "backends",
+         "bench_attention", "bench_train", "compile_check", "generate")
 
-# time budget of each step in seconds, at full size on one H100 and reduced (CPU, --quick); the full budgets
-# sum to 22 minutes, what they are expected to take to about 16 (see the estimates in the step functions)
-BUDGET_S = {"cuda_tests": (240, 30), "backends": (270, 90), "bench_attention": (180, 90), "bench_train": (180, 60),
-            "train_runs": (480, 150), "compile_check": (180, 600), "generate": (90, 60)}
+# time budget of each step in seconds: at full size on one H100, and reduced (CPU, --quick). The full budgets
+# are limits, set from the estimates in each step's docstring plus a margin for cold compile caches; they sum
+# to at most 20 minutes (multi_gpu costs nothing on one GPU: MULTI_GPU_BUDGET_S applies with two or more)
+BUDGET_S = {"preflight": (20, 20), "gpu_tests": (150, 120), "train_runs": (330, 200), "resume": (90, 90),
+            "memory": (60, 60), "pretrained": (60, 120), "multi_gpu": (0, 0), "backends": (120, 90),
+            "bench_attention": (90, 90), "bench_train": (90, 60), "compile_check": (60, 600), "generate": (45, 60)}
+MULTI_GPU_BUDGET_S = 150
+TOTAL_LIMIT_S = 20 * 60  # the whole check on one H100
+CALL_LIMIT_S = 540  # --plan splits the steps into commands of at most this long (a 10-minute session limit)
 
 # Paper 000, Table 2: attention layer latency (forward + backward) of SA (w = 256, compiled FlexAttention) and of
 # full attention, on an A100 80GB, B=16, H=16, d_h=64, bf16. n -> (SA ms, full ms, speed-up of SA over full).
@@ -89,13 +110,17 @@ PAPER_000_TABLE_2 = {2048: (5.4, 8.0, 1.5), 4096: (7.9, 27.2, 3.5), 8192: (15.2,
 
 # sizes of every step: full on a GPU, reduced on CPU and with --quick (seconds instead of minutes)
 FULL = {
-    # every (rule, padded length, dtype) compiles its own flex kernels: bfloat16 at one length
-    "backends": {"float32": (300, 1024), "bfloat16": (1024,), "head_dim": 64},
+    # every (rule, padded length, dtype) compiles its own flex kernels: float32 at a length that is not a
+    # multiple of the flex block, bfloat16 at one that is
+    "backends": {"float32": (300,), "bfloat16": (1024,), "head_dim": 64},
     "bench_attention": ["--batch=16", "--heads=16", "--head_dim=64", "--dtype=bfloat16", "--window=256",
                         "--variants=full,swa,sa,sa_swa", "--lengths=2048,4096,8192,16384,32768"],
     "bench_train": ["--n_layer=0", "--batch_size=8"],
-    "train_runs": {"n_embd": 256, "n_head": 4, "block_size": 1024, "window": 128, "batch_size": 8, "max_iters": 50,
+    "train_runs": {"n_embd": 256, "n_head": 4, "block_size": 1024, "window": 128, "batch_size": 8, "max_iters": 30,
                    "eval_iters": 5, "log_interval": 10},
+    "resume": {"max_iters": 20, "checkpoint_at": 10},
+    # the 1.4B SWAX recipe's blocks at 16K tokens, one sequence (fewer layers when the plan says they won't fit)
+    "memory": {"config": "configs/swax/swax_1p4b_stochastic.py", "block_size": 16384, "n_layer": 0},
     "generate": ["--contexts=1024,8192", "--n_layer=12", "--n_embd=1024", "--n_head=16", "--dtype=bfloat16"],
 }
 REDUCED = {
@@ -106,31 +131,46 @@ REDUCED = {
     "bench_train": ["--n_layer=2", "--batch_size=1", "--block_size=64", "--steps=1", "--warmup=0"],
     "train_runs": {"n_embd": 64, "n_head": 4, "block_size": 128, "window": 32, "batch_size": 4, "max_iters": 10,
                    "eval_iters": 2, "log_interval": 1},
+    "resume": {"max_iters": 24, "checkpoint_at": 4},  # long enough to be killed before it ends
+    "memory": {"config": "configs/swax/swax_1p4b_stochastic.py", "block_size": 256, "n_layer": 2, "n_embd": 128,
+               "n_head": 4, "mlstm_n_head": 2, "vocab_size": 512},
     "generate": ["--contexts=128,512", "--n_layer=2", "--n_embd=64", "--n_head=4", "--window=32", "--vocab_size=256",
                  "--new_tokens=8", "--repeats=1"],
 }
 
-# train_runs: one run per mixer family, with the options that make it that family (n_layer 2 unless given)
+# train_runs: one run per mixer family and per GPU setting, riskiest first (the optional Triton and fla kernels,
+# FSDP, activation checkpointing around them, then every FlexAttention family's backward): options that make it
+# that run (n_layer 2 unless given). On CUDA the recurrent mixers' runs name their GPU kernel (GPU_KERNELS), so
+# a missing package fails the run instead of falling back to the built-in form.
 TRAIN_RUNS = {
-    "full": ["--attn_pattern=full"],
-    "swa": ["--attn_pattern=swa"],
-    "block": ["--attn_pattern=block"],
-    # its windows change over four depth groups and reach 4x the base: half the window keeps them within block_size
-    "mswa": ["--attn_pattern=mswa", "--n_layer=4", "--swa_window={half_window}"],
+    "swax": ["--attn_pattern=swax"],  # swa, mlstm
+    "swax_gdn": ["--attn_pattern=swax_gdn"],  # swa, gated_deltanet
+    # FSDP2 in one process: bf16 through its mixed-precision policy, sharded checkpoints
+    "swax_fsdp": ["--attn_pattern=swax", "--parallelism=fsdp"],
+    # the 7B recipe's setting: selective activation checkpointing around compiled blocks (and the Triton mLSTM)
+    "swax_ckpt_selective": ["--attn_pattern=swax", "--activation_checkpointing=selective"],
+    "swax_ckpt_full": ["--attn_pattern=swax", "--activation_checkpointing=full"],
     "sa": ["--attn_pattern=sa"],
     "sa_swa": ["--attn_pattern=sa_swa"],
     "swat": ["--attn_pattern=swat"],
+    # its windows change over four depth groups and reach 4x the base: half the window keeps them within block_size
+    "mswa": ["--attn_pattern=mswa", "--n_layer=4", "--swa_window={half_window}"],
     "bridge": ["--attn_pattern=bridge"],
     "pbb": ["--attn_pattern=pbb"],
     "se_bridge": ["--attn_pattern=se_bridge"],
     "pbb_union": ["--attn_pattern=pbb", "--bridge_fusion=union"],
-    "swax": ["--attn_pattern=swax"],  # swa, mlstm
-    "swax_gdn": ["--attn_pattern=swax_gdn"],  # swa, gated_deltanet
-    "linear": ["--attn_pattern=linear"],
     "moba": ["--attn_pattern=moba", "--moba_block={half_window}", "--moba_topk=2"],
-    # FSDP2 in one process: bf16 through its mixed-precision policy, sharded checkpoints
-    "swax_fsdp": ["--attn_pattern=swax", "--parallelism=fsdp"],
+    "swa": ["--attn_pattern=swa"],
+    "block": ["--attn_pattern=block"],
+    "linear": ["--attn_pattern=linear"],
+    "full": ["--attn_pattern=full"],
+    "swa_fp16": ["--attn_pattern=swa", "--dtype=float16"],  # float16 autocast with the GradScaler
+    "full_loss_chunk": ["--attn_pattern=full", "--loss_chunk=256"],  # the LM head and loss in recomputed chunks
 }
+# on CUDA every run whose mixers have a GPU kernel names it, and its log must show it in use: the mixer's
+# setting -> (value, the text its layers' start-up line then shows)
+GPU_KERNELS = {"mlstm": ("--mlstm_kernel=triton", "mLSTM", "kernel triton"),
+               "gated_deltanet": ("--gdn_kernel=fla", "Gated DeltaNet", "kernel fla")}
 
 # backends: the rule families, each against the dense reference
 BACKEND_FAMILIES = ("full", "swa", "block", "mswa", "sa", "swat_sigmoid", "swat_softmax", "bridge_branch",
@@ -143,6 +183,9 @@ TOLERANCE = {  # against the float32 dense reference
     # relative to the whole tensor, as the CUDA tests of tests/test_swat.py measure it
     "bfloat16": "||err|| / ||ref|| <= 2e-2",
 }
+# resume: the resumed run's training losses against the unbroken run's. On CPU they are equal to the bit; on a
+# GPU compiled kernels may reduce in another order between processes (atomics in attention backward)
+RESUME_TOLERANCE = {"cpu": 0.0, "cuda": 2e-3}
 
 
 def now() -> str:
@@ -162,6 +205,10 @@ class Completed:
     seconds: float
     log: str  # path of its output, relative to the repository when inside it
     output_tail: str
+    path: Path | None = None  # the log's absolute path
+
+    def output(self) -> str:
+        return self.path.read_text(errors="replace") if self.path else self.output_tail
 
     @property
     def timed_out(self) -> bool:
@@ -177,17 +224,52 @@ _children: set = set()  # running subprocesses, killed with their process groups
 _stopping = threading.Event()  # set by SIGTERM / SIGINT: no new subprocess starts
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:  # the child leads its own session: this reaches its workers too (pytest, compile workers)
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+def descendants(pid: int) -> list[int]:
+    """Every process started by pid, and by those, at any depth (from /proc: Linux), whatever session or
+    process group they moved to."""
+    children = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:  # stat: "pid (comm) state ppid ...", comm may hold spaces and parentheses
+                ppid = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # exited meanwhile
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """Kill proc and every process it started. A child that began a session of its own (a nested check's pytest,
+    a compile worker) is out of proc's process group, so the tree is walked, not only the group killed. The
+    tree is frozen first (SIGSTOP: no process in it starts another, and none is orphaned into another tree
+    before it is found), walked again until it stops growing, then killed."""
+    tree = set()
+    while True:
+        new = {proc.pid, *descendants(proc.pid)} - tree
+        if not new:
+            break
+        for pid in new:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
+        tree |= new
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     proc.wait()
 
 
-def run_command(command: list, log_path: Path, timeout: float, env: dict | None = None) -> Completed:
+def run_command(command: list, log_path: Path, timeout: float, env: dict | None = None, kill_when=None) -> Completed:
     """Run command in the repository with stdout and stderr into log_path, killed (with every process it
-    started) when it runs past timeout seconds."""
+    started) when it runs past timeout seconds, or as soon as kill_when() is true (returncode -9)."""
     if _stopping.is_set():
         raise RuntimeError(f"not started, the check is stopping: {shlex.join(command)}")
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -198,24 +280,34 @@ def run_command(command: list, log_path: Path, timeout: float, env: dict | None 
         proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         _children.add(proc)
+        deadline = started + max(1.0, timeout)
         try:
-            returncode = proc.wait(timeout=max(1.0, timeout))
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            returncode = None
+            while True:
+                try:
+                    returncode = proc.wait(timeout=0.05 if kill_when else max(0.0, deadline - time.time()))
+                    break
+                except subprocess.TimeoutExpired:
+                    if kill_when is not None and kill_when():
+                        kill_tree(proc)
+                        returncode = -signal.SIGKILL
+                        break
+                    if time.time() >= deadline:
+                        kill_tree(proc)
+                        returncode = None
+                        break
         finally:
             _children.discard(proc)
     seconds = time.time() - started
     output = log_path.read_text(errors="replace")
     shown = log_path.relative_to(REPO) if log_path.is_relative_to(REPO) else log_path
-    return Completed(command, returncode, seconds, str(shown), tail(output))
+    return Completed(command, returncode, seconds, str(shown), tail(output), log_path)
 
 
 def stop_children() -> None:
     """Start no more subprocesses and kill the running ones (safe in a signal handler: no lock is taken)."""
     _stopping.set()
     for proc in list(_children):
-        _kill_group(proc)
+        kill_tree(proc)
 
 
 # ---- the check: steps, budgets, the report --------------------------------------------------------------
@@ -238,36 +330,110 @@ class StepContext:
     def python(self) -> str:
         return sys.executable
 
+    @property
+    def jobs(self) -> int:
+        """Processes at a time in steps that compile independent kernels."""
+        return self.cfg.jobs or (4 if self.device == "cuda" else 2)
+
     def remaining(self) -> float:
         return self.budget_s - (time.time() - self.started)
 
-    def run(self, command: list, log_name: str, timeout: float | None = None, env: dict | None = None) -> Completed:
+    def run(self, command: list, log_name: str, timeout: float | None = None, env: dict | None = None,
+            kill_when=None) -> Completed:
         limit = self.remaining() if timeout is None else min(timeout, self.remaining())
-        return run_command(command, self.out / "logs" / f"{log_name}.log", limit, env)
+        return run_command(command, self.out / "logs" / f"{log_name}.log", limit, env, kill_when)
 
 
 def outcome(status: str, summary: str, results=None, error: str = "") -> dict:
     return {"status": status, "summary": summary, "results": results, "error": error}
 
 
-# ---- step 1: cuda_tests ---------------------------------------------------------------------------------
+# ---- step: preflight --------------------------------------------------------------------------------------
 
-def step_cuda_tests(ctx: StepContext) -> dict:
-    """The CUDA-only tests (about 40 on an H100: each compiles FlexAttention kernels for its rule, a few
-    seconds each, plus 10 s of collection): 2-3 minutes."""
-    if ctx.device != "cuda":
-        return outcome("not applicable", "not applicable on cpu: the CUDA tests are defined only where CUDA exists")
-    junit = ctx.out / "cuda_tests.xml"
-    done = ctx.run([ctx.python, "-m", "pytest", "-q", "tests/", "-k", "cuda", f"--junitxml={junit}"], "cuda_tests")
+GPU_PACKAGES = ("mlstm_kernels", "flash-linear-attention")  # requirements-gpu.txt: the recurrent mixers' kernels
+
+
+def torch_triton_pin() -> str:
+    """The Triton version the installed torch was built against (its wheel's requirement), or ""."""
+    for requirement in importlib.metadata.requires("torch") or []:
+        name, _, rest = requirement.partition("==")
+        if name.strip() in ("triton", "pytorch-triton") and rest:
+            return rest.split(";")[0].strip()
+    return ""
+
+
+def gpu_kernel_problems(device: str, env: dict) -> list[str]:
+    """Why the GPU kernels of the recurrent mixers cannot run here, each with its fix (none off CUDA). A missing
+    package is a failure on a GPU, not a silent fallback to the built-in forms: the check exists to run them."""
+    if device != "cuda":
+        return []
+    versions, problems = env["optional_kernels"], []
+    for package in GPU_PACKAGES:
+        if versions.get(package) == "not installed":
+            problems.append(f"{package} is not installed: pip install -r requirements-gpu.txt")
+    pin = env.get("triton_pin") or "the version torch pins"
+    if versions.get("triton") == "not installed":
+        problems.append(f"triton is not installed: pip install triton=={pin} (torch {env['torch']}'s pin)")
+    elif not env.get("triton_block_ptr"):
+        problems.append(f"Triton {versions.get('triton')} has no tl.make_block_ptr, which mlstm_kernels and fla build "
+                        f"their kernels with (Triton 3.9 removed it): pip install triton=={pin}, the version torch "
+                        f"{env['torch']} pins, and keep it there (requirements-gpu.txt)")
+    return problems
+
+
+def step_preflight(ctx: StepContext) -> dict:
+    """Versions, and whether the GPU kernels can run: a second."""
+    env = environment(ctx.device)
+    kernels = ", ".join(f"{k} {v}" for k, v in env["optional_kernels"].items())
+    summary = f"torch {env['torch']}" + (f", CUDA {env['cuda']}" if env["cuda"] else "") + f"; {kernels}"
+    results = {key: env[key] for key in ("torch", "cuda", "optional_kernels", "triton_pin", "triton_block_ptr",
+                                         "gpus")}
+    problems = gpu_kernel_problems(ctx.device, env)
+    if problems:
+        return outcome("failed", summary, results, "\n".join(problems))
+    return outcome("passed", summary + ("" if ctx.device == "cuda" else " (the GPU kernels are not needed on CPU)"),
+                   results)
+
+
+# ---- step: gpu_tests ----------------------------------------------------------------------------------------
+
+GPU_TESTS = ["-m", "gpu", "tests/"]  # the tests marked gpu (tests/conftest.py), by marker: never by name
+# on CUDA these must be among the tests that passed: they are defined only where their kernel is installed
+REQUIRED_GPU_TESTS = {"mlstm_kernels' Triton kernel": "test_cuda_triton_kernel_equals_native_chunkwise",
+                      "fla's Gated DeltaNet kernel": "test_cuda_fla_layer_equals_native_layer_in_bf16"}
+
+
+def missing_kernel_tests(device: str, tests: list[dict]) -> list[str]:
+    """The GPU kernels whose tests did not pass in a gpu_tests run on CUDA (none off CUDA)."""
+    if device != "cuda":
+        return []
+    passed = {t["test"].rpartition("::")[2].partition("[")[0] for t in tests if t["outcome"] == "passed"}
+    return [f"{kernel}: {name} did not pass (not installed, or it failed)"
+            for kernel, name in REQUIRED_GPU_TESTS.items() if name not in passed]
+
+
+def step_gpu_tests(ctx: StepContext) -> dict:
+    """The tests marked gpu (about 40 on CUDA: each compiles FlexAttention kernels for its rule, a few seconds
+    each, plus the Triton and fla kernels), in ctx.jobs pytest workers: 1-2 minutes on an H100. On CPU they run
+    under the device guard of tests/conftest.py (flex forward only)."""
+    junit = ctx.out / "gpu_tests.xml"
+    junit.unlink(missing_ok=True)
+    workers = ["-n", str(ctx.jobs)] if ctx.device == "cuda" and ctx.jobs > 1 else []
+    done = ctx.run([ctx.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers, *GPU_TESTS,
+                    f"--junitxml={junit}"], "gpu_tests")
     tests = read_junit(junit) if junit.exists() else []
     counts = {}
     for t in tests:
         counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
     summary = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no tests ran"
-    results = {"counts": counts, "tests": tests}
-    if done.timed_out or done.returncode != 0 or not tests:
-        # pytest exits 5 when it collects nothing: on CUDA that means the GPU tests are missing, a failure too
-        return outcome("failed", summary, results, done.error())
+    if ctx.device != "cuda":
+        summary += " (on the CPU, under the device guard)"
+    results = {"counts": counts, "tests": tests, "command": shlex.join(done.command)}
+    missing = missing_kernel_tests(ctx.device, tests)
+    if done.timed_out or done.returncode != 0 or not tests or missing:
+        # pytest exits 5 when it collects nothing: the GPU tests are missing, a failure too
+        failure = [done.error()] if done.timed_out or done.returncode else []
+        return outcome("failed", summary, results, "\n".join(missing + failure))
     return outcome("passed", summary, results)
 
 
@@ -283,25 +449,35 @@ def read_junit(path: Path) -> list[dict]:
     return tests
 
 
-# ---- step 2: backends (the comparisons run in a child process: --worker=backends) ----------------------
+# ---- step: backends (the comparisons run in a child process: --worker=backends) ----------------------
 
 def step_backends(ctx: StepContext) -> dict:
     """Every backend of every rule family against dense. On an H100 each (rule, padded length, dtype) compiles
-    its FlexAttention kernels once, forward and backward (~5 s each): 13 families x 3 (float32 at 300 and 1024,
-    bfloat16 at 1024) = 30 distinct compilations (the branch forms share block's), so 2.5-4 minutes."""
-    results_path = ctx.out / "backends.json"
-    results_path.unlink(missing_ok=True)
-    done = ctx.run([ctx.python, os.path.abspath(__file__), "--worker=backends", f"--device={ctx.device}",
-                    f"--quick={ctx.cfg.quick}", f"--out={ctx.out}"], "backends")
-    results = json.loads(results_path.read_text()) if results_path.exists() else {"cases": []}
+    its FlexAttention kernels once, forward and backward (~5 s each): 13 families x 2 (float32 at 300, bfloat16
+    at 1024) = about 26 distinct compilations (the branch forms share block's), split over ctx.jobs worker
+    processes: about a minute."""
+    shards = ctx.jobs if ctx.device == "cuda" else 1
+    paths = [ctx.out / f"backends_{i}.json" for i in range(shards)]
+    for path in paths:
+        path.unlink(missing_ok=True)
+    command = [ctx.python, os.path.abspath(__file__), "--worker=backends", f"--device={ctx.device}",
+               f"--quick={ctx.cfg.quick}", f"--out={ctx.out}"]
+    with ThreadPoolExecutor(max_workers=shards) as pool:
+        done = list(pool.map(lambda i: ctx.run(command + [f"--shard={i}/{shards}"], f"backends_{i}"), range(shards)))
+    parts = [json.loads(path.read_text()) for path in paths if path.exists()]
+    results = {"device": ctx.device, "tolerance": TOLERANCE, "window": BACKEND_WINDOW,
+               "expected_cases": sum(part["expected_cases"] for part in parts),
+               "cases": [case for part in parts for case in part["cases"]], "workers": shards}
     cases = results["cases"]
     failed = [c for c in cases if not c["passed"]]
-    expected = results.get("expected_cases", 0)
+    expected = results["expected_cases"] if len(parts) == shards else 0
     summary = f"{len(cases) - len(failed)}/{expected or len(cases)} cases within tolerance"
     if failed:
         summary += "; failed: " + ", ".join(sorted({f"{c['family']}/{c['backend']}/{c['dtype']}" for c in failed}))
-    if done.timed_out or done.returncode != 0:
-        return outcome("failed", summary + f" ({len(cases)} of {expected or '?'} cases ran)", results, done.error())
+    broken = [d for d in done if d.timed_out or d.returncode != 0]
+    if broken:
+        return outcome("failed", summary + f" ({len(cases)} of {expected or '?'} cases ran)", results,
+                       "\n\n".join(d.error() for d in broken))
     if failed or not cases or len(cases) < expected:
         return outcome("failed", summary, results, "\n".join(f"{c['family']} {c['backend']} {c['dtype']} n={c['n']}: "
                                                             f"{c.get('error') or 'outside tolerance'}" for c in failed))
@@ -398,12 +574,13 @@ def run_backend_case(family, backend, dtype_name, n, head_dim, device) -> dict:
 
 
 def backends_worker(cfg: CheckConfig, device: str) -> None:
-    """The backends step's comparisons, in this process (a child of the check), writing OUT/backends.json after
+    """The backends step's comparisons, in this process (a child of the check), writing OUT/backends_SHARD.json after
     every case so that a crash or a timeout keeps the cases done."""
     warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")  # CPU flex
     sizes = (FULL if device == "cuda" and not cfg.quick else REDUCED)["backends"]
-    cases = backend_cases(device, sizes)
-    path = Path(cfg.out) / "backends.json"
+    shard, shards = (int(x) for x in cfg.shard.split("/"))
+    cases = backend_cases(device, sizes)[shard::shards]
+    path = Path(cfg.out) / f"backends_{shard}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     report = {"device": device, "tolerance": TOLERANCE, "window": BACKEND_WINDOW, "expected_cases": len(cases),
               "cases": []}
@@ -424,7 +601,7 @@ def backends_worker(cfg: CheckConfig, device: str) -> None:
               flush=True)
 
 
-# ---- step 3: bench_attention ----------------------------------------------------------------------------
+# ---- step: bench_attention ----------------------------------------------------------------------------
 
 def step_bench_attention(ctx: StepContext) -> dict:
     """full vs swa / sa / sa_swa at B=16, H=16, d_h=64, bf16, 2K..32K. On an H100: full SDPA at 32K is ~0.5 s a
@@ -455,7 +632,7 @@ def step_bench_attention(ctx: StepContext) -> dict:
                                                                           "command": shlex.join(done.command)})
 
 
-# ---- step 4: bench_train --------------------------------------------------------------------------------
+# ---- step: bench_train --------------------------------------------------------------------------------
 
 def step_bench_train(ctx: StepContext) -> dict:
     """The 124M (12 x 768, 1024 tokens) and 360M (24 x 1024, 2048 tokens) recipes at full depth, batch 8,
@@ -473,21 +650,17 @@ def step_bench_train(ctx: StepContext) -> dict:
     return outcome("passed", summary, {**data, "command": shlex.join(done.command)})
 
 
-# ---- step 5: train_runs ---------------------------------------------------------------------------------
+# ---- step: train_runs ---------------------------------------------------------------------------------
 
-def step_train_runs(ctx: StepContext) -> dict:
-    """A 50-step run per mixer family. On an H100 each is process start and CUDA init (~8 s), compiling its block
-    graphs for training and for evaluation (~15-30 s; kernels shared with earlier runs come from the inductor
-    cache; mswa has four windows, so four graphs) and 50 steps of 8 x 1024 tokens through 2 layers (~2 s):
-    16 runs in about 6-8 minutes."""
+CUDA_ONLY_RUNS = {"swa_fp16": "float16 autocast and its GradScaler are the GPU's"}
+
+
+def train_base(ctx: StepContext, size: dict, compile_: bool) -> list[str]:
+    """train.py's arguments shared by the short runs: the quickstart corpus, a 2-layer llama-style model."""
     from data.meta import prepare_generated_if_missing
 
-    size = ctx.sizes["train_runs"]
-    compile_ = ctx.device == "cuda"  # on CPU compiling 14 models takes longer than the whole check should
-    data_dir = REPO / "data" / "embedded_byte"
-    prepare_generated_if_missing(str(data_dir))  # once, before runs that may start together
-    jobs = ctx.cfg.jobs or (1 if ctx.device == "cuda" else 2)
-    base = ["configs/quickstart.py", "--arch=llama", "--bias=False", "--n_layer=2", f"--n_head={size['n_head']}",
+    prepare_generated_if_missing(str(REPO / "data" / "embedded_byte"))  # once, before runs that may start together
+    return ["configs/quickstart.py", "--arch=llama", "--bias=False", "--n_layer=2", f"--n_head={size['n_head']}",
             f"--n_embd={size['n_embd']}", f"--block_size={size['block_size']}", f"--swa_window={size['window']}",
             f"--block_len={size['window']}", f"--bridge_width={size['window']}",
             f"--bridge_extension={size['window'] // 2}", f"--batch_size={size['batch_size']}",
@@ -495,14 +668,59 @@ def step_train_runs(ctx: StepContext) -> dict:
             f"--warmup_iters={max(1, size['max_iters'] // 5)}", f"--lr_decay_iters={size['max_iters']}",
             f"--eval_interval={size['max_iters']}", f"--eval_iters={size['eval_iters']}",
             f"--log_interval={size['log_interval']}", f"--compile={compile_}", f"--device={ctx.device}"]
-    runs = {}
+
+
+def run_options(name: str, device: str, half_window: int) -> list[str]:
+    """TRAIN_RUNS[name]'s options, and on CUDA the GPU kernel of each recurrent mixer in its pattern (see
+    GPU_KERNELS): a run that cannot use one fails instead of training with the built-in form."""
+    from attention.registry import layer_names
+    from config import ModelConfig
+
+    options = [option.format(half_window=half_window) for option in TRAIN_RUNS[name]]
+    if device == "cuda":
+        pattern = next(o.partition("=")[2] for o in options if o.startswith("--attn_pattern="))
+        mixers = set(layer_names(ModelConfig(attn_pattern=pattern, n_layer=len(pattern.split(",")) * 2)))
+        options += [GPU_KERNELS[mixer][0] for mixer in sorted(mixers) if mixer in GPU_KERNELS]
+    return options
+
+
+def kernel_use_problem(options: list[str], log: str) -> str:
+    """Why a run's log does not show the GPU kernels its options asked for in use ("" when it does): each
+    recurrent layer's start-up line (train.py prints Mixer.describe()) names the kernel it runs."""
+    for option, label, shown in GPU_KERNELS.values():
+        if option in options:
+            lines = [line for line in log.splitlines() if f": {label}" in line]
+            if not lines or not all(shown in line for line in lines):
+                return (f"{option} was given but the {label} layers do not report '{shown}': "
+                        + ("; ".join(line.strip() for line in lines[:2]) or "no such layer line in the log"))
+    return ""
+
+
+def fresh_run_dir(path: Path) -> Path:
+    """The run folder of one of the check's runs, emptied: a rerun of the check starts that run afresh."""
+    shutil.rmtree(path, ignore_errors=True)
+    return path
+
+
+def step_train_runs(ctx: StepContext) -> dict:
+    """A 30-step run per mixer family and per GPU setting, ctx.jobs at a time. On an H100 each is process start
+    and CUDA init (~8 s), compiling its block graphs for training and for evaluation (~15-40 s, CPU-bound, so
+    several runs compile at once; kernels shared with earlier runs come from the inductor cache; mswa has four
+    windows, so four graphs) and 30 steps of 8 x 1024 tokens through 2 layers (~2 s): 20 runs, 4 at a time, in
+    about 4-5 minutes. Their tokens/s are measured beside the other runs (bench_train measures throughput)."""
+    size = ctx.sizes["train_runs"]
+    compile_ = ctx.device == "cuda"  # on CPU compiling 20 models takes longer than the whole check should
+    base = train_base(ctx, size, compile_)
+    names = [name for name in TRAIN_RUNS if ctx.device == "cuda" or name not in CUDA_ONLY_RUNS]
+    runs = {name: {"mixer": name, "status": "not applicable", "error": "", "options": " ".join(TRAIN_RUNS[name]),
+                   "note": f"on CPU: {reason}"} for name, reason in CUDA_ONLY_RUNS.items() if name not in names}
 
     def train(name: str) -> dict:
         if ctx.remaining() < 5 or _stopping.is_set():
             reason = "the check was stopped" if _stopping.is_set() else "the step's time budget ran out"
             return {"mixer": name, "status": "failed", "error": f"not run: {reason}"}
-        out_dir = ctx.out / "runs" / name
-        options = [option.format(half_window=size["window"] // 2) for option in TRAIN_RUNS[name]]
+        out_dir = fresh_run_dir(ctx.out / "runs" / name)
+        options = run_options(name, ctx.device, size["window"] // 2)
         done = ctx.run([ctx.python, "train.py", *base, *options, f"--out_dir={out_dir}"], f"train_{name}")
         result = {"mixer": name, "options": " ".join(options), "seconds": round(done.seconds, 1),
                   **read_metrics(out_dir / "metrics.jsonl")}
@@ -517,6 +735,8 @@ def step_train_runs(ctx: StepContext) -> dict:
             problem = "no validation loss at the last step"
         elif not result["val_loss_end"] < result["val_loss_start"]:
             problem = f"the validation loss did not decrease ({result['val_loss_start']} -> {result['val_loss_end']})"
+        else:
+            problem = kernel_use_problem(options, done.output())
         result.pop("losses")
         result["status"], result["error"] = ("failed", problem) if problem else ("passed", "")
         if not ctx.cfg.keep_checkpoints:
@@ -524,18 +744,21 @@ def step_train_runs(ctx: StepContext) -> dict:
                 shutil.rmtree(ckpt) if ckpt.is_dir() else ckpt.unlink()
         return result
 
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = [pool.submit(train, name) for name in TRAIN_RUNS]
+    def ordered():
+        return [runs[n] for n in TRAIN_RUNS if n in runs]
+
+    with ThreadPoolExecutor(max_workers=ctx.jobs) as pool:
+        futures = [pool.submit(train, name) for name in names]
         for future in as_completed(futures):
             result = future.result()
             runs[result["mixer"]] = result
             print(f"  {result['mixer']}: {result['status']}" + (f" ({result['error'].splitlines()[0][:200]})"
                                                                  if result["error"] else ""), flush=True)
-            ctx.publish({"compiled": compile_, "runs": [runs[n] for n in TRAIN_RUNS if n in runs]})
-    results = {"compiled": compile_, "jobs": jobs, "sizes": size, "command": shlex.join(["python", "train.py", *base]),
-               "runs": [runs[name] for name in TRAIN_RUNS]}
-    failed = [r["mixer"] for r in results["runs"] if r["status"] != "passed"]
-    summary = f"{len(TRAIN_RUNS) - len(failed)}/{len(TRAIN_RUNS)} runs trained" + \
+            ctx.publish({"compiled": compile_, "runs": ordered()})
+    results = {"compiled": compile_, "jobs": ctx.jobs, "sizes": size, "command": shlex.join(["python", "train.py", *base]),
+               "runs": ordered()}
+    failed = [r["mixer"] for r in results["runs"] if r["status"] == "failed"]
+    summary = f"{len(names) - len(failed)}/{len(names)} runs trained" + \
         (f"; failed: {', '.join(failed)}" if failed else "") + ("" if compile_ else " (not compiled)")
     if failed:
         return outcome("failed", summary, results, "\n\n".join(f"{r['mixer']}: {r['error']}" for r in results["runs"]
@@ -561,7 +784,265 @@ def read_metrics(path: Path) -> dict:
             "losses": [r["train_loss"] for r in train] + [r["val_loss"] for r in val]}
 
 
-# ---- step 6: compile_check ------------------------------------------------------------------------------
+# ---- step: resume -----------------------------------------------------------------------------------------
+
+def logged_steps(out_dir: Path) -> int:
+    """The last step with a training loss in a run's metrics.jsonl (0 when none; a torn last line is skipped)."""
+    last = 0
+    try:
+        for line in (out_dir / "metrics.jsonl").read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if "train_loss" in record:
+                last = max(last, record["step"])
+    except OSError:
+        pass
+    return last
+
+
+def step_resume(ctx: StepContext) -> dict:
+    """A swax run (FlexAttention and, on CUDA, the Triton mLSTM; compiled, bf16) with a checkpoint halfway: once
+    without a break, once killed with SIGKILL after the checkpoint and resumed with --init_from=resume. Three
+    short runs whose kernels are in the inductor cache after train_runs: about a minute on an H100."""
+    size = {**ctx.sizes["train_runs"], **ctx.sizes["resume"], "log_interval": 1}
+    at, steps = size["checkpoint_at"], size["max_iters"]
+    args = ["train.py", *train_base(ctx, size, ctx.device == "cuda"), *run_options("swax", ctx.device, size["window"] // 2),
+            f"--ckpt_interval={at}"]
+    runs = ctx.out / "resume"
+    unbroken, broken = fresh_run_dir(runs / "unbroken"), fresh_run_dir(runs / "resumed")
+    done = ctx.run([ctx.python, *args, f"--out_dir={unbroken}"], "resume_unbroken")
+    if done.timed_out or done.returncode != 0:
+        return outcome("failed", "the uninterrupted run failed", None, done.error())
+    killed = ctx.run([ctx.python, *args, f"--out_dir={broken}"], "resume_killed",
+                     kill_when=lambda: logged_steps(broken) >= at + 2)  # step at + 1 is logged after the checkpoint
+    if killed.returncode != -signal.SIGKILL:
+        return outcome("failed", "the run to kill ended before it was killed", None, killed.error())
+    stopped_at = logged_steps(broken)
+    done = ctx.run([ctx.python, *args, f"--out_dir={broken}", "--init_from=resume"], "resume_resumed")
+    if done.timed_out or done.returncode != 0:
+        return outcome("failed", f"resuming after a SIGKILL at step {stopped_at} failed", None, done.error())
+    reference, resumed = read_losses(unbroken), read_losses(broken)
+    compared = sorted(set(reference) & set(resumed) - set(range(at + 1)))
+    differences = [abs(resumed[s] - reference[s]) for s in compared]
+    worst = max(differences, default=math.inf)
+    tolerance = RESUME_TOLERANCE[ctx.device]
+    results = {"checkpoint_at": at, "killed_after_step": stopped_at, "max_iters": steps, "compared_steps": compared,
+               "max_abs_difference": worst, "bitwise": worst == 0.0, "tolerance": tolerance,
+               "losses": {"unbroken": [reference.get(s) for s in compared], "resumed": [resumed.get(s) for s in compared]},
+               "command": shlex.join(["python", *args])}
+    summary = (f"killed after step {stopped_at}, resumed from the checkpoint at step {at}: steps {at + 1}-{steps} "
+               f"{'equal to the bit' if worst == 0.0 else f'differ by at most {worst:.2e}'} (tolerance {tolerance:g})")
+    if compared != list(range(at + 1, steps + 1)):
+        return outcome("failed", f"the resumed run logged steps {compared}, expected {at + 1}-{steps}", results)
+    if not worst <= tolerance:
+        return outcome("failed", summary, results, "the resumed run's losses differ from the unbroken run's")
+    return outcome("passed", summary, results)
+
+
+def read_losses(out_dir: Path) -> dict:
+    """{step: training loss} of a run."""
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line]
+    return {r["step"]: r["train_loss"] for r in records if "train_loss" in r}
+
+
+# ---- step: memory (the measurement runs in a child process: --worker=memory) --------------------------------
+
+def step_memory(ctx: StepContext) -> dict:
+    """One forward and backward of the 1.4B SWAX recipe's blocks at 16K tokens (one sequence, bf16, eager, no
+    activation checkpointing), its peak memory against scripts/plan_memory.py's estimate for the same shapes:
+    building the model and one step, about 30 s. On CPU only the estimate (nothing measures the peak)."""
+    path = ctx.out / "memory.json"
+    path.unlink(missing_ok=True)
+    done = ctx.run([ctx.python, os.path.abspath(__file__), "--worker=memory", f"--device={ctx.device}",
+                    f"--quick={ctx.cfg.quick}", f"--out={ctx.out}"], "memory")
+    if done.timed_out or done.returncode != 0 or not path.exists():
+        return outcome("failed", "the memory measurement failed", None, done.error())
+    r = json.loads(path.read_text())
+    shape = f"{r['n_layer']} layers x {r['n_embd']}, {r['tokens']:,} tokens"
+    if r["measured_gib"] is None:
+        return outcome("passed", f"{shape}: planned {r['estimated_gib']:.2f} GiB (not measured on CPU)", r)
+    summary = (f"{shape}: measured / planned = {r['measured_gib']:.2f} / {r['estimated_gib']:.2f} GiB = "
+               f"{r['ratio']:.2f}")
+    return outcome("passed", summary, r)
+
+
+def memory_worker(cfg: CheckConfig, device: str) -> None:
+    """The memory step's measurement: OUT/memory.json."""
+    from config import load_config
+    from model import GPT
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    import plan_memory
+
+    size = (FULL if device == "cuda" and not cfg.quick else REDUCED)["memory"]
+    overrides = [f"--{key}={value}" for key, value in size.items() if key not in ("config", "n_layer") and value]
+    run_cfg = load_config([size["config"], *overrides, "--batch_size=1", "--activation_checkpointing=none",
+                           "--loss_chunk=0", "--dropout=0.0"])
+    m = run_cfg.model
+    m.vocab_size = m.vocab_size or plan_memory.DEFAULT_VOCAB
+    kernels = plan_memory.Kernels(device, 2 if device == "cuda" else plan_memory.F32)
+
+    def planned(n_layer: int):
+        m.n_layer = n_layer
+        with torch.device("meta"):
+            model = GPT(m)
+        e = plan_memory.estimate(model, kernels, 1, "none", 0, plan_memory.Layout(1, "ddp"))
+        # no optimizer step and no DDP: the parameters and their gradients are there before it starts (below)
+        autocast = e.static.get("autocast bf16 weight copies", 0)
+        return e, e.activations_peak + autocast
+
+    n_layer = size["n_layer"] or m.n_layer
+    if device == "cuda":  # as many of the recipe's layers as fit this GPU by the plan, whole pattern periods
+        free, period = torch.cuda.mem_get_info()[0] * 0.9, len(m.attn_pattern.split(","))
+        # the planned activations plus the float32 weights and gradients
+        while n_layer > period and planned(n_layer)[1] + 2 * plan_memory.F32 * _param_count(m) > free:
+            n_layer -= period
+    estimate, estimated = planned(n_layer)
+    result = {"config": size["config"], "n_layer": n_layer, "recipe_n_layer": load_config([size["config"]]).model.n_layer,
+              "n_embd": m.n_embd, "attn_pattern": m.attn_pattern, "tokens": m.block_size, "batch_size": 1,
+              "dtype": "bfloat16" if device == "cuda" else "float32", "estimated_gib": estimated / 2**30,
+              "estimate_breakdown_gib": {"activations at the peak": estimate.activations_peak / 2**30,
+                                         "autocast weight copies": (estimated - estimate.activations_peak) / 2**30},
+              "peak_moment": estimate.peak_moment, "measured_gib": None, "ratio": None}
+    if device == "cuda":
+        torch.manual_seed(0)
+        model = GPT(m).to(device)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        x = torch.randint(0, m.vocab_size, (1, m.block_size), device=device)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = model(x, x)
+        loss.backward()
+        torch.cuda.synchronize()
+        measured = torch.cuda.max_memory_allocated() - base
+        result.update(measured_gib=measured / 2**30, ratio=measured / estimated,
+                      weights_and_gradients_gib=base / 2**30)
+    write_json(result, Path(cfg.out) / "memory.json")
+
+
+def _param_count(m) -> int:
+    from model import GPT
+
+    with torch.device("meta"):
+        return GPT(m).num_params()
+
+
+# ---- step: pretrained ---------------------------------------------------------------------------------------
+
+def train_byte_bpe_tokenizer(text: str, path: Path) -> int:
+    """A byte-level BPE tokenizer.json with GPT-2's end-of-text token, trained on text; returns its vocabulary
+    size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator([text], trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer.save(str(path))
+    return tokenizer.get_vocab_size()
+
+
+def build_tiny_hf_model(root: Path, documents: int = 60) -> tuple[Path, Path]:
+    """A small random Qwen3 (grouped-query attention, qk-norm) saved with save_pretrained beside a byte-level BPE
+    tokenizer trained on the embedded corpus, and that corpus prepared with it: (model folder, data folder)."""
+    import transformers
+
+    from data.embedded import documents as embedded_documents
+    from data.prepare import prepare
+
+    transformers.utils.logging.disable_progress_bar()
+    root.mkdir(parents=True, exist_ok=True)
+    text = "\n\n".join(embedded_documents(documents, seed=0))
+    (root / "corpus.txt").write_text(text)
+    folder = root / "tiny-qwen3"
+    folder.mkdir(exist_ok=True)
+    vocab = train_byte_bpe_tokenizer(text, folder / "tokenizer.json")
+    config = transformers.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=vocab,
+                                      max_position_embeddings=512)
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(config).save_pretrained(folder)
+    data_dir = root / "corpus_tok"
+    prepare(str(root / "corpus.txt"), tokenizer=str(folder), out_dir=str(data_dir), val_fraction=0.2, num_proc=1,
+            quiet=True)
+    return folder, data_dir
+
+
+def step_pretrained(ctx: StepContext) -> dict:
+    """A small local Qwen3 (grouped-query attention) in bf16: fine-tuned from init_from=hf: with a sliding window
+    in its attention (compiled on CUDA), and evaluated with python -m eval --hf=: about 40 s."""
+    root = fresh_run_dir(ctx.out / "pretrained")
+    folder, data_dir = build_tiny_hf_model(root)
+    dtype = "bfloat16" if ctx.device == "cuda" else "float32"
+    train = ["train.py", f"--init_from=hf:{folder}", f"--data_dir={data_dir}", f"--out_dir={root / 'run'}",
+             "--attn_pattern=swa", "--swa_window=32", "--block_size=128", "--batch_size=4",
+             "--gradient_accumulation_steps=1", "--max_iters=10", "--warmup_iters=2", "--lr_decay_iters=10",
+             "--learning_rate=1e-3", "--eval_interval=10", "--eval_iters=2", "--log_interval=5",
+             f"--compile={ctx.device == 'cuda'}", f"--device={ctx.device}", f"--dtype={dtype}"]
+    done = ctx.run([ctx.python, *train], "pretrained_train")
+    if done.timed_out or done.returncode != 0:
+        return outcome("failed", "init_from=hf: failed", None, done.error())
+    metrics = read_metrics(root / "run" / "metrics.jsonl")
+    evaluate = [ctx.python, "-m", "eval", f"--hf={folder}", f"--data_dir={data_dir}", f"--out_dir={root / 'eval'}",
+                "--attn_pattern=swa", "--swa_window=32", "--tasks=ppl", "--ppl_lengths=128", "--limit=4",
+                f"--device={ctx.device}", f"--dtype={dtype}", "--progress=False"]
+    done = ctx.run(evaluate, "pretrained_eval")
+    report = root / "eval" / "eval" / "ppl.json"
+    if done.timed_out or done.returncode != 0 or not report.exists():
+        return outcome("failed", "python -m eval --hf= failed", None, done.error())
+    ppl = json.loads(report.read_text())
+    results = {"train": {"val_loss_start": metrics["val_loss_start"], "val_loss_end": metrics["val_loss_end"],
+                         "command": shlex.join(["python", *train])},
+               "eval": {"command": shlex.join(["python", *evaluate[1:]]), "results": ppl.get("results")}, "dtype": dtype}
+    losses = [metrics["val_loss_start"], metrics["val_loss_end"]]
+    if None in losses or not all(math.isfinite(x) for x in losses) or not losses[1] < losses[0]:
+        return outcome("failed", f"fine-tuning from the Hugging Face model: val loss {losses}", results)
+    return outcome("passed", f"init_from=hf: val loss {losses[0]:.3f} -> {losses[1]:.3f} ({dtype}); eval --hf= "
+                             "wrote ppl.json", results)
+
+
+# ---- step: multi_gpu ----------------------------------------------------------------------------------------
+
+def step_multi_gpu(ctx: StepContext) -> dict:
+    """torchrun with 2 processes (NCCL), DDP and FSDP, against the same run in one process: losses equal to
+    bf16 tolerance. Three runs per parallelism, compiled: about 2 minutes. Needs two GPUs."""
+    gpus = torch.cuda.device_count() if ctx.device == "cuda" else 0
+    if gpus < 2:
+        where = "one GPU" if gpus == 1 else "CPU (the test suite runs 2-process gloo DDP and FSDP)"
+        return outcome("skipped", f"skipped: needs two or more GPUs, this machine has {where}")
+    size = {**ctx.sizes["train_runs"], "max_iters": 10, "log_interval": 1}
+    base = ["train.py", *train_base(ctx, size, True), "--attn_pattern=swa", "--gradient_accumulation_steps=2"]
+    results, problems = {}, []
+    for parallelism in ("ddp", "fsdp"):
+        losses = {}
+        for processes in (1, 2):
+            out_dir = fresh_run_dir(ctx.out / "multi_gpu" / f"{parallelism}_{processes}")
+            launcher = [ctx.python] if processes == 1 else [ctx.python, "-m", "torch.distributed.run", "--standalone",
+                                                            f"--nproc_per_node={processes}"]
+            done = ctx.run([*launcher, *base, f"--parallelism={parallelism}", f"--out_dir={out_dir}"],
+                           f"multi_gpu_{parallelism}_{processes}")
+            if done.timed_out or done.returncode != 0:
+                problems.append(done.error())
+                break
+            losses[processes] = read_losses(out_dir)
+        if len(losses) == 2:
+            worst = max(abs(losses[1][s] - losses[2][s]) for s in losses[1])
+            results[parallelism] = {"max_abs_difference": worst}
+            if worst > 2e-2:
+                problems.append(f"{parallelism}: 2 ranks differ from 1 by {worst:.2e} (tolerance 2e-2)")
+    summary = "; ".join(f"{k}: 2 ranks vs 1 differ by at most {v['max_abs_difference']:.1e}" for k, v in results.items())
+    if problems:
+        return outcome("failed", summary or "failed", results, "\n\n".join(problems))
+    return outcome("passed", summary, results)
+
+
+# ---- step: compile_check ------------------------------------------------------------------------------
 
 def step_compile_check(ctx: StepContext) -> dict:
     """scripts/compile_check.py: 17 cases of a 2-layer model, 3 training steps and an evaluation each; with
@@ -589,7 +1070,7 @@ def step_compile_check(ctx: StepContext) -> dict:
     return outcome("passed", summary, results)
 
 
-# ---- step 7: generate -----------------------------------------------------------------------------------
+# ---- step: generate -----------------------------------------------------------------------------------
 
 def step_generate(ctx: StepContext) -> dict:
     """Decoding swax vs full after 1K and 8K prompts, a 12 x 1024 model in bf16: 4 cases x 3 repeats of a prefill
@@ -608,9 +1089,10 @@ def step_generate(ctx: StepContext) -> dict:
                    {**data, "command": shlex.join(done.command)})
 
 
-STEP_FUNCTIONS = {"cuda_tests": step_cuda_tests, "backends": step_backends, "bench_attention": step_bench_attention,
-                  "bench_train": step_bench_train, "train_runs": step_train_runs, "compile_check": step_compile_check,
-                  "generate": step_generate}
+STEP_FUNCTIONS = {"preflight": step_preflight, "gpu_tests": step_gpu_tests, "train_runs": step_train_runs,
+                  "resume": step_resume, "memory": step_memory, "pretrained": step_pretrained,
+                  "multi_gpu": step_multi_gpu, "backends": step_backends, "bench_attention": step_bench_attention,
+                  "bench_train": step_bench_train, "compile_check": step_compile_check, "generate": step_generate}
 
 
 # ---- the report ---------------------------------------------------------------------------------------
@@ -625,7 +1107,7 @@ def environment(device: str) -> dict:
         name, memory = f"CPU: {model} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)", ""
     optional = {}
     for module, package in (("triton", "triton"), ("mlstm_kernels", "mlstm_kernels"),
-                            ("fla", "flash-linear-attention")):
+                            ("fla", "flash-linear-attention"), ("fla", "fla-core")):
         if importlib.util.find_spec(module) is None:
             optional[package] = "not installed"
         else:
@@ -633,9 +1115,18 @@ def environment(device: str) -> dict:
                 optional[package] = importlib.metadata.version(package)
             except importlib.metadata.PackageNotFoundError:
                 optional[package] = "installed"
+    block_ptr = None
+    if optional["triton"] != "not installed":
+        try:
+            import triton.language
+
+            block_ptr = hasattr(triton.language, "make_block_ptr")
+        except Exception:  # a broken Triton install: reported as lacking it
+            block_ptr = False
     return {"device": device, "device_name": name, "device_memory": memory, "torch": str(torch.__version__),
             "cuda": torch.version.cuda or "", "python": platform.python_version(), "optional_kernels": optional,
-            "git_hash": git_hash()}
+            "triton_pin": torch_triton_pin(), "triton_block_ptr": block_ptr,
+            "gpus": torch.cuda.device_count() if device == "cuda" else 0, "git_hash": git_hash()}
 
 
 def _read(path: str) -> str:
@@ -680,7 +1171,7 @@ def render_markdown(report: dict) -> str:
         if step["reduced"]:
             lines += [f"**{step['reduced']}**: reduced sizes, not comparable with GPU measurements.", ""]
         lines += [step["summary"], ""]
-        if step.get("results"):
+        if step.get("results") and name in RENDERERS:
             try:
                 lines += RENDERERS[name](step["results"]) + [""]
             except Exception as e:  # a partial or unexpected result still leaves the rest of the report
@@ -698,7 +1189,7 @@ def _num(value, fmt="{:,.1f}") -> str:
     return "" if value is None else fmt.format(value)
 
 
-def render_cuda_tests(results: dict) -> list[str]:
+def render_gpu_tests(results: dict) -> list[str]:
     by_file = {}
     for t in results["tests"]:
         counts = by_file.setdefault(t["test"].split("::")[0], {})
@@ -812,9 +1303,26 @@ def render_generate(results: dict) -> list[str]:
     return lines
 
 
-RENDERERS = {"cuda_tests": render_cuda_tests, "backends": render_backends, "bench_attention": render_bench_attention,
-             "bench_train": render_bench_train, "train_runs": render_train_runs,
-             "compile_check": render_compile_check, "generate": render_generate}
+def render_resume(results: dict) -> list[str]:
+    rows = [[step, f"{a:.6f}", f"{b:.6f}", f"{abs(a - b):.2e}"] for step, a, b in
+            zip(results["compared_steps"], results["losses"]["unbroken"], results["losses"]["resumed"])]
+    return [f"`{results['command']}`: killed (SIGKILL) after step {results['killed_after_step']}, resumed from the "
+            f"checkpoint at step {results['checkpoint_at']}.", ""] + _table(["step", "unbroken", "resumed", "|diff|"], rows)
+
+
+def render_memory(results: dict) -> list[str]:
+    rows = [[f"`{results['config']}`", f"{results['n_layer']} of {results['recipe_n_layer']}", results["attn_pattern"],
+             f"{results['tokens']:,}", results["dtype"], _num(results["measured_gib"], "{:.2f} GiB"),
+             f"{results['estimated_gib']:.2f} GiB", _num(results["ratio"], "{:.2f}")]]
+    return ["Peak memory of one forward and backward (eager, no checkpointing, batch 1) above the float32 weights "
+            "and gradients, against `scripts/plan_memory.py`'s activations at their peak "
+            f"({results['peak_moment']}) plus autocast's weight copies.", ""] + \
+        _table(["config", "layers", "pattern", "tokens", "dtype", "measured", "planned", "measured / planned"], rows)
+
+
+RENDERERS = {"gpu_tests": render_gpu_tests, "backends": render_backends, "bench_attention": render_bench_attention,
+             "bench_train": render_bench_train, "train_runs": render_train_runs, "resume": render_resume,
+             "memory": render_memory, "compile_check": render_compile_check, "generate": render_generate}
 
 
 # ---- main -----------------------------------------------------------------------------------------------
@@ -826,10 +1334,12 @@ def parse(argv) -> CheckConfig:
     argv = [f"{arg}=True" if arg.startswith("--") and fields.get(arg[2:], ("", None))[1] is bool else arg
             for arg in argv]
     apply_args(c, argv, fields)
-    for option in ("steps", "fail_steps"):
+    for option in ("steps", "only", "fail_steps"):
         unknown = [s for s in getattr(c, option).split(",") if s and s not in STEPS]
         if unknown:
             raise ConfigError(f"{option}: unknown step(s) {', '.join(unknown)}; expected some of {', '.join(STEPS)}")
+    if c.steps and c.only:
+        raise ConfigError("give --steps (a fresh report) or --only (rerun into the report in OUT), not both")
     if c.device not in ("auto", "cuda", "cpu"):
         raise ConfigError(f"device={c.device!r}: expected auto, cuda or cpu")
     if c.device == "cuda" and not torch.cuda.is_available():
@@ -837,21 +1347,85 @@ def parse(argv) -> CheckConfig:
                           f"{torch.__version__}): run on a GPU machine, or use --device=cpu --quick")
     if c.budget_scale <= 0 or c.jobs < 0:
         raise ConfigError("need budget_scale > 0 and jobs >= 0")
-    if c.worker not in ("", "backends"):
-        raise ConfigError(f"worker={c.worker!r}: the only worker is backends")
+    if c.worker not in ("", "backends", "memory"):
+        raise ConfigError(f"worker={c.worker!r}: the workers are backends and memory")
+    shard = c.shard.split("/")
+    if len(shard) != 2 or not all(x.isdigit() for x in shard) or not int(shard[0]) < int(shard[1]):
+        raise ConfigError(f"shard={c.shard!r}: expected I/N with 0 <= I < N")
     return c
+
+
+def step_budget(name: str, reduced: bool, gpus: int = 1) -> float:
+    """A step's time budget in seconds before --budget_scale (multi_gpu's only with two or more GPUs)."""
+    if name == "multi_gpu" and not reduced and gpus >= 2:
+        return MULTI_GPU_BUDGET_S
+    return BUDGET_S[name][1 if reduced else 0]
+
+
+def step_descriptions() -> dict[str, str]:
+    """Each step's line from this module's docstring (its "Steps" list), joined with its continuation lines."""
+    described, name = {}, None
+    for line in __doc__.splitlines():
+        first = line[4:].split(" ", 1)[0] if line.startswith("    ") and not line.startswith("     ") else ""
+        if first in STEPS:
+            name = first
+            described[name] = line[4 + len(name):].strip()
+        elif name and line.startswith(" " * 21) and line.strip():
+            described[name] += " " + line.strip()
+        else:
+            name = None
+    return described
+
+
+def plan_parts(names: list[str], limit: float = CALL_LIMIT_S) -> list[list[str]]:
+    """The steps in order, grouped into commands of at most `limit` seconds of budget each."""
+    parts, total = [[]], 0.0
+    for name in names:
+        budget = step_budget(name, False)
+        if parts[-1] and total + budget > limit:
+            parts.append([])
+            total = 0.0
+        parts[-1].append(name)
+        total += budget
+    return parts
+
+
+def print_plan(cfg: CheckConfig) -> None:
+    """Each step's budget on one H100, the total, and commands that split it within CALL_LIMIT_S each."""
+    names = [s for s in STEPS if s in (cfg.steps or cfg.only).split(",")] if (cfg.steps or cfg.only) else list(STEPS)
+    what = step_descriptions()
+    print("step             budget on one H100   what it checks")
+    for name in names:
+        budget = step_budget(name, False) * cfg.budget_scale
+        note = f" ({MULTI_GPU_BUDGET_S} s with two or more GPUs)" if name == "multi_gpu" else ""
+        print(f"{name:<17}{budget:>6.0f} s  {what[name]}{note}")
+    total = sum(step_budget(name, False) for name in names) * cfg.budget_scale
+    print(f"total            {total:>8.0f} s = {total / 60:.1f} minutes on one H100 (limit "
+          f"{TOTAL_LIMIT_S // 60} minutes; budgets are limits, each step usually ends sooner)")
+    parts = plan_parts(names, CALL_LIMIT_S / cfg.budget_scale)
+    if len(parts) > 1:
+        print(f"in commands of at most {CALL_LIMIT_S / 60:.0f} minutes each:")
+        first = True
+        for part in parts:
+            option = "--steps" if first else "--only"
+            print(f"  python scripts/gpu_check.py {option}={','.join(part)}")
+            first = False
 
 
 def main(argv) -> int:
     cfg = exit_on_config_error(parse, argv)
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if cfg.plan:
+        print_plan(cfg)
+        return 0
     if cfg.worker:
-        backends_worker(cfg, device)
+        (backends_worker if cfg.worker == "backends" else memory_worker)(cfg, device)
         return 0
     reduced = [label for label, on in (("CPU", device == "cpu"), ("--quick", cfg.quick)) if on]
     reduced = f"reduced ({', '.join(reduced)})" if reduced else ""
     sizes = REDUCED if reduced else FULL
-    names = [s for s in STEPS if s in cfg.steps.split(",")] if cfg.steps else list(STEPS)
+    chosen = cfg.steps or cfg.only
+    names = [s for s in STEPS if s in chosen.split(",")] if chosen else list(STEPS)
     failing = set(filter(None, cfg.fail_steps.split(",")))
     out = Path(cfg.out).resolve()  # subprocesses run in the repository
     out.mkdir(parents=True, exist_ok=True)
@@ -859,7 +1433,7 @@ def main(argv) -> int:
     run = {**environment(device), "command": shlex.join(["python", "scripts/gpu_check.py", *argv]),
            "started": now(), "reduced": reduced, "options": asdict(cfg)}
     report = {"runs": [], "steps": {}}
-    if cfg.merge and (out / "report.json").exists():
+    if cfg.only and (out / "report.json").exists():
         report = json.loads((out / "report.json").read_text())
         for name in names:
             report["steps"].pop(name, None)
@@ -882,7 +1456,7 @@ def main(argv) -> int:
     signal.signal(signal.SIGINT, interrupt)
 
     for name in names:
-        budget = BUDGET_S[name][1 if reduced else 0] * cfg.budget_scale
+        budget = step_budget(name, bool(reduced), run["gpus"]) * cfg.budget_scale
         record = {"status": "running", "seconds": 0.0, "budget_s": budget, "reduced": reduced, "run": run_index,
                   "summary": "running (a report showing this was cut off during the step)", "results": None,
                   "error": "", "started": now()}
@@ -896,7 +1470,7 @@ def main(argv) -> int:
             write_report(report, out)
 
         ctx = StepContext(cfg, device, out, reduced, sizes, budget, started, publish,
-                          explicit=name in cfg.steps.split(","))
+                          explicit=name in chosen.split(","))
         try:
             if name in failing:
                 raise RuntimeError(f"injected failure (--fail_steps={cfg.fail_steps})")

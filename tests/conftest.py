@@ -2,10 +2,100 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
 REPO = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("WANDB_MODE", "offline")  # tests never reach the network
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # xdist workers (one per core) and their subprocesses share the cores
+
+# ---- GPU tests: the `gpu` marker, the `device` fixture and the device guard --------------------------------
+#
+# A test of a GPU path is marked `gpu` and takes the `device` fixture. Where CUDA exists, device is "cuda" and
+# the test runs for real (scripts/gpu_check.py selects these tests with `-m gpu`). Elsewhere device is "cpu"
+# and the test's body runs on the CPU under DeviceGuard: every tensor that code in tests/ makes without naming
+# a device becomes a meta tensor, which no real tensor can be combined with. A test that would build a CPU
+# tensor beside its CUDA tensors on a GPU (a gradient probe made with torch.randn and no device, positions
+# from torch.arange) therefore fails here too, on a machine without a GPU.
+
+CUDA = torch.cuda.is_available()
+GPU_DEVICE = "cuda" if CUDA else "cpu"
+FACTORIES = {torch.randn, torch.rand, torch.randint, torch.randperm, torch.zeros, torch.ones, torch.empty,
+             torch.full, torch.arange, torch.linspace, torch.logspace, torch.tensor, torch.eye}
+_TORCH_DIR = str(Path(torch.__file__).resolve().parent)
+
+
+def _caller_in_tests() -> bool:
+    """Whether the code that called the torch function (past torch's own frames) lies in tests/."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
+        frame = frame.f_back
+    return frame is not None and Path(frame.f_code.co_filename).resolve().is_relative_to(TESTS)
+
+
+class DeviceGuard(TorchFunctionMode):
+    """Tensors made by tests/ code without a device (or with device=None) are made on the meta device."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in FACTORIES and kwargs.get("device") is None and _caller_in_tests():
+            kwargs = {**kwargs, "device": "meta"}
+        return func(*args, **kwargs)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: a test of a GPU path (scripts/gpu_check.py runs them with -m gpu); it "
+                                       "takes the device fixture: cuda where CUDA exists, else cpu under the "
+                                       "device guard (tests/conftest.py)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:  # a gpu test that made its tensors without the device fixture would escape the guard
+        if item.get_closest_marker("gpu") and "device" not in getattr(item, "fixturenames", ()):
+            raise pytest.UsageError(f"{item.nodeid} is marked gpu but does not take the device fixture")
+
+
+@pytest.fixture
+def device(request):
+    """The device of a gpu test: cuda where CUDA exists, else cpu with the device guard on."""
+    if request.node.get_closest_marker("gpu") is None:
+        raise pytest.UsageError("the device fixture is for tests marked gpu")
+    if CUDA:
+        yield "cuda"
+        return
+    with DeviceGuard():
+        yield "cpu"
+
+
+def assert_models_agree_in_bf16(config, reference_config, device, tolerance: float) -> None:
+    """Two models with the same weights (one config's GPU kernel, the other's built-in form) give the same loss
+    and parameter gradients under bf16 autocast: ||a - b|| / ||b|| <= tolerance for the logits and for every
+    gradient, on a batch of 2 x 200 tokens."""
+    from model import GPT
+
+    torch.manual_seed(0)
+    models = [GPT(config).to(device)]
+    models.append(GPT(reference_config).to(device))
+    models[1].load_state_dict(models[0].state_dict())
+    idx = torch.randint(0, config.vocab_size, (2, 200), generator=generator(1, device), device=device)
+    outputs = []
+    for model in models:
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+            logits, loss = model(idx, idx)
+        loss.backward()
+        outputs.append([logits.float()] + [p.grad.float() for p in model.parameters()])
+    for a, b in zip(*outputs):
+        error = ((a - b).norm() / b.norm().clamp(min=1e-12)).item()
+        assert error <= tolerance, (tuple(a.shape), error)
+
+
+def generator(seed: int, device=None) -> torch.Generator:
+    """A seeded generator on device (the CPU's when None): factories given generator= and device= need both to
+    be on the same device."""
+    return torch.Generator(device=device or "cpu").manual_seed(seed)
 
 
 def load_script(name: str):

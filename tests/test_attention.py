@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_flatten
 from attention.edges import AnyOf, BoundaryWindows, Causal, EdgeRule, FixedBlock, SlidingWindow, head_values
 from attention.kernels import FLEX_MIN_HEAD_DIM, attend, chunked_attention, dense_attention, resolve_backend
 from config import ConfigError, ModelConfig, load_config
-from conftest import REPO
+from conftest import REPO, generator
 from model import GPT
 
 # eager FlexAttention on CPU warns that it is unfused: expected here, where it only checks masks
@@ -60,16 +60,24 @@ def alibi(score, b, h, q_idx, kv_idx):
     return score - (h + 1) * 0.1 * (q_idx - kv_idx)
 
 
-def qkv(n, heads=4, dim=8, seed=0, dtype=torch.float64):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(2, heads, n, dim, generator=g, dtype=dtype).requires_grad_() for _ in range(3)]
+def qkv(n, heads=4, dim=8, seed=0, dtype=torch.float64, device=None):
+    g = generator(seed, device)
+    return [torch.randn(2, heads, n, dim, generator=g, dtype=dtype, device=device).requires_grad_() for _ in range(3)]
 
 
-def fwd_bwd(fn, tensors):
+def fwd_bwd(fn, tensors, backward=True):
+    """fn(*tensors) and its gradients for a fixed random output gradient (None without backward)."""
+    if not backward:
+        return fn(*(t.detach() for t in tensors)), None
     y = fn(*tensors)
-    grad_out = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=y.dtype)
+    grad_out = torch.randn(y.shape, generator=generator(1, y.device), dtype=y.dtype, device=y.device)
     grads = torch.autograd.grad(y, tensors, grad_out)
     return y, grads
+
+
+def flex_has_backward(device) -> bool:
+    """torch 2.13's FlexAttention has a backward on CUDA only: gpu tests check flex's forward alone on the CPU."""
+    return torch.device(device).type == "cuda"
 
 
 @pytest.mark.parametrize("rule", RULES, ids=repr)
@@ -324,24 +332,76 @@ def test_queries_without_keys_get_zero_output_and_gradient(backend):
         torch.testing.assert_close(g, r)
 
 
-if torch.cuda.is_available():  # the GPU checks; defined only where CUDA exists, so CPU runs neither run nor skip them
+# ---- gpu tests (tests/conftest.py): on CUDA where it exists, else on the CPU under the device guard ----------
 
-    @pytest.mark.parametrize("rule", RULES, ids=repr)
-    @pytest.mark.parametrize("backend", ["flex", "chunked"])
-    def test_cuda_backends_equal_dense_forward_and_backward(rule, backend):
-        if backend == "chunked" and rule.lookback is None:
-            return
-        q, k, v = (t.detach().float().cuda().requires_grad_() for t in qkv(300, dim=CUDA_HEAD_DIM, dtype=torch.float32))
-        pos = torch.arange(300, device="cuda")
-        ref, ref_grads = fwd_bwd(lambda a, b, c: dense_attention(a, b, c, rule, pos), [q, k, v])
-        out, grads = fwd_bwd(lambda a, b, c: attend(a, b, c, rule, backend), [q, k, v])
-        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
-        for g, r in zip(grads, ref_grads):
-            torch.testing.assert_close(g, r, atol=2e-5, rtol=1e-4)
+@pytest.mark.gpu
+@pytest.mark.parametrize("rule, backend", [(rule, backend) for rule in RULES for backend in ("flex", "chunked")
+                                           if backend == "flex" or rule.lookback is not None], ids=repr)
+def test_gpu_backends_equal_dense_forward_and_backward(rule, backend, device):
+    q, k, v = qkv(300, dim=CUDA_HEAD_DIM, dtype=torch.float32, device=device)
+    pos = torch.arange(300, device=device)
+    backward = backend != "flex" or flex_has_backward(device)
+    ref, ref_grads = fwd_bwd(lambda a, b, c: dense_attention(a, b, c, rule, pos), [q, k, v])
+    out, grads = fwd_bwd(lambda a, b, c: attend(a, b, c, rule, backend), [q, k, v], backward)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    for g, r in zip(grads or (), ref_grads):
+        torch.testing.assert_close(g, r, atol=2e-5, rtol=1e-4)
 
-    @pytest.mark.parametrize("rule", [SlidingWindow(64), FixedBlock(64)], ids=repr)
-    def test_cuda_flex_bfloat16_is_close_to_float32(rule):
-        q, k, v = (t.detach().float().cuda() for t in qkv(1024, heads=4, dim=64, dtype=torch.float32))
-        ref = dense_attention(q, k, v, rule, torch.arange(1024, device="cuda"))
-        out = attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), rule, "flex")
-        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rule", [SlidingWindow(64), FixedBlock(64)], ids=repr)
+def test_gpu_flex_bfloat16_is_close_to_float32(rule, device):
+    q, k, v = (t.detach() for t in qkv(1024, heads=4, dim=64, dtype=torch.float32, device=device))
+    ref = dense_attention(q, k, v, rule, torch.arange(1024, device=device))
+    out = attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), rule, "flex")
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("backend", ["dense", "chunked", "sdpa", "flex"])
+@pytest.mark.parametrize("rule", [Causal(), SlidingWindow(16), PerHeadRule()], ids=repr)
+def test_grouped_query_kv_heads_equal_repeated_heads(rule, backend):
+    # k and v with 2 heads for 4 query heads: SDPA and flex take them as they are (enable_gqa, no copy), the other
+    # kernels repeat them; every backend equals attention over explicitly repeated heads, forward and backward
+    if backend == "chunked" and rule.lookback is None:
+        return
+    q, _, _ = qkv(70, dtype=torch.float32)
+    k, v = (t[:, :2].detach().requires_grad_() for t in qkv(70, seed=1, dtype=torch.float32)[1:])
+    backward = backend != "flex"
+    shared, shared_grads = fwd_bwd(lambda a, b, c: attend(a, b, c, rule, backend), [q, k, v], backward)
+    repeated, repeated_grads = fwd_bwd(lambda a, b, c: attend(a, b.repeat_interleave(2, 1), c.repeat_interleave(2, 1),
+                                                              rule, "dense"), [q, k, v])
+    torch.testing.assert_close(shared, repeated, atol=1e-5, rtol=1e-4)
+    for g, r in zip(shared_grads or (), repeated_grads):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("pattern", ["full", "swa", "sa"])
+def test_grouped_query_model_caches_kv_heads_and_generates_as_uncached(pattern):
+    cfg = ModelConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, block_size=128, vocab_size=61,
+                      bias=False, attn_pattern=pattern, swa_window=8, sa_mode="deterministic")
+    torch.manual_seed(0)
+    model = GPT(cfg).eval()
+    if model.blocks[0].mixer.supports_cache:  # the cache keeps the 2 k/v heads, not 4 repeated ones
+        assert all(c.k.shape[1] == 2 for c in model.init_caches(batch_size=1, max_len=64))
+    prompt = torch.randint(0, 61, (2, 20))
+    assert torch.equal(model.generate(prompt, 20, temperature=0, use_cache=True),
+                       model.generate(prompt, 20, temperature=0, use_cache=False))
+
+
+def test_eager_flex_runs_compiled_even_where_the_caller_forces_eager(monkeypatch):
+    # train.py's probes run the model under torch.compiler.set_stance("force_eager") (its compiled blocks would
+    # recompile for every probe length); the flex call inside must still run compiled, or on a GPU it would
+    # build (B, H, n, n) scores. Compiled flex runs on CPU too, forward only, which this checks
+    import attention.kernels as kernels
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(kernels, "COMPILE_EAGER_FLEX", True)
+    torch._dynamo.reset()
+    counters.clear()
+    q, k, v = (t.detach() for t in qkv(200, heads=2, dim=16, dtype=torch.float32))
+    with torch.compiler.set_stance("force_eager"):
+        out = kernels.flex(q, k, v, SlidingWindow(32))
+    assert counters["frames"]["ok"] >= 1  # flex_attention was compiled, not run eagerly
+    torch.testing.assert_close(out, dense_attention(q, k, v, SlidingWindow(32), torch.arange(200)), atol=1e-5,
+                               rtol=1e-4)
+    torch._dynamo.reset()

@@ -14,7 +14,7 @@ from attention.kernels import _window_plan, attend, dense_attention
 from config import ModelConfig
 from conftest import REPO, load_script
 from model import GPT
-from tests.test_attention import LargestTensor, fwd_bwd, qkv
+from tests.test_attention import LargestTensor, flex_has_backward, fwd_bwd, qkv
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -183,19 +183,20 @@ def test_window_kernel_equals_dense_forward_and_backward(kind, width, n, context
         torch.testing.assert_close(a, b)
 
 
-if torch.cuda.is_available():  # the GPU checks; defined only where CUDA exists, so CPU runs neither run nor skip them
-
-    @pytest.mark.parametrize("kind, width", [("bridge", 64), ("pbb", 64), ("se_bridge", 32)])
-    def test_cuda_window_kernel_equals_dense_and_bfloat16_is_close(kind, width):
-        rule, n = BoundaryWindows(kind, 64, width, 512), 300
-        q, k, v = (torch.randn(2, 4, n, 32, device="cuda", requires_grad=True) for _ in range(3))
-        results = []
-        for y in (attend(q, k, v, rule, "flex"), dense_attention(q, k, v, rule, torch.arange(n, device="cuda"))):
-            results.append((y, *torch.autograd.grad(y.square().sum(), (q, k, v))))
-        for a, b in zip(*results):
-            torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+@pytest.mark.gpu  # on CUDA where it exists, else on the CPU under the device guard (tests/conftest.py)
+@pytest.mark.parametrize("kind, width", [("bridge", 64), ("pbb", 64), ("se_bridge", 32)])
+def test_gpu_window_kernel_equals_dense_and_bfloat16_is_close(kind, width, device):
+    rule, n = BoundaryWindows(kind, 64, width, 512), 300
+    q, k, v = qkv(n, dim=32, dtype=torch.float32, device=device)
+    backward = flex_has_backward(device)
+    out, grads = fwd_bwd(lambda a, b, c: attend(a, b, c, rule, "flex"), [q, k, v], backward)
+    ref, ref_grads = fwd_bwd(lambda a, b, c: dense_attention(a, b, c, rule, torch.arange(n, device=device)), [q, k, v])
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    for a, b in zip(grads or (), ref_grads):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+    with torch.no_grad():
         low = attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), rule, "flex")
-        torch.testing.assert_close(low.float(), results[1][0], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(low.float(), ref, atol=2e-2, rtol=2e-2)
 
 
 def test_window_kernel_scores_only_the_write_back_rows():

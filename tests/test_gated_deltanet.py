@@ -11,6 +11,7 @@ from attention import validate_config
 from attention.gated_deltanet import (GatedDeltaNet, chunked_gated_delta_rule, fla_chunk_kernel,
                                       recurrent_gated_delta_rule)
 from config import ModelConfig
+from conftest import assert_models_agree_in_bf16
 from model import GPT
 
 
@@ -198,17 +199,26 @@ def test_fla_kernel_without_fla_is_a_clear_error():
 
 if torch.cuda.is_available() and fla_chunk_kernel() is not None:  # where the optional fla path can run
 
-    def test_cuda_fla_layer_equals_native_layer_in_bf16():
+    @pytest.mark.gpu
+    def test_cuda_fla_layer_equals_native_layer_in_bf16(device):
         cfg = ModelConfig(arch="llama", n_layer=2, n_head=2, n_embd=128, block_size=256, vocab_size=50, bias=False,
                           attn_pattern="gated_deltanet")
         torch.manual_seed(0)
-        fla = GPT(cfg).cuda()
-        native = GPT(dataclasses.replace(cfg, gdn_kernel="native")).cuda()
+        fla = GPT(cfg).to(device)
+        native = GPT(dataclasses.replace(cfg, gdn_kernel="native")).to(device)
         native.load_state_dict(fla.state_dict())
-        idx = torch.randint(0, 50, (2, 200), device="cuda")
+        idx = torch.randint(0, 50, (2, 200), device=device)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             a, b = fla(idx)[0].float(), native(idx)[0].float()
         torch.testing.assert_close(a, b, atol=5e-2, rtol=5e-2)
+
+    @pytest.mark.gpu
+    def test_cuda_fla_model_gradients_equal_native_in_bf16(device):
+        # model level, with gradients: fla's chunk kernel against the built-in chunked form on the same weights
+        # under bf16 autocast: logits and every parameter's gradient within 5e-2 relative (fla computes in bf16)
+        cfg = ModelConfig(arch="llama", n_layer=2, n_head=2, n_embd=128, block_size=256, vocab_size=50, bias=False,
+                          attn_pattern="gated_deltanet", gdn_kernel="fla")
+        assert_models_agree_in_bf16(cfg, dataclasses.replace(cfg, gdn_kernel="native"), device, 5e-2)
 
 
 def test_chunked_training_form_never_builds_an_n_by_n_tensor():

@@ -1,18 +1,21 @@
 """scripts/gpu_check.py on CPU (--quick): the one-command GPU check must run end to end here, so that it cannot rot
-before a GPU runs it; a failing step is recorded and the next one still runs."""
+before a GPU runs it; a failing step is recorded and the next one still runs. Its decisions (which tests it runs,
+which kernels a GPU must have and use, how long it may take) are checked here without a GPU."""
 
 import json
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, load_script
 
-STEPS = ("cuda_tests", "backends", "bench_attention", "bench_train", "train_runs", "compile_check", "generate")
+check = load_script("gpu_check")
 
 
-def gpu_check(out, *args, timeout=420) -> subprocess.CompletedProcess:
+def gpu_check(out, *args, timeout=600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "scripts/gpu_check.py", "--device=cpu", "--quick", f"--out={out}", *args],
                           cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
@@ -22,49 +25,149 @@ def test_quick_cpu_check_runs_every_step_and_writes_the_report(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
     steps = report["steps"]
-    assert tuple(steps) == STEPS
-    # the CUDA tests do not exist on CPU, and compiling every mixer is left to an explicit --steps=compile_check
-    assert steps["cuda_tests"]["status"] == "not applicable"
+    assert tuple(steps) == check.STEPS
+    # compiling every mixer is left to an explicit --steps=compile_check; one process cannot be two GPUs
     assert steps["compile_check"]["status"] == "skipped"
-    for name in ("backends", "bench_attention", "bench_train", "train_runs", "generate"):
+    assert steps["multi_gpu"]["status"] == "skipped" and "two or more GPUs" in steps["multi_gpu"]["summary"]
+    for name in set(check.STEPS) - {"compile_check", "multi_gpu"}:
         assert steps[name]["status"] == "passed", (name, steps[name]["summary"], steps[name]["error"])
         assert steps[name]["reduced"] == "reduced (CPU, --quick)"  # every number is labelled as not the hardware's
+    gpu_tests = steps["gpu_tests"]["results"]
+    assert gpu_tests["counts"] == {"passed": len(gpu_tests["tests"])} and len(gpu_tests["tests"]) >= 25
     backends = steps["backends"]["results"]
     assert len(backends["cases"]) == backends["expected_cases"] > 30
     assert {c["family"] for c in backends["cases"]} >= {"swa", "mswa", "sa", "swat_sigmoid", "pbb_branch",
                                                          "se_bridge_union"}
     assert all(c["passed"] for c in backends["cases"])
-    runs = steps["train_runs"]["results"]["runs"]
-    assert {r["mixer"] for r in runs} >= {"full", "swa", "sa_swa", "mswa", "pbb", "swax", "swax_gdn", "linear",
-                                          "swax_fsdp"}
-    assert all(r["val_loss_end"] < r["val_loss_start"] for r in runs)
+    runs = {r["mixer"]: r for r in steps["train_runs"]["results"]["runs"]}
+    assert set(runs) == set(check.TRAIN_RUNS)
+    trained = [r for r in runs.values() if r["status"] == "passed"]
+    assert {r["mixer"] for r in trained} == set(check.TRAIN_RUNS) - set(check.CUDA_ONLY_RUNS)
+    assert all(r["val_loss_end"] < r["val_loss_start"] for r in trained)
+    resume = steps["resume"]["results"]
+    assert resume["bitwise"] and resume["compared_steps"] == list(range(resume["checkpoint_at"] + 1,
+                                                                        resume["max_iters"] + 1))
+    assert resume["killed_after_step"] > resume["checkpoint_at"]
+    assert steps["memory"]["results"]["estimated_gib"] > 0 and steps["memory"]["results"]["measured_gib"] is None
     markdown = (tmp_path / "report.md").read_text()
     assert "reduced (CPU, --quick)" in markdown and "| train_runs | **passed** |" in markdown
     assert report["device"] == "cpu" and report["git_hash"]
 
 
 def test_a_failing_step_is_recorded_and_the_next_one_still_runs(tmp_path):
-    proc = gpu_check(tmp_path, "--steps=cuda_tests,backends,generate", "--fail_steps=backends")
+    proc = gpu_check(tmp_path, "--steps=preflight,backends,generate", "--fail_steps=backends")
     assert proc.returncode == 1
     steps = json.loads((tmp_path / "report.json").read_text())["steps"]
     assert steps["backends"]["status"] == "failed" and "injected failure" in steps["backends"]["summary"]
     assert "Traceback" in steps["backends"]["error"]
     assert steps["generate"]["status"] == "passed"
-    assert "## 2. backends: failed" in (tmp_path / "report.md").read_text()
-    # a later command with --merge=True redoes the failed step and keeps the others' results
-    proc = gpu_check(tmp_path, "--steps=backends", "--merge=True")
+    assert f"## {check.STEPS.index('backends') + 1}. backends: failed" in (tmp_path / "report.md").read_text()
+    # --only reruns the failed step into the same report and keeps the others' results
+    proc = gpu_check(tmp_path, "--only=backends")
     assert proc.returncode == 0, proc.stdout[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
-    assert [report["steps"][s]["status"] for s in ("cuda_tests", "backends", "generate")] \
-        == ["not applicable", "passed", "passed"]
+    assert [report["steps"][s]["status"] for s in ("preflight", "backends", "generate")] == ["passed"] * 3
     assert len(report["runs"]) == 2
 
 
 @pytest.mark.parametrize("args, message", [(["--steps=backend"], "unknown step"),
                                            (["--device=cuda"], "CUDA is not available"),
-                                           (["--budget_scale=0"], "budget_scale")])
+                                           (["--budget_scale=0"], "budget_scale"),
+                                           (["--steps=memory", "--only=resume"], "not both")])
 def test_bad_options_exit_with_status_2(tmp_path, args, message):
     proc = subprocess.run([sys.executable, "scripts/gpu_check.py", f"--out={tmp_path}", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert not (tmp_path / "report.json").exists()
+
+
+def test_plan_fits_20_minutes_on_one_h100_in_calls_under_10_minutes(tmp_path):
+    proc = subprocess.run([sys.executable, "scripts/gpu_check.py", "--plan", f"--out={tmp_path}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    total = next(line for line in proc.stdout.splitlines() if line.startswith("total"))
+    assert float(total.split()[1]) <= 20 * 60 == check.TOTAL_LIMIT_S
+    assert sum(check.step_budget(name, False) for name in check.STEPS) <= check.TOTAL_LIMIT_S
+    for name in check.STEPS:  # every step is listed with its budget and what it checks
+        assert any(line.startswith(name + " ") and " s  " in line for line in proc.stdout.splitlines()), name
+    parts = check.plan_parts(list(check.STEPS))
+    assert [name for part in parts for name in part] == list(check.STEPS)
+    assert all(sum(check.step_budget(name, False) for name in part) <= check.CALL_LIMIT_S < 600 for part in parts)
+    assert f"--only={','.join(parts[1])}" in proc.stdout
+    assert not (tmp_path / "report.json").exists()  # nothing ran
+
+
+def test_riskiest_steps_and_runs_come_first():
+    assert check.STEPS[:3] == ("preflight", "gpu_tests", "train_runs")
+    assert list(check.TRAIN_RUNS)[:3] == ["swax", "swax_gdn", "swax_fsdp"]  # the Triton mLSTM, fla, FSDP
+
+
+def test_gpu_tests_are_selected_by_marker_never_by_name():
+    # `-k cuda` ignored case and picked this file's "CUDA is not available" case, a whole GPU check inside the
+    # check; the marker selects exactly the tests of GPU paths
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           *check.GPU_TESTS], cwd=REPO, capture_output=True, text=True, timeout=300)
+    selected = [line for line in proc.stdout.splitlines() if "::" in line]
+    assert proc.returncode == 0 and len(selected) >= 25, proc.stdout[-2000:]
+    assert not [t for t in selected if "test_gpu_check.py" in t or "gpu_check" in t.partition("::")[2]]
+    assert {t.partition("::")[0] for t in selected} >= {"tests/test_attention.py", "tests/test_sa.py",
+                                                        "tests/test_swat.py", "tests/test_bridge.py",
+                                                        "tests/test_mlstm.py"}
+
+
+def test_a_timeout_kills_every_process_the_command_started(tmp_path):
+    # the child starts a grandchild in a session of its own (as the nested pytest did), out of the child's
+    # process group: the timeout must still end it
+    script = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
+              "time.sleep(120)'], start_new_session=True); print(p.pid, flush=True); time.sleep(120)")
+    done = check.run_command([sys.executable, "-c", script], tmp_path / "log.txt", timeout=3)
+    assert done.timed_out
+    grandchild = int(done.output().splitlines()[1])
+    deadline = time.time() + 10
+    while time.time() < deadline and os.path.exists(f"/proc/{grandchild}") and \
+            open(f"/proc/{grandchild}/stat").read().rpartition(")")[2].split()[0] != "Z":
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{grandchild}") or \
+        open(f"/proc/{grandchild}/stat").read().rpartition(")")[2].split()[0] == "Z"  # dead (a zombie at most)
+
+
+def cuda_environment(**changes):
+    env = {"torch": "2.13.0", "triton_pin": "3.7.1", "triton_block_ptr": True,
+           "optional_kernels": {"triton": "3.7.1", "mlstm_kernels": "2.0.6", "flash-linear-attention": "0.6.0"}}
+    for key, value in changes.items():
+        (env["optional_kernels"] if key in env["optional_kernels"] else env)[key] = value
+    return env
+
+
+def test_a_missing_gpu_kernel_fails_on_cuda_with_its_fix():
+    assert check.gpu_kernel_problems("cuda", cuda_environment()) == []
+    assert check.gpu_kernel_problems("cpu", cuda_environment(mlstm_kernels="not installed")) == []
+    problems = check.gpu_kernel_problems("cuda", cuda_environment(mlstm_kernels="not installed"))
+    assert problems == ["mlstm_kernels is not installed: pip install -r requirements-gpu.txt"]
+    assert "flash-linear-attention" in check.gpu_kernel_problems(
+        "cuda", cuda_environment(**{"flash-linear-attention": "not installed"}))[0]
+    # a Triton without tl.make_block_ptr (3.9 removed it): the fix names torch's pin
+    [problem] = check.gpu_kernel_problems("cuda", cuda_environment(triton="3.9.0", triton_block_ptr=False))
+    assert "Triton 3.9.0 has no tl.make_block_ptr" in problem and "pip install triton==3.7.1" in problem
+
+
+def test_the_kernel_tests_must_pass_on_cuda():
+    passed = [{"test": f"tests/test_mlstm.py::{check.REQUIRED_GPU_TESTS[k]}", "outcome": "passed"}
+              for k in check.REQUIRED_GPU_TESTS]
+    assert check.missing_kernel_tests("cuda", passed) == []
+    missing = check.missing_kernel_tests("cuda", passed[:1])
+    assert len(missing) == 1 and missing[0].startswith("fla's Gated DeltaNet kernel")
+    assert check.missing_kernel_tests("cpu", []) == []
+
+
+def test_recurrent_runs_name_their_gpu_kernel_on_cuda_and_must_show_it_in_use():
+    assert "--mlstm_kernel=triton" in check.run_options("swax", "cuda", 64)
+    assert "--gdn_kernel=fla" in check.run_options("swax_gdn", "cuda", 64)
+    assert not [o for o in check.run_options("swax", "cpu", 64) if "kernel" in o]
+    assert not [o for o in check.run_options("swa", "cuda", 64) if "kernel" in o]
+    options = check.run_options("swax", "cuda", 64)
+    used = "  layers 1, 3: mLSTM: 8 heads, q/k 32 and v 64 per head, chunk 64, kernel triton (mlstm_kernels, ...)"
+    assert check.kernel_use_problem(options, "model: ...\n" + used) == ""
+    fallback = used.replace("kernel triton (mlstm_kernels, ...)", "kernel native")
+    assert "do not report 'kernel triton'" in check.kernel_use_problem(options, fallback)
+    assert "no such layer line" in check.kernel_use_problem(options, "model: ...")

@@ -11,46 +11,21 @@ import pytest
 import torch
 import transformers
 
-from conftest import REPO
+from conftest import REPO, load_script
 from data.meta import open_tokens
-from data.prepare import prepare
 from eval import ppl as ppl_task
 from eval.hf_model import load_pretrained_lm
 from tests.test_lm_eval import offline  # noqa: F401  (fixture: no network)
 
 
-def build_tokenizer(text: str, path):
-    """A byte-level BPE tokenizer.json with GPT-2's end-of-text token, trained on `text`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(path))
-    return tok.get_vocab_size()
+build_tokenizer = load_script("gpu_check").train_byte_bpe_tokenizer  # a byte-level BPE tokenizer.json
 
 
 @pytest.fixture(scope="module")
 def local_model(tmp_path_factory):
-    """(model folder with its tokenizer.json, data folder prepared with that tokenizer)."""
-    from data.embedded import documents
-
-    root = tmp_path_factory.mktemp("hf")
-    text = "\n\n".join(documents(60, seed=0))
-    (root / "corpus.txt").write_text(text)
-    folder = root / "tiny-qwen3"
-    folder.mkdir()
-    vocab = build_tokenizer(text, folder / "tokenizer.json")
-    config = transformers.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                                      num_key_value_heads=2, head_dim=16, vocab_size=vocab, max_position_embeddings=512)
-    torch.manual_seed(0)
-    transformers.Qwen3ForCausalLM(config).save_pretrained(folder)
-    data_dir = root / "corpus_tok"
-    prepare(str(root / "corpus.txt"), tokenizer=str(folder), out_dir=str(data_dir), val_fraction=0.2, num_proc=1,
-            quiet=True)
-    return folder, data_dir
+    """(model folder with its tokenizer.json, data folder prepared with that tokenizer): a small random Qwen3
+    saved with save_pretrained, as the GPU check's pretrained step builds it."""
+    return load_script("gpu_check").build_tiny_hf_model(tmp_path_factory.mktemp("hf"))
 
 
 def run_eval(*args):

@@ -1,23 +1,26 @@
 """mLSTM: chunkwise == quadratic == recurrent (and == mlstm_kernels' own sequence kernel), forward and backward;
 prefill then steps; the gate initialisation; no n x n tensor on the training path; the layer in a model."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from attention.mlstm import chunkwise_mlstm, quadratic_mlstm, recurrent_mlstm, soft_cap
 from config import ModelConfig
+from conftest import assert_models_agree_in_bf16, generator
 from model import GPT
 from tests.test_attention import LargestTensor
 
 
-def inputs(n, dk=4, dv=6, seed=0, dtype=torch.float64, realistic=False):
+def inputs(n, dk=4, dv=6, seed=0, dtype=torch.float64, realistic=False, device=None):
     """q, k, v and gate pre-activations (B=2, H=3). realistic: gates near the layer's initialisation
     (input -10, forget 3..6), where the stabiliser matters most."""
-    g = torch.Generator().manual_seed(seed)
-    q, k = (torch.randn(2, 3, n, dk, generator=g, dtype=dtype) for _ in range(2))
-    v = torch.randn(2, 3, n, dv, generator=g, dtype=dtype)
-    i = torch.randn(2, 3, n, generator=g, dtype=dtype) * 3 + (-10 if realistic else -1)
-    f = torch.randn(2, 3, n, generator=g, dtype=dtype) * 2 + (4 if realistic else 1)
+    g = generator(seed, device)
+    q, k = (torch.randn(2, 3, n, dk, generator=g, dtype=dtype, device=device) for _ in range(2))
+    v = torch.randn(2, 3, n, dv, generator=g, dtype=dtype, device=device)
+    i = torch.randn(2, 3, n, generator=g, dtype=dtype, device=device) * 3 + (-10 if realistic else -1)
+    f = torch.randn(2, 3, n, generator=g, dtype=dtype, device=device) * 2 + (4 if realistic else 1)
     return [t.requires_grad_() for t in (q, k, v, i, f)]
 
 
@@ -28,7 +31,7 @@ def initial_state(dk=4, dv=6, dtype=torch.float64):
 
 
 def grads(y, tensors):
-    probe = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=y.dtype)
+    probe = torch.randn(y.shape, generator=generator(1, y.device), dtype=y.dtype, device=y.device)
     return torch.autograd.grad(y, tensors, probe)
 
 
@@ -187,22 +190,53 @@ def test_bf16_autocast_keeps_the_cell_in_float32(monkeypatch):
 
 from attention.mlstm import mlstm_sequence, triton_available  # noqa: E402
 
-if torch.cuda.is_available():  # defined only where CUDA exists, so CPU runs neither run nor skip them
 
-    def test_cuda_native_chunkwise_equals_quadratic_forward_and_backward():
-        tensors = [t.detach().float().cuda().requires_grad_() for t in inputs(300, dk=16, dv=32, realistic=True)]
-        ref = quadratic_mlstm(*tensors)
-        out, _ = chunkwise_mlstm(*tensors, chunk=64)
-        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-3)
-        for a, b in zip(grads(ref, tensors), grads(out, tensors)):
-            torch.testing.assert_close(b, a, atol=1e-3, rtol=1e-2)
+def test_triton_kernel_only_for_heads_of_at_least_16(monkeypatch):
+    # mlstm_kernels sizes its blocks by the head widths, and Triton's tl.dot needs 16: narrower heads use the
+    # built-in form under mlstm_kernel=auto (said in the layer's start-up line) and are refused under triton
+    import attention.mlstm as mlstm
+    from attention import validate_config
+
+    monkeypatch.setattr(mlstm, "triton_available", lambda: True)  # as on a CUDA machine with the package
+    narrow = ModelConfig(arch="llama", n_layer=2, n_head=4, n_embd=64, vocab_size=50, attn_pattern="mlstm",
+                         mlstm_n_head=4)  # q/k 8, v 16 per head: gpu_check's compile-check model
+    layer = GPT(narrow).blocks[0].mixer
+    assert not layer.triton and "needs both >= 16" in layer.describe() and "kernel native" in layer.describe()
+    wide = dataclasses.replace(narrow, n_embd=256)  # q/k 32, v 64
+    assert GPT(wide).blocks[0].mixer.triton
+    assert "kernel triton" in GPT(wide).blocks[0].mixer.describe()
+    with pytest.raises(ValueError, match="mlstm_kernel=triton: q/k and v head widths 8 and 16"):
+        validate_config(dataclasses.replace(narrow, mlstm_kernel="triton"))
+    assert GPT(wide).blocks[0].mixer.mixing_flops(1024) == pytest.approx(
+        GPT(dataclasses.replace(wide, mlstm_chunk=mlstm.TRITON_CHUNK, mlstm_kernel="native")).blocks[0].mixer.mixing_flops(1024))
+    assert GPT(dataclasses.replace(wide, mlstm_chunk=16)).blocks[0].mixer.mixing_flops(1024) == pytest.approx(
+        GPT(wide).blocks[0].mixer.mixing_flops(1024))  # the Triton kernel runs its own chunk whatever mlstm_chunk
+
+@pytest.mark.gpu  # on CUDA where it exists, else on the CPU under the device guard (tests/conftest.py)
+def test_gpu_native_chunkwise_equals_quadratic_forward_and_backward(device):
+    tensors = inputs(300, dk=16, dv=32, dtype=torch.float32, realistic=True, device=device)
+    ref = quadratic_mlstm(*tensors)
+    out, _ = chunkwise_mlstm(*tensors, chunk=64)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-3)
+    for a, b in zip(grads(ref, tensors), grads(out, tensors)):
+        torch.testing.assert_close(b, a, atol=1e-3, rtol=1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_model_gradients_do_not_depend_on_the_chunk_in_bf16(device):
+    # the built-in form's chunk is an implementation choice: logits and gradients of a model agree across chunks
+    # under bf16 autocast (the same comparison as the Triton kernel's below, which runs where it is installed)
+    cfg = ModelConfig(arch="llama", n_layer=2, n_head=2, n_embd=128, block_size=256, vocab_size=50, bias=False,
+                      attn_pattern="mlstm", mlstm_n_head=2, mlstm_kernel="native", mlstm_chunk=64)
+    assert_models_agree_in_bf16(cfg, dataclasses.replace(cfg, mlstm_chunk=16), device, 3e-2)
 
 
 if torch.cuda.is_available() and triton_available():  # where the optional Triton path can run
 
-    def test_cuda_triton_kernel_equals_native_chunkwise():
+    @pytest.mark.gpu
+    def test_cuda_triton_kernel_equals_native_chunkwise(device):
         # a length that is not a multiple of the kernel's chunk: the padding must change no output
-        tensors = [t.detach().float().cuda().requires_grad_() for t in inputs(200, dk=64, dv=64, realistic=True)]
+        tensors = inputs(200, dk=64, dv=64, dtype=torch.float32, realistic=True, device=device)
         ref, _ = chunkwise_mlstm(*tensors, chunk=64)
         out, state = mlstm_sequence(*tensors, kernel="triton", need_state=False)
         assert state is None  # the Triton path ran
@@ -210,10 +244,11 @@ if torch.cuda.is_available() and triton_available():  # where the optional Trito
         for a, b in zip(grads(ref, tensors), grads(out, tensors)):
             torch.testing.assert_close(b, a, atol=1e-2, rtol=1e-2)
 
-    def test_cuda_triton_kernel_in_bfloat16_and_compiled_without_graph_breaks():
+    @pytest.mark.gpu
+    def test_cuda_triton_kernel_in_bfloat16_and_compiled_without_graph_breaks(device):
         # bf16 training: q, k, v reach the kernel in bf16 (gates in float32), close to the float32 native form;
         # and the kernel is one opaque op inside a compiled block (no graph break)
-        tensors = [t.detach().float().cuda() for t in inputs(256, dk=64, dv=64, realistic=True)]
+        tensors = [t.detach() for t in inputs(256, dk=64, dv=64, dtype=torch.float32, realistic=True, device=device)]
         ref, _ = chunkwise_mlstm(*tensors, chunk=64)
         q, k, v, i, f = tensors
         low, _ = mlstm_sequence(q.bfloat16(), k.bfloat16(), v.bfloat16(), i, f, kernel="triton", need_state=False)
@@ -222,3 +257,12 @@ if torch.cuda.is_available() and triton_available():  # where the optional Trito
         torch._dynamo.reset()
         compiled = torch.compile(lambda *t: mlstm_sequence(*t, kernel="triton", need_state=False)[0], fullgraph=True)
         torch.testing.assert_close(compiled(q.bfloat16(), k.bfloat16(), v.bfloat16(), i, f).float(), low.float())
+
+    @pytest.mark.gpu
+    def test_cuda_triton_model_equals_native_model_with_gradients_in_bf16(device):
+        # model level: the logits and every parameter's gradient of a 2-layer mLSTM model with the Triton kernel,
+        # against the same weights through the built-in chunkwise form, both under bf16 autocast: within 3e-2
+        # relative (the Triton kernel's matmuls run in bf16, the built-in form's in float32)
+        cfg = ModelConfig(arch="llama", n_layer=2, n_head=2, n_embd=128, block_size=256, vocab_size=50, bias=False,
+                          attn_pattern="mlstm", mlstm_n_head=2, mlstm_kernel="triton")
+        assert_models_agree_in_bf16(cfg, dataclasses.replace(cfg, mlstm_kernel="native"), device, 3e-2)

@@ -11,26 +11,28 @@ import pytest
 import torch
 
 from attention.edges import PermutedWindow, SlidingWindow, StochasticWindow, stochastic_halo
-from attention.kernels import attend, dense_attention, flex_block_mask
+from attention.kernels import flex_block_mask
 from attention.stochastic import inverse_permutation, stochastic_attention, stochastic_edge_count
 from config import ModelConfig, load_config
-from conftest import REPO
+from conftest import REPO, generator
 from model import GPT
 
 sys.path.insert(0, str(REPO / "scripts"))
 import sa_stats  # noqa: E402
 
 
-def qkv(n, batch=2, heads=3, dim=8, requires_grad=True):
-    g = torch.Generator().manual_seed(n)
-    return [torch.randn(batch, heads, n, dim, generator=g, dtype=torch.float64).requires_grad_(requires_grad)
+def qkv(n, batch=2, heads=3, dim=8, requires_grad=True, dtype=torch.float64, device=None):
+    g = generator(n, device)
+    return [torch.randn(batch, heads, n, dim, generator=g, dtype=dtype, device=device).requires_grad_(requires_grad)
             for _ in range(3)]
 
 
-def fwd_bwd(fn, tensors):
+def fwd_bwd(fn, tensors, backward=True):
+    if not backward:
+        return fn(*(t.detach() for t in tensors)), None
     out = fn(*tensors)
-    grads = torch.autograd.grad((out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).sum(), tensors)
-    return out, grads
+    weights = torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype, device=out.device)
+    return out, torch.autograd.grad((out * weights).sum(), tensors)
 
 
 def original_space_mask(order, window):
@@ -312,20 +314,22 @@ def test_training_draws_reproducible_permutations_and_resumes_exactly(tmp_path):
     assert train(tmp_path / "seeded", "--max_iters=8", "--seed=7") != reference
 
 
-from test_attention import CUDA_HEAD_DIM  # noqa: E402
+from test_attention import CUDA_HEAD_DIM, flex_has_backward  # noqa: E402
 
-if torch.cuda.is_available():  # defined only where CUDA exists, so CPU runs neither run nor skip them
 
-    @pytest.mark.parametrize("backend", ["flex", "chunked"])
-    def test_cuda_sa_equals_dense_forward_and_backward(backend):
-        n, window = 1000, 64
-        q, k, v = (t.detach().float().cuda().requires_grad_() for t in qkv(n, dim=CUDA_HEAD_DIM))
-        order = torch.randperm(n, device="cuda")
-        ref, ref_grads = fwd_bwd(lambda a, b, c: stochastic_attention(a, b, c, order, window, "dense"), [q, k, v])
-        out, grads = fwd_bwd(lambda a, b, c: stochastic_attention(a, b, c, order, window, backend), [q, k, v])
-        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
-        for g, r in zip(grads, ref_grads):
-            torch.testing.assert_close(g, r, atol=2e-5, rtol=1e-4)
+@pytest.mark.gpu  # on CUDA where it exists, else on the CPU under the device guard (tests/conftest.py)
+@pytest.mark.parametrize("backend", ["flex", "chunked"])
+def test_gpu_sa_equals_dense_forward_and_backward(backend, device):
+    n, window = 1000, 64
+    q, k, v = qkv(n, dim=CUDA_HEAD_DIM, dtype=torch.float32, device=device)
+    order = torch.randperm(n, generator=generator(0, device), device=device)
+    backward = backend != "flex" or flex_has_backward(device)
+    ref, ref_grads = fwd_bwd(lambda a, b, c: stochastic_attention(a, b, c, order, window, "dense"), [q, k, v])
+    out, grads = fwd_bwd(lambda a, b, c: stochastic_attention(a, b, c, order, window, backend), [q, k, v],
+                         backward)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    for g, r in zip(grads or (), ref_grads):
+        torch.testing.assert_close(g, r, atol=2e-5, rtol=1e-4)
 
 
 def test_batched_scoring_of_sa_does_not_depend_on_batch_mates():

@@ -10,20 +10,23 @@ from attention.edges import SlidingWindow
 from attention.kernels import ScoreBias, attend, chunked_attention
 from attention.swat import AlibiBias, parse_bias, swat_slopes
 from config import ConfigError, ModelConfig, load_config
-from conftest import REPO
+from conftest import REPO, generator
 from model import GPT
 from test_attention import LargestTensor
 
 
-def qkv(n, batch=2, heads=4, dim=8, dtype=torch.float32):
-    g = torch.Generator().manual_seed(n)
-    return [torch.randn(batch, heads, n, dim, generator=g, dtype=dtype).requires_grad_() for _ in range(3)]
+def qkv(n, batch=2, heads=4, dim=8, dtype=torch.float32, device=None):
+    g = generator(n, device)
+    return [torch.randn(batch, heads, n, dim, generator=g, dtype=dtype, device=device).requires_grad_()
+            for _ in range(3)]
 
 
-def fwd_bwd(fn, tensors):
+def fwd_bwd(fn, tensors, backward=True):
+    if not backward:
+        return fn(*(t.detach() for t in tensors)), None
     out = fn(*tensors)
-    grads = torch.autograd.grad((out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).sum(), tensors)
-    return out, grads
+    weights = torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype, device=out.device)
+    return out, torch.autograd.grad((out * weights).sum(), tensors)
 
 
 def test_slopes_by_schedule_and_split():
@@ -279,33 +282,36 @@ def test_recipe_and_ablation_grid_configs():
         assert m.n_head == 12 and m.attn_pattern == "swat"
 
 
-from test_attention import CUDA_HEAD_DIM  # noqa: E402
+from test_attention import CUDA_HEAD_DIM, flex_has_backward  # noqa: E402
 
-if torch.cuda.is_available():  # defined only where CUDA exists, so CPU runs neither run nor skip them
 
-    @pytest.mark.parametrize("backend", ["flex", "chunked"])
-    @pytest.mark.parametrize("activation", ["sigmoid", "softmax"])
-    def test_cuda_swat_equals_dense_forward_and_backward(backend, activation):
-        n, window = 1000, 128
-        mod = AlibiBias(torch.tensor(swat_slopes(4, "paper", "2:2"), device="cuda"), 0.0)
-        tensors = [t.detach().cuda().requires_grad_() for t in qkv(n, dim=CUDA_HEAD_DIM)]
-        rule = SlidingWindow(window)
-        ref, ref_grads = fwd_bwd(lambda q, k, v: attend(q, k, v, rule, "dense", score_mod=mod, activation=activation),
-                                 tensors)
-        out, grads = fwd_bwd(lambda q, k, v: attend(q, k, v, rule, backend, score_mod=mod, activation=activation),
+@pytest.mark.gpu  # on CUDA where it exists, else on the CPU under the device guard (tests/conftest.py)
+@pytest.mark.parametrize("backend", ["flex", "chunked"])
+@pytest.mark.parametrize("activation", ["sigmoid", "softmax"])
+def test_gpu_swat_equals_dense_forward_and_backward(backend, activation, device):
+    n, window = 1000, 128
+    mod = AlibiBias(torch.tensor(swat_slopes(4, "paper", "2:2"), device=device), 0.0)
+    tensors = qkv(n, dim=CUDA_HEAD_DIM, device=device)
+    rule = SlidingWindow(window)
+    backward = backend != "flex" or flex_has_backward(device)
+    ref, ref_grads = fwd_bwd(lambda q, k, v: attend(q, k, v, rule, "dense", score_mod=mod, activation=activation),
                              tensors)
-        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
-        for g, r in zip(grads, ref_grads):
-            torch.testing.assert_close(g, r, atol=2e-5, rtol=1e-4)
+    out, grads = fwd_bwd(lambda q, k, v: attend(q, k, v, rule, backend, score_mod=mod, activation=activation),
+                         tensors, backward)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    for g, r in zip(grads or (), ref_grads):
+        torch.testing.assert_close(g, r, atol=2e-5, rtol=1e-4)
 
-    def test_cuda_swat_bf16_stays_close_to_float32():
-        """No normaliser: the output is a sum of up to w sigmoid-weighted values, so check bf16 against fp32."""
-        n, window = 2048, 256
-        mod = AlibiBias(torch.tensor(swat_slopes(4, "paper", "2:2"), device="cuda"), 0.0)
-        q, k, v = (t.detach().cuda() for t in qkv(n, dim=CUDA_HEAD_DIM))
-        ref = attend(q, k, v, SlidingWindow(window), "dense", score_mod=mod, activation="sigmoid")
-        out = attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), SlidingWindow(window), "flex", score_mod=mod,
-                     activation="sigmoid")
-        assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
-        rel = (out.float() - ref).norm() / ref.norm()
-        assert rel < 2e-2, rel
+
+@pytest.mark.gpu
+def test_gpu_swat_bf16_stays_close_to_float32(device):
+    """No normaliser: the output is a sum of up to w sigmoid-weighted values, so check bf16 against fp32."""
+    n, window = 2048, 256
+    mod = AlibiBias(torch.tensor(swat_slopes(4, "paper", "2:2"), device=device), 0.0)
+    q, k, v = (t.detach() for t in qkv(n, dim=CUDA_HEAD_DIM, device=device))
+    ref = attend(q, k, v, SlidingWindow(window), "dense", score_mod=mod, activation="sigmoid")
+    out = attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), SlidingWindow(window), "flex", score_mod=mod,
+                 activation="sigmoid")
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    rel = (out.float() - ref).norm() / ref.norm()
+    assert rel < 2e-2, rel
