@@ -211,6 +211,37 @@ def load_model(out_dir, which: str = "best", device="cpu"):
     return model.to(device).eval(), cfg, ckpt
 
 
+def describe_checkpoint(ckpt: dict) -> str:
+    """Which checkpoint was loaded, for the line sample.py and eval print: its file, step and validation loss."""
+    loss = ckpt.get("best_val_loss")
+    where = ckpt.get("path", "checkpoint")
+    best = "ckpt_best" in Path(where).name
+    return (f"loaded {where} (step {ckpt.get('step')}" + (f", {'val' if best else 'best val'} loss {loss:.4f}"
+                                                          if isinstance(loss, float) and loss != float('inf') else "")
+            + ")")
+
+
+def checkpoint_tokenizer_identity(ckpt: dict) -> dict:
+    """The tokenizer a checkpoint was trained with (data.tokenizer.Tokenizer.identity(); its name alone for
+    checkpoints written before identities were saved)."""
+    return ckpt.get("tokenizer_identity") or {"tokenizer": ckpt["tokenizer"]}
+
+
+def run_tokenizer(ckpt: dict):
+    """The tokenizer of a checkpoint, loaded by its name and checked against the vocabulary the model was trained
+    with: a tokenizer.json path or hub name may hold another vocabulary today, and text encoded with it would
+    be other token ids."""
+    from data.tokenizer import get_tokenizer
+
+    identity = checkpoint_tokenizer_identity(ckpt)
+    tokenizer = get_tokenizer(identity["tokenizer"])
+    if "vocab_sha256" in identity and tokenizer.identity()["vocab_sha256"] != identity["vocab_sha256"]:
+        raise CheckpointError(f"the tokenizer {identity['tokenizer']!r} found here has another vocabulary than the one "
+                              f"{ckpt.get('path', 'the checkpoint')} was trained with ({identity.get('vocab_size')} "
+                              "tokens): make that name point at the original tokenizer files")
+    return tokenizer
+
+
 def git_hash() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)

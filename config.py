@@ -130,7 +130,7 @@ class TrainConfig:
     learning_rate: float = 6e-4
     min_lr: float = 6e-5
     warmup_iters: int = 2000
-    lr_decay_iters: int = 600000
+    lr_decay_iters: int = 0  # the step the cosine decay reaches min_lr; 0: max_iters (the decay follows it)
     decay_lr: bool = True
     weight_decay: float = 0.1
     beta1: float = 0.9

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from checkpoint import CheckpointError, load_model
+from checkpoint import CheckpointError, describe_checkpoint, load_model, run_tokenizer
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error
-from data.tokenizer import TokenizerUnavailable, get_tokenizer
+from data.tokenizer import TokenizerUnavailable
 
 
 @dataclass
@@ -55,10 +55,11 @@ def main(argv):
     device = s.device if s.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         model, cfg, ckpt = load_model(s.out_dir, s.ckpt, device)
-        tokenizer = get_tokenizer(ckpt["tokenizer"])
+        tokenizer = run_tokenizer(ckpt)
     except (CheckpointError, TokenizerUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+    print(describe_checkpoint(ckpt), file=sys.stderr)  # stderr: stdout holds the samples alone
     dtype = s.dtype if s.dtype != "auto" else ("bfloat16" if device == "cuda" and torch.cuda.is_bf16_supported()
                                                   else "float32")
     model = model.to(getattr(torch, dtype))

@@ -23,13 +23,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from checkpoint import (CheckpointError, load_checkpoint, load_sharded_meta, load_sharded_training_state,
-                        remove_stale_temp_files, run_info, save_checkpoint, save_sharded_checkpoint,
-                        sharded_training_state, write_json)
+from checkpoint import (CheckpointError, checkpoint_tokenizer_identity, load_checkpoint, load_sharded_meta,
+                        load_sharded_training_state, remove_stale_temp_files, run_info, save_checkpoint,
+                        save_sharded_checkpoint, sharded_training_state, write_json)
 from config import Config, ConfigError, exit_on_config_error, load_config, validate
 from data.loader import WindowSampler
 from data.meta import (DataError, check_vocabulary, load_meta, open_tokens, prepare_generated_if_missing,
-                       unigram_entropy)
+                       tokenizer_identity, tokenizer_mismatch, unigram_entropy)
 from data.tokenizer import TokenizerUnavailable, get_tokenizer
 from eval.probes import training_probes
 from model import GPT
@@ -72,6 +72,34 @@ def wandb_problem(mode: str) -> str:
     return ""
 
 
+def schedule_warning(t) -> str:
+    """A line when an explicit lr_decay_iters leaves the decay far from max_iters ("" otherwise): then much of
+    training runs at min_lr, or it ends before the learning rate has decayed."""
+    if not t.decay_lr or not t.lr_decay_iters or abs(t.lr_decay_iters - t.max_iters) <= 0.01 * t.max_iters:
+        return ""
+    if t.lr_decay_iters < t.max_iters:
+        effect = (f"the learning rate reaches min_lr at step {t.lr_decay_iters} and stays there for the last "
+                  f"{1 - t.lr_decay_iters / t.max_iters:.0%} of training")
+    else:
+        effect = f"training ends at {t.max_iters / t.lr_decay_iters:.0%} of the decay, before min_lr"
+    return (f"warning: lr_decay_iters={t.lr_decay_iters} but max_iters={t.max_iters}: {effect}; set "
+            f"--lr_decay_iters={t.max_iters}, or 0 to follow max_iters")
+
+
+def data_tokenizer_identity(meta: dict) -> dict:
+    """The identity of the tokenizer the data was prepared with, which checkpoints record: from meta.json, with
+    the vocabulary hash computed from the tokenizer where the data predates it and the tokenizer loads here."""
+    identity = tokenizer_identity(meta)
+    if "vocab_sha256" not in identity:
+        try:
+            found = get_tokenizer(meta["tokenizer"]).identity()
+        except TokenizerUnavailable:
+            return identity
+        if (found["vocab_size"], found["eot_id"]) == (meta["vocab_size"], meta["eot_id"]):
+            identity = found
+    return identity
+
+
 def fail(message: str, status: int = 1):
     """Exit with a one-line error. Status 2 is a bad setting, the same on every rank of a torchrun job: only
     rank 0 says it (the others exit quietly with the same status)."""
@@ -81,14 +109,16 @@ def fail(message: str, status: int = 1):
 
 
 def get_lr(step: int, t) -> float:
-    """Linear warmup to learning_rate, then cosine decay to min_lr at lr_decay_iters, then min_lr."""
+    """Linear warmup to learning_rate, then cosine decay to min_lr at lr_decay_iters (max_iters when 0), then
+    min_lr."""
     if not t.decay_lr:
         return t.learning_rate
     if step < t.warmup_iters:
         return t.learning_rate * (step + 1) / (t.warmup_iters + 1)
-    if step >= t.lr_decay_iters:
+    decay_iters = t.lr_decay_iters or t.max_iters
+    if step >= decay_iters:
         return t.min_lr
-    progress = (step - t.warmup_iters) / max(1, t.lr_decay_iters - t.warmup_iters)
+    progress = (step - t.warmup_iters) / max(1, decay_iters - t.warmup_iters)
     return t.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (t.learning_rate - t.min_lr)
 
 
@@ -280,6 +310,7 @@ def main(argv):
         check_vocabulary(data_dir, meta)
     except DataError as e:
         fail(str(e))
+    data_tokenizer = data_tokenizer_identity(meta)
     if m.vocab_size == 0:
         m.vocab_size = -(-meta["vocab_size"] // 64) * 64  # padded to a multiple of 64 for efficient matmuls
     elif m.vocab_size < meta["vocab_size"]:
@@ -331,6 +362,9 @@ def main(argv):
             hint = (f"; {other} exists: resume with --parallelism={'ddp' if fsdp else 'fsdp'}, the run's own setting"
                     if other.exists() else "")
             fail(f"cannot resume: {e}{hint}", status=2)
+        problem = tokenizer_mismatch(checkpoint_tokenizer_identity(ckpt), meta, data_dir, f"the run in {out_dir}")
+        if problem:  # training on would relabel the run's checkpoints and compare losses of other token streams
+            fail(f"cannot resume: {problem}", status=2)
         saved = Config.from_dict(ckpt["config"]).model
         changed = [k for k in vars(m) if getattr(saved, k) != getattr(m, k)]
         if changed:
@@ -410,6 +444,8 @@ def main(argv):
               f"{meta['val_tokens']:,} val tokens); {tokens_per_step:,} tokens per step; "
               f"{world_size} process(es) on {device_name}, {dtype_name}")
         print(f"unigram baseline (val token entropy): {unigram:.4f} nats")
+        if schedule_warning(t):
+            print(schedule_warning(t))
         wandb_run = None
         if t.wandb_log:
             import wandb
@@ -446,7 +482,8 @@ def main(argv):
             states = [rng_state()]
         meta_ = {"config": cfg.to_dict(), "step": step, "best_val_loss": best_val_loss, "rng": states,
                  "data_cursor": train_data.state_dict(step), "wandb_run_id": wandb_run_id,
-                 "tokenizer": meta["tokenizer"], **({"run": info} if master else {})}
+                 "tokenizer": meta["tokenizer"], "tokenizer_identity": data_tokenizer,
+                 **({"run": info} if master else {})}
         if fsdp:
             save_sharded_checkpoint(out_dir / f"ckpt_{which}", sharded_training_state(raw_model, optimizer), meta_,
                                     rank)

@@ -27,7 +27,7 @@ import torch
 
 from attention.edges import AnyOf, BoundaryWindows, FixedBlock
 from attention.layer import MaskedAttention
-from attention.registry import register
+from attention.registry import refuse_whole_context, register
 
 FUSIONS = ("branch", "union")
 
@@ -46,6 +46,7 @@ class BridgedBlockAttention(MaskedAttention):
         b, width = config.block_len, cls.width(config)
         if b < 1:
             raise ValueError(f"block_len={b}: must be >= 1")
+        refuse_whole_context(config, "block_len", b, "one block holds (no boundary to bridge)")
         if config.bridge_fusion not in FUSIONS:
             raise ValueError(f"bridge_fusion={config.bridge_fusion!r}: expected branch or union")
         # write-back sets of neighbouring windows must not overlap (one bridge window per position)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from attention.edges import Causal, FixedBlock, SlidingWindow
 from attention.layer import MaskedAttention
-from attention.registry import register
+from attention.registry import refuse_whole_context, register
 
 
 @register("full")
@@ -32,6 +32,7 @@ class SlidingWindowAttention(MaskedAttention):
         super().check_config(config)
         if config.swa_window < 1:
             raise ValueError(f"swa_window={config.swa_window}: must be >= 1")
+        refuse_whole_context(config, "swa_window", config.swa_window, "the window reaches back over")
 
     def __init__(self, config, layer_idx):
         super().__init__(config, layer_idx, SlidingWindow(config.swa_window))
@@ -54,6 +55,7 @@ class BlockAttention(MaskedAttention):
         super().check_config(config)
         if config.block_len < 1:
             raise ValueError(f"block_len={config.block_len}: must be >= 1")
+        refuse_whole_context(config, "block_len", config.block_len, "one block holds")
 
     def __init__(self, config, layer_idx):
         super().__init__(config, layer_idx, FixedBlock(config.block_len))

@@ -26,7 +26,7 @@ from attention.cache import KVCache
 from attention.edges import chosen_block_edges
 from attention.kernels import BACKENDS, masked_attention
 from attention.layer import Attention
-from attention.registry import MAX_COMPILED_CHUNKS, register
+from attention.registry import MAX_COMPILED_CHUNKS, refuse_whole_context, register
 
 GATHERED_PER_CALL = 1 << 27  # elements of gathered keys per chunk of queries (512 MiB in float32)
 
@@ -111,6 +111,7 @@ class MixtureOfBlockAttention(Attention):
             raise ValueError(f"attn_backend={config.attn_backend!r}: expected one of {', '.join(BACKENDS)}")
         if config.moba_block < 1 or config.moba_topk < 1:
             raise ValueError(f"moba_block={config.moba_block}, moba_topk={config.moba_topk}: both must be >= 1")
+        refuse_whole_context(config, "moba_block", config.moba_block, "one block holds")
         if config.attn_gate:
             raise ValueError("attn_gate is paper 000's gate for its own variants; moba runs without it")
 

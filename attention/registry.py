@@ -114,6 +114,18 @@ def chunk_loop_problem(layer: str, seq_len: int, chunk: int, fast_path: str) -> 
             f"torch.compile would unroll them (compiling would take hours): {fast_path}, or train with compile=False")
 
 
+def refuse_whole_context(config, setting: str, size: int, what: str) -> None:
+    """Refuse a window or block longer than the training length (block_size): the layer would train exactly as
+    full attention under another name, at a variant's cost. One equal to it is allowed: paper 001's vanilla
+    models train so (full attention at length T = w) and are evaluated with the window at longer lengths.
+    Evaluation may use longer windows (python -m eval --window, --ppl_windows), which never come through here."""
+    if size > config.block_size:
+        raise ValueError(f"{setting}={size} exceeds block_size={config.block_size}: {what} every training position, "
+                         f"so these layers would train exactly as full attention. Use {setting} <= {config.block_size}, "
+                         "a longer block_size, or attn_pattern=full (a longer window can still be evaluated: python "
+                         "-m eval --window / --ppl_windows)")
+
+
 MIXERS: dict[str, type[Mixer]] = {}
 
 
@@ -133,10 +145,13 @@ PATTERN_ALIASES = {"swax": "swa,mlstm", "swax_gdn": "swa,gated_deltanet"}
 
 def layer_names(config) -> list[str]:
     """The mixer name of every layer: attn_pattern (aliases expanded) repeated to n_layer."""
-    names = (PATTERN_ALIASES.get(name.strip(), name) for name in config.attn_pattern.split(","))
-    pattern = [name.strip() for part in names for name in part.split(",") if name.strip()]
-    if not pattern:
+    entries = [name.strip() for name in config.attn_pattern.split(",")]
+    if not any(entries):
         raise ValueError("attn_pattern is empty: give a mixer name such as 'full'")
+    if not all(entries):
+        raise ValueError(f"attn_pattern={config.attn_pattern!r} has an empty entry: give a mixer name for every "
+                         "position of the pattern, e.g. 'swa,swa,full'")
+    pattern = [name for entry in entries for name in PATTERN_ALIASES.get(entry, entry).split(",")]
     for name in pattern:
         if name not in MIXERS:
             close = difflib.get_close_matches(name, list(MIXERS), n=1)

@@ -31,7 +31,7 @@ from torch import nn
 from attention.edges import PermutedWindow, SlidingWindow, StochasticWindow, stochastic_halo
 from attention.kernels import AttentionPlan, attend_planned, plan_attention
 from attention.layer import MaskedAttention, merge_heads
-from attention.registry import register
+from attention.registry import refuse_whole_context, register
 
 SA_MODES = ("stochastic", "deterministic")
 
@@ -146,6 +146,7 @@ class StochasticAttention(MaskedAttention):
         super().check_config(config)
         if config.swa_window < 2:
             raise ValueError(f"swa_window={config.swa_window}: sa needs a window of at least 2 slots")
+        refuse_whole_context(config, "swa_window", config.swa_window, "the circular window of slots covers")
         if config.sa_mode not in SA_MODES:
             raise ValueError(f"sa_mode={config.sa_mode!r}: expected one of {', '.join(SA_MODES)}")
 

@@ -16,8 +16,7 @@ gradient_accumulation_steps = 1
 max_iters = 800
 learning_rate = 2e-3
 min_lr = 2e-4
-warmup_iters = 100
-lr_decay_iters = 800
+warmup_iters = 100  # then cosine decay to min_lr at max_iters (lr_decay_iters = 0 follows max_iters)
 weight_decay = 0.1
 
 eval_interval = 200

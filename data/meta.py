@@ -46,6 +46,34 @@ def prepare_command(data_dir, meta=None):
     return "python data/prepare.py " + " ".join(options) + f" --out_dir={data_dir}"
 
 
+IDENTITY_KEYS = ("tokenizer", "vocab_size", "eot_id", "vocab_sha256")  # data.tokenizer.Tokenizer.identity()
+
+
+def tokenizer_identity(meta: dict) -> dict:
+    """The tokenizer identity recorded in a meta.json or a checkpoint (vocab_sha256 is absent from data prepared,
+    and checkpoints trained, before it was recorded)."""
+    return {key: meta[key] for key in IDENTITY_KEYS if meta.get(key) is not None}
+
+
+def tokenizer_mismatch(expected: dict, data_meta: dict, data_dir, what: str = "the checkpoint") -> str:
+    """Why tokens of data_dir cannot be read with the tokenizer `expected` (a checkpoint's identity), "" when they
+    can. The vocabulary hashes decide where both sides have one (a tokenizer can go by two names); otherwise the
+    name, the vocabulary size and the end-of-text id must all agree."""
+    found = tokenizer_identity(data_meta)
+    if "vocab_sha256" in expected and "vocab_sha256" in found:
+        same = expected["vocab_sha256"] == found["vocab_sha256"]
+    else:
+        same = all(expected[key] == found.get(key) for key in ("tokenizer", "vocab_size", "eot_id") if key in expected)
+    if same:
+        return ""
+    describe = lambda i: f"{i.get('tokenizer')!r} ({i.get('vocab_size', '?')} tokens)"  # noqa: E731
+    same_name = found.get("tokenizer") == expected.get("tokenizer")
+    return (f"{data_dir} was prepared with the tokenizer {describe(found)}, but {what} uses {describe(expected)}"
+            + (" (the same name, another vocabulary)" if same_name else "")
+            + f": its numbers would be meaningless; prepare the text with --tokenizer={expected.get('tokenizer')} "
+              "(python data/prepare.py --dataset=... --tokenizer=...)")
+
+
 def check_vocabulary(data_dir, meta) -> None:
     """meta.json's vocab_size and eot_id against its tokenizer's, and the token ids against vocab_size (a meta
     that does not describe its data would crash, or worse train silently, further on)."""

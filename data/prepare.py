@@ -506,8 +506,7 @@ def token_files(out_dir, dtype):
 
 def token_meta(tok, files, docs, source, split, max_tokens) -> dict:
     """meta.json's common fields for the tokens written to files."""
-    return {"format_version": FORMAT_VERSION, "tokenizer": tok.name, "vocab_size": tok.vocab_size,
-            "eot_id": tok.eot_id, "dtype": files.dtype.name, "train_tokens": files.tokens["train"],
+    return {"format_version": FORMAT_VERSION, **tok.identity(), "dtype": files.dtype.name, "train_tokens": files.tokens["train"],
             "val_tokens": files.tokens["val"], "train_documents": docs["train"], "val_documents": docs["val"],
             "source": source, "split": split, "max_tokens": max_tokens,
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}

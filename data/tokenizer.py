@@ -18,6 +18,8 @@ Tokenizers are picklable: only the name travels, and each process builds its
 own backend on first use (multiprocessing workers in prepare.py rely on this).
 """
 
+import hashlib
+import json
 import os
 
 import numpy as np
@@ -60,6 +62,18 @@ class Tokenizer:
     def __repr__(self):
         return f"{type(self).__name__}(name={self.name!r}, vocab_size={self.vocab_size}, eot_id={self.eot_id})"
 
+    def vocabulary(self) -> list:
+        """Every token's text or bytes, by id: what the tokenizer's identity hashes."""
+        raise NotImplementedError
+
+    def identity(self) -> dict:
+        """What names this tokenizer beyond its name: its vocabulary size, end-of-text id and a hash of every
+        token (two tokenizers of the same size can map ids to different text; two names can be one
+        vocabulary). Saved in meta.json and in checkpoints; compared by data.meta.tokenizer_mismatch."""
+        digest = hashlib.sha256(json.dumps([t.hex() if isinstance(t, bytes) else t for t in self.vocabulary()])
+                                .encode()).hexdigest()
+        return {"tokenizer": self.name, "vocab_size": self.vocab_size, "eot_id": self.eot_id, "vocab_sha256": digest}
+
 
 class ByteTokenizer(Tokenizer):
     vocab_size = 257
@@ -74,6 +88,9 @@ class ByteTokenizer(Tokenizer):
     def decode(self, ids):
         # ids >= 256 (end-of-text) carry no bytes; a cut multi-byte character shows as U+FFFD
         return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
+
+    def vocabulary(self):
+        return [bytes([i]) for i in range(256)] + ["<|endoftext|>"]
 
 
 class TiktokenTokenizer(Tokenizer):
@@ -100,6 +117,15 @@ class TiktokenTokenizer(Tokenizer):
 
     def decode(self, ids):
         return self.backend.decode([int(i) for i in ids])
+
+    def vocabulary(self):
+        tokens = []
+        for i in range(self.vocab_size):
+            try:
+                tokens.append(self.backend.decode_single_token_bytes(i))
+            except KeyError:  # an unused id
+                tokens.append(None)
+        return tokens
 
 
 EOT_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>")  # Llama 2 / Mistral, GPT-2 / Qwen, Llama 3
@@ -144,6 +170,13 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids):
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def vocabulary(self):
+        tokens = [None] * self.vocab_size
+        for token, i in self.backend.get_vocab(with_added_tokens=True).items():
+            if 0 <= i < self.vocab_size:
+                tokens[i] = token
+        return tokens
 
 
 BUILT_IN = ("byte", "gpt2")

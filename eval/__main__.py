@@ -36,14 +36,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from checkpoint import CheckpointError, atomic_write, checkpoint_path, git_hash, load_model, write_json
+from attention.registry import used_settings
+from checkpoint import (CheckpointError, atomic_write, checkpoint_path, checkpoint_tokenizer_identity,
+                        describe_checkpoint, git_hash, load_model, run_tokenizer, write_json)
 from config import Config, ConfigError, apply_args, dataclass_fields, exit_on_config_error
-from data.meta import DataError, load_meta, open_tokens
-from data.tokenizer import TokenizerUnavailable, get_tokenizer
+from data.meta import DataError, load_meta, open_tokens, tokenizer_identity, tokenizer_mismatch
+from data.tokenizer import TokenizerUnavailable
 from eval import diagnostics as diagnostics_task
 from eval import niah as niah_task
 from eval import ppl as ppl_task
 from eval import recall as recall_task
+from eval.results import describe_settings, merged_report
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -178,6 +181,10 @@ def run_ppl(e: EvalRunConfig, ctx) -> dict:
         docs = [ppl_task.stream(tokens, e.ppl_max_tokens)]
     else:
         docs = ppl_task.documents(tokens, meta["eot_id"], e.ppl_max_tokens)
+    if ints(e.ppl_windows) and e.window_key not in used_settings(cfg.model):
+        raise ConfigError(f"--ppl_windows: no layer of this model ({cfg.model.attn_pattern}) reads {e.window_key}, so "
+                          "every window would score the same model; leave out --ppl_windows (or set --window_key to a "
+                          "setting its layers have)")
     rows, positions, per_example = [], [], []
     for window in ints(e.ppl_windows) or [e.window or None]:  # None: the model as trained
         model = ctx["with_config"](**({} if window in (None, trained) else {e.window_key: window}))
@@ -301,24 +308,33 @@ TASKS = {"ppl": run_ppl, "niah": run_niah, "recall": run_recall, "diagnostics": 
 
 
 def summary_markdown(eval_dir: Path) -> str:
-    """A markdown summary of every eval/<task>.json in the folder."""
+    """A markdown summary of every eval/<task>.json in the folder: per task, each evaluation setting's rows."""
     lines = ["# Evaluation summary", ""]
     for path in sorted(eval_dir.glob("*.json")):
         report = json.loads(path.read_text())
-        prov = report["provenance"]
-        source = f"checkpoint {prov['ckpt']} at step {prov['step']}" if prov["step"] is not None else f"model {prov['ckpt']}"
-        lines += [f"## {report['task']}", "", f"`{prov['command']}`  ",
-                  f"{source}, git {prov['git_hash']}, config {prov['config_hash']}, seed {prov['seed']}", ""]
-        rows = report["results"]["rows"]
-        if rows:
-            keys = [k for k in rows[0] if k != "note" and not isinstance(rows[0][k], list)]
-            lines += ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-            for row in rows:
-                cells = [f"{row.get(k):.4g}" if isinstance(row.get(k), float) else str(row.get(k)) for k in keys]
-                lines.append("| " + " | ".join(cells) + " |")
-        if report["task"] == "ppl" and rows:
-            lines += ["", *ppl_grid(rows, report["results"].get("trained_window"))]
-        lines.append("")
+        lines += [f"## {report['task']}", ""]
+        all_rows = report["results"]["rows"]
+        settings = report.get("settings") or {None: {"provenance": report["provenance"]}}
+        shown = describe_settings(settings)
+        for sid, setting in settings.items():
+            prov = setting.get("provenance") or report["provenance"]
+            rows = [row for row in all_rows if row.get("setting") == sid]
+            if len(settings) > 1:
+                lines += [f"### {shown[sid]}", ""]
+            source = (f"checkpoint {prov['ckpt']} at step {prov['step']}" if prov.get("step") is not None
+                      else f"model {prov.get('ckpt')}")
+            lines += [f"`{prov['command']}`  ",
+                      f"{source}, git {prov['git_hash']}, config {prov['config_hash']}, seed {prov['seed']}"
+                      + (f"; {shown[sid]}" if len(settings) == 1 and shown[sid] != "all examples" else ""), ""]
+            if rows:
+                keys = [k for k in rows[0] if k not in ("note", "setting") and not isinstance(rows[0][k], list)]
+                lines += ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+                for row in rows:
+                    cells = [f"{row.get(k):.4g}" if isinstance(row.get(k), float) else str(row.get(k)) for k in keys]
+                    lines.append("| " + " | ".join(cells) + " |")
+            if report["task"] == "ppl" and rows:
+                lines += ["", *ppl_grid(rows, report["results"].get("trained_window"))]
+            lines.append("")
     return "\n".join(lines)
 
 
@@ -340,7 +356,8 @@ def ppl_grid(rows: list[dict], trained_window=None) -> list[str]:
 def load_run(e: EvalRunConfig, device: str, dtype):
     """A trained run's model, config, tokenizer, data folder and provenance."""
     model, cfg, ckpt = load_model(e.out_dir, e.ckpt, device)
-    tokenizer = get_tokenizer(ckpt["tokenizer"])
+    tokenizer = run_tokenizer(ckpt)
+    print(describe_checkpoint(ckpt))
     data_dir = e.data_dir or cfg.data.data_dir or str(REPO / "data" / cfg.data.dataset)
     model = model.to(dtype)
 
@@ -361,7 +378,7 @@ def load_run(e: EvalRunConfig, device: str, dtype):
             raise ConfigError(f"--window={e.window}: the model of {e.out_dir} ({cfg.model.attn_pattern}) has no "
                               "sliding-window layers")
     source = {"config_hash": config_hash(cfg), "ckpt": ckpt.get("path", str(checkpoint_path(e.out_dir, e.ckpt))),
-              "step": ckpt["step"]}
+              "step": ckpt["step"], "tokenizer": checkpoint_tokenizer_identity(ckpt)}
     return model, cfg, tokenizer, data_dir, with_config, source
 
 
@@ -377,7 +394,7 @@ def load_hf(e: EvalRunConfig, settings: dict, device: str, dtype_name: str):
     cfg = Config(model=model.config)
     cfg.data.dataset, cfg.data.data_dir = Path(e.data_dir).name, e.data_dir
     source = {"config_hash": config_hash(cfg), "ckpt": e.hf, "step": None,
-              "attention": {"hf_decode": e.hf_decode, **settings}}
+              "attention": {"hf_decode": e.hf_decode, **settings}, "tokenizer": tokenizer.identity()}
     return model, cfg, tokenizer, e.data_dir, model.with_changes, source
 
 
@@ -395,9 +412,11 @@ def main(argv):
         else:
             model, cfg, tokenizer, data_dir, with_config, source = load_run(e, device, getattr(torch, dtype_name))
         meta = load_meta(data_dir)
-        if e.hf and meta.get("tokenizer") != tokenizer.name:
-            raise DataError(f"{data_dir} was prepared with the {meta.get('tokenizer')!r} tokenizer, not the model's "
-                            f"{tokenizer.name!r}: prepare the text with --tokenizer={tokenizer.name}")
+        # the data's tokens must be the model's: a checkpoint's tokenizer as trained, a --hf model's own
+        expected = source["tokenizer"] if not e.hf else tokenizer.identity()
+        problem = tokenizer_mismatch(expected, meta, data_dir, "the model" if e.hf else f"{source['ckpt']}")
+        if problem:
+            raise DataError(problem)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         sys.exit(2)
@@ -412,7 +431,7 @@ def main(argv):
         cfg.train.init_from = f"hf:{e.hf}"
         write_json(cfg.to_dict(), Path(e.out_dir) / "config.json")
     provenance = {"command": " ".join([os.path.basename(sys.executable), "-m", "eval", *argv]),
-                  "git_hash": git_hash(), "seed": e.seed, **source,
+                  "git_hash": git_hash(), "seed": e.seed, **source, "data_tokenizer": tokenizer_identity(meta),
                   "eval_config": dataclasses.asdict(e), "device": device, "dtype": dtype_name}
     failed = []
     for task in e.tasks.split(","):
@@ -424,11 +443,8 @@ def main(argv):
             print(f"error in task {task}: {err}", file=sys.stderr)
             failed.append(task)
             continue
-        per_example = result.pop("per_example", None)
-        report = {"task": task, "results": result, "provenance": {**provenance, "seconds": time.time() - started}}
-        if per_example is not None:
-            report["per_example"] = per_example
-        write_json(report, eval_dir / f"{task}.json")
+        write_json(merged_report(eval_dir / f"{task}.json", task, result, e, data_dir,
+                                 {**provenance, "seconds": time.time() - started}), eval_dir / f"{task}.json")
     atomic_write(eval_dir / "summary.md", lambda f: f.write(summary_markdown(eval_dir).encode()))
     done = [t for t in e.tasks.split(",") if t not in failed]
     print(f"wrote {', '.join(f'{t}.json' for t in done) or 'no task result'}; summary.md in {eval_dir}")

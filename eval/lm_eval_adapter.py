@@ -112,11 +112,10 @@ class CheckpointLM(LM):
             if out_dir is None:
                 raise ValueError("CheckpointLM needs out_dir (a training run's folder), "
                                  "or use CheckpointLM.from_model(model, tokenizer)")
-            from checkpoint import load_model
-            from data.tokenizer import get_tokenizer
+            from checkpoint import load_model, run_tokenizer
 
             model, _, raw = load_model(out_dir, ckpt, device or "cpu")
-            tokenizer = get_tokenizer(raw["tokenizer"])
+            tokenizer = run_tokenizer(raw)
             self._info = {"out_dir": str(out_dir), "ckpt": ckpt, "step": raw.get("step")}
         else:
             if tokenizer is None:

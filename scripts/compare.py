@@ -127,6 +127,7 @@ def load_evals(run_dir: Path) -> dict:
         results = data.get("results") or {}
         rows = results.get("rows", []) if isinstance(results, dict) else []
         evals[data.get("task") or path.stem] = {"rows": [r for r in rows if isinstance(r, dict)],
+                                                "settings": data.get("settings") if isinstance(data.get("settings"), dict) else {},
                                                 "trained_window": results.get("trained_window") if isinstance(results, dict) else None,
                                                 "per_example": data.get("per_example"),
                                                 "positions": results.get("positions") if isinstance(results, dict) else None,
@@ -173,7 +174,25 @@ def load_local_run(path) -> dict:
             if key not in STANDARD_METRICS and _is_number(value):
                 extra[key] = float(value)
     name = path.resolve().name
-    return make_record(name, str(path), config, train, val, extra, load_evals(path))
+    evals = load_evals(path)
+    check_eval_tokenizers(path, config, evals)
+    return make_record(name, str(path), config, train, val, extra, evals)
+
+
+def check_eval_tokenizers(path: Path, config: dict, evals: dict) -> None:
+    """Refuse a run whose evaluation read data of another tokenizer than the run trained on (its numbers mean
+    nothing): each result's provenance records the data's tokenizer, config.json the training data's."""
+    from data.meta import tokenizer_identity, tokenizer_mismatch
+
+    data_meta = config.get("data_meta")
+    if not isinstance(data_meta, dict) or "tokenizer" not in data_meta:
+        return  # a --hf evaluation folder, or a run from before data_meta was saved
+    for task, result in evals.items():
+        scored = result["provenance"].get("data_tokenizer")
+        if isinstance(scored, dict) and "tokenizer" in scored:
+            problem = tokenizer_mismatch(tokenizer_identity(data_meta), scored, "its evaluation data", f"the run {path}")
+            if problem:
+                raise CompareError(f"{result['path']}: {problem}; then re-run python -m eval --out_dir={path}")
 
 
 def _unpack_history(rows) -> list[dict]:
@@ -329,32 +348,58 @@ def eval_summaries(evals: dict) -> dict:
     """
     out = {}
     for task, result in evals.items():
-        rows = result.get("rows") or []
-        if task == "ppl":
-            trained = result.get("trained_window")
-            for r in rows:
-                if _is_number(r.get("ppl")) and _is_number(r.get("length")):
-                    w = r.get("window")
-                    w = None if w == trained else w  # the trained window is the model as trained: plain column
-                    name = f"ppl@L={r['length']}" + (f",w={w}" if w is not None else "")
-                    out[name] = ((task, "ppl", -1 if w is None else w, r["length"]), float(r["ppl"]))
-            continue
-        metrics = ["score", "acc_rank"] if task == "niah" else sorted({m for r in rows for m in _row_fields(r)[1]})
-        label = {"score": "niah", "acc_rank": "niah_rank"} if task == "niah" else {}
-        for metric in metrics:
-            prefix = label.get(metric, f"{task}_{metric}")
-            lengths = sorted({r["length"] for r in rows if _is_number(r.get("length")) and metric in r})
-            if lengths:
-                for length in lengths:
-                    at_length = [r for r in rows if r.get("length") == length]
-                    averaged = [r for r in at_length if r.get("kind") == "average"]
-                    value = _weighted_mean(averaged or at_length, metric)
-                    if value is not None:
-                        out[f"{prefix}@L={length}"] = ((task, metric, -1, length), value)
-            else:
-                value = _weighted_mean(rows, metric)
+        for suffix, rows in rows_by_setting(result):
+            out.update({name + suffix: value for name, value in task_summaries(task, result, rows).items()})
+    return out
+
+
+def rows_by_setting(result: dict) -> list[tuple[str, list[dict]]]:
+    """A task's rows grouped by evaluation setting (eval/results.py), each with its column suffix: "" for a setting
+    over all examples, " (limit N)" for one computed on --limit=N examples (never shown as if it were a full
+    evaluation); settings of a run that would share a column are told apart by their id."""
+    rows = result.get("rows") or []
+    settings = result.get("settings") or {}
+    legacy_limit = ((result.get("provenance") or {}).get("eval_config") or {}).get("limit", 0)
+    groups: dict = {}
+    for row in rows:
+        groups.setdefault(row.get("setting"), []).append(row)
+    limit_of = lambda sid: (settings.get(sid) or {}).get("limit", legacy_limit if not settings else 0)  # noqa: E731
+    suffixes = {sid: f" (limit {limit_of(sid)})" if limit_of(sid) else "" for sid in groups}
+    out = []
+    for sid, group in groups.items():
+        shared = [other for other in groups if suffixes[other] == suffixes[sid]]
+        out.append((suffixes[sid] + (f" [setting {sid}]" if len(shared) > 1 else ""), group))
+    return out
+
+
+def task_summaries(task: str, result: dict, rows: list[dict]) -> dict:
+    """eval_summaries for one setting's rows of a task."""
+    out = {}
+    if task == "ppl":
+        trained = result.get("trained_window")
+        for r in rows:
+            if _is_number(r.get("ppl")) and _is_number(r.get("length")):
+                w = r.get("window")
+                w = None if w == trained else w  # the trained window is the model as trained: plain column
+                name = f"ppl@L={r['length']}" + (f",w={w}" if w is not None else "")
+                out[name] = ((task, "ppl", -1 if w is None else w, r["length"]), float(r["ppl"]))
+        return out
+    metrics = ["score", "acc_rank"] if task == "niah" else sorted({m for r in rows for m in _row_fields(r)[1]})
+    label = {"score": "niah", "acc_rank": "niah_rank"} if task == "niah" else {}
+    for metric in metrics:
+        prefix = label.get(metric, f"{task}_{metric}")
+        lengths = sorted({r["length"] for r in rows if _is_number(r.get("length")) and metric in r})
+        if lengths:
+            for length in lengths:
+                at_length = [r for r in rows if r.get("length") == length]
+                averaged = [r for r in at_length if r.get("kind") == "average"]
+                value = _weighted_mean(averaged or at_length, metric)
                 if value is not None:
-                    out[prefix] = ((task, metric, -1, -1), value)
+                    out[f"{prefix}@L={length}"] = ((task, metric, -1, length), value)
+        else:
+            value = _weighted_mean(rows, metric)
+            if value is not None:
+                out[prefix] = ((task, metric, -1, -1), value)
     return out
 
 
@@ -716,10 +761,22 @@ def _sort_key(value):
     return (0, value, "") if _is_number(value) else (1, 0, str(value))
 
 
+def full_setting(result: dict, among=None):
+    """The evaluation setting whose cells stand for a task's result: the latest one over all examples (no
+    --limit), else the latest; among: only those settings."""
+    settings = result.get("settings") or {}
+    found = [sid for sid in settings if among is None or sid in among]
+    if not settings:  # a result from before settings were recorded: its items carry none
+        return None
+    full = [sid for sid in found if not settings[sid].get("limit")]
+    return (full or found or [None])[-1]
+
+
 def paired(run_a: dict, run_b: dict, task: str, key: str = "correct", by: str | None = None,
            n_boot: int = 10000, seed: int = 0) -> dict:
-    """Paired statistics of two run records on one task's per_example results (overall, and per value of by)."""
-    examples = []
+    """Paired statistics of two run records on one task's per_example results (overall, and per value of by),
+    under an evaluation setting both were evaluated with (the same examples)."""
+    results = []
     for record in (run_a, run_b):
         result = record["evals"].get(task)
         if result is None:
@@ -727,7 +784,17 @@ def paired(run_a: dict, run_b: dict, task: str, key: str = "correct", by: str | 
                                f"--out_dir={record['source']} --tasks={task})")
         if not result.get("per_example"):
             raise CompareError(f"{result.get('path', record['source'])} has no per_example results to pair")
-        examples.append(result["per_example"])
+        results.append(result)
+    # a setting both were evaluated under (the same examples), else each one's own, said; the example ids must
+    # then still be the same on both sides
+    shared = set(results[0].get("settings") or {}) & set(results[1].get("settings") or {})
+    chosen = [full_setting(r, shared or None) for r in results]
+    if not shared and all(r.get("settings") for r in results):
+        a, b = (r["settings"][sid] for r, sid in zip(results, chosen))
+        differ = sorted(k for k in set(a) | set(b) if k != "provenance" and a.get(k) != b.get(k))
+        warn(f"{run_a['name']} and {run_b['name']} were evaluated on {task} under different settings "
+             f"({', '.join(differ)} differ): pairing their examples by id")
+    examples = [[x for x in r["per_example"] if x.get("setting") == sid] for r, sid in zip(results, chosen)]
     try:
         out = {"task": task, "key": key, "a": {"name": run_a["name"], "source": run_a["source"],
                                                "provenance": run_a["evals"][task].get("provenance")},
@@ -793,8 +860,10 @@ def position_gain(tables: dict, records: list[dict], reference: str, length: int
                            f"length {length}): set --position_block and --position_length")
 
     def profile(record) -> np.ndarray:
-        for entry in record["evals"].get("ppl", {}).get("positions") or []:
-            if entry.get("length") == length and entry.get("window") is None:
+        result = record["evals"].get("ppl", {})
+        chosen = full_setting(result)
+        for entry in result.get("positions") or []:
+            if entry.get("length") == length and entry.get("window") is None and entry.get("setting") == chosen:
                 return np.array([np.nan if v is None else v for v in entry["nll"]], dtype=np.float64)
         raise CompareError(f"{record['source']} has no NLL by position at L={length} (run: python -m eval "
                            f"--out_dir={record['source']} --tasks=ppl --ppl_lengths={length})")

@@ -114,8 +114,12 @@ def test_limit_caps_the_work(tiny_run):
     proc = run_eval(tiny_run, "--tasks=ppl,niah", "--ppl_lengths=16", "--limit=3", "--niah_lengths=64,512",
                     "--niah_kinds=niah_single_1", "--niah_gen_tokens=8", "--niah_samples=10")
     assert "niah niah_single_1    L=64     skipped: niah length 64 leaves 56 tokens" in proc.stdout  # said, not only saved
-    assert json.load(open(tiny_run / "eval" / "ppl.json"))["results"]["rows"][0]["windows"] == 3
-    assert len(json.load(open(tiny_run / "eval" / "niah.json"))["per_example"]) == 3
+    for task, count in (("ppl", lambda report, sid: next(r["windows"] for r in report["results"]["rows"]
+                                                          if r["setting"] == sid)),
+                        ("niah", lambda report, sid: len([x for x in report["per_example"] if x["setting"] == sid]))):
+        report = json.load(open(tiny_run / "eval" / f"{task}.json"))
+        limited = [sid for sid, setting in report["settings"].items() if setting["limit"] == 3]
+        assert len(limited) == 1 and count(report, limited[0]) == 3
 
 
 def test_eval_cli_errors(tiny_run, tmp_path):
