@@ -124,6 +124,7 @@ class TrainConfig:
     # hf:NAME_OR_PATH (a Hugging Face checkpoint: gpt2, llama, mistral, qwen2, qwen3); see pretrained.py
     init_from: str = "scratch"
     resume_from: str = "last"  # init_from=resume: continue from ckpt_last (where the run stopped) or ckpt_best
+    replace_run: bool = False  # a fresh run in an out_dir that holds a run moves the old one whole to OUT_DIR.replaced-TIME
     batch_size: int = 12  # micro-batch size per process
     gradient_accumulation_steps: int = 40  # global: divided among DDP processes, as in nanoGPT
     max_iters: int = 600000
@@ -277,6 +278,10 @@ def apply_file(target, path: str, fields=None) -> None:
                     set_value(target, key, value, fields, from_cli=False)
                 except ConfigError as e:
                     raise ConfigError(f"{path}: {e}") from None
+        if "run" in saved and "out_dir" in saved.get("train", {}):
+            # a training run's own config.json: the run is the folder it lies in, wherever that folder has been
+            # moved since (an --out_dir after it still chooses another)
+            set_value(target, "out_dir", os.path.dirname(path) or ".", fields, from_cli=False)
         return
     # include("configs/base.py") applies another config file first; this file's assignments then override it
     # (a relative path is looked up from the working directory, then from the repository root)
@@ -387,6 +392,25 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"window_schedule={t.window_schedule} changes the window of sliding-window layers, and "
                           f"attn_pattern={m.attn_pattern!r} has none: add swa layers (e.g. attn_pattern=swax) or use "
                           "window_schedule=fixed")
+
+
+def resolve_device(name: str) -> str:
+    """The device a --device setting names here: auto picks cuda when there is one; a device this machine does
+    not have is a ConfigError naming the fix (a traceback from deep inside torch otherwise)."""
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={name} but CUDA is not available here (torch {torch.__version__}): use "
+                          "--device=cpu or --device=auto")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("device=mps but Apple's Metal (MPS) is not available here: use --device=cpu or --device=auto")
+    if not (name in ("cpu", "cuda", "mps") or name.startswith("cuda:") and name[5:].isdigit()):
+        raise ConfigError(f"device={name!r}: expected auto, cpu, cuda, cuda:N or mps")
+    if name.startswith("cuda:") and int(name[5:]) >= torch.cuda.device_count():
+        raise ConfigError(f"device={name}: this machine has {torch.cuda.device_count()} GPU(s)")
+    return name
 
 
 def load_config(argv: list[str]) -> Config:

@@ -64,6 +64,17 @@ def load_hf_model(source: str):
 
 def pretrained_model_config(hf_config, m: ModelConfig) -> list[str]:
     """Give m the checkpoint's architecture (in place); returns the settings that changed (and notes), for the log."""
+    from attention.registry import MIXERS, pattern_names
+
+    try:
+        names = set(pattern_names(m.attn_pattern))
+    except ValueError as e:
+        raise PretrainedError(str(e)) from None
+    others = sorted(name for name in names if name in MIXERS and not MIXERS[name].pretrained_attention_shapes)
+    if others:  # checked before the checkpoint's shapes are set: they would be blamed on settings never given
+        raise PretrainedError(f"attn_pattern={m.attn_pattern!r} has {', '.join(others)} layers, which have no "
+                              "counterpart in a pretrained transformer's attention to load: use attention mixers "
+                              "only (full, swa, sa, block, bridge, ...), or train this pattern from scratch")
     settings, notes = (gpt2_settings if hf_config.model_type == "gpt2" else llama_settings)(hf_config, m)
     changed = [f"{key}={value!r}" for key, value in settings.items() if getattr(m, key) != value]
     for key, value in settings.items():

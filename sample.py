@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from checkpoint import CheckpointError, describe_checkpoint, load_model, run_tokenizer
-from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error
+from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error, resolve_device
 from data.tokenizer import TokenizerUnavailable
 
 
@@ -52,7 +52,7 @@ def parse(argv) -> SampleConfig:
 
 def main(argv):
     s = exit_on_config_error(parse, argv)
-    device = s.device if s.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = exit_on_config_error(resolve_device, s.device)
     try:
         model, cfg, ckpt = load_model(s.out_dir, s.ckpt, device)
         tokenizer = run_tokenizer(ckpt)
@@ -69,6 +69,15 @@ def main(argv):
         sys.exit(2)
 
     ids = tokenizer.encode(s.start) or [tokenizer.eot_id]  # parse() has read a FILE: prompt
+    block_size = cfg.model.block_size
+    if len(ids) + s.max_new_tokens > block_size:  # said, not silently done
+        longest = len(ids) + s.max_new_tokens
+        if model.wpe is not None:
+            print(f"note: prompt and continuation reach {longest} tokens, beyond block_size={block_size}: the model "
+                  f"sees only the last {block_size} (learned positions)", file=sys.stderr)
+        else:
+            print(f"note: prompt and continuation reach {longest} tokens, beyond the training length "
+                  f"block_size={block_size}: positions past it were never trained on", file=sys.stderr)
     x = torch.tensor([ids] * s.num_samples, dtype=torch.long, device=device)
     generator = torch.Generator(device=device).manual_seed(s.seed)
     y = model.generate(x, s.max_new_tokens, temperature=s.temperature, top_k=s.top_k or None,

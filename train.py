@@ -23,16 +23,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from checkpoint import (CheckpointError, checkpoint_tokenizer_identity, load_checkpoint, load_sharded_meta,
+from checkpoint import (CheckpointError, atomic_write, checkpoint_tokenizer_identity, load_checkpoint, load_sharded_meta,
                         load_sharded_training_state, remove_stale_temp_files, run_info, save_checkpoint,
                         save_sharded_checkpoint, sharded_training_state, write_json)
-from config import Config, ConfigError, exit_on_config_error, load_config, validate
+from config import Config, ConfigError, exit_on_config_error, load_config, resolve_device, validate
 from data.loader import WindowSampler
 from data.meta import (DataError, check_vocabulary, load_meta, open_tokens, prepare_generated_if_missing,
                        tokenizer_identity, tokenizer_mismatch, unigram_entropy)
 from data.tokenizer import TokenizerUnavailable, get_tokenizer
 from eval.probes import training_probes
+from machine import busy_note
 from model import GPT
+from run_folder import RunFolderError
+from run_folder import claim as claim_run_folder
 from parallelize import parallelize
 from pretrained import (GPT2_NAMES, PretrainedError, load_hf_model, load_pretrained_weights, pretrained_model_config,
                         pretrained_source)
@@ -98,6 +101,38 @@ def data_tokenizer_identity(meta: dict) -> dict:
         if (found["vocab_size"], found["eot_id"]) == (meta["vocab_size"], meta["eot_id"]):
             identity = found
     return identity
+
+
+def checkpoint_write_failure(error: Exception, out_dir: Path, which: str, sharded: bool, saved_steps: dict) -> str:
+    """The one-line error when a checkpoint could not be written (writes are atomic: the previous files are
+    intact): why (a full disk, said as such), which checkpoints remain, and the command that resumes."""
+    import errno
+    import shutil
+
+    reasons, cause = [], error
+    while cause is not None and len(reasons) < 4:
+        reasons.append(getattr(cause, "strerror", None) or str(cause).splitlines()[0][:160])
+        full = isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT)
+        if full:
+            break
+        cause = cause.__cause__ or cause.__context__
+    try:
+        free = shutil.disk_usage(out_dir).free
+    except OSError:
+        free = None
+    full = full or (free is not None and free < 64 * 2**20)
+    name = f"ckpt_{which}" + ("" if sharded else ".pt")
+    why = (f"the disk holding {out_dir} is full ({free / 2**20:.0f} MiB free)" if full and free is not None
+           else "the disk is full" if full else f"{reasons[-1]}")
+    intact = [f"{'the previous ' if w == which else ''}ckpt_{w}{'' if sharded else '.pt'}"
+              + (f" (step {saved_steps[w]})" if w in saved_steps else "")
+              for w in ("best", "last") if (out_dir / f"ckpt_{w}{'' if sharded else '.pt'}").exists()]
+    resume = f"python train.py {out_dir / 'config.json'} --init_from=resume"
+    if intact and not (out_dir / f"ckpt_last{'' if sharded else '.pt'}").exists():
+        resume += " --resume_from=best"
+    return (f"could not write {name}: {why}. " + (f"{' and '.join(intact)} {'is' if len(intact) == 1 else 'are'} "
+                                                   "intact" if intact else "No checkpoint of this run exists yet")
+            + (f"; free some space, then resume: {resume}" if intact else "; free some space and start again"))
 
 
 def fail(message: str, status: int = 1):
@@ -192,11 +227,27 @@ class MetricsLog:
     def __init__(self, path: Path, wandb_run=None):
         self.path, self.wandb_run = path, wandb_run
 
-    def truncate_after(self, step: int) -> None:
-        """On resume, drop records of steps the interrupted run logged after its last checkpoint."""
-        if self.path.exists():
-            lines = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
-            self.path.write_text("".join(ln + "\n" for ln in lines))
+    def truncate_after(self, step: int, reevaluated: bool = False) -> None:
+        """On resume, drop records of steps the interrupted run logged after its last checkpoint (and, when the
+        resumed run evaluates again at that step, its evaluation records there), and a last line torn by a kill
+        mid-write; the log is rewritten atomically (a kill now leaves the old one or the new)."""
+        if not self.path.exists():
+            return
+        lines = self.path.read_text(errors="replace").splitlines()
+        kept = []
+        for number, line in enumerate(lines, 1):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                if number < len(lines):  # only the last line can be cut short by a kill
+                    raise ValueError(f"{self.path} line {number} is not JSON: the log is damaged; move it aside to "
+                                     "resume without it") from None
+                print(f"note: dropped the torn last line of {self.path} (the run was killed mid-write)")
+                continue
+            evaluation = "train_loss" not in record and "window" not in record  # val loss, probes
+            if record["step"] < step or record["step"] == step and not (reevaluated and evaluation):
+                kept.append(line)
+        atomic_write(self.path, lambda f: f.write("".join(line + "\n" for line in kept).encode()))
 
     def log(self, step: int, **values) -> None:
         with open(self.path, "a") as f:
@@ -248,10 +299,10 @@ def main(argv):
     rank = int(os.environ.get("RANK", 0))  # global, over every node; LOCAL_RANK picks this node's GPU
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    device_name = t.device if t.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    if device_name.startswith("cuda") and not torch.cuda.is_available():
-        fail(f"device={device_name} but CUDA is not available here (torch {torch.__version__}): use --device=cpu "
-             "or --device=auto", status=2)
+    try:
+        device_name = resolve_device(t.device)
+    except ConfigError as e:
+        fail(str(e), status=2)
     # WANDB_MODE=offline in the environment counts as --wandb_mode=offline; an online run needs a login and the
     # network, checked now rather than after the model is built and the run folder written
     wandb_mode = t.wandb_mode
@@ -348,8 +399,17 @@ def main(argv):
     local_micro_steps = train_data.local_micro_steps
     tokens_per_step = t.batch_size * t.gradient_accumulation_steps * m.block_size
 
-    # ---- model, its layout, optimizer, and (on resume) their saved state -----------------------------------
+    # ---- the run folder: this run's alone from here on (a lock, held until the process ends) ----------------
     out_dir = Path(t.out_dir)
+    if master:
+        try:
+            claim_run_folder(out_dir, fresh=t.init_from != "resume", replace=t.replace_run)
+        except RunFolderError as e:
+            fail(str(e), status=2)
+    if distributed:
+        dist.barrier()
+
+    # ---- model, its layout, optimizer, and (on resume) their saved state -----------------------------------
     ckpt = None
     if t.init_from == "resume":
         try:
@@ -392,7 +452,7 @@ def main(argv):
         fail(f"cannot compile: {e}", status=2)
     optimizer = raw_model.configure_optimizer(t.weight_decay, t.learning_rate, (t.beta1, t.beta2), device.type)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    step, best_val_loss, wandb_run_id = 0, float("inf"), None
+    step, best_val_loss, wandb_run_id, ckpt_step = 0, float("inf"), None, None
     if ckpt is not None:
         if fsdp:  # every process reads its own shards, resharded if the run had another number of processes
             load_sharded_training_state(ckpt["path"], raw_model, optimizer)
@@ -401,6 +461,7 @@ def main(argv):
             optimizer.load_state_dict(ckpt["optimizer"])
             scaler.load_state_dict(ckpt["scaler"])
         step, best_val_loss, wandb_run_id = ckpt["step"], ckpt["best_val_loss"], ckpt.get("wandb_run_id")
+        ckpt_step = step
         if len(ckpt["rng"]) == world_size:
             try:
                 set_rng_state(ckpt["rng"][rank])
@@ -446,6 +507,8 @@ def main(argv):
         print(f"unigram baseline (val token entropy): {unigram:.4f} nats")
         if schedule_warning(t):
             print(schedule_warning(t))
+        if device.type == "cpu" and busy_note(torch.get_num_threads()):
+            print(busy_note(torch.get_num_threads()))
         wandb_run = None
         if t.wandb_log:
             import wandb
@@ -456,11 +519,15 @@ def main(argv):
             wandb_run_id = wandb_run.id
         metrics = MetricsLog(out_dir / "metrics.jsonl", wandb_run)
         if step > 0:
-            metrics.truncate_after(step)
+            try:  # the evaluation at the resumed step runs again (below): its earlier records are dropped
+                metrics.truncate_after(step, reevaluated=step % ev.eval_interval == 0 or step == t.max_iters
+                                       or ev.eval_only)
+            except ValueError as e:
+                fail(str(e))
             print(f"resumed from {out_dir / (f'ckpt_{t.resume_from}' + ('' if fsdp else '.pt'))} at step {step} "
                   f"(best val loss {best_val_loss:.4f})")
         elif (out_dir / "metrics.jsonl").exists():
-            (out_dir / "metrics.jsonl").unlink()  # a fresh run does not append to an old run's log
+            (out_dir / "metrics.jsonl").unlink()  # a resume from step 0: its log starts again
 
     stop_signal = []  # set by the handler; acted on only once all ranks agree (the all-reduce below)
     stopping = False
@@ -484,12 +551,18 @@ def main(argv):
                  "data_cursor": train_data.state_dict(step), "wandb_run_id": wandb_run_id,
                  "tokenizer": meta["tokenizer"], "tokenizer_identity": data_tokenizer,
                  **({"run": info} if master else {})}
-        if fsdp:
-            save_sharded_checkpoint(out_dir / f"ckpt_{which}", sharded_training_state(raw_model, optimizer), meta_,
-                                    rank)
-        elif master:
-            save_checkpoint({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
-                             "scaler": scaler.state_dict(), **meta_}, out_dir / f"ckpt_{which}.pt")
+        try:
+            if fsdp:
+                save_sharded_checkpoint(out_dir / f"ckpt_{which}", sharded_training_state(raw_model, optimizer),
+                                        meta_, rank)
+            elif master:
+                save_checkpoint({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
+                                 "scaler": scaler.state_dict(), **meta_}, out_dir / f"ckpt_{which}.pt")
+        except (OSError, RuntimeError) as e:  # a full disk, a quota: the writes are atomic, nothing is half-written
+            fail(checkpoint_write_failure(e, out_dir, which, fsdp, saved_steps))
+        saved_steps[which] = step
+
+    saved_steps = {t.resume_from: step} if ckpt_step is not None else {}  # the step of each checkpoint written
 
     # ---- the training loop --------------------------------------------------------------------------------
     flops_per_token = raw_model.flops_per_token(m.block_size)
@@ -599,9 +672,12 @@ def main(argv):
             print(f"stopped by signal {signum} at step {step}; {'ckpt_last' if fsdp else 'ckpt_last.pt'} saved. "
                   "Resume with the same "
                   "command plus --init_from=resume")
-        else:
-            print(f"done: best val loss {best_val_loss:.4f} vs unigram baseline {unigram:.4f}; "
-                  f"checkpoints in {out_dir}")
+        elif saved_steps:
+            print(f"done: best val loss {best_val_loss:.4f} vs unigram baseline {unigram:.4f}; checkpoints in "
+                  f"{out_dir}: " + ", ".join(f"ckpt_{w} (step {saved_steps[w]})" for w in sorted(saved_steps)))
+        else:  # max_iters=0, or an evaluation-only pass: nothing trained, nothing saved
+            print(f"done: val loss {best_val_loss:.4f} vs unigram baseline {unigram:.4f} at step {step}; no "
+                  f"checkpoint written (nothing was trained: max_iters={t.max_iters})")
         if metrics.wandb_run is not None:
             metrics.wandb_run.finish()
     if dist.is_initialized():

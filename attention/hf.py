@@ -75,8 +75,9 @@ def use_variant_attention(model, hf_decode: str = "full", **settings) -> list:
     with torch.device("meta"):  # the mixers' own projections are never used: only their rules and kernels
         mixers = [build_mixer(config, i) for i in range(n_layer)]
     for i, mixer in enumerate(mixers):
-        trained = isinstance(mixer, GatedStochasticSlidingAttention) or mixer.gate is not None \
-            or not isinstance(mixer, (MaskedAttention, MixtureOfBlockAttention)) or any(True for _ in mixer.buffers())
+        trained = not isinstance(mixer, (MaskedAttention, MixtureOfBlockAttention)) \
+            or isinstance(mixer, GatedStochasticSlidingAttention) or mixer.gate is not None \
+            or any(True for _ in mixer.buffers())  # (recurrent mixers have no gate attribute: checked first)
         if trained:
             raise ValueError(f"layer {i}: {type(mixer).__name__} has parameters or state of its own that a pretrained "
                              "model does not have: only attention under edge rules (full, swa, block, mswa, sa, "

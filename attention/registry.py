@@ -143,15 +143,20 @@ def register(name: str):
 PATTERN_ALIASES = {"swax": "swa,mlstm", "swax_gdn": "swa,gated_deltanet"}
 
 
-def layer_names(config) -> list[str]:
-    """The mixer name of every layer: attn_pattern (aliases expanded) repeated to n_layer."""
-    entries = [name.strip() for name in config.attn_pattern.split(",")]
+def pattern_names(attn_pattern: str) -> list[str]:
+    """The mixer names of one period of a pattern, aliases expanded (not checked against the registry)."""
+    entries = [name.strip() for name in attn_pattern.split(",")]
     if not any(entries):
         raise ValueError("attn_pattern is empty: give a mixer name such as 'full'")
     if not all(entries):
-        raise ValueError(f"attn_pattern={config.attn_pattern!r} has an empty entry: give a mixer name for every "
+        raise ValueError(f"attn_pattern={attn_pattern!r} has an empty entry: give a mixer name for every "
                          "position of the pattern, e.g. 'swa,swa,full'")
-    pattern = [name for entry in entries for name in PATTERN_ALIASES.get(entry, entry).split(",")]
+    return [name for entry in entries for name in PATTERN_ALIASES.get(entry, entry).split(",")]
+
+
+def layer_names(config) -> list[str]:
+    """The mixer name of every layer: attn_pattern (aliases expanded) repeated to n_layer."""
+    pattern = pattern_names(config.attn_pattern)
     for name in pattern:
         if name not in MIXERS:
             close = difflib.get_close_matches(name, list(MIXERS), n=1)

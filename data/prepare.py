@@ -576,7 +576,9 @@ def prepare(dataset, tokenizer="byte", out_dir=None, max_tokens=None, val_fracti
         print(f"wrote {meta['train_tokens'] + meta['val_tokens']:,} {meta['dtype']} tokens of {meta['tokenizer']} to "
               f"{display_path(out_dir)}: "
               f"train {meta['train_tokens']:,} tokens in {meta['train_documents']:,} documents, "
-              f"val {meta['val_tokens']:,} tokens in {meta['val_documents']:,} documents")
+              f"val {meta['val_tokens']:,} tokens " + (f"in {meta['val_documents']:,} documents" if meta['val_documents']
+                                                       else "from the end of the document (one document: split by "
+                                                            "tokens)"))
     return meta
 
 

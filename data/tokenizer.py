@@ -157,7 +157,18 @@ class HFTokenizer(Tokenizer):
                 return RustTokenizer.from_file(os.path.join(self.name, "tokenizer.json"))
             if os.path.exists(self.name):
                 return RustTokenizer.from_file(self.name)
+            cached = _cached_hub_file(self.name, "tokenizer.json")
+            if cached:
+                return RustTokenizer.from_file(cached)
+            unreachable = _hub_unreachable()
+            if unreachable:  # said at once, instead of after the hub client's retries (about 20 s)
+                raise TokenizerUnavailable(
+                    f"tokenizer {self.name!r} is neither a local file or folder nor in the Hugging Face cache, and "
+                    f"the hub cannot be reached from here ({unreachable}): pass a local tokenizer.json path, or use "
+                    "--tokenizer=byte, which works offline")
             return RustTokenizer.from_pretrained(self.name)
+        except TokenizerUnavailable:
+            raise
         except Exception as e:
             raise TokenizerUnavailable(
                 f"could not load tokenizer {self.name!r} (neither a local tokenizer.json nor reachable on the "
@@ -177,6 +188,32 @@ class HFTokenizer(Tokenizer):
             if 0 <= i < self.vocab_size:
                 tokens[i] = token
         return tokens
+
+
+def _cached_hub_file(repo: str, filename: str) -> str | None:
+    """A file of a hub repository already in the local Hugging Face cache, or None."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(repo, filename)
+    except Exception:  # not a valid repository name, no huggingface_hub
+        return None
+    return found if isinstance(found, str) else None
+
+
+def _hub_unreachable() -> str:
+    """Why the Hugging Face hub cannot be reached ("" when it can): offline mode, or no connection within 3 s."""
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        return "HF_HUB_OFFLINE is set"
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=3).close()
+    except OSError as e:
+        return f"{host}: {e.strerror or e}"
+    return ""
 
 
 BUILT_IN = ("byte", "gpt2")

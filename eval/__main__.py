@@ -39,7 +39,7 @@ import torch
 from attention.registry import used_settings
 from checkpoint import (CheckpointError, atomic_write, checkpoint_path, checkpoint_tokenizer_identity,
                         describe_checkpoint, git_hash, load_model, run_tokenizer, write_json)
-from config import Config, ConfigError, apply_args, dataclass_fields, exit_on_config_error
+from config import Config, ConfigError, apply_args, dataclass_fields, exit_on_config_error, resolve_device
 from data.meta import DataError, load_meta, open_tokens, tokenizer_identity, tokenizer_mismatch
 from data.tokenizer import TokenizerUnavailable
 from eval import diagnostics as diagnostics_task
@@ -47,6 +47,7 @@ from eval import niah as niah_task
 from eval import ppl as ppl_task
 from eval import recall as recall_task
 from eval.results import describe_settings, merged_report
+from run_folder import writable_folder_problem
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -402,7 +403,11 @@ def main(argv):
     from pretrained import PretrainedError
 
     e, settings = exit_on_config_error(parse, argv)
-    device = e.device if e.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = exit_on_config_error(resolve_device, e.device)
+    problem = writable_folder_problem(Path(e.out_dir) / "eval")  # before any work: results go there
+    if problem:
+        print(f"error: cannot write the results: {problem}", file=sys.stderr)
+        sys.exit(2)
     dtype_name = e.hf_dtype or (e.dtype if e.dtype != "auto" else (
         "bfloat16" if device == "cuda" and torch.cuda.is_bf16_supported() else "float32"))
     torch.manual_seed(e.seed)

@@ -41,6 +41,7 @@ from attention.stochastic import stochastic_attention  # noqa: E402
 from attention.swat import AlibiBias, swat_slopes  # noqa: E402
 from checkpoint import write_json  # noqa: E402
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
+from machine import busy_note  # noqa: E402
 
 
 @dataclass
@@ -201,6 +202,8 @@ def main(argv):
         print(json.dumps(run_case(name, int(n), b, device)))
         return
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
+    if busy_note(torch.get_num_threads()):
+        print(busy_note(torch.get_num_threads()))
     print(f"device: {where}; B={b.batch} H={b.heads} d_h={b.head_dim} {b.dtype}; window {b.window}, "
           f"block {b.block}; torch {torch.__version__}" + (f"; malloc {b.cpu_malloc}" if device.type == "cpu" else ""))
     results = []

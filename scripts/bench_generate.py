@@ -24,6 +24,7 @@ from attention.cache import state_bytes  # noqa: E402
 from checkpoint import write_json  # noqa: E402
 from config import ConfigError, ModelConfig, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
 from model import GPT  # noqa: E402
+from machine import busy_note  # noqa: E402
 
 
 @dataclass
@@ -88,6 +89,8 @@ def main(argv):
     b = exit_on_config_error(parse, argv)
     device = torch.device(b.device if b.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
+    if busy_note(torch.get_num_threads()):
+        print(busy_note(torch.get_num_threads()))
     print(f"device: {where}; {b.n_layer} layers x {b.n_head} heads x {b.n_embd}, window {b.window}, "
           f"batch {b.batch}, {b.new_tokens} new tokens, {b.dtype}; torch {torch.__version__}")
     results = []

@@ -26,6 +26,7 @@ from config import ConfigError, apply_args, dataclass_fields, exit_on_config_err
 from model import GPT  # noqa: E402
 from parallelize import ACTIVATION_CHECKPOINTING, parallelize  # noqa: E402
 from train import peak_flops  # noqa: E402
+from machine import busy_note  # noqa: E402
 
 
 @dataclass
@@ -114,6 +115,8 @@ def main(argv):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    if busy_note(torch.get_num_threads()):
+        print(busy_note(torch.get_num_threads()))
     print(f"device: {where}; dtype {dtype_name}; torch {torch.__version__}")
     results = [bench(f, b, device, dtype) for f in b.configs.split(",")]
     columns = list(results[0])

@@ -466,8 +466,11 @@ def build_tables(records: list[dict], columns: list[str] | None = None) -> dict:
     for flat, run_uses in zip(flats, used):
         for key in settings - (run_uses if run_uses is not None else settings):
             flat.pop(key, None)
+    # a key differs when the runs hold different values; a mixer setting also when only some runs' layers read it
+    # (swa(32) beside pbb(64, 32): the window tells them apart though every run that has one has 32)
     diff_keys = [k for k in keys if k not in IGNORED_KEYS
-                 and len({json.dumps(f.get(k, "\0missing"), default=str) for f in flats if k not in settings or k in f}) > 1]
+                 and (len({json.dumps(f.get(k, "\0missing"), default=str) for f in flats if k not in settings or k in f}) > 1
+                      or k in settings and 0 < sum(k in f for f in flats) < len(flats))]
     rows, extra_cols = [], {}
     for record, flat in zip(records, flats):
         n_params = record["n_params"] if record["n_params"] is not None else count_params(record["config"])
@@ -569,9 +572,13 @@ def render_groups(tables: dict) -> str:
                 text += f" (n={count})"
             cells.append(text)
         keys = [_fmt_config(g["flat"].get(k, MISSING)) for k in tables["group_keys"]] or [g["label"]]
-        body.append([*keys,
-                     f"{n} seed{'s' if n != 1 else ''}" + (f" ({', '.join(map(str, seeds))})" if seeds else ""),
-                     ", ".join(g["runs"]), *cells])
+        if len(set(seeds)) < len(seeds):  # the same seed twice: repeated runs, not seed replicates
+            distinct = sorted(set(seeds), key=str)
+            count = f"{n} runs, {len(distinct)} seed{'s' if len(distinct) != 1 else ''} ({', '.join(map(str, distinct))}: " \
+                    "repeated, not independent)"
+        else:
+            count = f"{n} seed{'s' if n != 1 else ''}" + (f" ({', '.join(map(str, seeds))})" if seeds else "")
+        body.append([*keys, count, ", ".join(g["runs"]), *cells])
     return markdown_table(headers, body, right=set(range(first_num, len(headers))))
 
 
@@ -651,7 +658,7 @@ def seed_group_records(records: list[dict], tables: dict) -> list[dict]:
         val, val_std = _mean_curve([m["val"] for m in members])
         cells: dict = {}
         for m in members:
-            for row in m["evals"].get("ppl", {}).get("rows", []):
+            for row in standing_rows(m["evals"].get("ppl", {})):
                 if _is_number(row.get("length")) and _is_number(row.get("ppl")):
                     cells.setdefault((row["length"], row.get("window")), []).append(row["ppl"])
         ppl_rows = [{"length": length, "window": window, "ppl": mean, "ppl_std": std}
@@ -709,7 +716,7 @@ def plot_all(records: list[dict], out_dir: Path) -> list[Path]:
     else:
         plt.close(fig)
 
-    ppl = [(r, c, [row for row in r["evals"].get("ppl", {}).get("rows", [])
+    ppl = [(r, c, [row for row in standing_rows(r["evals"].get("ppl", {}))
                    if _is_number(row.get("length")) and _is_number(row.get("ppl"))]) for r, c in zip(records, colors)]
     if any(rows for _, _, rows in ppl):
         fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -728,6 +735,11 @@ def plot_all(records: list[dict], out_dir: Path) -> list[Path]:
                         ax.fill_between(lengths, [v - sd for v, sd in zip(values, stds)],
                                         [v + sd for v, sd in zip(values, stds)], color=color, alpha=0.2, linewidth=0)
         _log2_lengths(ax, [row["length"] for _, _, rows in ppl for row in rows])
+        trained = sorted({r["config"].get("model", {}).get("block_size") for r, _, rows in ppl if rows} - {None})
+        for i, length in enumerate(trained):  # where extrapolation begins
+            ax.axvline(length, color="0.5", linestyle=":", linewidth=1,
+                       label="training length" + (f"s ({', '.join(map(str, trained))})" if len(trained) > 1 else
+                                                  f" ({length})") if i == 0 else None)
         ax.set_title("Perplexity vs evaluation length" + band)
         ax.set_xlabel("evaluation length (tokens)")
         ax.set_ylabel("perplexity")
@@ -759,6 +771,13 @@ def plot_all(records: list[dict], out_dir: Path) -> list[Path]:
 
 def _sort_key(value):
     return (0, value, "") if _is_number(value) else (1, 0, str(value))
+
+
+def standing_rows(result: dict) -> list[dict]:
+    """The rows that stand for a task's result in plots: those of its full_setting (all rows of a result from
+    before settings were recorded)."""
+    chosen = full_setting(result)
+    return [row for row in result.get("rows") or [] if chosen is None or row.get("setting") == chosen]
 
 
 def full_setting(result: dict, among=None):

@@ -115,7 +115,7 @@ def main(argv=None):
     parser.add_argument("--hf_context", type=int, default=4096, help="longest input (lm-eval's max_length)")
     parser.add_argument("--sa_mode", default="stochastic", choices=("stochastic", "deterministic"))
     parser.add_argument("--sa_seed", type=int, default=0)
-    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--device", default="auto", help="auto (cuda when available) | cpu | cuda | cuda:N")
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--limit", type=int, default=None, help="examples per task (quick checks)")
     parser.add_argument("--num_fewshot", type=int, default=None)
@@ -133,15 +133,23 @@ def main(argv=None):
         parser.error(f"--modes={args.modes}: expected some of full, swa, sa, moba")
     tasks = [t for t in args.tasks.split(",") if t]
 
-    import lm_eval
-    import torch
-    from lm_eval.tasks import TaskManager
+    try:
+        import lm_eval
+        from lm_eval.tasks import TaskManager
+    except ImportError:
+        print("error: the window sweep runs lm-evaluation-harness, which is not installed: pip install -r "
+              "requirements-eval.txt", file=sys.stderr)
+        sys.exit(2)
 
+    from config import ConfigError, resolve_device
     from eval.hf_model import load_pretrained_lm
     from eval.lm_eval_adapter import CheckpointLM
     from pretrained import PretrainedError
 
-    device = "cpu" if args.device.startswith("cuda") and not torch.cuda.is_available() else args.device
+    try:  # a GPU asked for and missing is an error, never a silent hours-long CPU run
+        device = resolve_device(args.device)
+    except ConfigError as e:
+        parser.error(str(e))
     try:
         model, tokenizer = load_pretrained_lm(args.hf, {"attn_pattern": "full"}, args.hf_dtype, device,
                                               args.hf_context, args.hf_decode)

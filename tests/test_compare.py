@@ -180,12 +180,14 @@ def test_table_groups_and_plots(runs, tmp_path):
     assert proc.returncode == 0, proc.stderr
     text = proc.stdout
     header, rows = table_rows(text)
-    # the config diff: seed and attn_pattern differ; nothing else (out_dir, run info, data.created are ignored)
-    assert header[:3] == ["run", "attn_pattern", "seed"]
+    # the config diff: seed and attn_pattern differ, and swa's window tells it from full (whose layers have none);
+    # nothing else (out_dir, run info, data.created are ignored)
+    assert header[:4] == ["run", "attn_pattern", "swa_window", "seed"]
     for unchanged in ("n_layer", "learning_rate", "out_dir", "wandb_run_name", "command", "git_hash",
                       "data.created", "block_size"):
         assert unchanged not in header
     assert rows["swa_s1"]["attn_pattern"] == "swa" and rows["full_s2"]["seed"] == "2"
+    assert rows["swa_s1"]["swa_window"] == "16" and rows["full_s1"]["swa_window"] == "-"
     # best val loss is the minimum (full_s2's is at step 50, not the last evaluation), final train loss the last
     assert [rows[n]["best val loss"] for n in ("full_s1", "full_s2", "swa_s1")] == ["1.5000", "1.6000", "1.8000"]
     assert rows["full_s2"]["final train loss"] == "1.4500"
@@ -296,7 +298,7 @@ def test_wandb_path_with_fake_api(monkeypatch, capsys, tmp_path):
     text = capsys.readouterr().out
     header, rows = table_rows(text)
     assert set(rows) == {"w_full_1", "w_full_2", "w_swa"}  # --runs filters by name
-    assert header[:3] == ["run", "attn_pattern", "seed"] and "git_hash" not in header
+    assert header[:3] == ["run", "attn_pattern", "swa_window"] and "seed" in header and "git_hash" not in header
     assert rows["w_full_1"]["best val loss"] == "2.0000" and rows["w_full_2"]["best val loss"] == "2.2000"
     assert rows["w_full_2"]["final train loss"] == "2.0000"
     assert rows["w_swa"]["tokens"] == f"{30 * 2 * 3 * 64:,}"
@@ -354,7 +356,9 @@ def test_what_a_new_user_should_not_be_misled_by(runs, tmp_path, capsys):
     assert full_record["best_val_loss"] is None and "stopped at step 10 of 100" in full_record["incomplete"]
     assert swa_record["incomplete"] == ""
     tables = compare.build_tables([full_record, swa_record])
-    assert "swat_split" not in tables["diff_keys"] and "swa_window" not in tables["diff_keys"]
+    # swat_split: no run reads it; swa_window: only swa's layers read it, which tells it from full
+    assert "swat_split" not in tables["diff_keys"] and "swa_window" in tables["diff_keys"]
+    assert "swa_window" not in tables["rows"][0]["flat"] and tables["rows"][1]["flat"]["swa_window"] == 16
     assert "ppl@L=64" in tables["rows"][1]["cells"] and "ppl@L=64,w=32" not in tables["rows"][1]["cells"]
     text = compare.render(tables)
     assert "full_s1 (incomplete: stopped at step 10 of 100)" in text

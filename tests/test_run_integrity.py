@@ -161,3 +161,211 @@ def test_eval_results_keep_every_setting_and_compare_marks_limited_ones(byte_run
     assert proc.returncode == 0, proc.stderr
     assert "ppl@L=32 (limit 3)" in proc.stdout and "ppl@L=32 " in proc.stdout.replace("ppl@L=32 (", "")
     assert "limit=3" in (run_dir / "eval" / "summary.md").read_text()
+
+
+# ---- one run per folder ---------------------------------------------------------------------------------------
+
+def test_two_trainings_started_on_one_folder_leave_exactly_one_running(tmp_path):
+    out = tmp_path / "run"
+    args = [sys.executable, "train.py", *TINY, f"--out_dir={out}", "--max_iters=30", "--eval_interval=10"]
+    first = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    second = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    results = [(p.wait(timeout=300), *p.communicate()) for p in (first, second)]
+    codes = sorted(code for code, _, _ in results)
+    assert codes == [0, 2], results
+    refused = next(err for code, _, err in results if code == 2)
+    winner = first if results[0][0] == 0 else second
+    assert "is in use by another training run" in refused or "already holds a run" in refused, refused
+    if "in use" in refused:  # it names the holder
+        assert f"PID {winner.pid}" in refused and "train.py" in refused
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
+             if "train_loss" in line]
+    assert steps == list(range(1, 31))  # one run's log: strictly increasing, nothing interleaved
+    from checkpoint import load_checkpoint
+
+    assert load_checkpoint(out / "ckpt_last.pt")["step"] == 30 and load_checkpoint(out / "ckpt_best.pt")
+
+
+def test_a_killed_run_leaves_no_lock_behind(tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "train.py", *TINY, f"--out_dir={out}", "--max_iters=2000",
+                             "--eval_interval=5"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while not (out / "ckpt_last.pt").exists():
+        assert proc.poll() is None
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    from run_folder import claim
+
+    claim(out, fresh=False).release()  # the kernel dropped the dead process's lock
+    resumed = train_subprocess([*TINY, f"--out_dir={out}", "--max_iters=12", "--eval_interval=5",
+                                "--init_from=resume"], check=False)
+    assert resumed.returncode == 0, resumed.stderr
+
+
+def test_a_fresh_run_never_starts_over_an_old_one_unless_asked(byte_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(byte_run, run_dir)
+    (run_dir / "eval").mkdir(exist_ok=True)
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    proc = train_subprocess([*TINY, f"--out_dir={run_dir}", "--max_iters=4", "--eval_interval=4"], check=False)
+    assert proc.returncode == 2 and "already holds a run" in proc.stderr, proc.stderr
+    assert "--init_from=resume" in proc.stderr and "--replace_run=True" in proc.stderr
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before  # nothing touched
+    proc = train_subprocess([*TINY, f"--out_dir={run_dir}", "--max_iters=4", "--eval_interval=4",
+                             "--replace_run=True", "--seed=7"])
+    moved = [p for p in tmp_path.iterdir() if p.name.startswith("run.replaced-")]
+    assert len(moved) == 1 and (moved[0] / "ckpt_best.pt").read_bytes() == before["ckpt_best.pt"]
+    assert (moved[0] / "eval").is_dir() and not (run_dir / "eval").exists()  # the old run moved whole
+    assert max(read_metrics(run_dir)) == 4
+
+
+def test_sample_and_eval_say_which_checkpoint_they_loaded(byte_run):
+    proc = run(["sample.py"], f"--out_dir={byte_run}", "--max_new_tokens=4", "--num_samples=1")
+    assert proc.returncode == 0 and f"loaded {byte_run / 'ckpt_best.pt'} (step " in proc.stderr
+    assert "val loss" in proc.stderr and "loaded" not in proc.stdout  # stdout: the samples alone
+
+
+def test_a_moved_run_folder_resumes_where_its_config_lies(byte_run, tmp_path):
+    moved = tmp_path / "elsewhere" / "moved_run"
+    moved.parent.mkdir()
+    shutil.copytree(byte_run, moved)
+    proc = train_subprocess([str(moved / "config.json"), "--init_from=resume", "--max_iters=12"])
+    assert max(read_metrics(moved)) == 12 and max(read_metrics(byte_run)) == 8  # the original is untouched
+    assert "resumed from " + str(moved / "ckpt_last.pt") in proc.stdout
+
+
+def test_resume_tolerates_a_torn_last_log_line_and_logs_each_validation_once(byte_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(byte_run, run_dir)
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 9, "train_lo')  # a kill in the middle of a write
+    proc = train_subprocess([*TINY, f"--out_dir={run_dir}", "--max_iters=12", "--eval_interval=4",
+                             "--init_from=resume"])
+    assert "dropped the torn last line" in proc.stdout
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    validations = [r["step"] for r in records if "val_loss" in r]
+    assert validations == [0, 4, 8, 12]  # step 8 evaluated again on resume, logged once
+    assert [r["step"] for r in records if "train_loss" in r] == list(range(1, 13))
+
+
+def test_max_iters_zero_claims_no_checkpoint(tmp_path):
+    proc = train_subprocess([*TINY, f"--out_dir={tmp_path / 'run'}", "--max_iters=0"])
+    assert "no checkpoint written" in proc.stdout and "checkpoints in" not in proc.stdout
+    assert not list((tmp_path / "run").glob("ckpt_*"))
+
+
+# ---- faults: one line, a non-zero exit, nothing lost ------------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["file", "under_file", "read_only"])
+def test_an_out_dir_that_cannot_be_written_is_one_line_before_the_run_starts(tmp_path, where, byte_run):
+    (tmp_path / "a_file").write_text("x")
+    out = {"file": tmp_path / "a_file", "under_file": tmp_path / "a_file" / "run", "read_only": "/proc/run"}[where]
+    for command in (["train.py", *TINY, "--max_iters=2"], ["-m", "eval", "--progress=False"]):
+        if command[0] == "-m":  # eval writes into the run folder: a readable run whose folder cannot be written
+            if where != "read_only":
+                continue
+            out = "/proc/self"
+        proc = run(command, f"--out_dir={out}")
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.stderr.strip().count("\n") == 0 and ("is a file" in proc.stderr or "cannot be written" in proc.stderr)
+    assert (tmp_path / "a_file").read_text() == "x"
+
+
+def test_a_full_disk_during_a_checkpoint_is_one_line_naming_what_is_intact(tmp_path, monkeypatch, capsys):
+    import errno
+
+    import train
+
+    real, calls = train.save_checkpoint, []
+
+    def save_then_fill_the_disk(obj, path):
+        calls.append(path.name)
+        if len(calls) > 2:  # ckpt_best.pt and ckpt_last.pt at step 4 are written, then the disk is full
+            try:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            except OSError as e:
+                raise RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed") from e
+        real(obj, path)
+
+    monkeypatch.setattr(train, "save_checkpoint", save_then_fill_the_disk)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_:
+        train.main([*TINY, f"--out_dir={out}", "--max_iters=8", "--eval_interval=4", "--device=cpu"])
+    assert exit_.value.code == 1
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("error: could not write ckpt_") and "is full" in error
+    assert "ckpt_best.pt (step 4)" in error and "ckpt_last.pt (step 4)" in error and "intact" in error
+    assert f"python train.py {out / 'config.json'} --init_from=resume" in error
+    from checkpoint import load_checkpoint
+
+    assert load_checkpoint(out / "ckpt_last.pt")["step"] == 4  # the previous checkpoint, whole
+
+
+# ---- smaller ones ----------------------------------------------------------------------------------------------
+
+def test_recurrent_mixers_inside_a_pretrained_model_are_refused_with_the_reason(tmp_path):
+    folder, data_dir = load_script("gpu_check").build_tiny_hf_model(tmp_path / "hf")
+    for pattern in ("mlstm", "gated_deltanet", "linear", "swax"):
+        proc = run(["-m", "eval"], f"--hf={folder}", f"--data_dir={data_dir}", f"--attn_pattern={pattern}",
+                   f"--out_dir={tmp_path / pattern}", "--limit=1", "--progress=False")
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+        assert "parameters or state of its own" in proc.stderr
+    proc = train_subprocess(["configs/quickstart.py", f"--init_from=hf:{folder}", f"--data_dir={data_dir}",
+                             "--attn_pattern=swax", f"--out_dir={tmp_path / 'run'}", "--max_iters=1"], check=False)
+    assert proc.returncode == 2 and "mlstm layers, which have no counterpart" in proc.stderr, proc.stderr
+    assert "n_kv_head" not in proc.stderr
+
+
+@pytest.mark.parametrize("command", [["train.py", "configs/quickstart.py", "--max_iters=1"], ["sample.py"],
+                                     ["-m", "eval"]])
+def test_a_device_this_machine_lacks_is_one_line(command, tmp_path):
+    proc = run(command, "--device=mps", f"--out_dir={tmp_path / 'run'}")
+    assert proc.returncode == 2 and "mps" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_an_unknown_tokenizer_fails_at_once_offline(tmp_path):
+    import time
+
+    started = time.time()
+    proc = run(["data/prepare.py"], "--dataset=README.md", "--tokenizer=nobody/no-such-tokenizer",
+               f"--out_dir={tmp_path / 'data'}", timeout=120)
+    assert proc.returncode != 0 and "no-such-tokenizer" in proc.stderr and "Traceback" not in proc.stderr
+    assert time.time() - started < 15  # not the hub client's retries (about 20 s)
+
+
+def test_prepare_says_where_a_single_documents_validation_comes_from(tmp_path):
+    (tmp_path / "book.txt").write_text("Once upon a time. " * 500)
+    proc = run(["data/prepare.py"], f"--dataset={tmp_path / 'book.txt'}", f"--out_dir={tmp_path / 'data'}")
+    assert proc.returncode == 0 and "in 0 documents" not in proc.stdout and "from the end of the document" in proc.stdout
+
+
+def test_a_prompt_beyond_the_training_length_is_said(byte_run):
+    proc = run(["sample.py"], f"--out_dir={byte_run}", "--start=" + "a" * 40, "--max_new_tokens=4", "--num_samples=1")
+    assert proc.returncode == 0 and "beyond block_size=32" in proc.stderr
+
+
+def test_compare_says_repeated_seeds_and_marks_the_training_length(byte_run, tmp_path):
+    compare = load_script("compare")
+    runs = [tmp_path / name for name in ("a", "b")]
+    for run_dir in runs:
+        shutil.copytree(byte_run, run_dir)
+        assert run(["-m", "eval"], f"--out_dir={run_dir}", "--ppl_lengths=16,32,64", "--limit=2",
+                   "--progress=False").returncode == 0
+    proc = run(["scripts/compare.py", *map(str, runs), "--plot", "--out", str(tmp_path / "cmp")])
+    assert proc.returncode == 0, proc.stderr
+    assert "2 runs, 1 seed (1337: repeated, not independent)" in proc.stdout and "2 seeds (1337, 1337)" not in proc.stdout
+    records = [compare.load_local_run(r) for r in runs]
+    labels, save = {}, compare._save
+
+    def remember_lines(fig, axes, path):  # the figures are closed once saved: read their lines first
+        labels[path.name] = [line.get_label() for ax in axes for line in ax.get_lines()]
+        return save(fig, axes, path)
+
+    compare._save = remember_lines
+    (tmp_path / "plots").mkdir()
+    compare.plot_all(records, tmp_path / "plots")
+    assert "training length (32)" in labels["ppl_vs_length.png"]

@@ -1,0 +1,128 @@
+"""A run folder belongs to one run: the lock a training run holds on it, the refusal to start a fresh run over
+an old one (or to replace it unasked), and the checks that it can be written at all.
+
+    folder = claim(out_dir, fresh=True, replace=False)   # before the run writes anything; held until exit
+
+The lock is an advisory file lock (fcntl.flock) on OUT_DIR/.lock, held for the whole run: the operating system
+releases it when the process ends however it ends, so a killed run never leaves a stale lock, and a second
+writer is refused with the holder's PID and command (which the lock file records).
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import fcntl
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+LOCK_NAME = ".lock"
+# what makes a folder hold a run: a checkpoint (file or sharded folder), its log, its config, its evaluations
+RUN_FILES = ("ckpt_best.pt", "ckpt_last.pt", "ckpt_best", "ckpt_last", "metrics.jsonl", "config.json", "eval")
+
+
+class RunFolderError(Exception):
+    """The run folder cannot be used: the message names the problem and the fix."""
+
+
+def writable_folder_problem(path: Path) -> str:
+    """Why path cannot be (made and) written as a folder ("" when it can): a file in its place or above it, or
+    a folder this process may not write."""
+    path = Path(os.path.abspath(path))
+    if path.exists() and not path.is_dir():
+        return f"{path} is a file, not a folder: give --out_dir a folder's path"
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{path} lies under {existing}, which is a file: give --out_dir a folder's path"
+    try:  # a real write: permissions, read-only mounts and full quotas all show here
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        return f"{existing} cannot be written ({e.strerror}): give --out_dir a folder you can write"
+    return ""
+
+
+def holds_run(path: Path) -> list[str]:
+    """The files of a run already in path."""
+    return [name for name in RUN_FILES if (path / name).exists()]
+
+
+def _holder(lock_path: Path) -> str:
+    try:
+        info = json.loads(lock_path.read_text())
+        return f"PID {info['pid']}, since {info['started']}: {info['command']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process"
+
+
+class RunFolder:
+    """A claimed run folder: its lock is held until release() or the process's end."""
+
+    def __init__(self, path: Path, lock_file, created: bool):
+        self.path, self._lock_file, self.created = path, lock_file, created
+
+    def release(self) -> None:
+        if self._lock_file is not None:
+            self._lock_file.close()  # closing the descriptor drops the flock
+            self._lock_file = None
+
+    def _remove_if_unused(self) -> None:
+        """At exit: a folder this run created and never wrote into (it failed first) is removed again."""
+        self.release()
+        if self.created and self.path.is_dir() and [p.name for p in self.path.iterdir()] in ([], [LOCK_NAME]):
+            shutil.rmtree(self.path, ignore_errors=True)
+
+
+def claim(out_dir, fresh: bool, replace: bool = False, command: str | None = None) -> RunFolder:
+    """Make out_dir this process's run folder: writable, locked against a second writer, and, for a fresh run
+    (not a resume), free of another run's files. replace: move an old run whole to OUT_DIR.replaced-TIME first
+    (nothing is deleted)."""
+    path = Path(out_dir)
+    problem = writable_folder_problem(path)
+    if problem:
+        raise RunFolderError(problem)
+    created = not path.exists()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        lock_path = path / LOCK_NAME
+        lock_file = open(lock_path, "a+")
+    except OSError as e:
+        raise RunFolderError(f"cannot write in {path}: {e.strerror}: give --out_dir a folder you can write") from None
+    try:
+        fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        lock_file.close()
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise RunFolderError(f"cannot lock {lock_path}: {e.strerror}") from None
+        raise RunFolderError(f"{path} is in use by another training run ({_holder(lock_path)}): wait for it to "
+                             "finish, stop it, or give this run another --out_dir") from None
+    folder = RunFolder(path, lock_file, created)
+    atexit.register(folder._remove_if_unused)
+    old = holds_run(path)
+    if fresh and old:
+        if not replace:
+            folder.release()
+            raise RunFolderError(
+                f"{path} already holds a run ({', '.join(old)}): a fresh run there would mix two models (its old "
+                f"checkpoints and evaluations beside the new ones). Continue it with --init_from=resume, give this "
+                f"run another --out_dir, or start over with --replace_run=True (the old run is moved whole to "
+                f"{path.name}.replaced-TIME beside it)")
+        moved = path.with_name(f"{path.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+        moved.mkdir()
+        for entry in path.iterdir():
+            if entry.name != LOCK_NAME:
+                os.replace(entry, moved / entry.name)
+        print(f"the old run in {path} was moved to {moved}", file=sys.stderr)
+    lock_file.seek(0)
+    lock_file.truncate()
+    lock_file.write(json.dumps({"pid": os.getpid(), "command": command or " ".join(sys.argv),
+                                "started": time.strftime("%Y-%m-%d %H:%M:%S")}))
+    lock_file.flush()
+    return folder
