@@ -133,7 +133,7 @@ REDUCED = {
                    "eval_iters": 2, "log_interval": 1},
     "resume": {"max_iters": 24, "checkpoint_at": 4},  # long enough to be killed before it ends
     "memory": {"config": "configs/swax/swax_1p4b_stochastic.py", "block_size": 256, "n_layer": 2, "n_embd": 128,
-               "n_head": 4, "mlstm_n_head": 2, "vocab_size": 512},
+               "n_head": 4, "mlstm_n_head": 2, "vocab_size": 512, "swa_window": 64, "swax_short_window": 32},
     "generate": ["--contexts=128,512", "--n_layer=2", "--n_embd=64", "--n_head=4", "--window=32", "--vocab_size=256",
                  "--new_tokens=8", "--repeats=1"],
 }

@@ -244,6 +244,9 @@ class WideTokenizer:
     def encode(self, text):
         return [60_000 + b for b in text.encode("utf-8")]
 
+    def identity(self):
+        return {"tokenizer": self.name, "vocab_size": self.vocab_size, "eot_id": self.eot_id}
+
 
 
 def test_dtype_follows_vocab_size(tmp_path, monkeypatch):

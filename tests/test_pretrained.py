@@ -59,7 +59,7 @@ def test_attention_weights_load_into_sparse_patterns_and_new_parameters_are_list
     assert fresh == []
     _, fresh = load(gpt2_dir, attn_pattern="sa_swa", swa_window=8)  # its two path gates are not in GPT-2
     assert fresh and all(".mixer." in name for name in fresh)
-    with pytest.raises(PretrainedError, match="has no"):
+    with pytest.raises(PretrainedError, match="has mlstm layers, which have no counterpart"):
         load(gpt2_dir, attn_pattern="mlstm")
     with pytest.raises(PretrainedError, match="block_size=128 is longer"):
         load(gpt2_dir, block_size=128)
@@ -121,12 +121,13 @@ def test_what_the_llama_arch_cannot_express_is_refused(tmp_path):
     with pytest.raises(PretrainedError, match="cannot read the checkpoint"):
         load_hf_model(str(tmp_path / "missing"))
     hf = load_hf_model(str(save_llama_like("qwen3", tmp_path / "qwen3")))
-    m = ModelConfig(block_size=64, attn_pattern="gated_deltanet")
-    pretrained_model_config(hf.config, m)
+    # a recurrent pattern is refused before the checkpoint's shapes are set (they are not the user's settings)
+    with pytest.raises(PretrainedError, match="gated_deltanet layers, which have no counterpart"):
+        pretrained_model_config(hf.config, ModelConfig(block_size=64, attn_pattern="gated_deltanet"))
     from attention import validate_config
 
-    with pytest.raises(ValueError, match="only attention mixers take these"):
-        validate_config(m)
+    with pytest.raises(ValueError, match="only attention mixers take these"):  # shapes set by hand
+        validate_config(ModelConfig(block_size=64, attn_pattern="gated_deltanet", n_kv_head=2, n_head=4))
 
 
 def test_training_continues_from_a_qwen3_checkpoint_with_its_own_tokenizer(tmp_path):
@@ -187,7 +188,7 @@ def test_training_starts_from_the_pretrained_weights(gpt2_dir, tmp_path):
 
 def test_bad_pretrained_settings_exit_with_status_2(gpt2_dir, tmp_path):
     env_offline = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    for extra, message in ((["--attn_pattern=mlstm"], "has no"), (["--block_size=128"], "is longer"),
+    for extra, message in ((["--attn_pattern=mlstm"], "no counterpart"), (["--block_size=128"], "is longer"),
                            ([], None)):
         init = f"--init_from=hf:{gpt2_dir}" if message else "--init_from=gpt2"  # gpt2: no network here
         proc = subprocess.run([sys.executable, "train.py", "configs/quickstart.py", init, "--block_size=32", *extra,
