@@ -6,12 +6,17 @@ that single predicate, never written again:
 
     dense_mask(positions)      the reference mask of the dense backend and of cached decoding
     mask_mod()                 FlexAttention's mask_mod(b, h, q_idx, kv_idx) for block masks
-    the chunked kernel's tiles attention/kernels.py evaluates allowed() on (query chunk, key band) grids
+    the block-sparse tiles     attention/kernels.py evaluates allowed() on each query block's candidate key
+                               blocks (the chunked kernel's tiles, FlexAttention's block masks)
     count_edges(n)             score accounting (scripts/mask_stats.py)
 
-Besides the predicate a rule states `lookback`, the largest q - k it allows (None when unbounded), and
-`lookahead`, the largest k - q (0 for causal rules). They only size things (the chunked kernel's key band,
-the rolling KV cache) and tests check them against the predicate.
+Besides the predicate a rule states `lookback`, the largest q - k it allows (None when unbounded),
+`lookahead`, the largest k - q (0 for causal rules), and `key_ranges(q_lo, q_hi)`, the key positions where
+the queries of a block may have edges (by default the band the lookback and lookahead give, or every earlier
+key when the lookback is unbounded; a rule with a few far keys, such as global tokens, names them). They only
+size things (which key blocks the kernels look at, the rolling KV cache) and tests check them against the
+predicate; the kernels then keep only the key blocks that hold an allowed edge, so a rule costs what its edges
+cost.
 Rules are frozen dataclasses, so they are hashable: block masks and edge counts are cached per rule. Rules
 drawn afresh at every forward (stochastic attention's permutations) are `static = False`: kernels build
 their masks per call instead of caching them.
@@ -36,10 +41,14 @@ class EdgeRule:
     def allowed(self, q: torch.Tensor, k: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
-    def chunk_lookback(self, chunk: int, offset: int) -> int | None:
-        """Keys before a query chunk's first position that any query of the chunk may need, for chunks of
-        `chunk` positions starting at multiples of `chunk` plus `offset`. The default is the rule's lookback."""
-        return self.lookback
+    def key_ranges(self, q_lo: int, q_hi: int) -> list[tuple[int, int]]:
+        """Key positions [lo, hi) (several ranges, possibly overlapping or reaching outside the sequence) that
+        hold every allowed edge of the queries at positions q_lo .. q_hi - 1. The kernels look for edges only
+        there: the band of lookback and lookahead by default, every earlier key when the lookback is unbounded
+        (correct for any rule, and then its plan costs O(n^2) time once per length: a rule with a few far keys
+        says which)."""
+        lo = 0 if self.lookback is None else q_lo - self.lookback
+        return [(lo, q_hi + self.lookahead)]
 
     def head_groups(self):
         """For per-head rules made of plain rules: [(head indices, rule)] so kernels can run each group at its
@@ -59,9 +68,11 @@ class EdgeRule:
 
     def chunk_size(self) -> int:
         """The query chunk of the chunked kernel: small enough to waste little on masked-out tile entries,
-        large enough for efficient matmuls (128 measured best for w=256 on CPU, see docs/benchmarks.md)."""
+        large enough for efficient matmuls (128 measured best for w=256 on CPU, see docs/benchmarks.md). A rule
+        with far keys (unbounded lookback: global tokens, sinks) spends a whole key chunk on each far block, so
+        it takes chunks of 64 (a window of 256 plus 4 global keys: 1.2x faster than with 128)."""
         if self.lookback is None:
-            return 128
+            return 64
         return max(16, min(128, _pow2_floor(max(1, (self.lookback + 1) // 2))))
 
     # ---- derived from allowed() -------------------------------------------------------------------------
@@ -86,14 +97,16 @@ class EdgeRule:
 
 @functools.lru_cache(maxsize=256)
 def _count_edges(rule: EdgeRule, n: int, head: int) -> int:
-    total, rows = 0, max(1, (1 << 22) // max(1, n if rule.lookback is None else rule.lookback + 1))
+    """Rows in blocks, each against the keys its key_ranges name (each key once): O(edges) for rules that
+    name their keys, never an n x n tensor."""
+    total, rows = 0, 256
     h = torch.tensor(head) if rule.per_head else None
     for start in range(0, n, rows):
         q = torch.arange(start, min(n, start + rows))
-        if rule.lookback is None:
-            k = torch.arange(n)
-        else:  # only the band [q - lookback, q + lookahead] can hold edges
-            k = torch.arange(max(0, start - rule.lookback), min(n, start + rows + rule.lookahead))
+        keys = torch.zeros(n, dtype=torch.bool)
+        for lo, hi in rule.key_ranges(start, start + len(q)):
+            keys[max(0, lo):max(0, min(n, hi))] = True
+        k = torch.nonzero(keys).flatten()
         total += int(rule.allowed(q[:, None], k[None, :], h).sum())
     return total
 
@@ -185,11 +198,8 @@ class FixedBlock(EdgeRule):
     def allowed(self, q, k, h=None):
         return (k <= q) & (q // self.block == k // self.block)
 
-    def chunk_lookback(self, chunk, offset):
-        # chunks aligned with the blocks and dividing them only look back to their block's start
-        if offset % self.block == 0 and self.block % chunk == 0:
-            return self.block - chunk
-        return self.lookback
+    def key_ranges(self, q_lo, q_hi):
+        return [(q_lo // self.block * self.block, q_hi)]  # from the first query's block start
 
     def chunk_size(self):
         if self.block <= 256:
@@ -222,6 +232,24 @@ class AnyOf(EdgeRule):
         for rule in self.rules[1:]:
             allowed = allowed | rule.allowed(q, k, h)
         return allowed
+
+    def key_ranges(self, q_lo, q_hi):
+        return [r for rule in self.rules for r in rule.key_ranges(q_lo, q_hi)]
+
+
+@dataclass(frozen=True)
+class GlobalKeys(EdgeRule):
+    """The first `count` positions, seen by every later query (attention sinks, global tokens); combine it with
+    a window through AnyOf. Unbounded lookback, but its key_ranges name the few keys, so the kernels cost the
+    window plus `count` keys per query."""
+
+    count: int = 4
+
+    def allowed(self, q, k, h=None):
+        return (k <= q) & (k < self.count)
+
+    def key_ranges(self, q_lo, q_hi):
+        return [(0, min(self.count, q_hi))]
 
 
 # ---- boundary bridges (paper 004): causal windows across the boundaries of fixed blocks ------------------

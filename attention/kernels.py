@@ -1,17 +1,21 @@
 """Attention kernels over an edge rule (attention/edges.py).
 
     dense    reference: explicit (B, H, Tq, Tk) scores in float32 or better, any device, O(n^2)
-    chunked  O(n * lookback) time and memory with autograd on any device (the CPU training path): queries in
-             chunks of c, each attending to a key band of its own chunk plus the ceil(lookback / c) chunks
-             before it (and ceil(lookahead / c) after it). Plain softmax on CPU runs groups of tiles through
+    chunked  block-sparse, O(edges) time and memory with autograd on any device (the CPU training path): queries
+             in chunks of c, each attending to the key chunks that hold its allowed edges (block_structure,
+             from the rule's key_ranges: a sliding window's band, plus the first chunk for global keys, any set
+             for other rules). Plain softmax on CPU runs groups of tiles through
              PyTorch's fused CPU flash kernel, forward and backward (ChunkedFlashCPU), sigmoid attention runs
              ChunkedSigmoid on any device (both take a ScoreBias); elsewhere all tiles go through one batched
              SDPA call, or explicit math for other score_mods
     windows  chosen by the other backends for rules made of disjoint windows (EdgeRule.window_tiles: paper
              004's bridge path): one batched SDPA call over one tile per window, its rows by its keys
-    flex     FlexAttention with a block mask built once per (rule, length) and shared by all layers;
-             compiled on CUDA; forward-only on CPU (torch 2.13 has no CPU backward for it)
+    flex     FlexAttention with a block mask built once per (rule, length) from the same block structure and
+             shared by all layers; compiled on CUDA; forward-only on CPU (torch 2.13 has no CPU backward for it)
     sdpa     PyTorch's fused SDPA: is_causal for the causal rule, else a dense boolean mask (O(n^2) memory)
+
+auto picks sdpa for plain causal attention only; every other static rule runs block-sparse (flex on CUDA,
+chunked elsewhere), whatever its lookback.
 
 Every kernel takes the same optional `score_mod(score, b, h, q_idx, kv_idx)` (FlexAttention's signature, over
 absolute positions, so one definition serves all backends) and `activation` ("softmax" or "sigmoid": no
@@ -58,8 +62,10 @@ FLEX_MIN_HEAD_DIM = 16  # torch 2.13's CUDA FlexAttention lowering needs head_di
 def resolve_backend(name: str, rule: EdgeRule, device: torch.device, head_dim: int = 64) -> str:
     if name != "auto":
         return name
-    if rule.lookback is None:
+    if type(rule) is Causal:  # plain causal attention: the fused kernels' own causal path
         return "sdpa"
+    # every other rule runs block-sparse at the cost of its edges: compiled FlexAttention on CUDA, the chunked
+    # kernel elsewhere (and on CUDA below FlexAttention's smallest head dimension)
     flex_ok = torch.device(device).type == "cuda" and head_dim >= FLEX_MIN_HEAD_DIM
     return "flex" if flex_ok else "chunked"
 
@@ -95,15 +101,23 @@ class AttentionPlan:
 
 @dataclass(eq=False)
 class ChunkTiles:
-    """The chunked kernel's tiles over n positions: chunks of `chunk` queries, each over its band of `prev`
-    earlier and `ahead` later chunks; `mask` (nc, c, K) or per head (H, nc, c, K); `keep` is None when every
+    """The block-sparse kernel's tiles over n positions: chunks of `chunk` queries, each over the key chunks
+    key_chunks[i] (S of them, -1 for an unused slot) that hold an allowed edge of some query of the chunk, laid
+    out slot by slot: a band of neighbouring chunks for a sliding window, plus the first chunk for global keys,
+    any set for other rules. `mask` (nc, c, S c) or per head (H, nc, c, S c) are the allowed pairs of every
+    tile; `band`: the number of earlier chunks when every chunk's slots are its own band (i - band ..), so
+    that relative position biases have the same tile everywhere (None otherwise); `keep` is None when every
     query has an allowed key, else a 0/1 factor (n, 1) or (H, n, 1) that zeroes the rows without one."""
 
     mask: torch.Tensor
     chunk: int
-    prev: int
-    ahead: int
+    key_chunks: torch.Tensor
+    band: int | None
     keep: torch.Tensor | None
+
+    @property
+    def slots(self) -> int:
+        return self.key_chunks.shape[1]
 
 
 def plan_attention(rule: EdgeRule, backend: str, n: int, n_head: int, head_dim: int, device, start: int = 0,
@@ -319,19 +333,33 @@ def _window_plan(rule: EdgeRule, n: int, device: str):
 
 
 class KeyTiles(torch.autograd.Function):
-    """Key (or value) bands of a _TileGroup's chunks, with a backward that adds each tile slot's gradient
-    back in place (autograd through slices would zero-fill a full-size buffer per slice)."""
+    """Key (or value) tiles of a _TileGroup's chunks, with a backward that adds each tile slot's gradient back
+    onto its chunk in place (autograd through the gather would allocate a full-size buffer per slot)."""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group, ctx.shape = group, x.shape
-        return group.key_tiles(x)
+        return group.key_tiles(as_chunks(x, group.n_chunks, group.c))
 
     @staticmethod
     def backward(ctx, grad_tiles):
-        grad = grad_tiles.new_zeros(ctx.shape)
+        B, H, n, D = ctx.shape
+        grad = grad_tiles.new_zeros(B * H, ctx.group.n_chunks + 1, ctx.group.c, D)
         ctx.group.accumulate_keys(grad, grad_tiles)
-        return grad, None
+        return from_chunks(grad, B, n), None
+
+
+def as_chunks(x, n_chunks: int, c: int):
+    """(B, H, n, D) -> (B * H, n_chunks + 1, c, D): the sequence in chunks of c, zero-padded, plus one zero chunk
+    that unused tile slots point at."""
+    B, H, n, D = x.shape
+    return F.pad(x, (0, 0, 0, (n_chunks + 1) * c - n)).reshape(B * H, n_chunks + 1, c, D)
+
+
+def from_chunks(chunks, B: int, n: int):
+    """as_chunks' inverse for gradients accumulated per chunk: (B * H, n_chunks + 1, c, D) -> (B, H, n, D)."""
+    BH, _, c, D = chunks.shape
+    return chunks[:, :-1].reshape(B, BH // B, -1, D)[:, :, :n]
 
 
 def _per_batch_head(mask, B):
@@ -339,34 +367,98 @@ def _per_batch_head(mask, B):
     return mask.expand(B, *mask.shape).flatten(0, 1) if mask.dim() == 4 else mask[None]
 
 
-def _tile_mask(rule: EdgeRule, n: int, start: int, c: int, prev: int, ahead: int, n_chunks: int, n_head: int,
-               device) -> torch.Tensor:
-    """Allowed (query, key) pairs of every tile: (nc, c, K), or (H, nc, c, K) for per-head rules."""
-    tile_start = start + c * torch.arange(n_chunks, device=device)[:, None]
-    q_pos = tile_start + torch.arange(c, device=device)  # (nc, c)
-    k_pos = tile_start - prev * c + torch.arange((prev + 1 + ahead) * c, device=device)  # (nc, K)
+def candidate_key_blocks(rule: EdgeRule, n: int, size: int, start: int = 0) -> list[list[int]]:
+    """For each query block of `size` positions (from position start), the key blocks inside the sequence where
+    rule.key_ranges says its queries may have edges."""
+    candidates = []
+    for i in range(-(-n // size)):
+        q_lo, q_hi = start + i * size, start + min(n, (i + 1) * size)
+        blocks = set()
+        for lo, hi in rule.key_ranges(q_lo, q_hi):
+            lo, hi = max(lo, start) - start, min(hi, start + n) - start
+            if lo < hi:
+                blocks.update(range(lo // size, (hi - 1) // size + 1))
+        candidates.append(sorted(blocks))
+    return candidates
+
+
+def _block_grid(rule: EdgeRule, n: int, start: int, size: int, key_blocks: torch.Tensor, n_head: int, device,
+                valid: int | None = None, first: int = 0) -> torch.Tensor:
+    """allowed() on every (query block, key block slot) tile: (nb, size, S * size), or per head (H, nb, size,
+    S * size), for the query blocks first, first + 1, ... of `size` positions (from position start) and their
+    slots key_blocks (nb, S), -1 for none. Keys outside the sequence (or at or past `valid`) are never allowed;
+    positions are clamped into it before the rule sees them (rules may index tensors by position)."""
+    nb, S = key_blocks.shape
+    real = n if valid is None else valid
+    q = (first + torch.arange(nb, device=device))[:, None] * size + torch.arange(size, device=device)  # (nb, size)
+    offsets = torch.arange(size, device=device)
+    k = (key_blocks.to(device)[:, :, None] * size + offsets).flatten(1)  # (nb, S size)
+    inside = (key_blocks.to(device) >= 0).repeat_interleave(size, 1) & (k >= 0) & (k < real)
     h = torch.arange(n_head, device=device)[:, None, None, None] if rule.per_head else None
-    inside = (k_pos >= start) & (k_pos < start + n)  # keys padded before or after the sequence never count
-    last = start + n - 1  # clamped positions keep rules that index tensors by position in range
-    mask = rule.allowed(q_pos.clamp(max=last)[:, :, None], k_pos.clamp(start, last)[:, None, :], h)
-    mask = mask & inside[:, None, :]
-    # padded queries past the end attend to every key of their tile: their outputs are dropped, and a full
-    # row keeps the fused kernels free of empty rows
-    return mask | (q_pos > last)[:, :, None]
+    last = real - 1
+    allowed = rule.allowed(q.clamp(max=last)[:, :, None] + start, k.clamp(0, last)[:, None, :] + start, h)
+    return allowed & inside[:, None, :]
+
+
+def block_structure(rule: EdgeRule, n: int, size: int, n_head: int, device, start: int = 0,
+                    valid: int | None = None) -> torch.Tensor:
+    """(nb, S) key blocks per query block of `size` positions that hold at least one allowed edge (in any head),
+    -1 for unused slots: the block-sparse layout of the chunked kernel and of FlexAttention's block masks, O(n S
+    size) memory. Candidates come from rule.key_ranges and are checked a group of query blocks at a time (a
+    rule whose ranges are every earlier key costs O(n^2) time here, once per length, never n x n memory)."""
+    candidates = candidate_key_blocks(rule, n, size, start)
+    widest = max(map(len, candidates), default=1) or 1
+    heads = n_head if rule.per_head else 1
+    per_group = max(1, (1 << 24) // (heads * size * widest * size))
+    kept = []
+    for first in range(0, len(candidates), per_group):
+        group = candidates[first:first + per_group]
+        slots = torch.full((len(group), widest), -1, dtype=torch.long)
+        for i, blocks in enumerate(group):
+            slots[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        grid = _block_grid(rule, n, start, size, slots, n_head, "cpu", valid, first)
+        grid = grid.any(0) if rule.per_head else grid  # (g, size, widest size)
+        rows = torch.arange(first, first + len(group))[:, None] * size + torch.arange(size)
+        grid = grid & (rows < n)[:, :, None]  # padded query rows hold no edge
+        used = grid.reshape(len(group), size, widest, size).any(-1).any(1)  # (g, widest)
+        kept += [slots[i][used[i]].tolist() for i in range(len(group))]
+    width = max(map(len, kept), default=1) or 1
+    out = torch.full((len(kept), width), -1, dtype=torch.long)
+    for i, blocks in enumerate(kept):
+        out[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+    return out.to(device)
+
+
+def _band_of(key_chunks: torch.Tensor) -> int | None:
+    """The number of earlier chunks when every chunk i's slots are the contiguous band i - band, i - band + 1,
+    ... (unused slots only where the band leaves the sequence), else None."""
+    nc, S = key_chunks.shape
+    for band in range(S):
+        expected = torch.arange(nc)[:, None] - band + torch.arange(S)
+        expected = torch.where((expected >= 0) & (expected < nc), expected, -1)
+        if torch.equal(key_chunks.cpu(), expected):
+            return band
+    return None
 
 
 def _chunk_tiles(rule: EdgeRule, n: int, start: int, chunk: int, n_head: int, device) -> ChunkTiles:
-    """The chunked kernel's tiles of a rule over n positions (uncached: rules drawn per forward use it directly)."""
-    lookback = rule.chunk_lookback(chunk, start)
-    if lookback is None:
-        raise ValueError(f"{type(rule).__name__} has no bounded lookback: the chunked kernel would be O(n^2); "
-                         "use attn_backend=sdpa (or flex on CUDA)")
-    prev = -(-lookback // chunk)  # earlier chunks in each tile's key band
-    ahead = -(-rule.lookahead // chunk)  # later chunks (rules over permuted slots only)
-    mask = _tile_mask(rule, n, start, chunk, prev, ahead, -(-n // chunk), n_head, device)
+    """The block-sparse kernel's tiles of a rule over n positions (uncached: rules drawn per forward use it
+    directly). A sliding window's are its band; a rule drawn per forward (sa's permutation) keeps its
+    lookback band without the check for empty blocks (it is planned at every forward)."""
+    if rule.static:
+        key_chunks = block_structure(rule, n, chunk, n_head, "cpu", start)
+    else:
+        nc, back, ahead = -(-n // chunk), -(-rule.lookback // chunk), -(-rule.lookahead // chunk)
+        key_chunks = torch.arange(nc)[:, None] - back + torch.arange(back + 1 + ahead)
+        key_chunks = torch.where((key_chunks >= 0) & (key_chunks < nc), key_chunks, -1)
+    mask = _block_grid(rule, n, start, chunk, key_chunks, n_head, device)
+    # padded queries past the end attend to every key of their tile: their outputs are dropped, and a full row
+    # keeps the fused kernels free of empty rows
+    q_pos = torch.arange(key_chunks.shape[0], device=device)[:, None] * chunk + torch.arange(chunk, device=device)
+    mask = mask | (q_pos >= n)[:, :, None]
     has_key = mask.any(-1).reshape(*mask.shape[:-3], -1)[..., :n, None]  # (n, 1) or (H, n, 1)
     keep = None if bool(has_key.all()) else has_key.to(torch.float32)
-    return ChunkTiles(mask, chunk, prev, ahead, keep)
+    return ChunkTiles(mask, chunk, key_chunks.to(device), _band_of(key_chunks), keep)
 
 
 _cached_chunk_tiles = functools.lru_cache(maxsize=64)(_chunk_tiles)
@@ -374,8 +466,9 @@ _cached_chunk_tiles = functools.lru_cache(maxsize=64)(_chunk_tiles)
 
 def chunked_attention(q, k, v, rule: EdgeRule, start: int = 0, chunk: int = 128, score_mod=None,
                       activation="softmax", dropout_p: float = 0.0, fused: bool = True, tiles: ChunkTiles = None):
-    """O(n * lookback) attention: query chunks of `chunk` positions, each over its band of keys (tiles: the
-    rule's ChunkTiles at this length, from plan_attention; built here when not given).
+    """Block-sparse attention, O(edges): query chunks of `chunk` positions, each over the key chunks that hold
+    its allowed edges (tiles: the rule's ChunkTiles at this length, from plan_attention; built here when not
+    given).
 
     Without dropout and with no score_mod or a ScoreBias, softmax on CPU runs ChunkedFlashCPU (groups of tiles
     through PyTorch's fused CPU flash kernel, forward and backward) and sigmoid runs ChunkedSigmoid on any
@@ -385,7 +478,7 @@ def chunked_attention(q, k, v, rule: EdgeRule, start: int = 0, chunk: int = 128,
     if tiles is None:
         tiles_of = _cached_chunk_tiles if rule.static else _chunk_tiles
         tiles = tiles_of(rule, n, start, chunk or rule.chunk_size(), H, str(q.device))
-    mask, c, prev, ahead = tiles.mask, tiles.chunk, tiles.prev, tiles.ahead
+    mask, c = tiles.mask, tiles.chunk
     n_chunks = mask.shape[-3]
     plain = score_mod is None and activation == "softmax"
     if fused and _fusable(score_mod) and dropout_p == 0.0:
@@ -394,29 +487,27 @@ def chunked_attention(q, k, v, rule: EdgeRule, start: int = 0, chunk: int = 128,
         if activation == "sigmoid":
             return ChunkedSigmoid.apply(q, k, v, tiles, score_mod, start)
 
-    group = _TileGroup(0, n_chunks, n, c, prev, ahead)  # every chunk at once: (B * H, nc, c or K, D) tiles
+    group = _TileGroup(0, n_chunks, n, tiles)  # every chunk at once: (B * H, nc, c or S c, D) tiles
     q_tiles, k_tiles, v_tiles = group.query_tiles(q), KeyTiles.apply(k, group), KeyTiles.apply(v, group)
     if plain:  # one batched fused SDPA over all tiles
         y = _fused_softmax(q_tiles, k_tiles, v_tiles, _per_batch_head(mask, B), dropout_p)
     else:
-        tile_start = start + c * torch.arange(n_chunks, device=q.device)[:, None]
-        q_pos = tile_start + torch.arange(c, device=q.device)
-        k_pos = tile_start - prev * c + torch.arange(k_tiles.shape[2], device=q.device)
+        q_pos, k_pos = group.positions(start, q.device)
         y = masked_attention(*(t.view(B, H, *t.shape[1:]) for t in (q_tiles, k_tiles, v_tiles)), mask, q_pos,
                              k_pos, score_mod, activation, dropout_p, fused=False)
     return y.reshape(B, H, n_chunks * c, D)[:, :, :n]
 
 
 class ChunkedFlashCPU(torch.autograd.Function):
-    """Chunked softmax attention through the fused CPU flash kernel, a fixed number of query positions per
+    """Block-sparse softmax attention through the fused CPU flash kernel, a fixed number of query positions per
     call in forward and backward.
 
     plans: one (first head, end head, ChunkTiles) per group of heads
     (one group for a plain rule; one per window for multi-scale windows), each written straight into the
-    shared output and gradients. Only the inputs, output and gradients are full-size; tiles, masks and padding
-    are built per group of chunks, so large temporaries are neither allocated nor page-faulted at every call,
-    and time stays linear in n (one call over all tiles grew ~2.5x from n=8K to 16K on a 2-core CPU; see
-    docs/benchmarks.md).
+    shared output and gradients. Only the inputs, output and gradients are full-size (and each one's chunked
+    copy, made once per call); tiles, masks and padding are built per group of chunks, so large temporaries
+    are neither allocated nor page-faulted at every call, and time stays linear in the edges (one call over all
+    tiles grew ~2.5x from n=8K to 16K on a 2-core CPU; see docs/benchmarks.md).
     """
 
     @staticmethod
@@ -425,12 +516,14 @@ class ChunkedFlashCPU(torch.autograd.Function):
         out = torch.empty_like(q)
         lses = []
         for h0, h1, tiles in plans:
-            mask, c, prev, ahead = tiles.mask, tiles.chunk, tiles.prev, tiles.ahead
-            q_h, k_h, v_h, out_h = (t[:, h0:h1] for t in (q, k, v, out))
-            lse = q.new_empty(B * (h1 - h0), mask.shape[-3], c, dtype=torch.promote_types(q.dtype, torch.float32))
-            for g in ChunkedFlashCPU._groups(n, mask.shape[-3], c, prev, ahead, B * (h1 - h0)):
+            mask, c = tiles.mask, tiles.chunk
+            nc = mask.shape[-3]
+            q_h, out_h = q[:, h0:h1], out[:, h0:h1]
+            k_chunks, v_chunks = as_chunks(k[:, h0:h1], nc, c), as_chunks(v[:, h0:h1], nc, c)
+            lse = q.new_empty(B * (h1 - h0), nc, c, dtype=torch.promote_types(q.dtype, torch.float32))
+            for g in ChunkedFlashCPU._groups(n, tiles, B * (h1 - h0)):
                 y, lse[:, g.i0:g.i1] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                    g.query_tiles(q_h), g.key_tiles(k_h), g.key_tiles(v_h), 0.0, False,
+                    g.query_tiles(q_h), g.key_tiles(k_chunks), g.key_tiles(v_chunks), 0.0, False,
                     attn_mask=g.bias(mask, q.dtype, B, score_bias, range(h0, h1), start))
                 g.scatter_queries(out_h, y)
             if tiles.keep is not None:  # rows without a key attended everywhere inside the kernel: zero them
@@ -443,35 +536,41 @@ class ChunkedFlashCPU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         q, k, v, out, *lses = ctx.saved_tensors
-        B, _, n, _ = q.shape
-        grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        B, _, n, D = q.shape
+        grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         for (h0, h1, tiles), lse in zip(ctx.plans, lses):
-            mask, c, prev, ahead = tiles.mask, tiles.chunk, tiles.prev, tiles.ahead
-            q_h, k_h, v_h, out_h, grad_y_h = (t[:, h0:h1] for t in (q, k, v, out, grad_y))
+            mask, c = tiles.mask, tiles.chunk
+            nc = mask.shape[-3]
+            q_h, out_h, grad_y_h = (t[:, h0:h1] for t in (q, out, grad_y))
+            k_chunks, v_chunks = as_chunks(k[:, h0:h1], nc, c), as_chunks(v[:, h0:h1], nc, c)
+            grad_k_chunks, grad_v_chunks = torch.zeros_like(k_chunks), torch.zeros_like(v_chunks)
             if tiles.keep is not None:
                 grad_y_h = grad_y_h * tiles.keep.to(grad_y_h.dtype)
-            for g in ChunkedFlashCPU._groups(n, mask.shape[-3], c, prev, ahead, B * (h1 - h0)):
+            for g in ChunkedFlashCPU._groups(n, tiles, B * (h1 - h0)):
                 g_q, g_k, g_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                    g.query_tiles(grad_y_h), g.query_tiles(q_h), g.key_tiles(k_h), g.key_tiles(v_h),
+                    g.query_tiles(grad_y_h), g.query_tiles(q_h), g.key_tiles(k_chunks), g.key_tiles(v_chunks),
                     g.query_tiles(out_h), lse[:, g.i0:g.i1].contiguous(), 0.0, False,
                     attn_mask=g.bias(mask, q.dtype, B, ctx.score_bias, range(h0, h1), ctx.start))
                 g.scatter_queries(grad_q[:, h0:h1], g_q)
-                g.accumulate_keys(grad_k[:, h0:h1], g_k)
-                g.accumulate_keys(grad_v[:, h0:h1], g_v)
+                g.accumulate_keys(grad_k_chunks, g_k)
+                g.accumulate_keys(grad_v_chunks, g_v)
+            grad_k[:, h0:h1] = from_chunks(grad_k_chunks, B, n)
+            grad_v[:, h0:h1] = from_chunks(grad_v_chunks, B, n)
         return grad_q, grad_k, grad_v, None, None, None
 
     @staticmethod
-    def _groups(n, n_chunks, c, prev, ahead, batch_heads):
+    def _groups(n, tiles, batch_heads):
+        n_chunks, c = tiles.mask.shape[-3], tiles.chunk
         per_call = max(1, TILE_ROWS_PER_CALL // (batch_heads * c))  # narrow head groups take more chunks
         for i0 in range(0, n_chunks, per_call):
-            yield _TileGroup(i0, min(n_chunks, i0 + per_call), n, c, prev, ahead)
+            yield _TileGroup(i0, min(n_chunks, i0 + per_call), n, tiles)
 
 
 class ChunkedSigmoid(torch.autograd.Function):
-    """Chunked sigmoid attention y_i = sum_j sigmoid(s_ij) v_j over the rule's edges (s = q.k / sqrt(d) plus an
-    optional ScoreBias), in groups of chunks as ChunkedFlashCPU, on any device.
+    """Block-sparse sigmoid attention y_i = sum_j sigmoid(s_ij) v_j over the rule's edges (s = q.k / sqrt(d)
+    plus an optional ScoreBias), in groups of chunks as ChunkedFlashCPU, on any device.
 
-    Forward keeps each group's probabilities p = sigmoid(s) for backward when gradients are needed (O(n * band)
+    Forward keeps each group's probabilities p = sigmoid(s) for backward when gradients are needed (O(edges)
     memory, as autograd over the tiles; recomputing them cost a sixth more time on CPU). dv = p^T dy,
     ds = (dy v^T) p (1 - p), dq = ds k / sqrt(d), dk = ds^T q / sqrt(d). Scores are in float32 (float64 for
     float64 inputs); disallowed scores are -inf, so their p and ds are exactly zero.
@@ -479,14 +578,16 @@ class ChunkedSigmoid(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, tiles, score_bias=None, start=0):
-        mask, c, prev, ahead = tiles.mask, tiles.chunk, tiles.prev, tiles.ahead
+        mask, c = tiles.mask, tiles.chunk
         B, H, n, D = q.shape
+        nc = mask.shape[-3]
         out = torch.empty_like(q)
         kept, keep = [], any(ctx.needs_input_grad[:3])  # no gradients needed (evaluation): keep nothing
+        k_chunks, v_chunks = as_chunks(k, nc, c), as_chunks(v, nc, c)
         with torch.autocast(q.device.type, enabled=False):  # scores in float32 even inside an autocast region
-            for g in ChunkedFlashCPU._groups(n, mask.shape[-3], c, prev, ahead, B * H):
-                probs = ChunkedSigmoid._probs(g, q, k, mask, score_bias, start)
-                y = probs @ ChunkedSigmoid._tiles(g.key_tiles(v), B, probs.dtype)
+            for g in ChunkedFlashCPU._groups(n, tiles, B * H):
+                probs = ChunkedSigmoid._probs(g, q, k_chunks, mask, score_bias, start)
+                y = probs @ ChunkedSigmoid._tiles(g.key_tiles(v_chunks), B, probs.dtype)
                 g.scatter_queries(out, y.flatten(0, 1).to(q.dtype))
                 if keep:
                     kept.append(probs)
@@ -497,24 +598,28 @@ class ChunkedSigmoid(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         q, k, v, *kept = ctx.saved_tensors
-        mask, c, prev, ahead = ctx.tiles.mask, ctx.tiles.chunk, ctx.tiles.prev, ctx.tiles.ahead
+        tiles = ctx.tiles
+        c, nc = tiles.chunk, tiles.mask.shape[-3]
         B, H, n, D = q.shape
         compute = torch.promote_types(q.dtype, torch.float32)
-        # key and value gradients sum over band slots and groups: accumulated in the compute dtype
+        # key and value gradients sum over tile slots and groups: accumulated in the compute dtype
         grad_q = torch.empty_like(q)
-        grad_k, grad_v = torch.zeros_like(k, dtype=compute), torch.zeros_like(v, dtype=compute)
+        k_chunks, v_chunks = as_chunks(k, nc, c), as_chunks(v, nc, c)
+        grad_k = torch.zeros(k_chunks.shape, dtype=compute, device=k.device)
+        grad_v = torch.zeros(v_chunks.shape, dtype=compute, device=v.device)
         scale = 1 / math.sqrt(D)
-        groups = ChunkedFlashCPU._groups(n, mask.shape[-3], c, prev, ahead, B * H)
+        groups = ChunkedFlashCPU._groups(n, tiles, B * H)
         with torch.autocast(q.device.type, enabled=False):
             for g, probs in zip(groups, kept):
-                tiles = lambda x, group_of: ChunkedSigmoid._tiles(group_of(x), B, compute)
-                dy, q_t = tiles(grad_y, g.query_tiles), tiles(q, g.query_tiles)
-                k_t, v_t = tiles(k, g.key_tiles), tiles(v, g.key_tiles)
+                dy = ChunkedSigmoid._tiles(g.query_tiles(grad_y), B, compute)
+                q_t = ChunkedSigmoid._tiles(g.query_tiles(q), B, compute)
+                k_t = ChunkedSigmoid._tiles(g.key_tiles(k_chunks), B, compute)
+                v_t = ChunkedSigmoid._tiles(g.key_tiles(v_chunks), B, compute)
                 d_scores = torch.ops.aten.sigmoid_backward(dy @ v_t.transpose(-1, -2), probs)  # dp * p * (1 - p)
                 g.scatter_queries(grad_q, (d_scores @ k_t * scale).flatten(0, 1).to(q.dtype))
                 g.accumulate_keys(grad_k, (d_scores.transpose(-1, -2) @ q_t * scale).flatten(0, 1))
                 g.accumulate_keys(grad_v, (probs.transpose(-1, -2) @ dy).flatten(0, 1))
-        return grad_q, grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None
+        return grad_q, from_chunks(grad_k, B, n).to(k.dtype), from_chunks(grad_v, B, n).to(v.dtype), None, None, None
 
     @staticmethod
     def _tiles(tiles, B, dtype):
@@ -522,37 +627,43 @@ class ChunkedSigmoid(torch.autograd.Function):
         return tiles.view(B, -1, *tiles.shape[1:]).to(dtype)
 
     @staticmethod
-    def _probs(g, q, k, mask, score_bias, start):
+    def _probs(g, q, k_chunks, mask, score_bias, start):
         B, H, n, D = q.shape
         compute = torch.promote_types(q.dtype, torch.float32)
         q_t = ChunkedSigmoid._tiles(g.query_tiles(q), B, compute)
-        k_t = ChunkedSigmoid._tiles(g.key_tiles(k), B, compute)
-        scores = (q_t * (1 / math.sqrt(D))) @ k_t.transpose(-1, -2)  # (B, H, chunks, c, K)
+        k_t = ChunkedSigmoid._tiles(g.key_tiles(k_chunks), B, compute)
+        scores = (q_t * (1 / math.sqrt(D))) @ k_t.transpose(-1, -2)  # (B, H, chunks, c, S c)
         if score_bias is not None:
             scores.add_(g.score_bias(score_bias, range(H), start, mask.device))
         return scores.masked_fill_(~mask[..., g.i0:g.i1, :, :], float("-inf")).sigmoid_()
 
 
 class _TileGroup:
-    """Chunks i0..i1 of a chunked attention call: their query rows and key band, padded locally."""
+    """Chunks i0..i1 of a block-sparse attention call: their query rows, padded locally, and the key chunks of
+    their slots (gathered from as_chunks' layout, whose last chunk is zeros for unused slots)."""
 
-    def __init__(self, i0, i1, n, c, prev, ahead):
-        self.i0, self.i1, self.n, self.c, self.prev, self.span = i0, i1, n, c, prev, prev + 1 + ahead
-        self.q_lo, self.q_hi = i0 * c, min(n, i1 * c)
-        first, last = (i0 - prev) * c, (i1 + ahead) * c  # key band in (possibly out-of-range) positions
-        self.k_lo, self.k_hi = max(0, first), min(n, last)
-        self.k_pad = (self.k_lo - first, last - self.k_hi)
+    def __init__(self, i0, i1, n, tiles: ChunkTiles):
+        self.i0, self.i1, self.n, self.c = i0, i1, n, tiles.chunk
+        self.n_chunks, self.slots, self.band = tiles.mask.shape[-3], tiles.slots, tiles.band
+        self.key_chunks = tiles.key_chunks[i0:i1]  # (g, S), -1: unused
+        self.index = torch.where(self.key_chunks >= 0, self.key_chunks, self.n_chunks).flatten()
+        self.q_lo, self.q_hi = i0 * self.c, min(n, i1 * self.c)
 
     def query_tiles(self, x):
         B, H, _, D = x.shape
         part = F.pad(x[:, :, self.q_lo:self.q_hi], (0, 0, 0, (self.i1 - self.i0) * self.c - (self.q_hi - self.q_lo)))
         return part.reshape(B * H, self.i1 - self.i0, self.c, D)
 
-    def key_tiles(self, x):
-        B, H, _, D = x.shape
-        part = F.pad(x[:, :, self.k_lo:self.k_hi], (0, 0, *self.k_pad)).reshape(B * H, -1, self.c, D)
-        g = self.i1 - self.i0
-        return torch.cat([part[:, j:j + g] for j in range(self.span)], dim=2)
+    def key_tiles(self, chunks):
+        """(B * H, n_chunks + 1, c, D) chunks -> (B * H, g, S c, D): every chunk's slots side by side."""
+        BH, _, c, D = chunks.shape
+        return chunks.index_select(1, self.index).view(BH, self.i1 - self.i0, self.slots * c, D)
+
+    def accumulate_keys(self, grad_chunks, tile_grads):
+        """Add the gradients of every tile slot back onto the chunk it was gathered from (unused slots onto the
+        zero chunk, which is dropped)."""
+        BH, _, c, D = grad_chunks.shape
+        grad_chunks.index_add_(1, self.index, tile_grads.reshape(BH, -1, c, D).to(grad_chunks.dtype))
 
     def bias(self, mask, dtype, B, score_bias=None, heads=None, start=0, open_empty_rows=True):
         """Additive mask of the group: -inf outside the rule's edges, plus score_bias (a ScoreBias) of the given
@@ -569,35 +680,28 @@ class _TileGroup:
         return bias if B is None else _per_batch_head(bias, B)
 
     def score_bias(self, score_bias, heads, start, device):
-        """A ScoreBias over the group's tiles for the given heads: (H, chunks, c, K), or (H, 1, c, K) when it
-        depends on q - k only (`relative`), since every tile then has the same offsets."""
+        """A ScoreBias over the group's tiles for the given heads: (H, chunks, c, S c), or (H, 1, c, S c) when it
+        depends on q - k only (`relative`) and every chunk's slots are its band, so every tile has the same
+        offsets."""
         h = torch.arange(heads.start, heads.stop, device=device)[:, None, None, None]  # a range: no host copy
-        if score_bias.relative:
-            q_pos = self.prev * self.c + torch.arange(self.c, device=device)
-            k_pos = torch.arange(self.span * self.c, device=device)
+        if score_bias.relative and self.band is not None:
+            q_pos = self.band * self.c + torch.arange(self.c, device=device)
+            k_pos = torch.arange(self.slots * self.c, device=device)
             return score_bias.bias(h, q_pos[None, :, None], k_pos[None, None, :])
         q_pos, k_pos = self.positions(start, device)
         return score_bias.bias(h, q_pos[:, :, None], k_pos[:, None, :])
 
     def positions(self, start, device):
-        """Absolute positions of the group's query rows (chunks, c) and key bands (chunks, K)."""
+        """Absolute positions of the group's query rows (chunks, c) and tile keys (chunks, S c); unused slots
+        get the positions past the end, which no rule's mask allows here."""
         first = start + self.c * torch.arange(self.i0, self.i1, device=device)[:, None]
-        return first + torch.arange(self.c, device=device), first - self.prev * self.c + torch.arange(
-            self.span * self.c, device=device)
+        chunks = torch.where(self.key_chunks >= 0, self.key_chunks, self.n_chunks).to(device)
+        keys = (chunks[:, :, None] * self.c + torch.arange(self.c, device=device)).flatten(1)
+        return first + torch.arange(self.c, device=device), start + keys
 
     def scatter_queries(self, full, tiles):
         B, H, _, D = full.shape
         full[:, :, self.q_lo:self.q_hi] = tiles.reshape(B, H, -1, D)[:, :, :self.q_hi - self.q_lo]
-
-    def accumulate_keys(self, full, tile_grads):
-        """Add the gradients of every tile slot back onto the key positions they were copied from."""
-        B, H, _, D = full.shape
-        g, c = self.i1 - self.i0, self.c
-        local = tile_grads.new_zeros(B * H, g + self.span - 1, c, D)
-        for j in range(self.span):  # slot j of chunk i holds band chunk i - i0 + j
-            local[:, j:j + g] += tile_grads[:, :, j * c:(j + 1) * c]
-        local = local.reshape(B, H, -1, D)
-        full[:, :, self.k_lo:self.k_hi] += local[:, :, self.k_pad[0]:local.shape[2] - self.k_pad[1]]
 
 
 # ---- FlexAttention ---------------------------------------------------------------------------------------
@@ -654,42 +758,36 @@ def _padded_mask_mod(mask_mod, valid: torch.Tensor):
 
 @functools.lru_cache(maxsize=64)
 def _static_block_mask(rule, n, n_head, device, start, valid=None):
-    """The block mask from the rule's allowed() over each query block's band of keys (all keys for unbounded
-    rules), one group of query blocks at a time: O(n * band) memory, never the n x n mask that eager
-    create_block_mask materialises (~11 bytes per element: 716 MiB at n = 8192)."""
+    """The block mask from the rule's block structure (block_structure: each query block's key blocks that hold
+    an allowed edge, found from rule.key_ranges), each block marked full or partial from allowed() over its
+    tile: O(edges) memory, never the n x n mask that eager create_block_mask materialises (~11 bytes per
+    element: 716 MiB at n = 8192)."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    size, per_head = FLEX_BLOCK, rule.per_head
+    size = FLEX_BLOCK
     n_blocks = -(-n // size)
-    real = n if valid is None else valid
-    back = -(-rule.lookback // size) if rule.lookback is not None else None
-    span = n_blocks if back is None else back + 1 + -(-rule.lookahead // size)  # key blocks per query block
-    heads = n_head if per_head else 1
-    h = torch.arange(heads, device=device)[:, None, None, None] if per_head else None
-    per_group = max(1, (1 << 24) // (heads * size * span * size))
+    key_blocks = block_structure(rule, n, size, n_head or 1, "cpu", start, valid)  # (nb, S), -1: none
+    heads = n_head if rule.per_head else 1
+    per_group = max(1, (1 << 24) // (heads * size * key_blocks.shape[1] * size))
     partial, full = [], []
     for first in range(0, n_blocks, per_group):
-        blocks = torch.arange(first, min(n_blocks, first + per_group), device=device)  # query blocks (G,)
-        key_blocks = _key_blocks(blocks, back, span)  # (G, span)
-        q = blocks[:, None] * size + torch.arange(size, device=device)  # (G, size)
-        k = (key_blocks[:, :, None] * size + torch.arange(size, device=device)).flatten(1)  # (G, span * size)
-        # entries past the length count as not allowed, as in create_block_mask: a block holding any is partial
-        inside = ((k >= 0) & (k < real))[:, None, :] & (q < n)[:, :, None]
-        allowed = rule.allowed(q.clamp(max=real - 1)[:, :, None] + start, k.clamp(0, real - 1)[:, None, :] + start, h)
-        allowed = (allowed & inside).expand(heads, len(blocks), size, span * size).reshape(
-            heads, len(blocks), size, span, size)
-        any_edge, every = allowed.any(-1).any(-2), allowed.all(-1).all(-2)  # (heads, G, span)
-        in_range = (key_blocks >= 0) & (key_blocks < n_blocks)
-        partial.append(any_edge & ~every & in_range)
-        full.append(every & in_range)
+        slots = key_blocks[first:first + per_group]
+        grid = _block_grid(rule, n, start, size, slots, n_head or 1, "cpu", valid, first)
+        rows = (first + torch.arange(len(slots)))[:, None] * size + torch.arange(size)
+        grid = grid & (rows < n)[:, :, None]  # entries past the length count as not allowed, as create_block_mask's
+        grid = grid.expand(heads, *grid.shape[-3:]).reshape(heads, len(slots), size, slots.shape[1], size)
+        present = (slots >= 0)[None]
+        partial.append(grid.any(-1).any(-2) & ~grid.all(-1).all(-2) & present)
+        full.append(grid.all(-1).all(-2) & present)
 
-    def as_kv_blocks(present):  # (heads, n_blocks, span) -> counts (1, heads, n_blocks), indices (1, heads, n_blocks, n_blocks)
-        index = _key_blocks(torch.arange(n_blocks, device=device), back, span).expand_as(present)
+    def as_kv_blocks(present):  # (heads, nb, S) -> counts (1, heads, nb), indices (1, heads, nb, nb)
+        index = key_blocks.expand_as(present)
         order = torch.where(present, index, 3 * n_blocks + index).argsort(dim=-1, stable=True)  # present first
         indices = index.gather(-1, order).clamp(0, n_blocks - 1)
-        pad = indices.new_zeros(*indices.shape[:-1], max(0, n_blocks - span))
+        pad = indices.new_zeros(*indices.shape[:-1], max(0, n_blocks - indices.shape[-1]))
         indices = torch.cat([indices, pad], -1)[..., :n_blocks]
-        return present.sum(-1).to(torch.int32)[None].contiguous(), indices.to(torch.int32)[None].contiguous()
+        to = lambda t: t.to(device=device, dtype=torch.int32)[None].contiguous()  # noqa: E731
+        return to(present.sum(-1)), to(indices)
 
     kv_num, kv_idx = as_kv_blocks(torch.cat(partial, 1))
     full_num, full_idx = as_kv_blocks(torch.cat(full, 1))
@@ -698,13 +796,6 @@ def _static_block_mask(rule, n, n_head, device, start, valid=None):
         mask_mod = _padded_mask_mod(mask_mod, torch.tensor(valid, device=device))
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=size, mask_mod=mask_mod,
                                     seq_lengths=(n, n))
-
-
-def _key_blocks(query_blocks, back: int | None, span: int):
-    """The key blocks considered for each query block (some may lie outside the sequence): the `span` blocks
-    from `back` before it, or every block when the rule is unbounded (back None)."""
-    offsets = torch.arange(span, device=query_blocks.device)
-    return offsets.expand(len(query_blocks), span) if back is None else query_blocks[:, None] - back + offsets
 
 
 @functools.lru_cache(maxsize=64)

@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from attention.bridge import BridgedBlockAttention  # noqa: E402
 from attention.edges import Causal, PermutedWindow, SlidingWindow, stochastic_halo  # noqa: E402
 from attention.gated_deltanet import GatedDeltaNet  # noqa: E402
-from attention.kernels import resolve_backend  # noqa: E402
+from attention.kernels import block_structure, resolve_backend  # noqa: E402
 from attention.layer import Attention, MaskedAttention  # noqa: E402
 from attention.linear import TaylorLinearAttention  # noqa: E402
 from attention.mlstm import MLSTMLayer  # noqa: E402
@@ -211,8 +211,8 @@ def kernel_saved(kernel: str, rule, activation: str, k: Kernels, B: int, H: int,
                             attention (swat) also keeps the float32 output and exp(lse) that rescale it;
                             sdpa under a rule other than causal also keeps its dense (n, n) mask as a bias
         chunked (CPU)       softmax: the output and the log-sum-exp over whole chunks (ChunkedFlashCPU);
-                            sigmoid: the float32 probabilities of every query chunk's key band (ChunkedSigmoid:
-                            per position and head, span = ceil(lookback / c) + 1 chunks of c keys), no output
+                            sigmoid: the float32 probabilities of every query chunk's key tiles (ChunkedSigmoid:
+                            per position and head, the key chunks holding its edges, c keys each), no output
     """
     a, rows = k.act, B * H
     if kernel in ("flex", "sdpa"):
@@ -228,8 +228,8 @@ def kernel_saved(kernel: str, rule, activation: str, k: Kernels, B: int, H: int,
             probs = 0
             for heads, sub_rule in groups:
                 c = sub_rule.chunk_size()
-                span = -(-sub_rule.chunk_lookback(c, 0) // c) + 1 + -(-sub_rule.lookahead // c)
-                probs += F32 * B * len(heads) * padded(n, c) * span * c
+                slots = block_structure(sub_rule, n, c, len(heads), "cpu").shape[1]  # key chunks per query chunk
+                probs += F32 * B * len(heads) * padded(n, c) * slots * c
             return {"sigmoid probabilities (fp32)": probs}
         lse = sum(F32 * B * len(heads) * padded(n, sub_rule.chunk_size()) for heads, sub_rule in groups)
         return {"attention output": a * rows * n * D, "attention lse (fp32)": lse}

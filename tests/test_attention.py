@@ -10,7 +10,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from attention.edges import AnyOf, BoundaryWindows, Causal, EdgeRule, FixedBlock, SlidingWindow, head_values
+from attention.edges import (AnyOf, BoundaryWindows, Causal, EdgeRule, FixedBlock, GlobalKeys, SlidingWindow,
+                             head_values)
 from attention.kernels import FLEX_MIN_HEAD_DIM, attend, chunked_attention, dense_attention, resolve_backend
 from config import ConfigError, ModelConfig, load_config
 from conftest import REPO, generator
@@ -50,7 +51,10 @@ class EveryThirdQuery(EdgeRule):
 BRIDGED = [AnyOf((FixedBlock(16), BoundaryWindows("bridge", 16, 16, 257))),
            AnyOf((FixedBlock(20), BoundaryWindows("pbb", 20, 12, 257))),
            AnyOf((FixedBlock(16), BoundaryWindows("se_bridge", 16, 8, 257)))]
-RULES = [Causal(), SlidingWindow(16), SlidingWindow(33), FixedBlock(16), FixedBlock(20), PerHeadRule(), *BRIDGED]
+# a window plus global keys: unbounded lookback whose key_ranges name its few far keys (sinks, global tokens)
+GLOBAL = [AnyOf((SlidingWindow(16), GlobalKeys(3))), AnyOf((FixedBlock(20), GlobalKeys(1)))]
+RULES = [Causal(), SlidingWindow(16), SlidingWindow(33), FixedBlock(16), FixedBlock(20), PerHeadRule(), *BRIDGED,
+         *GLOBAL]
 LENGTHS = [64, 100, 257]  # multiples of 16 and not
 CUDA_HEAD_DIM = 16  # the GPU checks' head dimension: the smallest CUDA FlexAttention takes
 
@@ -89,17 +93,18 @@ def test_lookback_bounds_every_allowed_edge(rule):
     assert (mask & (distance == 0)).any(-1).all()  # every query sees itself
     if rule.lookback is not None:
         assert int(torch.where(mask, distance, -1).max()) == rule.lookback
-        for chunk in (8, 16, 32):  # the chunked kernel's key band holds every edge of its query chunk
-            for offset in (0, 5):
-                look = rule.chunk_lookback(chunk, offset)
-                absolute = pos + offset
-                band_start = offset + (pos // chunk) * chunk - look  # per query
-                outside = absolute[None, :] < band_start[:, None]
-                assert not (rule.dense_mask(absolute, n_head=4) & outside).any()
+    for chunk in (8, 16, 32):  # the key ranges of a query chunk hold every edge of its queries (the kernels look
+        for offset in (0, 5):  # nowhere else)
+            absolute = pos + offset
+            inside = torch.zeros(300, 300, dtype=torch.bool)
+            for first in range(0, 300, chunk):
+                for lo, hi in rule.key_ranges(offset + first, offset + min(300, first + chunk)):
+                    inside[first:first + chunk, max(0, lo - offset):max(0, hi - offset)] = True
+            assert not (rule.dense_mask(absolute, n_head=4) & ~inside).any()
 
 
 @pytest.mark.parametrize("n", LENGTHS)
-@pytest.mark.parametrize("rule", [r for r in RULES if r.lookback is not None], ids=repr)
+@pytest.mark.parametrize("rule", RULES, ids=repr)  # any static rule, bounded or not: block-sparse
 @pytest.mark.parametrize("chunk", [0, 8])
 def test_chunked_equals_dense_forward_and_backward(rule, n, chunk):
     tensors = qkv(n)
@@ -185,6 +190,25 @@ def test_auto_backend():
     assert resolve_backend("auto", SlidingWindow(8), cpu) == "chunked"
     assert resolve_backend("auto", SlidingWindow(8), cuda) == "flex"
     assert resolve_backend("auto", Causal(), cpu) == resolve_backend("auto", Causal(), cuda) == "sdpa"
+    # only plain causal attention keeps SDPA: every other static rule, unbounded or not, runs block-sparse
+    for rule in GLOBAL + BRIDGED:
+        assert (resolve_backend("auto", rule, cpu), resolve_backend("auto", rule, cuda)) == ("chunked", "flex")
+
+
+def test_block_sparse_layout_keeps_only_key_blocks_with_edges():
+    from attention.kernels import block_structure
+
+    n, c = 1024, 64
+    window = block_structure(SlidingWindow(128), n, c, 1, "cpu")
+    sinks = block_structure(AnyOf((SlidingWindow(128), GlobalKeys(4))), n, c, 1, "cpu")
+    assert window.shape == (16, 3) and sinks.shape == (16, 4)  # the band, plus the first block for the sinks
+    assert sinks[10].tolist() == [0, 8, 9, 10] and window[10].tolist() == [8, 9, 10]
+    # a rule that does not name its far keys gets every earlier block as candidates, and keeps those with edges
+    class Sinks(EdgeRule):
+        def allowed(self, q, k, h=None):
+            return (k <= q) & ((q - k < 128) | (k < 4))
+
+    assert torch.equal(block_structure(Sinks(), n, c, 1, "cpu"), sinks)
 
 
 class LargestTensor(TorchDispatchMode):
@@ -335,8 +359,8 @@ def test_queries_without_keys_get_zero_output_and_gradient(backend):
 # ---- gpu tests (tests/conftest.py): on CUDA where it exists, else on the CPU under the device guard ----------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rule, backend", [(rule, backend) for rule in RULES for backend in ("flex", "chunked")
-                                           if backend == "flex" or rule.lookback is not None], ids=repr)
+@pytest.mark.parametrize("rule, backend", [(rule, backend) for rule in RULES for backend in ("flex", "chunked")],
+                         ids=repr)
 def test_gpu_backends_equal_dense_forward_and_backward(rule, backend, device):
     q, k, v = qkv(300, dim=CUDA_HEAD_DIM, dtype=torch.float32, device=device)
     pos = torch.arange(300, device=device)
@@ -362,8 +386,6 @@ def test_gpu_flex_bfloat16_is_close_to_float32(rule, device):
 def test_grouped_query_kv_heads_equal_repeated_heads(rule, backend):
     # k and v with 2 heads for 4 query heads: SDPA and flex take them as they are (enable_gqa, no copy), the other
     # kernels repeat them; every backend equals attention over explicitly repeated heads, forward and backward
-    if backend == "chunked" and rule.lookback is None:
-        return
     q, _, _ = qkv(70, dtype=torch.float32)
     k, v = (t[:, :2].detach().requires_grad_() for t in qkv(70, seed=1, dtype=torch.float32)[1:])
     backward = backend != "flex"
