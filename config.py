@@ -28,8 +28,10 @@ class ConfigError(ValueError):
     pass
 
 
-@dataclass
 class ModelConfig:
+    """The model: its shape, the attention settings every attention mixer shares, and (added below, from the
+    registry) every setting a variant module declares (attention/*.py: Setting), e.g. swa_window."""
+
     arch: str = "gpt2"  # gpt2 (LayerNorm, GELU, learned positions) | llama (RMSNorm, SwiGLU, RoPE)
     n_layer: int = 12
     n_head: int = 12
@@ -55,37 +57,6 @@ class ModelConfig:
     attn_pattern: str = "full"
     attn_backend: str = "auto"  # auto (flex on CUDA, chunked on CPU, sdpa for full) | dense | chunked | flex | sdpa
     attn_gate: bool = False  # sigmoid(W y) * y before the output projection (paper 000's recipe)
-    swa_window: int = 256  # swa(w): the w most recent positions, the query included
-    block_len: int = 128  # block(b): causal attention within fixed blocks of b positions
-    # bridge, pbb, se_bridge (paper 004): block(b) plus a causal window across every block boundary
-    bridge_width: int = 128  # bridge, pbb: w, the window [p - w/2, p + w/2) around each boundary p
-    bridge_extension: int = 64  # se_bridge: e, each block's sources extended by e positions past its end
-    bridge_fusion: str = "branch"  # branch: block and bridge softmaxes summed (paper's models) | union: one softmax
-    mswa_variation: str = "geometric"  # mswa: group factors 1/4,1/2,1,2 (geometric) or 1/2,3/4,1,5/4 (arithmetic)
-    mswa_layer_order: str = "increasing"  # mswa: windows grow with depth (increasing) or shrink (reverse)
-    # moba (Lu et al. 2025): each query reads the moba_topk key blocks of moba_block positions scoring best
-    # against it, its own block among them (at most moba_block * moba_topk keys: paper 000's effective window)
-    moba_block: int = 128
-    moba_topk: int = 2
-    sa_mode: str = "stochastic"  # sa at inference: a fresh permutation every forward | deterministic (fixed per layer)
-    sa_shared_batch: bool = True  # sa: one permutation for the whole batch (paper 000) or one per sequence
-    sa_seed: int = 0  # sa_mode=deterministic: the fixed permutations come from this seed (training draws from the run's RNG)
-    swat_activation: str = "sigmoid"  # swat: sigmoid (paper 001, no normalisation) | softmax (the ablations' counterpart)
-    swat_rope: bool = True  # swat: RoPE on q, k (with ALiBi: the paper's AliRope); False: ALiBi alone
-    swat_slopes: str = "paper"  # swat ALiBi magnitudes: paper (2^-k, k = 1.. per direction) | alibi (the authors' code: 2^(-8k/H), k = 1.. per direction) | none
-    swat_split: str = ""  # swat "neg:pos" heads with negative (classic ALiBi) and positive slopes; "": half and half
-    swat_bias: str = "0"  # swat constant score bias b: a number, or "-log(w)"
-    linear_feature_dim: int = 16  # linear: q/k feature dimension of Taylor linear attention (paper 002)
-    linear_chunk: int = 64  # linear: chunk length of the chunked training form
-    # recurrent mixers of SWAX (paper 003): attn_pattern "swa,mlstm" (or the alias "swax"), "swa,gated_deltanet"
-    mlstm_n_head: int = 8  # mlstm: heads of the matrix memory, independent of n_head (xLSTM 7B's 8: q/k 256, v 512 at d=4096)
-    mlstm_qk_dim_factor: float = 0.5  # mlstm: q, k width as a fraction of n_embd (v keeps n_embd), xLSTM 7B
-    mlstm_gate_soft_cap: float = 15.0  # mlstm: input/forget gate pre-activations soft-capped to (-cap, cap)
-    mlstm_chunk: int = 64  # mlstm: chunk length of the chunkwise-parallel training form
-    mlstm_kernel: str = "auto"  # mlstm: auto (mlstm_kernels' Triton chunkwise kernel, chunk 64, for CUDA training when installed) | native | triton
-    gdn_chunk: int = 64  # gated_deltanet: chunk length of the chunked (WY) training form
-    gdn_conv_size: int = 4  # gated_deltanet: width of the short causal convolutions on q, k, v
-    gdn_kernel: str = "auto"  # gated_deltanet: auto (fla's chunk kernel for bf16/fp16 on CUDA when installed) | native | fla
 
     @property
     def head_dim(self) -> int:
@@ -106,6 +77,23 @@ class ModelConfig:
         if self.mlp_hidden:
             return self.mlp_hidden
         return 4 * self.n_embd if self.arch == "gpt2" else int(2.67 * self.n_embd)
+
+
+def _with_variant_settings(cls):
+    """ModelConfig as a dataclass whose fields are its own plus every Setting the variants declare (the attention
+    package registers them on import: a module dropped into attention/ adds its settings here)."""
+    import attention  # noqa: F401  (imports every variant module)
+    from attention.registry import SETTINGS
+
+    for setting in SETTINGS.values():
+        if setting.name in cls.__annotations__:
+            raise TypeError(f"setting {setting.name} is a ModelConfig field already: name it otherwise")
+        cls.__annotations__[setting.name] = setting.type
+        setattr(cls, setting.name, setting.default)
+    return dataclass(cls)
+
+
+ModelConfig = _with_variant_settings(ModelConfig)
 
 
 @dataclass

@@ -27,14 +27,21 @@ import torch
 
 from attention.edges import AnyOf, BoundaryWindows, FixedBlock
 from attention.layer import MaskedAttention
-from attention.registry import refuse_whole_context, register
+from attention.local import BLOCK_LEN
+from attention.registry import Setting, refuse_whole_context, register
+
+BRIDGE_WIDTH = Setting("bridge_width", int, 128, "bridge, pbb: w, the window [p - w/2, p + w/2) around each boundary p")
+BRIDGE_EXTENSION = Setting("bridge_extension", int, 64, "se_bridge: e, each block's sources extended by e positions past "
+                           "its end")
+BRIDGE_FUSION = Setting("bridge_fusion", str, "branch", "branch: block and bridge softmaxes summed (paper's models) | "
+                        "union: one softmax")
 
 FUSIONS = ("branch", "union")
 
 
 class BridgedBlockAttention(MaskedAttention):
     kind = ""
-    settings = MaskedAttention.settings + ("block_len", "bridge_width", "bridge_fusion")
+    settings = MaskedAttention.settings + (BLOCK_LEN, BRIDGE_WIDTH, BRIDGE_FUSION)
 
     @classmethod
     def width(cls, config) -> int:
@@ -99,4 +106,4 @@ class PostBoundaryBridge(BridgedBlockAttention):
 @register("se_bridge")
 class SourceExtendedBridge(BridgedBlockAttention):
     kind = "se_bridge"
-    settings = tuple(k for k in BridgedBlockAttention.settings if k != "bridge_width") + ("bridge_extension",)
+    settings = tuple(s for s in BridgedBlockAttention.settings if s is not BRIDGE_WIDTH) + (BRIDGE_EXTENSION,)

@@ -33,7 +33,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attention.registry import RecurrentMixer, chunk_loop_problem, register
+from attention.registry import RecurrentMixer, Setting, chunk_loop_problem, register
+
+GDN_CHUNK = Setting("gdn_chunk", int, 64, "gated_deltanet: chunk length of the chunked (WY) training form")
+GDN_CONV_SIZE = Setting("gdn_conv_size", int, 4, "gated_deltanet: width of the short causal convolutions on q, k, v")
+GDN_KERNEL = Setting("gdn_kernel", str, "auto", "gated_deltanet: auto (fla's chunk kernel for bf16/fp16 on CUDA when "
+                     "installed) | native | fla")
 
 KERNELS = ("auto", "native", "fla")
 
@@ -136,7 +141,7 @@ class GDNState:
 
 @register("gated_deltanet")
 class GatedDeltaNet(RecurrentMixer):
-    settings = ("gdn_chunk", "gdn_conv_size", "gdn_kernel")
+    settings = (GDN_CHUNK, GDN_CONV_SIZE, GDN_KERNEL)
 
     @classmethod
     def check_config(cls, config):

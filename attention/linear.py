@@ -15,7 +15,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attention.registry import RecurrentMixer, register
+from attention.registry import RecurrentMixer, Setting, register
+
+LINEAR_FEATURE_DIM = Setting("linear_feature_dim", int, 16, "linear: q/k feature dimension of Taylor linear attention "
+                             "(paper 002)")
+LINEAR_CHUNK = Setting("linear_chunk", int, 64, "linear: chunk length of the chunked training form")
 from attention.rope import apply_rope
 
 
@@ -86,7 +90,7 @@ def recurrent_linear_attention(q, k, v, state=None):
 
 @register("linear")
 class TaylorLinearAttention(RecurrentMixer):
-    settings = ("linear_feature_dim", "linear_chunk")
+    settings = (LINEAR_FEATURE_DIM, LINEAR_CHUNK)
 
     @classmethod
     def check_config(cls, config):

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from attention.edges import Causal, FixedBlock, SlidingWindow
 from attention.layer import MaskedAttention
-from attention.registry import refuse_whole_context, register
+from attention.registry import Setting, refuse_whole_context, register
+
+SWA_WINDOW = Setting("swa_window", int, 256, "swa(w): the w most recent positions, the query included")
+BLOCK_LEN = Setting("block_len", int, 128, "block(b): causal attention within fixed blocks of b positions")
 
 
 @register("full")
@@ -25,7 +28,7 @@ class CausalSelfAttention(MaskedAttention):
 class SlidingWindowAttention(MaskedAttention):
     """The swa_window most recent positions, the query included."""
 
-    settings = MaskedAttention.settings + ("swa_window",)
+    settings = MaskedAttention.settings + (SWA_WINDOW,)
 
     @classmethod
     def check_config(cls, config):
@@ -48,7 +51,7 @@ class SlidingWindowAttention(MaskedAttention):
 class BlockAttention(MaskedAttention):
     """Causal attention within fixed blocks of block_len positions."""
 
-    settings = MaskedAttention.settings + ("block_len",)
+    settings = MaskedAttention.settings + (BLOCK_LEN,)
 
     @classmethod
     def check_config(cls, config):

@@ -28,7 +28,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attention.registry import RecurrentMixer, chunk_loop_problem, register
+from attention.registry import RecurrentMixer, Setting, chunk_loop_problem, register
+
+MLSTM_N_HEAD = Setting("mlstm_n_head", int, 8, "mlstm: heads of the matrix memory, independent of n_head (xLSTM 7B's "
+                       "8: q/k 256, v 512 at d=4096)")
+MLSTM_QK_DIM_FACTOR = Setting("mlstm_qk_dim_factor", float, 0.5, "mlstm: q, k width as a fraction of n_embd (v keeps "
+                              "n_embd), xLSTM 7B")
+MLSTM_GATE_SOFT_CAP = Setting("mlstm_gate_soft_cap", float, 15.0, "mlstm: input/forget gate pre-activations "
+                              "soft-capped to (-cap, cap)")
+MLSTM_CHUNK = Setting("mlstm_chunk", int, 64, "mlstm: chunk length of the chunkwise-parallel training form")
+MLSTM_KERNEL = Setting("mlstm_kernel", str, "auto", "mlstm: auto (mlstm_kernels' Triton chunkwise kernel, chunk 64, "
+                       "for CUDA training when installed) | native | triton")
 
 EPS = 1e-6
 NORM_EPS = 1e-6  # xLSTM 7B's per-head LayerNorm
@@ -238,7 +248,7 @@ def mlstm_sequence(q, k, v, i, f, state=None, chunk: int = 64, kernel: str = "au
 
 @register("mlstm")
 class MLSTMLayer(RecurrentMixer):
-    settings = ("mlstm_n_head", "mlstm_qk_dim_factor", "mlstm_gate_soft_cap", "mlstm_chunk", "mlstm_kernel")
+    settings = (MLSTM_N_HEAD, MLSTM_QK_DIM_FACTOR, MLSTM_GATE_SOFT_CAP, MLSTM_CHUNK, MLSTM_KERNEL)
 
     @classmethod
     def check_config(cls, config):

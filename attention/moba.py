@@ -26,7 +26,12 @@ from attention.cache import KVCache
 from attention.edges import chosen_block_edges
 from attention.kernels import BACKENDS, masked_attention
 from attention.layer import Attention
-from attention.registry import MAX_COMPILED_CHUNKS, refuse_whole_context, register
+from attention.registry import MAX_COMPILED_CHUNKS, Setting, refuse_whole_context, register
+
+# each query reads the moba_topk key blocks of moba_block positions scoring best against it, its own block among
+# them (at most moba_block * moba_topk keys: paper 000's effective window)
+MOBA_BLOCK = Setting("moba_block", int, 128, "moba: the key blocks' length")
+MOBA_TOPK = Setting("moba_topk", int, 2, "moba: the blocks each query reads, its own among them")
 
 GATHERED_PER_CALL = 1 << 27  # elements of gathered keys per chunk of queries (512 MiB in float32)
 
@@ -103,7 +108,7 @@ class MixtureOfBlockAttention(Attention):
     """Each query attends to the moba_topk key blocks (of moba_block positions) that score best against it,
     its own block included."""
 
-    settings = ("attn_backend", "moba_block", "moba_topk")
+    settings = ("attn_backend", MOBA_BLOCK, MOBA_TOPK)
 
     @classmethod
     def check_config(cls, config):

@@ -15,7 +15,13 @@ from fractions import Fraction
 
 from attention.edges import HeadWindows
 from attention.layer import MaskedAttention
-from attention.registry import layer_names, register
+from attention.local import SWA_WINDOW
+from attention.registry import Setting, layer_names, register
+
+MSWA_VARIATION = Setting("mswa_variation", str, "geometric", "mswa: group factors 1/4,1/2,1,2 (geometric) or "
+                         "1/2,3/4,1,5/4 (arithmetic)")
+MSWA_LAYER_ORDER = Setting("mswa_layer_order", str, "increasing", "mswa: windows grow with depth (increasing) or "
+                           "shrink (reverse)")
 
 FACTORS = {"geometric": (Fraction(1, 4), Fraction(1, 2), Fraction(1), Fraction(2)),
            "arithmetic": (Fraction(1, 2), Fraction(3, 4), Fraction(1), Fraction(5, 4))}
@@ -45,7 +51,7 @@ def mswa_windows(config, layer_idx: int) -> tuple[int, ...]:
 
 
 class MultiScaleWindowAttention(MaskedAttention):
-    settings = MaskedAttention.settings + ("swa_window", "mswa_variation", "mswa_layer_order")
+    settings = MaskedAttention.settings + (SWA_WINDOW, MSWA_VARIATION, MSWA_LAYER_ORDER)
 
     @classmethod
     def check_config(cls, config):

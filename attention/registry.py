@@ -3,12 +3,49 @@
 from __future__ import annotations
 
 import difflib
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
 
 from attention.cache import RecurrentState
 from attention.edges import Causal
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A model setting a variant declares in its own module: a ModelConfig field (config.py adds every declared
+    setting to it), so --NAME=value on the command line, NAME = value in config files, the saved config.json and
+    scripts/compare.py's setting columns all take it. Mixers list the settings they read in `settings`; one
+    setting several variants read (swa_window) is declared once and imported by the others.
+
+    check(value) -> "" or why the value is wrong (with the fix): run for the settings some layer reads."""
+
+    name: str
+    type: type
+    default: object
+    help: str
+    check: Callable | None = None
+
+    def __post_init__(self):
+        if self.type not in (int, float, str, bool) or type(self.default) is not self.type:
+            raise TypeError(f"setting {self.name}: type must be int, float, str or bool, and the default of that type")
+
+
+def choice(*allowed) -> Callable:
+    """A Setting check: one of the allowed values."""
+    return lambda value: "" if value in allowed else f"expected {' or '.join(map(repr, allowed))}"
+
+
+def at_least(lowest) -> Callable:
+    """A Setting check: a number no smaller than lowest."""
+    return lambda value: "" if value >= lowest else f"must be >= {lowest}"
+
+
+def setting_name(setting) -> str:
+    """A Mixer.settings entry's name: a Setting, or a core ModelConfig key the mixer reads (attn_backend, ...)."""
+    return setting if isinstance(setting, str) else setting.name
 
 
 class Mixer(nn.Module):
@@ -35,7 +72,8 @@ class Mixer(nn.Module):
     supports_cache = True
     # whether the mixer takes the pretrained attention shapes (n_kv_head, attn_head_dim, qk_norm, qkv_bias)
     pretrained_attention_shapes = False
-    # the ModelConfig keys this mixer reads besides the model's shape (scripts/compare.py leaves the others out)
+    # what this mixer reads besides the model's shape: its own Settings and core ModelConfig keys by name
+    # (scripts/compare.py leaves the others out of a run's settings)
     settings: tuple = ()
     # whether a position's output is independent of the sequence's length (how far it was padded): false for sa,
     # whose permutation is drawn over the whole length
@@ -127,12 +165,19 @@ def refuse_whole_context(config, setting: str, size: int, what: str) -> None:
 
 
 MIXERS: dict[str, type[Mixer]] = {}
+SETTINGS: dict[str, Setting] = {}  # every declared setting by name: config.py makes them ModelConfig fields
 
 
 def register(name: str):
+    """Class decorator: the mixer `name` of attn_pattern, and the Settings it declares."""
     def decorator(cls: type[Mixer]) -> type[Mixer]:
         if name in MIXERS:
             raise ValueError(f"mixer '{name}' is registered twice")
+        for setting in cls.settings:
+            if isinstance(setting, Setting):
+                if SETTINGS.setdefault(setting.name, setting) is not setting:
+                    raise ValueError(f"setting '{setting.name}' is declared twice (by {name} and another mixer): "
+                                     "declare it once and import it where another mixer reads it")
         MIXERS[name] = cls
         return cls
 
@@ -168,12 +213,12 @@ def layer_names(config) -> list[str]:
 
 
 def used_settings(config) -> set[str]:
-    """The mixer settings (Mixer.settings) some layer of this config reads."""
-    return {key for name in set(layer_names(config)) for key in MIXERS[name].settings}
+    """The names of the mixer settings (Mixer.settings) some layer of this config reads."""
+    return {setting_name(s) for name in set(layer_names(config)) for s in MIXERS[name].settings}
 
 
 def mixer_settings() -> set[str]:
-    return {key for cls in MIXERS.values() for key in cls.settings}
+    return {setting_name(s) for cls in MIXERS.values() for s in cls.settings}
 
 
 def has_window_layers(config) -> bool:
@@ -190,6 +235,11 @@ def validate_config(config) -> None:
         if shaped and not MIXERS[name].pretrained_attention_shapes:
             raise ValueError(f"{', '.join(shaped)}: only attention mixers take these (pretrained Llama-family shapes), "
                              f"not {name}")
+        for setting in MIXERS[name].settings:
+            if isinstance(setting, Setting) and setting.check is not None:
+                problem = setting.check(getattr(config, setting.name))
+                if problem:
+                    raise ValueError(f"{setting.name}={getattr(config, setting.name)!r}: {problem}")
         MIXERS[name].check_config(config)
 
 

@@ -31,7 +31,15 @@ from torch import nn
 from attention.edges import PermutedWindow, SlidingWindow, StochasticWindow, stochastic_halo
 from attention.kernels import AttentionPlan, attend_planned, plan_attention
 from attention.layer import MaskedAttention, merge_heads
-from attention.registry import refuse_whole_context, register
+from attention.local import SWA_WINDOW
+from attention.registry import Setting, refuse_whole_context, register
+
+SA_MODE = Setting("sa_mode", str, "stochastic", "sa at inference: a fresh permutation every forward | deterministic "
+                  "(fixed per layer)")
+SA_SHARED_BATCH = Setting("sa_shared_batch", bool, True, "sa: one permutation for the whole batch (paper 000) or one "
+                          "per sequence")
+SA_SEED = Setting("sa_seed", int, 0, "sa_mode=deterministic: the fixed permutations come from this seed (training draws "
+                  "from the run's RNG)")
 
 SA_MODES = ("stochastic", "deterministic")
 
@@ -136,7 +144,7 @@ class StochasticAttention(MaskedAttention):
     """Sliding-window attention in the slot space of a random permutation, redrawn every forward."""
 
     native_gqa = False  # its attend() permutes one k/v head per query head
-    settings = MaskedAttention.settings + ("swa_window", "sa_mode", "sa_shared_batch", "sa_seed")
+    settings = MaskedAttention.settings + (SWA_WINDOW, SA_MODE, SA_SHARED_BATCH, SA_SEED)
 
     supports_cache = False
     length_independent = False

@@ -31,7 +31,16 @@ import torch
 
 from attention.kernels import ScoreBias
 from attention.local import SlidingWindowAttention
-from attention.registry import register
+from attention.registry import Setting, register
+
+SWAT_ACTIVATION = Setting("swat_activation", str, "sigmoid", "swat: sigmoid (paper 001, no normalisation) | softmax "
+                          "(the ablations' counterpart)")
+SWAT_ROPE = Setting("swat_rope", bool, True, "swat: RoPE on q, k (with ALiBi: the paper's AliRope); False: ALiBi alone")
+SWAT_SLOPES = Setting("swat_slopes", str, "paper", "swat ALiBi magnitudes: paper (2^-k, k = 1.. per direction) | alibi "
+                      "(the authors' code: 2^(-8k/H), k = 1.. per direction) | none")
+SWAT_SPLIT = Setting("swat_split", str, "", 'swat "neg:pos" heads with negative (classic ALiBi) and positive slopes; '
+                     '"": half and half')
+SWAT_BIAS = Setting("swat_bias", str, "0", 'swat constant score bias b: a number, or "-log(w)"')
 
 ACTIVATIONS = ("sigmoid", "softmax")
 SLOPE_SCHEDULES = ("paper", "alibi", "none")
@@ -92,8 +101,7 @@ class AlibiBias(ScoreBias):
 class SigmoidWindowAttention(SlidingWindowAttention):
     """swa's window with SWAT's scores: sigmoid (or softmax), ALiBi slopes, optional RoPE and bias."""
 
-    settings = SlidingWindowAttention.settings + ("swat_activation", "swat_rope", "swat_slopes", "swat_split",
-                                                  "swat_bias")
+    settings = SlidingWindowAttention.settings + (SWAT_ACTIVATION, SWAT_ROPE, SWAT_SLOPES, SWAT_SPLIT, SWAT_BIAS)
 
     @classmethod
     def check_config(cls, config):
