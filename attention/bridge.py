@@ -26,7 +26,9 @@ from __future__ import annotations
 import torch
 
 from attention.edges import AnyOf, BoundaryWindows, FixedBlock
+from attention.kernels import resolve_backend
 from attention.layer import MaskedAttention
+from attention.memory import F32, attention_saved, kernel_saved, linear_inputs, rope_tables, window_path_saved
 from attention.local import BLOCK_LEN
 from attention.registry import Setting, refuse_whole_context, register
 
@@ -92,6 +94,26 @@ class BridgedBlockAttention(MaskedAttention):
         size = f"extension e = {self.bridge_rule.width}" if self.kind == "se_bridge" else f"w = {self.bridge_rule.width}"
         return f"block {self.block_rule.block} + {self.kind} windows ({size}), {self.fusion} fusion"
 
+    def saved_activations(self, m, k, B: int, T: int):
+        """Branch fusion: the block path is attention under block(b) (attention_saved's kernel terms) and the
+        bridge path runs window by window (window_path_saved); the union form is plain attention under one rule."""
+        if self.fusion == "union":
+            return attention_saved(self, m, k, B, T)
+        C, H, D, a, tokens = m.n_embd, m.n_head, m.head_dim, k.act, B * T
+        saved = {"c_attn input": tokens * linear_inputs(k, 1, C), "qkv": 3 * a * C * tokens}
+        if self.rope_theta is not None:
+            saved["q, k after RoPE"] = 2 * a * C * tokens
+            saved["RoPE cos/sin tables"] = rope_tables(T, D)
+        kernel = resolve_backend(self.backend, self.block_rule, torch.device(k.device), D)
+        saved.update(kernel_saved(kernel, self.block_rule, "softmax", k, B, H, D, T))
+        saved.update(window_path_saved(self.bridge_rule, k, B, H, D, T))
+        saved["merged heads"] = a * C * tokens
+        if self.gate is not None:
+            saved["output gate"] = 2 * a * C * tokens
+        first_row, _, R, _ = self.bridge_rule.window_tiles(T)
+        kernel_out = a * tokens * C + F32 * B * H * T + (a * D + F32) * B * H * len(first_row) * R
+        matmuls = a * tokens * (4 * C + (C if self.gate is not None else 0))
+        return saved, matmuls + kernel_out
 
 @register("bridge")
 class Bridge(BridgedBlockAttention):

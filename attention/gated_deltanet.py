@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attention.registry import RecurrentMixer, Setting, chunk_loop_problem, register
+from attention.memory import F32, linear_inputs, padded
 
 GDN_CHUNK = Setting("gdn_chunk", int, 64, "gated_deltanet: chunk length of the chunked (WY) training form")
 GDN_CONV_SIZE = Setting("gdn_conv_size", int, 4, "gated_deltanet: width of the short causal convolutions on q, k, v")
@@ -272,3 +273,41 @@ class GatedDeltaNet(RecurrentMixer):
         else:
             kernel = f"kernel {self.kernel}"
         return f"Gated DeltaNet: head dim {self.head_dim}, chunk {self.chunk}, conv {self.conv_size}, {kernel}"
+
+    def saved_activations(self, m, k, B: int, T: int):
+        """Gated DeltaNet (attention/gated_deltanet.py). Shared by both forms, per token (a, C, H as in mlstm_saved):
+
+            linear inputs        c_q, c_k, c_v, c_gate, c_beta, c_decay: 6 a C under autocast, else 4 C
+            short convolutions   per q, k, v: the zero-padded input (a C (T + K - 1) / T) and the output (silu's
+                                 input, a C): 6 a C
+            beta, decay          float32 per head: sigmoid's output, softplus's input and output (12 H)
+            output norm, gate    the float32 read y (4 C), y / rms (4 C), its weighted form (4 C), 1/rms (4 H),
+                                 c_gate's output (silu's input, a C), silu of it in float32 (4 C), and the
+                                 product in the activation dtype (c_proj's input, a C)
+
+        Form fla (CUDA, bf16): l2-normalised q and k (2 a C) with their 1/norm (8 H), v (a C), beta (a H), the
+        chunk-cumulated decay (4 H) and the inverted chunk matrix A (64 per head and position, activation bytes).
+        Form native (chunked_gated_delta_rule, float32): normalize's input for q and k (8 C) and its statistics,
+        v in float32 (4 C), then per position and head, with chunk L and head dim D: five L-wide tensors (decay,
+        the within-chunk A and q k^T before and after masking), 11 D (q and k operands of the chunk matmuls,
+        the normalised k, the WY solution u|w, the corrections delta, the scaled and the decayed q, the decayed
+        k), 4 decay factors, and per chunk the state S (D^2)."""
+        C, H, D, a, tokens = m.n_embd, m.n_head, m.head_dim, k.act, B * T
+        K = self.conv_size
+        saved = {"linear inputs": tokens * linear_inputs(k, 6, C),
+                 "short convolutions (inputs and outputs)": 3 * a * B * C * (T + K - 1) + 3 * a * tokens * C,
+                 "beta and decay (fp32)": 3 * F32 * tokens * H}
+        fla = k.device == "cuda" and self.kernel != "native" and (k.autocast or self.kernel == "fla")
+        if fla:
+            saved["fla: normalised q, k, their norms, v, beta, decay"] = tokens * (3 * a * C + 2 * F32 * H + a * H + F32 * H)
+            saved["fla: inverted chunk matrix A"] = a * tokens * H * 64
+            matmuls = 0
+        else:
+            L = self.chunk
+            n = padded(T, L)
+            saved["normalize inputs for q, k and v in fp32"] = F32 * tokens * (3 * C + 4 * H)
+            saved["chunked delta rule (fp32)"] = int(F32 * B * H * n * (5 * L + 11 * D + 4 + D * D / L))
+            matmuls = int(F32 * B * H * n * (2 * L + 3 * D + D * D / L))
+        saved["output norm and gate"] = tokens * (4 * F32 * C + F32 * H + 2 * a * C)
+        linear_outputs = a * tokens * (5 * C + 2 * H)  # c_q, c_k, c_v, c_gate, c_proj; beta, decay
+        return saved, matmuls + linear_outputs

@@ -138,6 +138,12 @@ class MaskedAttention(Attention):
         mask = self.rule.dense_mask(torch.arange(seq_len, device=device), n_head=self.n_head)
         return mask.any(0) if self.rule.per_head else mask
 
+    def saved_activations(self, config, kernels, B, T):
+        # derived from the rules and kernels: a new variant under edge rules has its estimate for free
+        from attention.memory import attention_saved
+
+        return attention_saved(self, config, kernels, B, T)
+
     def mixing_flops(self, seq_len):
         # QK^T and AV: 2 matmuls x 2 FLOPs per multiply-add, over the rule's allowed keys per query
         edges = sum(computed for computed, _ in self.edge_counts(seq_len))

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from attention.registry import RecurrentMixer, Setting, register
+from attention.memory import F32, linear_inputs, padded, rope_tables
 
 LINEAR_FEATURE_DIM = Setting("linear_feature_dim", int, 16, "linear: q/k feature dimension of Taylor linear attention "
                              "(paper 002)")
@@ -137,3 +138,27 @@ class TaylorLinearAttention(RecurrentMixer):
 
     def describe(self):
         return f"Taylor linear attention, feature dim {self.feature_dim} ({1 + self.feature_dim + self.feature_dim ** 2} features)"
+
+    def saved_activations(self, m, k, B: int, T: int):
+        """Taylor linear attention (attention/linear.py), its chunked form. Per token: the inputs of c_qk and c_v
+        (2 a C under autocast, else 4 C), RoPE's tables over the feature dimension f, the merged output (c_proj's
+        input, a C). Per position and head, with F = 1 + f + f^2 features, chunk L and head dim D, in float32:
+        phi(q) and phi(k) (2 F), q and k (2 f), q k^T and the masked kernel (2 L), the numerator and v copied for
+        two matmuls (3 D), the denominator (1), and per chunk the states before it, S (F D) and z (F).
+        The form runs inside the caller's autocast, so under bf16 autocast its matmuls cast their operands to
+        bf16 one matmul at a time (phi(q) twice, v twice, q and k besides their float32 selves, the states) and
+        return bf16 (q k^T, the kernel, the numerator and denominator)."""
+        C, H, D, a, tokens = m.n_embd, m.n_head, m.head_dim, k.act, B * T
+        f, L = self.feature_dim, self.chunk
+        Fdim, n = 1 + f + f * f, padded(T, L)
+        saved = {"linear inputs": tokens * linear_inputs(k, 2, C)}
+        if self.rope_theta is not None:
+            saved["RoPE cos/sin tables"] = rope_tables(T, f)
+        if k.autocast:
+            per_head = 3 * a * Fdim + (2 * F32 + 2 * a) * f + 2 * a * L + 3 * a * D + a + a * Fdim * (D + 1) / L
+        else:
+            per_head = F32 * (2 * Fdim + 2 * f + 2 * L + 3 * D + 1 + Fdim * (D + 1) / L)
+        saved["chunked form"] = int(B * H * n * per_head)
+        saved["merged output"] = a * tokens * C
+        matmuls = int(k.act * B * H * n * (L + 2 * D + 1 + Fdim * D / L)) + a * tokens * (2 * H * f + 2 * C)
+        return saved, matmuls

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attention.registry import RecurrentMixer, Setting, chunk_loop_problem, register
+from attention.memory import F32, linear_inputs, padded
 
 MLSTM_N_HEAD = Setting("mlstm_n_head", int, 8, "mlstm: heads of the matrix memory, independent of n_head (xLSTM 7B's "
                        "8: q/k 256, v 512 at d=4096)")
@@ -354,3 +355,40 @@ class MLSTMLayer(RecurrentMixer):
             kernel = "kernel native"
         return (f"mLSTM: {self.n_head} heads, q/k {self.qk_dim // self.n_head} and v {self.v_head_dim} per head, "
                 f"chunk {self.chunk}, {kernel}")
+
+    def saved_activations(self, m, k, B: int, T: int):
+        """mLSTM (attention/mlstm.py). Shared by both cells, per token (a = activation bytes, C = n_embd, H heads):
+
+            linear inputs      q, k, v, o_gate, i_gate, f_gate: 6 a C under autocast (one cast each), else 4 C
+            gates              tanh (soft cap) of i and f (2 a H), float32 i and f (8 H)
+            cell output h      4 C (float32), kept by the per-head LayerNorm, with its mean and 1/std (8 H)
+            after the norm     the normed h (4 C, for norm_weight's gradient), h in the activation dtype and
+                               sigmoid(o_gate) (the product's operands, 2 a C), the product (c_proj's input, a C)
+
+        Cell, triton (mlstm_kernels, CUDA): q, k, v as given (the linears' outputs, a (2 d_qk + d_v) per head)
+        and the float32 normaliser and stabiliser per head and position (8 H); the chunk states are recomputed.
+        Cell, native (chunkwise_mlstm, float32 for every input): per position and head, with chunk L, d_qk = dk,
+        d_v = dv, four L-wide tensors (log weights, q k^T, their exponential, the weights), 6 dk (k, q copied
+        for three matmuls, k^T and the chunk's decayed keys), 4 dv (the numerator, q C_before, v copied for two
+        matmuls) and ~14 scalars (stabilisers, normalisers, gates); per chunk, the state before it, its own
+        contribution and the scan's states, 3 (dk dv + dk)."""
+        C, H, a, tokens = m.n_embd, self.n_head, k.act, B * T  # the memory's heads (mlstm_n_head)
+        dk, dv = self.qk_dim // H, self.v_head_dim
+        triton = k.device == "cuda" and self.kernel != "native" and not self.narrow  # (installed on the GPU)
+        saved = {"linear inputs": tokens * linear_inputs(k, 6, C),
+                 "gates (soft cap, fp32 i and f)": tokens * H * (2 * a + 2 * F32)}
+        if triton:
+            saved["triton kernel inputs q, k, v"] = a * tokens * H * (2 * dk + dv)
+            saved["triton normaliser and stabiliser (fp32)"] = 2 * F32 * tokens * H
+            matmuls = 0
+        else:
+            L = self.chunk
+            n = padded(T, L)
+            per_head = 4 * L + 6 * dk + 4 * dv + 14 + 3 * (dk * dv + dk) / L
+            saved["chunkwise cell (fp32)"] = int(F32 * B * H * n * per_head)
+            matmuls = int(F32 * B * H * n * (L + 2 * dv + 1 + dk * dv / L))
+        saved["cell output h (fp32) and norm statistics"] = F32 * tokens * (C + 2 * H)
+        saved["normed h (fp32)"] = F32 * tokens * C
+        saved["h, sigmoid(o_gate) and their product"] = 3 * a * tokens * C
+        linear_outputs = a * tokens * (2 * self.qk_dim + C + C + 2 * H + C)  # q, k, v, o_gate, i, f, c_proj
+        return saved, matmuls + linear_outputs

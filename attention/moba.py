@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from attention.cache import KVCache
 from attention.edges import chosen_block_edges
 from attention.kernels import BACKENDS, masked_attention
+from attention.memory import linear_inputs, padded, rope_tables
 from attention.layer import Attention
 from attention.registry import MAX_COMPILED_CHUNKS, Setting, refuse_whole_context, register
 
@@ -166,3 +167,24 @@ class MixtureOfBlockAttention(Attention):
         edges = sum(computed for computed, _ in self.edge_counts(seq_len))
         block_scores = 2 * self.head_dim * self.n_head * (-(-seq_len // self.block))  # q . every block mean
         return 4 * self.head_dim * edges / seq_len + block_scores
+
+    def saved_activations(self, m, k, B: int, T: int):
+        """MoBA (attention/moba.py): the gathered kernel runs each chunk of queries under activation checkpointing,
+        so autograd keeps only the chunks' inputs: q (after RoPE; without RoPE a view that keeps all of qkv), the
+        keys and values padded to whole blocks (copies, a C each), and the chosen block indices (int64, topk per
+        head and position). The gathered keys and values of one chunk (at most 2 GATHERED_PER_CALL elements) exist
+        only while that chunk runs or is recomputed, and are not counted. The dense backend is the n x n
+        reference: no estimate."""
+        C, H, D, a, tokens = m.n_embd, m.n_head, m.head_dim, k.act, B * T
+        if self.kernel is not moba_gathered:
+            raise ValueError("no memory model for moba's dense reference (n x n scores): use attn_backend=auto")
+        saved = {"c_attn input": tokens * linear_inputs(k, 1, C)}
+        if self.rope_theta is not None:
+            saved["q after RoPE"] = a * C * tokens
+            saved["RoPE cos/sin tables"] = rope_tables(T, D)
+        else:
+            saved["qkv"] = 3 * a * C * tokens
+        saved["k, v padded to whole blocks"] = 2 * a * B * C * padded(T, self.block)
+        saved["chosen blocks (int64)"] = 8 * B * H * T * self.topk
+        saved["merged heads"] = a * C * tokens
+        return saved, a * tokens * 5 * C  # c_attn's and c_proj's outputs, the chunks' joined output

@@ -123,6 +123,13 @@ class Mixer(nn.Module):
         layer through any head (the union of its edges; all causal pairs for recurrent mixers)."""
         raise NotImplementedError
 
+    def saved_activations(self, config, kernels, B: int, T: int) -> tuple[dict[str, int], int]:
+        """What this layer's mixer keeps for backward over a micro-batch of B x T tokens, in bytes, on the kernels
+        of `kernels` (attention/memory.py: Kernels): (saved tensors by name, the part selective checkpointing
+        keeps: its matmul and kernel outputs). scripts/plan_memory.py adds the norms, MLP and head."""
+        raise NotImplementedError(f"{type(self).__name__} has no activation memory model: define saved_activations "
+                                  "in its module (attention/memory.py has the helpers)")
+
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cache=None, plan=None) -> torch.Tensor:
         raise NotImplementedError
 

@@ -29,8 +29,9 @@ import torch
 from torch import nn
 
 from attention.edges import PermutedWindow, SlidingWindow, StochasticWindow, stochastic_halo
-from attention.kernels import AttentionPlan, attend_planned, plan_attention
+from attention.kernels import AttentionPlan, attend_planned, plan_attention, resolve_backend
 from attention.layer import MaskedAttention, merge_heads
+from attention.memory import F32, kernel_saved, linear_inputs, rope_tables
 from attention.local import SWA_WINDOW
 from attention.registry import Setting, refuse_whole_context, register
 
@@ -220,6 +221,47 @@ class StochasticAttention(MaskedAttention):
         slot_of = inverse_permutation(torch.randperm(seq_len, device=device))
         return StochasticWindow(slot_of, self.window).dense_mask(torch.arange(seq_len, device=device))
 
+    def saved_activations(self, m, k, B: int, T: int):
+        """sa: q, k, v are gathered into the circularly extended slot sequence of n + 2 halo positions (ToSlots,
+        which keeps only the permutation), attended there as a band, and scattered back (FromSlots). So the
+        kernel keeps the extended q, k, v, output and lse (ext = (n + 2 halo) / n of the plain sizes) and neither
+        qkv nor the rotated q, k survive the forward; the scattered output is merged into (B, T, C) (a C).
+        sa_swa adds the swa path over the shared q, k, v (which then keeps qkv and the rotated q, k), its merged
+        output, and the two sigmoid gates: sigmoid(W_sa y_sa), sigmoid(W_swa y_swa) and their gated sum (3 a C).
+        At lengths where every slot is inside every window (n // 2 <= halo) sa is plain causal attention."""
+        C, H, D, a, tokens = m.n_embd, m.n_head, m.head_dim, k.act, B * T
+        halo = stochastic_halo(self.window)
+        permuted = T // 2 > halo
+        n_ext = T + 2 * halo if permuted else T
+        if permuted:
+            sa_rule = PermutedWindow(torch.arange(T), self.window)
+        else:
+            sa_rule = SlidingWindow(T)
+        sa_kernel = resolve_backend(self.backend, sa_rule, torch.device(k.device), D)
+        saved = {"c_attn input": tokens * linear_inputs(k, 1, C)}
+        if self.rope_theta is not None:
+            saved["RoPE cos/sin tables"] = rope_tables(T, D)
+        saved["sa q, k, v in slot order"] = 3 * a * B * H * n_ext * D
+        for name, size in kernel_saved(sa_kernel, sa_rule, "softmax", k, B, H, D, n_ext).items():
+            saved["sa " + name] = size
+        saved["sa merged heads"] = a * C * tokens
+        matmuls = a * tokens * 4 * C
+        kernel_out = a * B * H * n_ext * D + F32 * B * H * n_ext
+        if isinstance(self, GatedStochasticSlidingAttention):
+            saved["qkv"] = 3 * a * C * tokens
+            if self.rope_theta is not None:
+                saved["q, k after RoPE"] = 2 * a * C * tokens
+            swa_kernel = resolve_backend(self.backend, self.swa_rule, torch.device(k.device), D)
+            for name, size in kernel_saved(swa_kernel, self.swa_rule, "softmax", k, B, H, D, T).items():
+                saved["swa " + name] = size
+            saved["swa merged heads"] = a * C * tokens
+            saved["path gates and their sum"] = 3 * a * C * tokens
+            matmuls += 2 * a * tokens * C
+            kernel_out += a * tokens * C + F32 * B * H * T
+        elif self.gate is not None:
+            saved["output gate"] = 2 * a * C * tokens
+            matmuls += a * tokens * C
+        return saved, matmuls + kernel_out
 
 @register("sa_swa")
 class GatedStochasticSlidingAttention(StochasticAttention):

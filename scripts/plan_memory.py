@@ -10,7 +10,8 @@ gradients, DDP's gradient buckets, AdamW's two moments, autocast's bf16 copies o
 FSDP (the config's parallelism, or --parallelism=fsdp) each GPU holds 1/world_size of the weights, gradients and
 AdamW state plus the bf16 weights and gradients of the units gathered at the moment (see static_memory); then the
 activations of one micro-batch (batch_size sequences of block_size tokens), which are counted from the model's
-own shapes (built on the meta device) and each mixer's code: what every layer keeps for backward with
+own shapes (built on the meta device) and each mixer's own estimate (Mixer.saved_activations, in its module under
+attention/; derived from the rules for attention under edge rules): what every layer keeps for backward with
 activation_checkpointing none, full and selective, plus the logits and loss. Then, for each checkpointing mode,
 the largest micro-batch that fits gpu_mem_gb less the headroom, and the gradient_accumulation_steps (global,
 as in the configs) that keeps the config's global batch of batch_size x gradient_accumulation_steps sequences.
@@ -35,15 +36,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from attention.bridge import BridgedBlockAttention  # noqa: E402
-from attention.edges import Causal, PermutedWindow, SlidingWindow, stochastic_halo  # noqa: E402
-from attention.gated_deltanet import GatedDeltaNet  # noqa: E402
-from attention.kernels import block_structure, resolve_backend  # noqa: E402
-from attention.layer import Attention, MaskedAttention  # noqa: E402
-from attention.linear import TaylorLinearAttention  # noqa: E402
-from attention.mlstm import MLSTMLayer  # noqa: E402
-from attention.moba import MixtureOfBlockAttention, moba_gathered  # noqa: E402
-from attention.stochastic import GatedStochasticSlidingAttention, StochasticAttention  # noqa: E402
+from attention.memory import F32, Kernels, linear_inputs  # noqa: E402
 from checkpoint import write_json  # noqa: E402
 from config import ConfigError, ModelConfig, apply_args, dataclass_fields, exit_on_config_error, load_config  # noqa: E402
 from model import GPT  # noqa: E402
@@ -51,7 +44,6 @@ from model import GPT  # noqa: E402
 GIB = 2 ** 30
 DEFAULT_VOCAB = 50304  # vocab_size = 0 takes the data's vocabulary; plan with GPT-2's, padded to 64
 CHECKPOINTING = ("none", "selective", "full")
-F32 = 4  # bytes of a float32 element: the residual stream, norms' statistics, recurrent states, the loss
 
 
 @dataclass
@@ -62,27 +54,6 @@ class PlanOptions:
     kernels: str = "cuda"  # cuda (the GPU training path) | cpu (the chunked CPU kernels the tests measure)
     compare_loss_chunk: int = 2048  # the loss_chunk the table also plans when the config has none (0)
     json: str = ""  # also write the plan here
-
-
-@dataclass(frozen=True)
-class Kernels:
-    """What runs: `device` picks the kernels (cuda or cpu, see the module docstring) and `act` is the bytes of
-    an activation produced by a matmul: 2 under bf16/fp16 autocast, 4 in float32. Under autocast every linear
-    layer casts its float32 input to bf16 itself (autocast caches only the casts of leaf parameters), so two
-    linears reading the same norm output keep two bf16 copies of it; in float32 they share the one tensor."""
-
-    device: str = "cuda"
-    act: int = 2
-
-    @property
-    def autocast(self) -> bool:
-        return self.act < F32
-
-
-def linear_inputs(k: Kernels, consumers: int, C: int) -> int:
-    """Bytes per token that `consumers` linear layers reading one float32 tensor of width C keep as their
-    saved input: one bf16 cast each under autocast, else the float32 tensor itself, once."""
-    return consumers * k.act * C if k.autocast else F32 * C
 
 
 # ---- parameters, gradients, optimizer ------------------------------------------------------------------------
@@ -195,305 +166,6 @@ def mlp_matmul_outputs(m: ModelConfig, k: Kernels, tokens: int) -> int:
     return k.act * tokens * (hidden_outputs * m.resolved_mlp_hidden + m.n_embd)
 
 
-def rope_tables(T: int, dim: int) -> int:
-    """apply_rope keeps cos and sin (T, dim/2) in float32 for q and for k: 8 T dim bytes, whatever the batch."""
-    return 4 * F32 * T * dim // 2
-
-
-def padded(n: int, chunk: int) -> int:
-    return -(-n // chunk) * chunk
-
-
-def kernel_saved(kernel: str, rule, activation: str, k: Kernels, B: int, H: int, D: int, n: int) -> dict[str, int]:
-    """What one attention kernel call over n positions keeps beyond q, k, v (B, H, n, D):
-
-        flex, sdpa (flash)  the output and the float32 log-sum-exp per head and position; flex's sigmoid
-                            attention (swat) also keeps the float32 output and exp(lse) that rescale it;
-                            sdpa under a rule other than causal also keeps its dense (n, n) mask as a bias
-        chunked (CPU)       softmax: the output and the log-sum-exp over whole chunks (ChunkedFlashCPU);
-                            sigmoid: the float32 probabilities of every query chunk's key tiles (ChunkedSigmoid:
-                            per position and head, the key chunks holding its edges, c keys each), no output
-    """
-    a, rows = k.act, B * H
-    if kernel in ("flex", "sdpa"):
-        saved = {"attention output": a * rows * n * D, "attention lse (fp32)": F32 * rows * n}
-        if activation == "sigmoid":
-            saved["sigmoid rescaling: fp32 output and exp(lse)"] = F32 * rows * n * (D + 1)
-        if kernel == "sdpa" and not isinstance(rule, Causal):  # a dense mask, kept as an additive bias
-            saved["attention mask as bias"] = a * (H if rule.per_head else 1) * n * n
-        return saved
-    if kernel == "chunked" and k.device == "cpu":
-        groups = rule.head_groups() or [(list(range(H)), rule)]
-        if activation == "sigmoid":
-            probs = 0
-            for heads, sub_rule in groups:
-                c = sub_rule.chunk_size()
-                slots = block_structure(sub_rule, n, c, len(heads), "cpu").shape[1]  # key chunks per query chunk
-                probs += F32 * B * len(heads) * padded(n, c) * slots * c
-            return {"sigmoid probabilities (fp32)": probs}
-        lse = sum(F32 * B * len(heads) * padded(n, sub_rule.chunk_size()) for heads, sub_rule in groups)
-        return {"attention output": a * rows * n * D, "attention lse (fp32)": lse}
-    raise ValueError(f"no memory model for the {kernel!r} attention kernel on {k.device}: the estimate covers flex "
-                     "and sdpa on CUDA (attn_backend=auto with head_dim >= 16), chunked and sdpa on CPU")
-
-
-def attention_saved(mixer: Attention, m: ModelConfig, k: Kernels, B: int, T: int) -> tuple[dict[str, int], int]:
-    """Attention under one or more edge rules (full, swa, block, mswa, swat, the bridges' union form) and the
-    parts every attention variant shares. Per token, with a = activation bytes and C = n_embd:
-
-        c_attn input        a C under autocast (its own cast), else the norm output (4 C)
-        qkv                 3 a C: v is a view into c_attn's output, so saving v keeps all of it
-        q, k after RoPE     2 a C (new tensors; without RoPE q and k are views into qkv too)
-        kernel              output a C and lse 4 H (see kernel_saved)
-        merged heads        a C: (B, H, T, D) -> (B, T, C) is a copy, saved by the gate or c_proj
-        gate (attn_gate)    sigmoid(W y) and sigmoid(W y) * y: 2 a C
-    plus RoPE's cos/sin tables (rope_tables). Returns the saved tensors and the matmul and kernel outputs
-    selective checkpointing keeps."""
-    C, H, D, a, tokens = m.n_embd, m.n_head, m.head_dim, k.act, B * T
-    saved = {"c_attn input": tokens * linear_inputs(k, 1, C), "qkv": 3 * a * C * tokens}
-    if mixer.rope_theta is not None:
-        saved["q, k after RoPE"] = 2 * a * C * tokens
-        saved["RoPE cos/sin tables"] = rope_tables(T, D)
-    kernel_out = 0
-    for rule in mixer.paths():
-        kernel = resolve_backend(mixer.backend, rule, torch.device(k.device), D)
-        for name, size in kernel_saved(kernel, rule, mixer.activation, k, B, H, D, T).items():
-            saved[name] = saved.get(name, 0) + size
-        kernel_out += a * tokens * C + F32 * B * H * T
-    saved["merged heads"] = a * C * tokens
-    if mixer.gate is not None:
-        saved["output gate"] = 2 * a * C * tokens
-    matmuls = a * tokens * (3 * C + C + (C if mixer.gate is not None else 0))
-    return saved, matmuls + kernel_out
-
-
-def window_path_saved(rule, k: Kernels, B: int, H: int, D: int, T: int) -> dict[str, int]:
-    """The bridge path of branch fusion (attention/kernels.py: window_attention): one (R rows x K keys) tile
-    per boundary window j < J, gathered by index_select and run through one masked SDPA call, then scattered
-    back by index_copy, which keeps its source (the tile rows inside the sequence) for backward.
-
-        cuda (memory-efficient SDPA)  q tiles J R D, k and v tiles 2 J K D, output J R D (per batch and head,
-                                      activation bytes), lse J R (fp32), and the mask as a bias (H J R K,
-                                      activation bytes, shared by the batch)
-        cpu (SDPA's math path)        q and k scaled (J R D + J K D), probabilities J R K, v tiles J K D (fp32)
-    """
-    first_row, _, R, K = rule.window_tiles(T)
-    J, a = len(first_row), k.act
-    inside = int(sum(min(R, T - int(row)) for row in first_row))
-    rows = B * H
-    if k.device == "cuda":
-        saved = {"bridge tiles q, k, v": a * rows * J * (R + 2 * K) * D, "bridge tile output": a * rows * J * R * D,
-                 "bridge tile lse (fp32)": F32 * rows * J * R, "bridge tile mask as bias": a * H * J * R * K}
-    else:
-        saved = {"bridge tiles q, k, v (scaled)": a * rows * J * (R + 2 * K) * D,
-                 "bridge tile probabilities": a * rows * J * R * K}
-    saved["bridge rows scattered back"] = a * rows * inside * D
-    return saved
-
-
-def bridge_saved(mixer: BridgedBlockAttention, m: ModelConfig, k: Kernels, B: int, T: int):
-    """Branch fusion: the block path is attention under block(b) (attention_saved's kernel terms) and the
-    bridge path runs window by window (window_path_saved); the union form is plain attention under one rule."""
-    if mixer.fusion == "union":
-        return attention_saved(mixer, m, k, B, T)
-    C, H, D, a, tokens = m.n_embd, m.n_head, m.head_dim, k.act, B * T
-    saved = {"c_attn input": tokens * linear_inputs(k, 1, C), "qkv": 3 * a * C * tokens}
-    if mixer.rope_theta is not None:
-        saved["q, k after RoPE"] = 2 * a * C * tokens
-        saved["RoPE cos/sin tables"] = rope_tables(T, D)
-    kernel = resolve_backend(mixer.backend, mixer.block_rule, torch.device(k.device), D)
-    saved.update(kernel_saved(kernel, mixer.block_rule, "softmax", k, B, H, D, T))
-    saved.update(window_path_saved(mixer.bridge_rule, k, B, H, D, T))
-    saved["merged heads"] = a * C * tokens
-    if mixer.gate is not None:
-        saved["output gate"] = 2 * a * C * tokens
-    first_row, _, R, _ = mixer.bridge_rule.window_tiles(T)
-    kernel_out = a * tokens * C + F32 * B * H * T + (a * D + F32) * B * H * len(first_row) * R
-    matmuls = a * tokens * (4 * C + (C if mixer.gate is not None else 0))
-    return saved, matmuls + kernel_out
-
-
-def stochastic_saved(mixer: StochasticAttention, m: ModelConfig, k: Kernels, B: int, T: int):
-    """sa: q, k, v are gathered into the circularly extended slot sequence of n + 2 halo positions (ToSlots,
-    which keeps only the permutation), attended there as a band, and scattered back (FromSlots). So the
-    kernel keeps the extended q, k, v, output and lse (ext = (n + 2 halo) / n of the plain sizes) and neither
-    qkv nor the rotated q, k survive the forward; the scattered output is merged into (B, T, C) (a C).
-    sa_swa adds the swa path over the shared q, k, v (which then keeps qkv and the rotated q, k), its merged
-    output, and the two sigmoid gates: sigmoid(W_sa y_sa), sigmoid(W_swa y_swa) and their gated sum (3 a C).
-    At lengths where every slot is inside every window (n // 2 <= halo) sa is plain causal attention."""
-    C, H, D, a, tokens = m.n_embd, m.n_head, m.head_dim, k.act, B * T
-    halo = stochastic_halo(mixer.window)
-    permuted = T // 2 > halo
-    n_ext = T + 2 * halo if permuted else T
-    if permuted:
-        sa_rule = PermutedWindow(torch.arange(T), mixer.window)
-    else:
-        sa_rule = SlidingWindow(T)
-    sa_kernel = resolve_backend(mixer.backend, sa_rule, torch.device(k.device), D)
-    saved = {"c_attn input": tokens * linear_inputs(k, 1, C)}
-    if mixer.rope_theta is not None:
-        saved["RoPE cos/sin tables"] = rope_tables(T, D)
-    saved["sa q, k, v in slot order"] = 3 * a * B * H * n_ext * D
-    for name, size in kernel_saved(sa_kernel, sa_rule, "softmax", k, B, H, D, n_ext).items():
-        saved["sa " + name] = size
-    saved["sa merged heads"] = a * C * tokens
-    matmuls = a * tokens * 4 * C
-    kernel_out = a * B * H * n_ext * D + F32 * B * H * n_ext
-    if isinstance(mixer, GatedStochasticSlidingAttention):
-        saved["qkv"] = 3 * a * C * tokens
-        if mixer.rope_theta is not None:
-            saved["q, k after RoPE"] = 2 * a * C * tokens
-        swa_kernel = resolve_backend(mixer.backend, mixer.swa_rule, torch.device(k.device), D)
-        for name, size in kernel_saved(swa_kernel, mixer.swa_rule, "softmax", k, B, H, D, T).items():
-            saved["swa " + name] = size
-        saved["swa merged heads"] = a * C * tokens
-        saved["path gates and their sum"] = 3 * a * C * tokens
-        matmuls += 2 * a * tokens * C
-        kernel_out += a * tokens * C + F32 * B * H * T
-    elif mixer.gate is not None:
-        saved["output gate"] = 2 * a * C * tokens
-        matmuls += a * tokens * C
-    return saved, matmuls + kernel_out
-
-
-def mlstm_saved(mixer: MLSTMLayer, m: ModelConfig, k: Kernels, B: int, T: int):
-    """mLSTM (attention/mlstm.py). Shared by both cells, per token (a = activation bytes, C = n_embd, H heads):
-
-        linear inputs      q, k, v, o_gate, i_gate, f_gate: 6 a C under autocast (one cast each), else 4 C
-        gates              tanh (soft cap) of i and f (2 a H), float32 i and f (8 H)
-        cell output h      4 C (float32), kept by the per-head LayerNorm, with its mean and 1/std (8 H)
-        after the norm     the normed h (4 C, for norm_weight's gradient), h in the activation dtype and
-                           sigmoid(o_gate) (the product's operands, 2 a C), the product (c_proj's input, a C)
-
-    Cell, triton (mlstm_kernels, CUDA): q, k, v as given (the linears' outputs, a (2 d_qk + d_v) per head)
-    and the float32 normaliser and stabiliser per head and position (8 H); the chunk states are recomputed.
-    Cell, native (chunkwise_mlstm, float32 for every input): per position and head, with chunk L, d_qk = dk,
-    d_v = dv, four L-wide tensors (log weights, q k^T, their exponential, the weights), 6 dk (k, q copied
-    for three matmuls, k^T and the chunk's decayed keys), 4 dv (the numerator, q C_before, v copied for two
-    matmuls) and ~14 scalars (stabilisers, normalisers, gates); per chunk, the state before it, its own
-    contribution and the scan's states, 3 (dk dv + dk)."""
-    C, H, a, tokens = m.n_embd, mixer.n_head, k.act, B * T  # the memory's heads (mlstm_n_head)
-    dk, dv = mixer.qk_dim // H, mixer.v_head_dim
-    triton = k.device == "cuda" and mixer.kernel != "native"
-    saved = {"linear inputs": tokens * linear_inputs(k, 6, C),
-             "gates (soft cap, fp32 i and f)": tokens * H * (2 * a + 2 * F32)}
-    if triton:
-        saved["triton kernel inputs q, k, v"] = a * tokens * H * (2 * dk + dv)
-        saved["triton normaliser and stabiliser (fp32)"] = 2 * F32 * tokens * H
-        matmuls = 0
-    else:
-        L = mixer.chunk
-        n = padded(T, L)
-        per_head = 4 * L + 6 * dk + 4 * dv + 14 + 3 * (dk * dv + dk) / L
-        saved["chunkwise cell (fp32)"] = int(F32 * B * H * n * per_head)
-        matmuls = int(F32 * B * H * n * (L + 2 * dv + 1 + dk * dv / L))
-    saved["cell output h (fp32) and norm statistics"] = F32 * tokens * (C + 2 * H)
-    saved["normed h (fp32)"] = F32 * tokens * C
-    saved["h, sigmoid(o_gate) and their product"] = 3 * a * tokens * C
-    linear_outputs = a * tokens * (2 * mixer.qk_dim + C + C + 2 * H + C)  # q, k, v, o_gate, i, f, c_proj
-    return saved, matmuls + linear_outputs
-
-
-def gated_deltanet_saved(mixer: GatedDeltaNet, m: ModelConfig, k: Kernels, B: int, T: int):
-    """Gated DeltaNet (attention/gated_deltanet.py). Shared by both forms, per token (a, C, H as in mlstm_saved):
-
-        linear inputs        c_q, c_k, c_v, c_gate, c_beta, c_decay: 6 a C under autocast, else 4 C
-        short convolutions   per q, k, v: the zero-padded input (a C (T + K - 1) / T) and the output (silu's
-                             input, a C): 6 a C
-        beta, decay          float32 per head: sigmoid's output, softplus's input and output (12 H)
-        output norm, gate    the float32 read y (4 C), y / rms (4 C), its weighted form (4 C), 1/rms (4 H),
-                             c_gate's output (silu's input, a C), silu of it in float32 (4 C), and the
-                             product in the activation dtype (c_proj's input, a C)
-
-    Form fla (CUDA, bf16): l2-normalised q and k (2 a C) with their 1/norm (8 H), v (a C), beta (a H), the
-    chunk-cumulated decay (4 H) and the inverted chunk matrix A (64 per head and position, activation bytes).
-    Form native (chunked_gated_delta_rule, float32): normalize's input for q and k (8 C) and its statistics,
-    v in float32 (4 C), then per position and head, with chunk L and head dim D: five L-wide tensors (decay,
-    the within-chunk A and q k^T before and after masking), 11 D (q and k operands of the chunk matmuls,
-    the normalised k, the WY solution u|w, the corrections delta, the scaled and the decayed q, the decayed
-    k), 4 decay factors, and per chunk the state S (D^2)."""
-    C, H, D, a, tokens = m.n_embd, m.n_head, m.head_dim, k.act, B * T
-    K = mixer.conv_size
-    saved = {"linear inputs": tokens * linear_inputs(k, 6, C),
-             "short convolutions (inputs and outputs)": 3 * a * B * C * (T + K - 1) + 3 * a * tokens * C,
-             "beta and decay (fp32)": 3 * F32 * tokens * H}
-    fla = k.device == "cuda" and mixer.kernel != "native" and (k.autocast or mixer.kernel == "fla")
-    if fla:
-        saved["fla: normalised q, k, their norms, v, beta, decay"] = tokens * (3 * a * C + 2 * F32 * H + a * H + F32 * H)
-        saved["fla: inverted chunk matrix A"] = a * tokens * H * 64
-        matmuls = 0
-    else:
-        L = mixer.chunk
-        n = padded(T, L)
-        saved["normalize inputs for q, k and v in fp32"] = F32 * tokens * (3 * C + 4 * H)
-        saved["chunked delta rule (fp32)"] = int(F32 * B * H * n * (5 * L + 11 * D + 4 + D * D / L))
-        matmuls = int(F32 * B * H * n * (2 * L + 3 * D + D * D / L))
-    saved["output norm and gate"] = tokens * (4 * F32 * C + F32 * H + 2 * a * C)
-    linear_outputs = a * tokens * (5 * C + 2 * H)  # c_q, c_k, c_v, c_gate, c_proj; beta, decay
-    return saved, matmuls + linear_outputs
-
-
-def linear_attention_saved(mixer: TaylorLinearAttention, m: ModelConfig, k: Kernels, B: int, T: int):
-    """Taylor linear attention (attention/linear.py), its chunked form. Per token: the inputs of c_qk and c_v
-    (2 a C under autocast, else 4 C), RoPE's tables over the feature dimension f, the merged output (c_proj's
-    input, a C). Per position and head, with F = 1 + f + f^2 features, chunk L and head dim D, in float32:
-    phi(q) and phi(k) (2 F), q and k (2 f), q k^T and the masked kernel (2 L), the numerator and v copied for
-    two matmuls (3 D), the denominator (1), and per chunk the states before it, S (F D) and z (F).
-    The form runs inside the caller's autocast, so under bf16 autocast its matmuls cast their operands to
-    bf16 one matmul at a time (phi(q) twice, v twice, q and k besides their float32 selves, the states) and
-    return bf16 (q k^T, the kernel, the numerator and denominator)."""
-    C, H, D, a, tokens = m.n_embd, m.n_head, m.head_dim, k.act, B * T
-    f, L = mixer.feature_dim, mixer.chunk
-    Fdim, n = 1 + f + f * f, padded(T, L)
-    saved = {"linear inputs": tokens * linear_inputs(k, 2, C)}
-    if mixer.rope_theta is not None:
-        saved["RoPE cos/sin tables"] = rope_tables(T, f)
-    if k.autocast:
-        per_head = 3 * a * Fdim + (2 * F32 + 2 * a) * f + 2 * a * L + 3 * a * D + a + a * Fdim * (D + 1) / L
-    else:
-        per_head = F32 * (2 * Fdim + 2 * f + 2 * L + 3 * D + 1 + Fdim * (D + 1) / L)
-    saved["chunked form"] = int(B * H * n * per_head)
-    saved["merged output"] = a * tokens * C
-    matmuls = int(k.act * B * H * n * (L + 2 * D + 1 + Fdim * D / L)) + a * tokens * (2 * H * f + 2 * C)
-    return saved, matmuls
-
-
-def moba_saved(mixer: MixtureOfBlockAttention, m: ModelConfig, k: Kernels, B: int, T: int):
-    """MoBA (attention/moba.py): the gathered kernel runs each chunk of queries under activation checkpointing,
-    so autograd keeps only the chunks' inputs: q (after RoPE; without RoPE a view that keeps all of qkv), the
-    keys and values padded to whole blocks (copies, a C each), and the chosen block indices (int64, topk per
-    head and position). The gathered keys and values of one chunk (at most 2 GATHERED_PER_CALL elements) exist
-    only while that chunk runs or is recomputed, and are not counted. The dense backend is the n x n
-    reference: no estimate."""
-    C, H, D, a, tokens = m.n_embd, m.n_head, m.head_dim, k.act, B * T
-    if mixer.kernel is not moba_gathered:
-        raise ValueError("no memory model for moba's dense reference (n x n scores): use attn_backend=auto")
-    saved = {"c_attn input": tokens * linear_inputs(k, 1, C)}
-    if mixer.rope_theta is not None:
-        saved["q after RoPE"] = a * C * tokens
-        saved["RoPE cos/sin tables"] = rope_tables(T, D)
-    else:
-        saved["qkv"] = 3 * a * C * tokens
-    saved["k, v padded to whole blocks"] = 2 * a * B * C * padded(T, mixer.block)
-    saved["chosen blocks (int64)"] = 8 * B * H * T * mixer.topk
-    saved["merged heads"] = a * C * tokens
-    return saved, a * tokens * 5 * C  # c_attn's and c_proj's outputs, the chunks' joined output
-
-
-# the estimate of each mixer family, most specific class first (sa and the bridges are MaskedAttention too)
-ESTIMATES = ((StochasticAttention, stochastic_saved), (BridgedBlockAttention, bridge_saved),
-             (MaskedAttention, attention_saved), (MLSTMLayer, mlstm_saved), (GatedDeltaNet, gated_deltanet_saved),
-             (TaylorLinearAttention, linear_attention_saved), (MixtureOfBlockAttention, moba_saved))
-
-
-def mixer_saved(mixer, m: ModelConfig, k: Kernels, B: int, T: int):
-    """The mixer family's estimate (each function above derives its own)."""
-    for family, saved in ESTIMATES:
-        if isinstance(mixer, family):
-            return saved(mixer, m, k, B, T)
-    raise ValueError(f"no memory model for the {type(mixer).__name__} mixer: add one to scripts/plan_memory.py")
-
-
 def block_activations(block, m: ModelConfig, k: Kernels, B: int, T: int) -> LayerActivations:
     """A block x + mixer(norm(x)), then + mlp(norm(x)): the residual stream is float32 under autocast (the
     embedding's output is, and bf16 + float32 is float32), and the two norms keep their inputs, the block
@@ -501,7 +173,7 @@ def block_activations(block, m: ModelConfig, k: Kernels, B: int, T: int) -> Laye
     C, tokens = m.n_embd, B * T
     saved = {"residual stream (fp32, block input and mid-block sum)": 2 * F32 * C * tokens,
              "norm statistics": 2 * norm_saved(m, k, tokens)}
-    mixer, mixer_matmuls = mixer_saved(block.mixer, m, k, B, T)
+    mixer, mixer_matmuls = block.mixer.saved_activations(m, k, B, T)  # the variant's own (attention/*.py)
     saved.update(mixer)
     saved.update(mlp_saved(m, k, tokens))
     if m.dropout > 0:
