@@ -28,8 +28,8 @@ import torch
 from attention.edges import AnyOf, BoundaryWindows, FixedBlock
 from attention.kernels import resolve_backend
 from attention.layer import MaskedAttention
-from attention.memory import F32, attention_saved, kernel_saved, linear_inputs, rope_tables, window_path_saved
 from attention.local import BLOCK_LEN
+from attention.memory import F32, attention_saved, kernel_saved, linear_inputs, rope_tables, window_path_saved
 from attention.registry import Setting, refuse_whole_context, register
 
 BRIDGE_WIDTH = Setting("bridge_width", int, 128, "bridge, pbb: w, the window [p - w/2, p + w/2) around each boundary p")
@@ -44,6 +44,13 @@ FUSIONS = ("branch", "union")
 class BridgedBlockAttention(MaskedAttention):
     kind = ""
     settings = MaskedAttention.settings + (BLOCK_LEN, BRIDGE_WIDTH, BRIDGE_FUSION)
+    check_variants = {"union": {"bridge_fusion": "union"}}  # one softmax over both paths (the paper's 7B probe)
+
+    @classmethod
+    def example_settings(cls, window):
+        if cls.kind == "se_bridge":
+            return {"block_len": window, "bridge_extension": max(1, window // 2)}
+        return {"block_len": window, "bridge_width": window}
 
     @classmethod
     def width(cls, config) -> int:

@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attention.registry import RecurrentMixer, Setting, chunk_loop_problem, register
 from attention.memory import F32, linear_inputs, padded
+from attention.registry import RecurrentMixer, Setting, chunk_loop_problem, register
 
 GDN_CHUNK = Setting("gdn_chunk", int, 64, "gated_deltanet: chunk length of the chunked (WY) training form")
 GDN_CONV_SIZE = Setting("gdn_conv_size", int, 4, "gated_deltanet: width of the short causal convolutions on q, k, v")
@@ -143,6 +143,33 @@ class GDNState:
 @register("gated_deltanet")
 class GatedDeltaNet(RecurrentMixer):
     settings = (GDN_CHUNK, GDN_CONV_SIZE, GDN_KERNEL)
+    gpu_kernel = ("gdn_kernel", "fla", "flash-linear-attention", "kernel fla")
+
+    def kernel_inputs(self, batch, seq_len, device, dtype, generator=None):
+        """q, k, v (B, H, n, D) and the decay and beta pre-activations (B, H, n)."""
+        def randn(*shape, scale=1.0, shift=0.0, type_=dtype):
+            return (torch.randn(shape, generator=generator, device=device, dtype=type_) * scale + shift)
+        shape = (batch, self.n_head, seq_len, self.head_dim)
+        q, k, v = randn(*shape), randn(*shape), randn(*shape)
+        g = randn(batch, self.n_head, seq_len, scale=0.5, shift=-3.0, type_=torch.float32)
+        beta = randn(batch, self.n_head, seq_len, type_=torch.float32)
+        return tuple(t.requires_grad_() for t in (q, k, v, g, beta))
+
+    def kernel(self, q, k, v, g, beta):
+        """The recurrence as the layer runs it: fla's chunk kernel where the layer would use it, else the built-in
+        chunked form (normalised q and k, float32 state)."""
+        decay, beta = -F.softplus(-g), torch.sigmoid(beta)
+        fla = self.fla_kernel_for(q.device, q.dtype)
+        if fla is not None:  # (B, T, H, D) layout; the kernel normalises q and k itself
+            layout = lambda t: t.transpose(1, 2).contiguous()  # noqa: E731
+            y, _ = fla(layout(q), layout(k), layout(v), layout(decay), layout(beta.to(v.dtype)),
+                       scale=self.head_dim ** -0.5, use_qk_l2norm_in_kernel=True)
+            return y.transpose(1, 2)
+        q, k = (F.normalize(t.float(), dim=-1, eps=1e-6) for t in (q, k))
+        return chunked_gated_delta_rule(q * self.head_dim ** -0.5, k, v.float(), decay, beta, chunk=self.chunk)[0]
+
+    def expected_graph_breaks(self, device, dtype):
+        return "fla's chunk kernel is torch.compiler.disable'd by fla" if self.fla_kernel_for(device, dtype) else ""
 
     @classmethod
     def check_config(cls, config):

@@ -31,10 +31,7 @@ import math
 import torch
 
 from attention.kernels import masked_attention
-from attention.layer import MaskedAttention
-from attention.moba import MixtureOfBlockAttention
 from attention.registry import build_mixer, validate_config
-from attention.stochastic import GatedStochasticSlidingAttention, StochasticAttention
 
 HF_ATTENTION = "efficient_attention"  # the name under which the function is registered in transformers
 HF_DECODE = ("full", "variant")
@@ -75,13 +72,9 @@ def use_variant_attention(model, hf_decode: str = "full", **settings) -> list:
     with torch.device("meta"):  # the mixers' own projections are never used: only their rules and kernels
         mixers = [build_mixer(config, i) for i in range(n_layer)]
     for i, mixer in enumerate(mixers):
-        trained = not isinstance(mixer, (MaskedAttention, MixtureOfBlockAttention)) \
-            or isinstance(mixer, GatedStochasticSlidingAttention) or mixer.gate is not None \
-            or any(True for _ in mixer.buffers())  # (recurrent mixers have no gate attribute: checked first)
-        if trained:
-            raise ValueError(f"layer {i}: {type(mixer).__name__} has parameters or state of its own that a pretrained "
-                             "model does not have: only attention under edge rules (full, swa, block, mswa, sa, "
-                             "bridge, pbb, se_bridge) and moba run inside a pretrained model's attention")
+        problem = mixer.pretrained_problem()  # the variant says whether it can run there (attention/registry.py)
+        if problem:
+            raise ValueError(f"layer {i}: {problem}")
         mixer.eval()
     layers = {}
     for module in model.modules():
@@ -126,11 +119,8 @@ def variant_attention(module, query, key, value, attention_mask, scaling=None, d
     else:  # decoding over a cache of n_key - n_query earlier positions
         pos = torch.arange(n_key - n_query, n_key, device=query.device)
         key_pos = torch.arange(n_key, device=query.device)
-        if hf_decode == "full" or isinstance(mixer, StochasticAttention):
+        if hf_decode == "full" or not mixer.supports_cache:  # sa redraws its edges: decoding is full attention
             y = masked_attention(query, key, value, key_pos[None, :] <= pos[:, None], pos, key_pos)
-        elif isinstance(mixer, MixtureOfBlockAttention):  # each new query chooses its blocks among the cache's
-            y = mixer.attend_over(query, key, value, pos)
-        else:
-            y = sum(masked_attention(query, key, value, rule.dense_mask(pos, key_pos, mixer.n_head), pos, key_pos,
-                                     mixer.score_mod(query.device), mixer.activation) for rule in mixer.paths())
+        else:  # the variant's own cached step (moba: each new query chooses its blocks among the cache's)
+            y = mixer.attend_cached(query, key, value, pos, key_pos)
     return y.transpose(1, 2).contiguous(), None

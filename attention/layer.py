@@ -63,6 +63,16 @@ class Attention(Mixer):
     def attend(self, q, k, v, pos, cache, plan=None):
         raise NotImplementedError
 
+    def kernel_inputs(self, batch, seq_len, device, dtype, generator=None):
+        shape = (batch, self.n_head, seq_len, self.head_dim)
+        return tuple(torch.randn(shape, generator=generator, device=device, dtype=dtype).requires_grad_()
+                     for _ in range(3))
+
+    def kernel(self, q, k, v):
+        """attend() at positions 0.. with the plan GPT.forward would make (sa draws its permutation here)."""
+        B, _, T, _ = q.shape
+        return self.attend(q, k, v, torch.arange(T, device=q.device), None, self.plan(B, T, q.device))
+
 
 def merge_heads(y):
     B, H, T, D = y.shape
@@ -111,7 +121,6 @@ class MaskedAttention(Attention):
 
     def attend(self, q, k, v, pos, cache, plan=None):
         """The sum of attention under each of the paths' rules, each normalised on its own."""
-        rules = self.paths()
         dropout_p = self.dropout if self.training else 0.0
         if cache is None or (cache.empty and q.shape[2] > 1):  # training, or a prompt's first pass (from 0)
             plan = plan or self.plan(q.shape[0], q.shape[2], q.device, 0 if cache is None else int(pos[0]))
@@ -120,8 +129,28 @@ class MaskedAttention(Attention):
                 cache.update(k, v, pos)
             return y
         keys, values, key_pos = cache.update(k, v, pos)
+        return self.attend_cached(q, keys, values, pos, key_pos)
+
+    def attend_cached(self, q, keys, values, pos, key_pos):
+        """New queries at positions pos over cached keys at key_pos (-1: an empty slot): generation's step, here
+        and inside a pretrained model (attention/hf.py)."""
         return sum(masked_attention(q, keys, values, rule.dense_mask(pos, key_pos, self.n_head) & (key_pos >= 0),
-                                    pos, key_pos, self.score_mod(q.device), self.activation) for rule in rules)
+                                    pos, key_pos, self.score_mod(q.device), self.activation) for rule in self.paths())
+
+    def edge_rule(self) -> EdgeRule:
+        """Every edge of the layer as one rule (the union of its paths): for coverage and reachability."""
+        from attention.edges import AnyOf
+
+        paths = self.paths()
+        return paths[0] if len(paths) == 1 else AnyOf(paths)
+
+    def head_windows(self):
+        return self.rule.head_windows(self.n_head)
+
+    def pretrained_problem(self):
+        if self.gate is not None or any(True for _ in self.buffers()):
+            return super().pretrained_problem()
+        return ""
 
     def init_cache(self, batch_size, max_len, device, dtype):
         lookback = self.rule.lookback

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attention.registry import RecurrentMixer, Setting, register
 from attention.memory import F32, linear_inputs, padded, rope_tables
+from attention.registry import RecurrentMixer, Setting, register
 
 LINEAR_FEATURE_DIM = Setting("linear_feature_dim", int, 16, "linear: q/k feature dimension of Taylor linear attention "
                              "(paper 002)")
@@ -92,6 +92,17 @@ def recurrent_linear_attention(q, k, v, state=None):
 @register("linear")
 class TaylorLinearAttention(RecurrentMixer):
     settings = (LINEAR_FEATURE_DIM, LINEAR_CHUNK)
+
+    def kernel_inputs(self, batch, seq_len, device, dtype, generator=None):
+        """q, k (B, H, n, feature_dim) and v (B, H, n, D)."""
+        def randn(*shape):
+            return torch.randn(shape, generator=generator, device=device, dtype=dtype).requires_grad_()
+        return (randn(batch, self.n_head, seq_len, self.feature_dim),
+                randn(batch, self.n_head, seq_len, self.feature_dim), randn(batch, self.n_head, seq_len, self.head_dim))
+
+    def kernel(self, q, k, v):
+        compute = torch.promote_types(q.dtype, torch.float32)
+        return chunked_linear_attention(q.to(compute), k.to(compute), v.to(compute), None, self.chunk)[0]
 
     @classmethod
     def check_config(cls, config):

@@ -37,6 +37,10 @@ class SlidingWindowAttention(MaskedAttention):
             raise ValueError(f"swa_window={config.swa_window}: must be >= 1")
         refuse_whole_context(config, "swa_window", config.swa_window, "the window reaches back over")
 
+    @classmethod
+    def example_settings(cls, window):
+        return {"swa_window": window}
+
     def __init__(self, config, layer_idx):
         super().__init__(config, layer_idx, SlidingWindow(config.swa_window))
 
@@ -59,6 +63,10 @@ class BlockAttention(MaskedAttention):
         if config.block_len < 1:
             raise ValueError(f"block_len={config.block_len}: must be >= 1")
         refuse_whole_context(config, "block_len", config.block_len, "one block holds")
+
+    @classmethod
+    def example_settings(cls, window):
+        return {"block_len": window}
 
     def __init__(self, config, layer_idx):
         super().__init__(config, layer_idx, FixedBlock(config.block_len))

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attention.registry import RecurrentMixer, Setting, chunk_loop_problem, register
 from attention.memory import F32, linear_inputs, padded
+from attention.registry import RecurrentMixer, Setting, chunk_loop_problem, register
 
 MLSTM_N_HEAD = Setting("mlstm_n_head", int, 8, "mlstm: heads of the matrix memory, independent of n_head (xLSTM 7B's "
                        "8: q/k 256, v 512 at d=4096)")
@@ -250,6 +250,23 @@ def mlstm_sequence(q, k, v, i, f, state=None, chunk: int = 64, kernel: str = "au
 @register("mlstm")
 class MLSTMLayer(RecurrentMixer):
     settings = (MLSTM_N_HEAD, MLSTM_QK_DIM_FACTOR, MLSTM_GATE_SOFT_CAP, MLSTM_CHUNK, MLSTM_KERNEL)
+    gpu_kernel = ("mlstm_kernel", "triton", "mlstm_kernels", "kernel triton")
+
+    def kernel_inputs(self, batch, seq_len, device, dtype, generator=None):
+        """q, k, v as the layer's projections give them and the gate pre-activations near their
+        initialisation (input -10, forget 3..6), where the stabiliser matters most."""
+        def randn(*shape, scale=1.0, shift=0.0, type_=dtype):
+            return (torch.randn(shape, generator=generator, device=device, dtype=type_) * scale + shift)
+        H, dk = self.n_head, self.qk_dim // self.n_head
+        q, k = randn(batch, H, seq_len, dk), randn(batch, H, seq_len, dk)
+        v = randn(batch, H, seq_len, self.v_head_dim)
+        i = randn(batch, H, seq_len, scale=2.0, shift=-10.0, type_=torch.float32)
+        f = randn(batch, H, seq_len, shift=4.0, type_=torch.float32)
+        return tuple(t.requires_grad_() for t in (q, k, v, i, f))
+
+    def kernel(self, q, k, v, i, f):
+        kernel = "triton" if self.triton and q.is_cuda else "native"
+        return mlstm_sequence(q, k, v, i, f, chunk=self.chunk, kernel=kernel, need_state=False)[0]
 
     @classmethod
     def check_config(cls, config):

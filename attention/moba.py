@@ -25,8 +25,8 @@ from torch.utils.checkpoint import checkpoint
 from attention.cache import KVCache
 from attention.edges import chosen_block_edges
 from attention.kernels import BACKENDS, masked_attention
-from attention.memory import linear_inputs, padded, rope_tables
 from attention.layer import Attention
+from attention.memory import linear_inputs, padded, rope_tables
 from attention.registry import MAX_COMPILED_CHUNKS, Setting, refuse_whole_context, register
 
 # each query reads the moba_topk key blocks of moba_block positions scoring best against it, its own block among
@@ -110,6 +110,16 @@ class MixtureOfBlockAttention(Attention):
     its own block included."""
 
     settings = ("attn_backend", MOBA_BLOCK, MOBA_TOPK)
+
+    @classmethod
+    def example_settings(cls, window):
+        return {"moba_block": max(8, window // 2), "moba_topk": 2}
+
+    def pretrained_problem(self):
+        return ""  # no parameters of its own: the block choice reads the model's own q and k
+
+    def attend_cached(self, q, keys, values, pos, key_pos):
+        return self.attend_over(q, keys, values, pos)
 
     @classmethod
     def check_config(cls, config):

@@ -75,6 +75,11 @@ class MultiScaleWindowAttention(MaskedAttention):
                              f"Use block_size > {longest} (e.g. {2 * longest}, with fewer sequences per step) or a "
                              "smaller swa_window")
 
+    @classmethod
+    def example_settings(cls, window):
+        # four depth groups of layers; windows reach 4x the base, so half of `window` keeps them near it
+        return {"swa_window": max(4, window // 2), "n_layer": 4}
+
     def __init__(self, config, layer_idx):
         super().__init__(config, layer_idx, HeadWindows(mswa_windows(config, layer_idx)))
 

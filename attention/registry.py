@@ -123,6 +123,48 @@ class Mixer(nn.Module):
         layer through any head (the union of its edges; all causal pairs for recurrent mixers)."""
         raise NotImplementedError
 
+    # ---- what the tools need (tests, benchmarks, the compile and GPU checks, memory planning, the Hugging Face
+    # adapter, score accounting): defaults here, a variant overrides what differs ------------------------------
+
+    # cases the checks run besides a mixer's example settings: label -> settings (e.g. the bridges' union fusion)
+    check_variants: dict = {}
+    # a GPU kernel the mixer trains with when installed: (setting, the value that demands it, its package, the text
+    # the layer's describe() line then shows); scripts/gpu_check.py runs it and checks that it is used
+    gpu_kernel: tuple | None = None
+
+    @classmethod
+    def example_settings(cls, window: int) -> dict:
+        """Settings (ModelConfig keys, n_layer among them where the variant needs a depth) of a small model of
+        this mixer whose windows and blocks are about `window` positions: the tools' small models."""
+        return {}
+
+    def kernel_inputs(self, batch: int, seq_len: int, device, dtype, generator=None) -> tuple:
+        """Random inputs (requiring grad) of the token-mixing kernel at this length: what kernel() takes."""
+        raise NotImplementedError(f"{type(self).__name__} does not expose its kernel")
+
+    def kernel(self, *inputs) -> torch.Tensor:
+        """The token-mixing kernel as the layer computes it (no projections) on kernel_inputs' tensors: what
+        scripts/bench_attention.py times and the GPU check compares across backends."""
+        raise NotImplementedError(f"{type(self).__name__} does not expose its kernel")
+
+    def expected_graph_breaks(self, device, dtype) -> str:
+        """Why compiling this layer breaks its graph by design on this device and dtype ("" when it must not)."""
+        return ""
+
+    def head_windows(self) -> list[int] | None:
+        """The window of each head, for sliding-window mixers (summed-window cost accounting)."""
+        return None
+
+    def write_back_coverage(self, seq_len: int) -> int | None:
+        """Positions given an auxiliary path's output (paper 004's bridges); None for mixers without one."""
+        return None
+
+    def pretrained_problem(self) -> str:
+        """Why this mixer cannot run inside a pretrained transformer's attention (attention/hf.py), "" when it
+        can: it must be attention with no parameters or state of its own."""
+        return (f"{type(self).__name__} has parameters or state of its own that a pretrained model does not have: "
+                "only attention under edge rules (and moba) runs inside a pretrained model's attention")
+
     def saved_activations(self, config, kernels, B: int, T: int) -> tuple[dict[str, int], int]:
         """What this layer's mixer keeps for backward over a micro-batch of B x T tokens, in bytes, on the kernels
         of `kernels` (attention/memory.py: Kernels): (saved tensors by name, the part selective checkpointing
@@ -217,6 +259,24 @@ def layer_names(config) -> list[str]:
     if config.n_layer % len(pattern):
         raise ValueError(f"attn_pattern has {len(pattern)} entries, which does not divide n_layer={config.n_layer}")
     return pattern * (config.n_layer // len(pattern))
+
+
+def example_cases(window: int) -> dict[str, dict]:
+    """The tools' small models, one per registered mixer (and per each of its check_variants, named
+    MIXER_LABEL, and per pattern alias): case name -> settings, attn_pattern and each mixer's
+    example_settings(window) among them. Tests, benchmarks, the compile and GPU checks all take their cases
+    from here, so a new variant is in every one of them."""
+    cases = {}
+    for name, cls in MIXERS.items():
+        cases[name] = {"attn_pattern": name, **cls.example_settings(window)}
+        for label, extra in cls.check_variants.items():
+            cases[f"{name}_{label}"] = {**cases[name], **extra}
+    for alias, pattern in PATTERN_ALIASES.items():
+        settings = {"attn_pattern": alias}
+        for name in pattern.split(","):
+            settings.update(MIXERS[name].example_settings(window))
+        cases[alias] = settings
+    return cases
 
 
 def used_settings(config) -> set[str]:

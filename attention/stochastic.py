@@ -31,9 +31,9 @@ from torch import nn
 from attention.edges import PermutedWindow, SlidingWindow, StochasticWindow, stochastic_halo
 from attention.kernels import AttentionPlan, attend_planned, plan_attention, resolve_backend
 from attention.layer import MaskedAttention, merge_heads
-from attention.memory import F32, kernel_saved, linear_inputs, rope_tables
 from attention.local import SWA_WINDOW
-from attention.registry import Setting, refuse_whole_context, register
+from attention.memory import F32, kernel_saved, linear_inputs, rope_tables
+from attention.registry import Mixer, Setting, refuse_whole_context, register
 
 SA_MODE = Setting("sa_mode", str, "stochastic", "sa at inference: a fresh permutation every forward | deterministic "
                   "(fixed per layer)")
@@ -146,6 +146,13 @@ class StochasticAttention(MaskedAttention):
 
     native_gqa = False  # its attend() permutes one k/v head per query head
     settings = MaskedAttention.settings + (SWA_WINDOW, SA_MODE, SA_SHARED_BATCH, SA_SEED)
+
+    @classmethod
+    def example_settings(cls, window):
+        return {"swa_window": window}
+
+    def head_windows(self):
+        return None  # its windows are over permuted slots, not recent positions
 
     supports_cache = False
     length_independent = False
@@ -284,6 +291,16 @@ class GatedStochasticSlidingAttention(StochasticAttention):
         y_sa = merge_heads(self.attend(q, k, v, pos, cache, sa_plans))
         y_swa = merge_heads(attend_planned(q, k, v, swa_plan, dropout_p))
         return torch.sigmoid(self.gate_sa(y_sa)) * y_sa + torch.sigmoid(self.gate_swa(y_swa)) * y_swa
+
+    def kernel(self, q, k, v):
+        """Both paths over the same q, k, v, summed (their gates are projections, left out)."""
+        B, _, T, _ = q.shape
+        pos = torch.arange(T, device=q.device)
+        sa_plans, swa_plan = self.plan(B, T, q.device)
+        return self.attend(q, k, v, pos, None, sa_plans) + attend_planned(q, k, v, swa_plan)
+
+    def pretrained_problem(self):
+        return Mixer.pretrained_problem(self)  # its two path gates are parameters of its own
 
     def describe(self):
         return f"sa + swa, window {self.window}, one sigmoid gate per path"

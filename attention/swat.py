@@ -102,6 +102,7 @@ class SigmoidWindowAttention(SlidingWindowAttention):
     """swa's window with SWAT's scores: sigmoid (or softmax), ALiBi slopes, optional RoPE and bias."""
 
     settings = SlidingWindowAttention.settings + (SWAT_ACTIVATION, SWAT_ROPE, SWAT_SLOPES, SWAT_SPLIT, SWAT_BIAS)
+    check_variants = {"softmax": {"swat_activation": "softmax"}}  # the ablations' counterpart
 
     @classmethod
     def check_config(cls, config):

@@ -19,22 +19,27 @@ Proposition 4 (SWA's and SE-Bridge's coverage sets are not nested) are checked b
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
 
-from attention.edges import AnyOf, BoundaryWindows, EdgeRule, FixedBlock, SlidingWindow
+from attention.edges import BoundaryWindows, EdgeRule, FixedBlock
 
 VARIANTS = ("block", "swa", "bridge", "pbb", "se_bridge")
 
 
 def rules(block: int, width: int, extension: int, context: int) -> dict[str, EdgeRule]:
-    """Each variant's edges in one layer (bridges in their union form: every edge either path has)."""
-    fixed = FixedBlock(block)
-    out = {"block": fixed, "swa": SlidingWindow(width)}
-    for kind in ("bridge", "pbb", "se_bridge"):
-        out[kind] = AnyOf((fixed, BoundaryWindows(kind, block, extension if kind == "se_bridge" else width, context)))
+    """Each variant's edges in one layer, as its mixer builds them (Mixer.edge_rule: bridges in their union
+    form, every edge either path has)."""
+    from attention.registry import build_mixer
+    from config import ModelConfig
+
+    settings = {"block_len": block, "swa_window": width, "bridge_width": width, "bridge_extension": extension}
+    out = {}
+    for name in VARIANTS:
+        config = ModelConfig(n_layer=1, n_head=1, n_embd=8, block_size=context, attn_pattern=name, **settings)
+        with torch.device("meta"):
+            out[name] = build_mixer(config, 0).edge_rule()
     return out
 
 

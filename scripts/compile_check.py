@@ -5,14 +5,15 @@
     python scripts/compile_check.py --backend=aot_eager      # Dynamo + AOTAutograd only: no code generation (fast)
     python scripts/compile_check.py --json=out/compile_check.json
 
-Every registered mixer is checked, plus `swax` (swa and mlstm layers, the sliding window switched between
-steps as stochastic window training does) and `pbb_union` (pbb with bridge_fusion=union). Each case builds a
-2-layer llama model (4 for the MSWA family: its depth groups), compiles every block on its own
-(parallelize.compile_blocks), runs 3 training steps (sa draws a new permutation at every one) and one
+Every case of the mixer registry is checked (attention/registry.py: example_cases: each registered mixer with
+its example settings, each of its check_variants such as pbb_union, and each pattern alias such as swax). Each
+case builds a 2-layer llama model (or the depth the mixer's example settings ask for), compiles every block on
+its own (parallelize.compile_blocks), runs 3 training steps (sa draws a new permutation at every one; a model
+with sliding windows switches its window between steps, as stochastic window training does) and one
 evaluation forward, as train.py does, then reads torch._dynamo's counters:
 
-  graph breaks   every break is a failure, except one the case expects (fla's Gated DeltaNet kernel, which
-                 fla itself keeps out of compiled graphs)
+  graph breaks   every break is a failure, except one a layer expects (Mixer.expected_graph_breaks: fla's
+                 Gated DeltaNet kernel, which fla itself keeps out of compiled graphs)
   graphs         compiled graphs against those expected: one per distinct Mixer.compile_key (layers with equal
                  keys share a graph; a window switch is a new key) in training and one per key in evaluation
                  (grad mode and dropout differ); more is an unexpected recompile, a failure
@@ -32,20 +33,17 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from attention import MIXERS  # noqa: E402
-from attention.gated_deltanet import GatedDeltaNet  # noqa: E402
+from attention.registry import example_cases, has_window_layers  # noqa: E402
 from config import ConfigError, ModelConfig, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
 from model import GPT  # noqa: E402
 from parallelize import compile_blocks  # noqa: E402
 
-# extra cases beyond the registered names: (attn_pattern, model overrides, the window of each training step)
-EXTRA_CASES = {"swax": ("swax", {}, (32, 16, 32)), "pbb_union": ("pbb", {"bridge_fusion": "union"}, None)}
-MSWA_FAMILY = ("mswa", "mswa_h", "mswa_l")
+WINDOW = 32  # the cases' windows and blocks (example_cases)
 
 
 @dataclass
 class CheckConfig:
-    mixers: str = ""  # comma-separated cases; default: every registered mixer plus swax and pbb_union
+    mixers: str = ""  # comma-separated cases; default: every case of the registry (example_cases)
     device: str = "auto"  # auto: cuda when available
     backend: str = "inductor"  # torch.compile backend: inductor (as training) | aot_eager (no code generation)
     dtype: str = "auto"  # auto: bfloat16 autocast on CUDA, float32 on CPU (as train.py)
@@ -57,7 +55,7 @@ class CheckConfig:
 def parse(argv) -> CheckConfig:
     c = CheckConfig()
     apply_args(c, argv, dataclass_fields(CheckConfig))
-    known = [*MIXERS, *EXTRA_CASES]
+    known = list(example_cases(WINDOW))
     unknown = [name for name in c.mixers.split(",") if name and name not in known]
     if unknown:
         raise ConfigError(f"unknown mixer(s) {', '.join(unknown)}: expected some of {', '.join(known)}")
@@ -67,10 +65,12 @@ def parse(argv) -> CheckConfig:
 
 
 def case_config(name: str, block_size: int) -> tuple[ModelConfig, tuple | None]:
-    pattern, overrides, windows = EXTRA_CASES.get(name, (name, {}, None))
-    cfg = ModelConfig(arch="llama", n_layer=4 if name in MSWA_FAMILY else 2, n_head=4, n_embd=64, bias=False,
-                      block_size=block_size, vocab_size=128, attn_pattern=pattern, swa_window=32, block_len=64,
-                      bridge_width=32, bridge_extension=16, **overrides)
+    """The case's model and, for a model with sliding windows, the window of each training step (switched, as
+    stochastic window training does)."""
+    settings = dict(example_cases(WINDOW)[name])
+    cfg = ModelConfig(**{"arch": "llama", "n_layer": 2, "n_head": 4, "n_embd": 64, "bias": False,
+                         "block_size": block_size, "vocab_size": 128, **settings})
+    windows = (cfg.swa_window, cfg.swa_window // 2, cfg.swa_window) if has_window_layers(cfg) else None
     return cfg, windows
 
 
@@ -111,9 +111,7 @@ def check(name: str, c: CheckConfig, device: torch.device, dtype: torch.dtype) -
     with torch.no_grad(), autocast:
         model(x[:, :-1], x[:, 1:])
     breaks = dict(counters["graph_break"])
-    expected_breaks = ""
-    if any(isinstance(b.mixer, GatedDeltaNet) and b.mixer.fla_kernel_for(device, dtype) for b in model.blocks):
-        expected_breaks = "fla's chunk kernel is torch.compiler.disable'd by fla"
+    expected_breaks = "; ".join(sorted({b.mixer.expected_graph_breaks(device, dtype) for b in model.blocks} - {""}))
     graphs = len(compiled_graphs)
     unexpected_graphs = max(0, graphs - len(keys)) if not expected_breaks else 0
     clean = (not breaks or bool(expected_breaks)) and unexpected_graphs == 0 and all(map(_finite, losses))
@@ -132,7 +130,7 @@ def main(argv):
     device = torch.device(c.device if c.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype_name = c.dtype if c.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     dtype = getattr(torch, dtype_name)
-    names = [n for n in c.mixers.split(",") if n] or [*MIXERS, *EXTRA_CASES]
+    names = [n for n in c.mixers.split(",") if n] or list(example_cases(WINDOW))
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"compile check: {where}; backend {c.backend}; {dtype_name}; torch {torch.__version__}", flush=True)
     print(f"{'mixer':<16}{'graphs':>8}{'expected':>10}{'breaks':>8}{'recompiles':>12}{'seconds':>9}  status")

@@ -36,19 +36,19 @@ def layer_stats(model, seq_len: int, swa_window: int) -> list[dict]:
         except NotImplementedError:
             rows.append({"layer": i, "mixer": type(mixer).__name__, "heads": None})
             continue
-        rule = getattr(mixer, "rule", None)
-        windows = rule.head_windows(len(heads)) if rule is not None else None
+        windows = mixer.head_windows()
         computed = sum(c for c, _ in heads) / len(heads)
         edges = sum(e for _, e in heads) / len(heads)
         rows.append({
-            "layer": i, "mixer": type(mixer).__name__, "rule": repr(getattr(mixer, "rule", None)),
+            "layer": i, "mixer": type(mixer).__name__, "rule": repr(mixer.edge_rule()) if hasattr(mixer, "edge_rule")
+            else None,
             "heads": [{"head": h, "scores": c, "edges": e} for h, (c, e) in enumerate(heads)],
             "scores_per_head": computed, "edges_per_head": edges,
             "scores_vs_full": computed / full, "scores_vs_swa": computed / swa,
             "edges_vs_full": edges / full, "edges_vs_swa": edges / swa,
             "head_windows": windows, "describe": mixer.describe(),
             # positions given a bridge output (branch variants of paper 004)
-            "write_back": mixer.write_back_coverage(seq_len) if hasattr(mixer, "write_back_coverage") else None,
+            "write_back": mixer.write_back_coverage(seq_len),
         })
     return rows
 
