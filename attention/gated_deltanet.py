@@ -155,7 +155,7 @@ class GatedDeltaNet(RecurrentMixer):
         beta = randn(batch, self.n_head, seq_len, type_=torch.float32)
         return tuple(t.requires_grad_() for t in (q, k, v, g, beta))
 
-    def kernel(self, q, k, v, g, beta):
+    def kernel_forward(self, q, k, v, g, beta):
         """The recurrence as the layer runs it: fla's chunk kernel where the layer would use it, else the built-in
         chunked form (normalised q and k, float32 state)."""
         decay, beta = -F.softplus(-g), torch.sigmoid(beta)

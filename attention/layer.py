@@ -68,7 +68,7 @@ class Attention(Mixer):
         return tuple(torch.randn(shape, generator=generator, device=device, dtype=dtype).requires_grad_()
                      for _ in range(3))
 
-    def kernel(self, q, k, v):
+    def kernel_forward(self, q, k, v):
         """attend() at positions 0.. with the plan GPT.forward would make (sa draws its permutation here)."""
         B, _, T, _ = q.shape
         return self.attend(q, k, v, torch.arange(T, device=q.device), None, self.plan(B, T, q.device))

@@ -100,7 +100,7 @@ class TaylorLinearAttention(RecurrentMixer):
         return (randn(batch, self.n_head, seq_len, self.feature_dim),
                 randn(batch, self.n_head, seq_len, self.feature_dim), randn(batch, self.n_head, seq_len, self.head_dim))
 
-    def kernel(self, q, k, v):
+    def kernel_forward(self, q, k, v):
         compute = torch.promote_types(q.dtype, torch.float32)
         return chunked_linear_attention(q.to(compute), k.to(compute), v.to(compute), None, self.chunk)[0]
 

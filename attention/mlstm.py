@@ -264,7 +264,7 @@ class MLSTMLayer(RecurrentMixer):
         f = randn(batch, H, seq_len, shift=4.0, type_=torch.float32)
         return tuple(t.requires_grad_() for t in (q, k, v, i, f))
 
-    def kernel(self, q, k, v, i, f):
+    def kernel_forward(self, q, k, v, i, f):
         kernel = "triton" if self.triton and q.is_cuda else "native"
         return mlstm_sequence(q, k, v, i, f, chunk=self.chunk, kernel=kernel, need_state=False)[0]
 

@@ -139,10 +139,10 @@ class Mixer(nn.Module):
         return {}
 
     def kernel_inputs(self, batch: int, seq_len: int, device, dtype, generator=None) -> tuple:
-        """Random inputs (requiring grad) of the token-mixing kernel at this length: what kernel() takes."""
+        """Random inputs (requiring grad) of the token-mixing kernel at this length: what kernel_forward() takes."""
         raise NotImplementedError(f"{type(self).__name__} does not expose its kernel")
 
-    def kernel(self, *inputs) -> torch.Tensor:
+    def kernel_forward(self, *inputs) -> torch.Tensor:
         """The token-mixing kernel as the layer computes it (no projections) on kernel_inputs' tensors: what
         scripts/bench_attention.py times and the GPU check compares across backends."""
         raise NotImplementedError(f"{type(self).__name__} does not expose its kernel")

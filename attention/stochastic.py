@@ -292,7 +292,7 @@ class GatedStochasticSlidingAttention(StochasticAttention):
         y_swa = merge_heads(attend_planned(q, k, v, swa_plan, dropout_p))
         return torch.sigmoid(self.gate_sa(y_sa)) * y_sa + torch.sigmoid(self.gate_swa(y_swa)) * y_swa
 
-    def kernel(self, q, k, v):
+    def kernel_forward(self, q, k, v):
         """Both paths over the same q, k, v, summed (their gates are projections, left out)."""
         B, _, T, _ = q.shape
         pos = torch.arange(T, device=q.device)

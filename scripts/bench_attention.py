@@ -1,4 +1,4 @@
-"""Forward + backward time and peak memory of attention variants against full causal SDPA.
+"""Forward + backward time and peak memory of the variants' token-mixing kernels against full causal SDPA.
 
     python scripts/bench_attention.py                                     # CPU: n = 1K..32K, B=1, H=8, d_h=64
     python scripts/bench_attention.py --device=cuda --batch=16 --heads=16 --dtype=bfloat16 --json=out/bench_gpu.json
@@ -6,18 +6,21 @@
     python scripts/bench_attention.py --variants=full,swa,sa,sa_swa --lengths=2048,4096,8192,16384,32768
     python scripts/bench_attention.py --variants=swa,swat,swat_softmax --lengths=4096,16384
     python scripts/bench_attention.py --variants=swa,mlstm,gated_deltanet --lengths=2048,4096,8192,16384
-    python scripts/bench_attention.py --variants=block,swa,bridge,pbb,se_bridge --window=128 --block=128
+    python scripts/bench_attention.py --variants=block,swa,bridge,pbb,se_bridge --window=128
+    python scripts/bench_attention.py --variants=swa,mlstm:mlstm_chunk=128               # a case with a setting
 
-Each variant runs its attention kernel (q, k, v -> output, the same dispatch the model's layers use, with
-`--backend`, default auto: flex on CUDA, chunked on CPU, SDPA for full) on random inputs; the projections,
-identical across variants, are left out (sa draws a fresh permutation and gathers / scatters inside each
-step, as its layer does; sa_swa runs both paths; swat is sigmoid attention with balanced ALiBi in the
-kernel, swat_softmax its softmax counterpart; mlstm and gated_deltanet run their chunkwise training forms, with
-q, k of head_dim / 2 for mlstm as in xLSTM 7B and random gates; bridge, pbb and se_bridge run block(--block)
-plus their bridge path, with w = --window and e = --window / 2, in the branch form). Time is the best of --repeats timed runs after one warmup (the least
-disturbed by other work on the machine; the JSON keeps every run). Peak
-memory is the extra memory a forward + backward takes: torch.cuda.max_memory_allocated on GPUs; on CPU each
-case runs in its own process and reports its resident-set high-water mark above the inputs.
+A variant is any case of the mixer registry (attention/registry.py: example_cases: every registered mixer with
+its example settings at --window, each of its check_variants such as swat_softmax or pbb_union), optionally
+followed by :KEY=VALUE model settings. Each runs the layer's own kernel (Mixer.kernel_inputs and Mixer.kernel_forward:
+q, k, v -> output, the same dispatch and plan the model's layers use, with `--backend`, default auto: flex on
+CUDA, block-sparse chunked on CPU, SDPA for full) on random inputs, the layer built as the last layer of a
+model of --heads heads of --head_dim (for MSWA the deepest, whose heads have windows w/4 .. 2w); the
+projections, identical across variants, are left out (sa draws a fresh permutation and gathers / scatters
+inside each step, as its layer does; sa_swa runs both paths; the recurrent mixers run their training forms on
+random gates). Time is the best of --repeats timed runs after one warmup (the least disturbed by other work on
+the machine; the JSON keeps every run). Peak memory is the extra memory a forward + backward takes:
+torch.cuda.max_memory_allocated on GPUs; on CPU each case runs in its own process and reports its resident-set
+high-water mark above the inputs.
 """
 
 import json
@@ -32,31 +35,25 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from attention.edges import (AnyOf, BoundaryWindows, Causal, FixedBlock, HeadWindows, PermutedWindow,  # noqa: E402
-                             SlidingWindow)
-from attention.gated_deltanet import chunked_gated_delta_rule, fla_chunk_kernel  # noqa: E402
-from attention.kernels import attend, resolve_backend  # noqa: E402
-from attention.mlstm import mlstm_sequence  # noqa: E402
-from attention.stochastic import stochastic_attention  # noqa: E402
-from attention.swat import AlibiBias, swat_slopes  # noqa: E402
+from attention.kernels import AttentionPlan  # noqa: E402
+from attention.registry import build_mixer, example_cases  # noqa: E402
 from checkpoint import write_json  # noqa: E402
-from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
+from config import (ConfigError, ModelConfig, apply_args, dataclass_fields, exit_on_config_error,  # noqa: E402
+                    set_value, validate)
 from machine import busy_note  # noqa: E402
 
 
 @dataclass
 class BenchConfig:
-    variants: str = "full,swa,block"
+    variants: str = "full,swa,block"  # cases of the registry, each optionally with :KEY=VALUE settings
     lengths: str = "1024,2048,4096,8192,16384,32768"
     batch: int = 1
     heads: int = 8
     head_dim: int = 64
-    window: int = 256  # swa(w)
-    block: int = 256  # block(b)
+    window: int = 256  # the windows and blocks of the cases (their example settings)
     dtype: str = "float32"
     device: str = "auto"
-    backend: str = "auto"  # for the variants; full always runs PyTorch's causal SDPA
-    chunk: int = 64  # mlstm, gated_deltanet: chunk length of the chunkwise form
+    backend: str = "auto"  # attn_backend of the attention variants; full always runs PyTorch's causal SDPA
     repeats: int = 5
     # CPU: glibc malloc keeps freed memory instead of unmapping blocks above its mmap threshold, so a step's
     # large temporaries are not page-faulted in afresh every time (on this project's VM that first touch
@@ -66,79 +63,46 @@ class BenchConfig:
     case: str = ""  # internal: run one "variant:n" case and print its JSON
 
 
-RECURRENT = ("mlstm", "gated_deltanet")  # linear-RNN mixers: no edge rule, O(n) chunkwise forms
-BRIDGES = ("bridge", "pbb", "se_bridge")
+def variant_config(spec: str, b: BenchConfig, n: int) -> ModelConfig:
+    """The model of a variant spec (CASE[:KEY=VALUE...]), checked as a training config is (n: the length)."""
+    from config import Config
+
+    name, *pairs = spec.split(":")
+    cases = example_cases(b.window)
+    if name not in cases:
+        raise ConfigError(f"unknown variant {name!r}: expected one of {', '.join(cases)} (the mixer registry's cases)")
+    settings = {"n_layer": 1, **cases[name]}
+    cfg = Config()
+    m = cfg.model
+    # a context far beyond n: kernels as at any training length (the bridges' boundaries all the way)
+    for key, value in {"n_head": b.heads, "n_embd": b.heads * b.head_dim, "block_size": 1 << 20, "arch": "llama",
+                       "bias": False, "vocab_size": 64, **settings}.items():
+        setattr(m, key, value)
+    if "attn_backend" in {f for f in dataclass_fields(ModelConfig)} and b.backend != "auto" and name != "full":
+        m.attn_backend = b.backend
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ConfigError(f"variant {spec!r}: settings are written CASE:KEY=VALUE")
+        set_value(m, key, value, dataclass_fields(ModelConfig))
+    validate(cfg)
+    return m
 
 
-def bridge_path(kind: str, b: "BenchConfig"):
-    return BoundaryWindows(kind, b.block, b.window // 2 if kind == "se_bridge" else b.window, 1 << 20)
-
-
-def rule_of(name: str, b: BenchConfig):
-    # mswa: the layer of an MSWA stack whose base window is w (heads w/4, w/2, w, 2w; summed windows 15/16 of swa)
-    quarter = b.heads // 4 or 1
-    mswa = HeadWindows(tuple(int(b.window * f) for f in (0.25, 0.5, 1, 2) for _ in range(quarter))[:b.heads])
-    # sa, sa_swa: the permuted-space band of stochastic attention (a fresh permutation every step)
-    rules = {"full": Causal(), "swa": SlidingWindow(b.window), "block": FixedBlock(b.block), "mswa": mswa,
-             "sa": PermutedWindow(torch.arange(2), b.window), "sa_swa": SlidingWindow(b.window),
-             "swat": SlidingWindow(b.window), "swat_softmax": SlidingWindow(b.window)}
-    for kind in BRIDGES:  # paper 004 (branch form: the block path plus the bridge path; w = window, e = window / 2)
-        rules[kind] = AnyOf((FixedBlock(b.block), bridge_path(kind, b)))
-    if name in RECURRENT:
-        return Causal()  # every earlier token reaches the state
-    if name not in rules:
-        raise ConfigError(f"unknown variant {name!r}: expected one of {', '.join([*rules, *RECURRENT])}")
-    return rules[name]
-
-
-def recurrent_of(name: str, b: BenchConfig, n: int, device, dtype):
-    """q, k, v -> output of a recurrent mixer's training form, with its gates as extra inputs: on CUDA the GPU
-    kernel the layer trains with when it is installed (mlstm_kernels' Triton mLSTM, fla's Gated DeltaNet), q, k,
-    v in their own dtype as the layer passes them under autocast."""
-    gate = lambda scale, shift: (torch.randn(b.batch, b.heads, n, device=device) * scale + shift).requires_grad_()
-    if name == "mlstm":  # input gates near their initialisation (bias -10), forget gates near 3..6
-        i, f = gate(2, -10), gate(1, 4)
-        half = b.head_dim // 2
-        return lambda q, k, v: mlstm_sequence(q[..., :half], k[..., :half], v, i, f, chunk=b.chunk,
-                                              need_state=False)[0]
-    g, beta = gate(0.5, -3), gate(1, 0)  # log decay softplus-shaped below 0, beta through a sigmoid
-    fla = fla_chunk_kernel() if torch.device(device).type == "cuda" else None
-
-    def gated_deltanet(q, k, v):
-        decay = -torch.nn.functional.softplus(-g)
-        if fla is not None:  # (B, T, H, D) layout; the kernel normalises q and k itself
-            layout = lambda t: t.transpose(1, 2).contiguous()  # noqa: E731
-            y, _ = fla(layout(q), layout(k), layout(v), layout(decay), layout(torch.sigmoid(beta).to(v.dtype)),
-                       scale=b.head_dim ** -0.5, use_qk_l2norm_in_kernel=True)
-            return y.transpose(1, 2)
-        q, k = (torch.nn.functional.normalize(t.float(), dim=-1) for t in (q, k))
-        return chunked_gated_delta_rule(q * b.head_dim ** -0.5, k, v.float(), decay, torch.sigmoid(beta),
-                                        chunk=b.chunk)[0]
-    return gated_deltanet
-
-
-def attention_of(name: str, b: BenchConfig, backend: str, device=None, n: int = 0, dtype=torch.float32):
-    """q, k, v -> output as the variant's layer computes it (sa draws its permutation inside the step)."""
-    if name in RECURRENT:
-        return recurrent_of(name, b, n, device, dtype)
-    rule = rule_of(name, b)
-
-    def sa(q, k, v):
-        order = torch.randperm(q.shape[2], device=q.device)
-        return stochastic_attention(q, k, v, order, b.window, backend)
-
-    if name == "sa":
-        return sa
-    if name == "sa_swa":  # both paths over the same q, k, v (their gates are projections, left out)
-        return lambda q, k, v: sa(q, k, v) + attend(q, k, v, rule, backend)
-    if name in BRIDGES:  # two separately normalised paths, summed (the layer's branch fusion)
-        paths = (FixedBlock(b.block), bridge_path(name, b))
-        return lambda q, k, v: sum(attend(q, k, v, path, backend) for path in paths)
-    if name in ("swat", "swat_softmax"):  # balanced ALiBi (half the heads each way) inside the kernel
-        alibi = AlibiBias(torch.tensor(swat_slopes(b.heads, "paper", ""), device=device), 0.0)
-        activation = "sigmoid" if name == "swat" else "softmax"
-        return lambda q, k, v: attend(q, k, v, rule, backend, score_mod=alibi, activation=activation)
-    return lambda q, k, v: attend(q, k, v, rule, backend)
+def backend_of(mixer, n: int, device) -> str:
+    """The kernels the mixer's plan picks at this length (attention under edge rules), else "native" (its own)."""
+    try:
+        plans = mixer.plan(1, n, device)
+    except Exception:
+        plans = None
+    stack, kernels = [plans], []
+    while stack:
+        item = stack.pop()
+        if isinstance(item, AttentionPlan):
+            kernels.append(item.kernel)
+        elif isinstance(item, (tuple, list)):
+            stack.extend(reversed(item))
+    return "+".join(dict.fromkeys(kernels)) or "native"
 
 
 def rss_kib() -> int:
@@ -147,19 +111,26 @@ def rss_kib() -> int:
 
 
 def run_case(name: str, n: int, b: BenchConfig, device: torch.device) -> dict:
-    rule = rule_of(name, b)
-    backend = "sdpa" if name == "full" else "chunked" if name in RECURRENT else resolve_backend(b.backend, rule, device)
+    m = variant_config(name, b, n)
     dtype = getattr(torch, b.dtype)
-    shape = (b.batch, b.heads, n, b.head_dim)
-    q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-    grad = torch.randn(shape, device=device, dtype=dtype)
+    with torch.device(device):
+        mixer = build_mixer(m, m.n_layer - 1)  # the last layer (MSWA's deepest)
+    mixer = mixer.to(device)
+    inputs = mixer.kernel_inputs(b.batch, n, device, dtype)
+    backend = backend_of(mixer, n, device)
+    grad = None
 
-    attention = attention_of(name, b, backend, device, n, dtype)
+    def attention(*tensors):
+        return mixer.kernel_forward(*tensors)
 
     def step():
-        out = attention(q, k, v)
+        nonlocal grad
+        out = attention(*inputs)
+        if grad is None:
+            grad = torch.randn_like(out)
         out.backward(grad)
-        q.grad = k.grad = v.grad = None
+        for t in inputs:
+            t.grad = None
 
     base = rss_kib() * 1024  # CPU: the inputs are allocated; the high-water mark above this is the step's
     step()  # warmup (and compilation, for flex)
@@ -186,7 +157,7 @@ def parse(argv) -> BenchConfig:
     b = BenchConfig()
     apply_args(b, argv, dataclass_fields(BenchConfig))
     for name in b.variants.split(","):
-        rule_of(name, b)
+        variant_config(name, b, max(int(x) for x in b.lengths.split(",")))
     if b.repeats < 1:
         raise ConfigError("repeats must be >= 1")
     if b.cpu_malloc not in ("keep", "default"):
@@ -204,8 +175,8 @@ def main(argv):
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
     if busy_note(torch.get_num_threads()):
         print(busy_note(torch.get_num_threads()))
-    print(f"device: {where}; B={b.batch} H={b.heads} d_h={b.head_dim} {b.dtype}; window {b.window}, "
-          f"block {b.block}; torch {torch.__version__}" + (f"; malloc {b.cpu_malloc}" if device.type == "cpu" else ""))
+    print(f"device: {where}; B={b.batch} H={b.heads} d_h={b.head_dim} {b.dtype}; window {b.window}; "
+          f"torch {torch.__version__}" + (f"; malloc {b.cpu_malloc}" if device.type == "cpu" else ""))
     results = []
     lengths = [int(x) for x in b.lengths.split(",")]
     for n in lengths:
