@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from attention.layer import MaskedAttention
+from attention.registry import MIXERS
 from conftest import REPO, load_script
 
 check = load_script("gpu_check")
@@ -36,13 +38,13 @@ def test_quick_cpu_check_runs_every_step_and_writes_the_report(tmp_path):
     assert gpu_tests["counts"] == {"passed": len(gpu_tests["tests"])} and len(gpu_tests["tests"]) >= 25
     backends = steps["backends"]["results"]
     assert len(backends["cases"]) == backends["expected_cases"] > 30
-    assert {c["family"] for c in backends["cases"]} >= {"swa", "mswa", "sa", "swat_sigmoid", "pbb_branch",
-                                                         "se_bridge_union"}
+    assert {c["family"] for c in backends["cases"]} >= {"swa", "mswa", "sa", "swat", "pbb", "se_bridge_union"}
     assert all(c["passed"] for c in backends["cases"])
     runs = {r["mixer"]: r for r in steps["train_runs"]["results"]["runs"]}
-    assert set(runs) == set(check.TRAIN_RUNS)
+    window = check.REDUCED["train_runs"]["window"]
+    assert set(runs) == set(check.train_runs(window)) >= set(MIXERS)  # every registered mixer trains
     trained = [r for r in runs.values() if r["status"] == "passed"]
-    assert {r["mixer"] for r in trained} == set(check.TRAIN_RUNS) - set(check.CUDA_ONLY_RUNS)
+    assert {r["mixer"] for r in trained} == set(check.train_runs(window)) - set(check.cuda_only_runs(window))
     assert all(r["val_loss_end"] < r["val_loss_start"] for r in trained)
     resume = steps["resume"]["results"]
     assert resume["bitwise"] and resume["compared_steps"] == list(range(resume["checkpoint_at"] + 1,
@@ -99,7 +101,7 @@ def test_plan_fits_20_minutes_on_one_h100_in_calls_under_10_minutes(tmp_path):
 
 def test_riskiest_steps_and_runs_come_first():
     assert check.STEPS[:3] == ("preflight", "gpu_tests", "train_runs")
-    assert list(check.TRAIN_RUNS)[:3] == ["swax", "swax_gdn", "swax_fsdp"]  # the Triton mLSTM, fla, FSDP
+    assert list(check.train_runs(64))[:3] == ["swax", "swax_gdn", "swax_fsdp"]  # the Triton mLSTM, fla, FSDP
 
 
 def test_gpu_tests_are_selected_by_marker_never_by_name():
@@ -169,5 +171,13 @@ def test_recurrent_runs_name_their_gpu_kernel_on_cuda_and_must_show_it_in_use():
     used = "  layers 1, 3: mLSTM: 8 heads, q/k 32 and v 64 per head, chunk 64, kernel triton (mlstm_kernels, ...)"
     assert check.kernel_use_problem(options, "model: ...\n" + used) == ""
     fallback = used.replace("kernel triton (mlstm_kernels, ...)", "kernel native")
-    assert "do not report 'kernel triton'" in check.kernel_use_problem(options, fallback)
-    assert "no such layer line" in check.kernel_use_problem(options, "model: ...")
+    assert "no mlstm layer reports 'kernel triton'" in check.kernel_use_problem(options, fallback)
+
+
+def test_the_checks_cover_every_registered_mixer():
+    # no list of variants in the check: its runs and backend families come from the registry's cases
+    window = check.REDUCED["train_runs"]["window"]
+    assert set(MIXERS) <= set(check.train_runs(window))
+    attention = {name for name, cls in MIXERS.items() if issubclass(cls, MaskedAttention)}
+    assert attention <= set(check.backend_families())
+    assert {kernel[2] for kernel in check.gpu_kernel_mixers().values()} == {"mlstm_kernels", "flash-linear-attention"}
