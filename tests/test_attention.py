@@ -427,3 +427,28 @@ def test_eager_flex_runs_compiled_even_where_the_caller_forces_eager(monkeypatch
     torch.testing.assert_close(out, dense_attention(q, k, v, SlidingWindow(32), torch.arange(200)), atol=1e-5,
                                rtol=1e-4)
     torch._dynamo.reset()
+
+
+def test_no_registered_variant_builds_an_n_by_n_tensor_on_its_training_path():
+    # every mixer under a static edge rule other than plain causal attention (and every recurrent mixer), as its
+    # layer runs it (Mixer.kernel_forward: the plan and kernel training uses), forward and backward; sa's
+    # permuted band has its own test (tests/test_sa.py)
+    from attention.registry import MIXERS, RecurrentMixer, build_mixer, example_cases
+
+    n, checked = 8192, []
+    for name, settings in example_cases(128).items():
+        if name not in MIXERS:
+            continue
+        cfg = ModelConfig(**{"arch": "llama", "n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": n, "bias": False,
+                             **settings})
+        layer = build_mixer(cfg, cfg.n_layer - 1)
+        rule = layer.edge_rule() if hasattr(layer, "edge_rule") else None
+        static = rule is not None and rule.static and type(rule) is not Causal
+        if not (static or isinstance(layer, RecurrentMixer)):
+            continue  # plain causal attention (SDPA); rules drawn per forward or chosen by the data (sa, moba)
+        inputs = layer.kernel_inputs(1, n, "cpu", torch.float32)
+        with LargestTensor() as largest:
+            layer.kernel_forward(*inputs).sum().backward()
+        assert largest.numel < n * n // 8 and sum(size >= n // 8 for size in largest.shape) <= 1, (name, largest.shape)
+        checked.append(name)
+    assert {"swa", "block", "mswa", "swat", "pbb", "se_bridge", "mlstm", "gated_deltanet", "linear"} <= set(checked)

@@ -1,0 +1,156 @@
+"""A new attention variant is one file: a module dropped into attention/ (here a copy of the repository's, with no
+other file edited) is trained, sampled with its cache, benchmarked, compile-checked, memory-planned, counted,
+run inside a small Hugging Face model, and its kernels equal the dense reference forward and backward without an
+n x n tensor on the training path: everything through the registry."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+# the whole variant: a rule with unbounded lookback (a window plus a few global keys, which its key_ranges name),
+# a registered mixer, and one setting of its own with a check
+VARIANT = '''"""sinkwin: a sliding window plus the first sink_keys positions (attention sinks)."""
+
+from dataclasses import dataclass
+
+from attention.edges import EdgeRule, window_edges
+from attention.layer import MaskedAttention
+from attention.local import SWA_WINDOW
+from attention.registry import Setting, at_least, refuse_whole_context, register
+
+SINK_KEYS = Setting("sink_keys", int, 4, "sinkwin: the first positions every query sees", check=at_least(1))
+
+
+@dataclass(frozen=True)
+class WindowAndSinks(EdgeRule):
+    window: int = 256
+    sinks: int = 4
+
+    def allowed(self, q, k, h=None):
+        return window_edges(q, k, self.window) | ((k <= q) & (k < self.sinks))
+
+    def key_ranges(self, q_lo, q_hi):
+        return [(0, self.sinks), (q_lo - self.window + 1, q_hi)]
+
+
+@register("sinkwin")
+class SinkWindowAttention(MaskedAttention):
+    settings = MaskedAttention.settings + (SWA_WINDOW, SINK_KEYS)
+
+    @classmethod
+    def check_config(cls, config):
+        super().check_config(config)
+        refuse_whole_context(config, "swa_window", config.swa_window, "the window reaches back over")
+
+    @classmethod
+    def example_settings(cls, window):
+        return {"swa_window": window, "sink_keys": 4}
+
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx, WindowAndSinks(config.swa_window, config.sink_keys))
+'''
+
+# run inside the copy: the kernels against dense (forward and backward), cached generation, no n x n tensor
+CHECKS = '''
+import torch
+from attention.kernels import attend, dense_attention
+from attention.registry import MIXERS
+from config import ModelConfig
+from model import GPT
+from tests.test_attention import LargestTensor
+
+rule = MIXERS["sinkwin"](ModelConfig(n_layer=1, n_head=2, n_embd=32, swa_window=16, sink_keys=3,
+                                     attn_pattern="sinkwin"), 0).rule
+assert rule.lookback is None
+g = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(2, 2, 100, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+probe = torch.randn(2, 2, 100, 16, generator=g, dtype=torch.float64)
+ref = dense_attention(q, k, v, rule, torch.arange(100))
+ref_grads = torch.autograd.grad(ref, (q, k, v), probe)
+for backend in ("chunked", "auto"):
+    out = attend(q, k, v, rule, backend)
+    torch.testing.assert_close(out, ref)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), probe), ref_grads):
+        torch.testing.assert_close(a, b)
+with torch.no_grad():
+    torch.testing.assert_close(attend(q.float(), k.float(), v.float(), rule, "flex"), ref.float(), atol=1e-5, rtol=1e-4)
+torch.manual_seed(0)
+model = GPT(ModelConfig(arch="llama", n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=61, bias=False,
+                        attn_pattern="sinkwin", swa_window=8, sink_keys=2)).eval()
+prompt = torch.randint(0, 61, (2, 20))
+assert torch.equal(model.generate(prompt, 30, temperature=0, use_cache=True),
+                   model.generate(prompt, 30, temperature=0, use_cache=False))
+n = 8192
+layer = MIXERS["sinkwin"](ModelConfig(n_layer=1, n_head=1, n_embd=16, block_size=n, swa_window=128, sink_keys=4,
+                                      attn_pattern="sinkwin"), 0)
+x = [torch.randn(1, 1, n, 16, requires_grad=True) for _ in range(3)]
+with LargestTensor() as largest:
+    layer.kernel_forward(*x).sum().backward()
+assert largest.numel < n * n // 16 and sum(size >= n for size in largest.shape) <= 1, largest.shape
+print("checks passed")
+'''
+
+
+@pytest.fixture(scope="module")
+def repo_with_variant(tmp_path_factory):
+    """A copy of the repository with attention/sinkwin.py added and nothing else changed."""
+    copy = tmp_path_factory.mktemp("repo") / "repo"
+    ignore = shutil.ignore_patterns(".git", "out", "wandb", "__pycache__", "*.bin", "meta.json", ".tmp*", ".pytest_cache")
+    shutil.copytree(REPO, copy, ignore=ignore)
+    (copy / "attention" / "sinkwin.py").write_text(VARIANT)
+    return copy
+
+
+def run(copy, *args, timeout=600):
+    proc = subprocess.run([sys.executable, *args], cwd=copy, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_a_variant_in_one_new_file_reaches_every_tool(repo_with_variant, tmp_path):
+    copy = repo_with_variant
+    tiny = ["configs/quickstart.py", "--attn_pattern=sinkwin", "--n_layer=2", "--n_head=2", "--n_embd=32",
+            "--block_size=64", "--swa_window=16", "--sink_keys=2", "--batch_size=4", "--max_iters=4",
+            "--eval_interval=4", "--eval_iters=2", "--log_interval=2", "--warmup_iters=1"]
+    out = tmp_path / "run"
+    run(copy, "train.py", *tiny, f"--out_dir={out}")  # its setting on the command line, in config.json
+    assert json.loads((out / "config.json").read_text())["model"]["sink_keys"] == 2
+    bad = subprocess.run([sys.executable, "train.py", *tiny, "--sink_key=2", f"--out_dir={tmp_path / 'x'}"],
+                         cwd=copy, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "did you mean 'sink_keys'" in bad.stderr
+    bad = subprocess.run([sys.executable, "train.py", *tiny, "--sink_keys=0", f"--out_dir={tmp_path / 'x'}"],
+                         cwd=copy, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "sink_keys=0: must be >= 1" in bad.stderr
+    assert "loaded" in run(copy, "sample.py", f"--out_dir={out}", "--max_new_tokens=8", "--num_samples=1").stderr
+    run(copy, "train.py", *tiny, "--attn_pattern=swa", f"--out_dir={tmp_path / 'swa'}")
+    table = run(copy, "scripts/compare.py", str(out), str(tmp_path / "swa")).stdout  # its setting is a column
+    assert "| sinkwin " in table and "sink_keys" in table.splitlines()[2]
+    bench = run(copy, "scripts/bench_attention.py", "--variants=swa,sinkwin", "--lengths=512", "--repeats=1",
+                "--window=64").stdout
+    assert "sinkwin" in bench and "chunked" in bench
+    assert "1/1 clean" in run(copy, "scripts/compile_check.py", "--mixers=sinkwin", "--backend=eager",
+                               "--device=cpu").stdout
+    plan = run(copy, "scripts/plan_memory.py", "configs/quickstart.py", "--attn_pattern=sinkwin", "--kernels=cpu",
+               "--world_size=1").stdout
+    assert "SinkWindowAttention" in plan
+    stats = json.loads(run(copy, "scripts/mask_stats.py", "--config", "configs/quickstart.py", "--seq_len", "256",
+                           "--attn_pattern=sinkwin", "--swa_window=32", "--sink_keys=4", "--json").stdout)
+    # per query: the window (32, fewer at the start) and the sinks beyond it
+    assert stats["layers"][0]["edges_per_head"] == sum(min(q + 1, 32) + max(0, min(4, q + 1 - 32)) for q in range(256))
+    assert "checks passed" in run(copy, "-c", "import sys; sys.path[:0] = ['.', 'tests']\n" + CHECKS).stdout
+    # inside a small Hugging Face model
+    folder, data = (tmp_path / "hf" / "tiny-qwen3", tmp_path / "hf" / "corpus_tok")
+    run(copy, "-c", "import sys; sys.path.insert(0, 'scripts'); sys.path.insert(0, '.'); import gpu_check; "
+                    f"gpu_check.build_tiny_hf_model(__import__('pathlib').Path({str(tmp_path / 'hf')!r}))")
+    run(copy, "-m", "eval", f"--hf={folder}", f"--data_dir={data}", "--attn_pattern=sinkwin", "--swa_window=16",
+        "--sink_keys=2", "--tasks=ppl", "--ppl_lengths=64", "--limit=2", "--progress=False",
+        f"--out_dir={tmp_path / 'hf_eval'}")
+    assert (tmp_path / "hf_eval" / "eval" / "ppl.json").exists()
+    # the project itself does not know it
+    assert not (REPO / "attention" / "sinkwin.py").exists()
