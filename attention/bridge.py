@@ -42,6 +42,8 @@ FUSIONS = ("branch", "union")
 
 
 class BridgedBlockAttention(MaskedAttention):
+    paper = "004"
+    summary = "`block(b)` plus a causal window across every block boundary p = jb (Table 1)"
     kind = ""
     settings = MaskedAttention.settings + (BLOCK_LEN, BRIDGE_WIDTH, BRIDGE_FUSION)
     check_variants = {"union": {"bridge_fusion": "union"}}  # one softmax over both paths (the paper's 7B probe)

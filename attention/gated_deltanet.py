@@ -142,6 +142,8 @@ class GDNState:
 
 @register("gated_deltanet")
 class GatedDeltaNet(RecurrentMixer):
+    paper = "003"
+    summary = "every j <= i, through the gated delta rule's state"
     settings = (GDN_CHUNK, GDN_CONV_SIZE, GDN_KERNEL)
     gpu_kernel = ("gdn_kernel", "fla", "flash-linear-attention", "kernel fla")
 

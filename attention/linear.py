@@ -91,6 +91,8 @@ def recurrent_linear_attention(q, k, v, state=None):
 
 @register("linear")
 class TaylorLinearAttention(RecurrentMixer):
+    paper = "002"
+    summary = "every j <= i, through a Taylor-feature linear attention state (no softmax)"
     settings = (LINEAR_FEATURE_DIM, LINEAR_CHUNK)
 
     def kernel_inputs(self, batch, seq_len, device, dtype, generator=None):

@@ -13,6 +13,8 @@ BLOCK_LEN = Setting("block_len", int, 128, "block(b): causal attention within fi
 @register("full")
 class CausalSelfAttention(MaskedAttention):
     """Every earlier position (auto backend: PyTorch SDPA, flash / memory-efficient kernels)."""
+    paper = ""
+    summary = "j <= i"
 
     @classmethod
     def check_config(cls, config):
@@ -27,6 +29,8 @@ class CausalSelfAttention(MaskedAttention):
 @register("swa")
 class SlidingWindowAttention(MaskedAttention):
     """The swa_window most recent positions, the query included."""
+    paper = "001, 002, 003"
+    summary = "0 <= i - j < w: the w most recent positions, i itself included"
 
     settings = MaskedAttention.settings + (SWA_WINDOW,)
 
@@ -54,6 +58,8 @@ class SlidingWindowAttention(MaskedAttention):
 @register("block")
 class BlockAttention(MaskedAttention):
     """Causal attention within fixed blocks of block_len positions."""
+    paper = "004"
+    summary = "j <= i and floor(i / b) == floor(j / b)"
 
     settings = MaskedAttention.settings + (BLOCK_LEN,)
 

@@ -249,6 +249,8 @@ def mlstm_sequence(q, k, v, i, f, state=None, chunk: int = 64, kernel: str = "au
 
 @register("mlstm")
 class MLSTMLayer(RecurrentMixer):
+    paper = "003"
+    summary = "every j <= i, through xLSTM 7B's matrix memory (exponential input, sigmoid forget gates)"
     settings = (MLSTM_N_HEAD, MLSTM_QK_DIM_FACTOR, MLSTM_GATE_SOFT_CAP, MLSTM_CHUNK, MLSTM_KERNEL)
     gpu_kernel = ("mlstm_kernel", "triton", "mlstm_kernels", "kernel triton")
 

@@ -108,6 +108,8 @@ def _attend_chosen(q, key_blocks, value_blocks, q_pos, chosen, block, dropout_p)
 class MixtureOfBlockAttention(Attention):
     """Each query attends to the moba_topk key blocks (of moba_block positions) that score best against it,
     its own block included."""
+    paper = "000 (baseline)"
+    summary = "j <= i in the k blocks of c positions scoring best against i by q_i . mean(k), i's own among them"
 
     settings = ("attn_backend", MOBA_BLOCK, MOBA_TOPK)
 

@@ -51,6 +51,8 @@ def mswa_windows(config, layer_idx: int) -> tuple[int, ...]:
 
 
 class MultiScaleWindowAttention(MaskedAttention):
+    paper = "002"
+    summary = "sliding windows that differ by head (`mswa_h`), layer (`mswa_l`) or both (`mswa`; Table 1)"
     settings = MaskedAttention.settings + (SWA_WINDOW, MSWA_VARIATION, MSWA_LAYER_ORDER)
 
     @classmethod

@@ -70,6 +70,10 @@ class Mixer(nn.Module):
     """
 
     supports_cache = True
+    # the README's variant table (scripts/variants.py): the paper of papers/ the variant comes from ("000" ..
+    # "004", or a citation), and which keys a query attends to, in one line
+    paper = ""
+    summary = ""
     # whether the mixer takes the pretrained attention shapes (n_kv_head, attn_head_dim, qk_norm, qkv_bias)
     pretrained_attention_shapes = False
     # what this mixer reads besides the model's shape: its own Settings and core ModelConfig keys by name

@@ -143,6 +143,8 @@ def stochastic_edge_count(n: int, window: int) -> int:
 @register("sa")
 class StochasticAttention(MaskedAttention):
     """Sliding-window attention in the slot space of a random permutation, redrawn every forward."""
+    paper = "000"
+    summary = "j <= i and \\|sigma(i) - sigma(j)\\|_n < w/2 for a random permutation sigma, redrawn per layer and forward"
 
     native_gqa = False  # its attend() permutes one k/v head per query head
     settings = MaskedAttention.settings + (SWA_WINDOW, SA_MODE, SA_SHARED_BATCH, SA_SEED)
@@ -273,6 +275,8 @@ class StochasticAttention(MaskedAttention):
 @register("sa_swa")
 class GatedStochasticSlidingAttention(StochasticAttention):
     """sa and swa over shared q, k, v, each path through its own sigmoid gate, summed (paper 000, Alg. 2)."""
+    paper = "000"
+    summary = "the `sa` and `swa` paths over shared q/k/v, each through its own sigmoid gate, summed (Alg. 2)"
 
     def __init__(self, config, layer_idx):
         super().__init__(config, layer_idx)

@@ -100,6 +100,8 @@ class AlibiBias(ScoreBias):
 @register("swat")
 class SigmoidWindowAttention(SlidingWindowAttention):
     """swa's window with SWAT's scores: sigmoid (or softmax), ALiBi slopes, optional RoPE and bias."""
+    paper = "001"
+    summary = "0 <= i - j < w, weighted by sigmoid(q.k/sqrt(d) + s_h (i - j) + b), no normalisation"
 
     settings = SlidingWindowAttention.settings + (SWAT_ACTIVATION, SWAT_ROPE, SWAT_SLOPES, SWAT_SPLIT, SWAT_BIAS)
     check_variants = {"softmax": {"swat_activation": "softmax"}}  # the ablations' counterpart

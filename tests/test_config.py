@@ -115,3 +115,15 @@ def test_every_config_path_the_docs_name_exists():
             if not glob.glob(str(REPO / expanded)):
                 missing.append(expanded)
     assert not missing, missing
+
+
+def test_the_readme_variant_table_is_the_registrys():
+    from conftest import load_script
+
+    table = load_script("variants").variants_table()
+    readme = (REPO / "README.md").read_text()
+    assert table in readme, "README.md's variant table differs from the registry's: paste python scripts/variants.py"
+    from attention.registry import MIXERS
+
+    assert all(f"`{name}`" in table for name in MIXERS) and all(cls.summary and cls.paper is not None
+                                                                 for cls in MIXERS.values())

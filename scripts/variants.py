@@ -1,0 +1,36 @@
+"""The attention variants of the registry as a markdown table: name, paper, which keys a query attends to, and
+the settings each declares (with their defaults). README.md's table is this output (a test checks it).
+
+    python scripts/variants.py
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from attention.registry import MIXERS, PATTERN_ALIASES, Setting  # noqa: E402
+
+
+def variants_table() -> str:
+    """One row per registered variant (mixers that share their paper and summary, such as the MSWA family, share
+    a row), then the pattern aliases."""
+    rows = {}
+    for name, cls in MIXERS.items():
+        row = rows.setdefault((cls.paper, cls.summary), {"names": [], "settings": {}})
+        row["names"].append(name)
+        for setting in cls.settings:
+            if isinstance(setting, Setting):
+                row["settings"].setdefault(setting.name, setting.default)
+    lines = ["| name | paper | query i attends to key j when | settings (default) |", "|---|---|---|---|"]
+    for (paper, summary), row in rows.items():
+        names = ", ".join(f"`{n}`" for n in row["names"])
+        settings = ", ".join(f"`{key}` ({value!r})" if isinstance(value, str) else f"`{key}` ({value})"
+                             for key, value in row["settings"].items())
+        lines.append(f"| {names} | {paper} | {summary or '(no summary)'} | {settings} |")
+    lines += [f"| `{alias}` | | the pattern `{pattern}` | |" for alias, pattern in PATTERN_ALIASES.items()]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(variants_table())
