@@ -127,3 +127,46 @@ def test_the_readme_variant_table_is_the_registrys():
 
     assert all(f"`{name}`" in table for name in MIXERS) and all(cls.summary and cls.paper is not None
                                                                  for cls in MIXERS.values())
+
+
+def test_the_readme_is_short_and_every_path_and_command_in_the_docs_exists():
+    """README.md stays a ten-minute read (at most 320 lines), and every file path, local link and `python ...`
+    command that README.md and docs/ name exists: scripts and modules by their path, files by theirs."""
+    import importlib.util
+    import re
+
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 320
+    texts = {path: path.read_text() for path in [REPO / "README.md", *(REPO / "docs").glob("*.md")]}
+    missing, commands = [], 0
+    for path, text in texts.items():
+        for script in re.findall(r"python (?:-c \S+ )?((?:scripts|data|eval)/\w+\.py|train\.py|sample\.py)", text):
+            commands += 1
+            if not (REPO / script).is_file():
+                missing.append((path.name, script))
+        for module in re.findall(r"python -m ([\w.]+)", text):
+            commands += 1
+            if module not in ("pytest", "torch.distributed.run") and importlib.util.find_spec(module) is None:
+                missing.append((path.name, module))
+        # repository paths in backticks (a file with an extension, in a folder of the repository)
+        for name in re.findall(r"`((?:attention|scripts|eval|data|tests|docs|configs|\.ci)/[\w./-]+\.(?:py|md|txt))`",
+                               text):
+            if "*" not in name and "{" not in name and not (REPO / name).exists():
+                missing.append((path.name, name))
+        for link, anchor in re.findall(r"\]\(([^)#:]*?\.(?:md|png|py|txt))?(?:#([\w-]*))?\)", text):  # local links
+            target = path.parent / link if link else path
+            if link and not target.exists():
+                missing.append((path.name, link))
+            elif anchor and target.suffix == ".md" and anchor not in heading_anchors(target.read_text()):
+                missing.append((path.name, f"{link}#{anchor}"))
+    assert commands > 50 and not missing, missing
+
+
+def heading_anchors(markdown: str) -> set:
+    """GitHub's anchors of a markdown file's headings: lower case, punctuation but - and _ dropped, spaces to -."""
+    import re
+
+    anchors = set()
+    for heading in re.findall(r"^#+ (.+)$", markdown, re.M):
+        anchors.add(re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-"))
+    return anchors
