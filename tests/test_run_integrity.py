@@ -369,3 +369,17 @@ def test_compare_says_repeated_seeds_and_marks_the_training_length(byte_run, tmp
     (tmp_path / "plots").mkdir()
     compare.plot_all(records, tmp_path / "plots")
     assert "training length (32)" in labels["ppl_vs_length.png"]
+
+
+def test_the_window_sweep_says_what_it_needs_instead_of_falling_back(tmp_path):
+    import os
+
+    args = ["scripts/hf_window_sweep.py", "--hf=some/model", "--tasks=arc_easy", f"--out={tmp_path / 'sweep'}"]
+    proc = subprocess.run([sys.executable, *args, "--device=cuda"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 2 and "CUDA is not available" in proc.stderr, proc.stderr  # not a silent CPU run
+    without = ("import runpy, sys; sys.modules['lm_eval'] = None; sys.argv = " + repr(args)
+               + "; runpy.run_path('scripts/hf_window_sweep.py', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", without], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "pip install -r requirements-eval.txt" in proc.stderr, proc.stderr
+    assert not (tmp_path / "sweep").exists()
