@@ -74,10 +74,24 @@ class RunFolder:
             self._lock_file = None
 
     def _remove_if_unused(self) -> None:
-        """At exit: a folder this run created and never wrote into (it failed first) is removed again."""
-        self.release()
-        if self.created and self.path.is_dir() and [p.name for p in self.path.iterdir()] in ([], [LOCK_NAME]):
+        """At exit: a folder this run created and never wrote into (it failed first) is removed again, while the
+        lock is still held (a run that locks it next finds it gone and makes its own, never loses it)."""
+        if self._lock_file is not None and self.created and self.path.is_dir() \
+                and [p.name for p in self.path.iterdir()] in ([], [LOCK_NAME]):
             shutil.rmtree(self.path, ignore_errors=True)
+        self.release()
+
+
+def _new_folder(path: Path) -> Path:
+    """path made as a new folder, or path-2, path-3, ... when it exists (two replacements in one second)."""
+    for attempt in range(1, 1000):
+        candidate = path if attempt == 1 else path.with_name(f"{path.name}-{attempt}")
+        try:
+            candidate.mkdir()
+            return candidate
+        except FileExistsError:
+            continue
+    raise RunFolderError(f"cannot make a folder beside {path}: 999 of its names are taken")
 
 
 def claim(out_dir, fresh: bool, replace: bool = False, command: str | None = None) -> RunFolder:
@@ -88,21 +102,31 @@ def claim(out_dir, fresh: bool, replace: bool = False, command: str | None = Non
     problem = writable_folder_problem(path)
     if problem:
         raise RunFolderError(problem)
-    created = not path.exists()
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        lock_path = path / LOCK_NAME
-        lock_file = open(lock_path, "a+")
-    except OSError as e:
-        raise RunFolderError(f"cannot write in {path}: {e.strerror}: give --out_dir a folder you can write") from None
-    try:
-        fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
+    lock_path = path / LOCK_NAME
+    for _ in range(10):
+        created = not path.exists()
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            lock_file = open(lock_path, "a+")
+        except OSError as e:
+            raise RunFolderError(f"cannot write in {path}: {e.strerror}: give --out_dir a folder you can write") \
+                from None
+        try:
+            fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            lock_file.close()
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise RunFolderError(f"cannot lock {lock_path}: {e.strerror}") from None
+            raise RunFolderError(f"{path} is in use by another training run ({_holder(lock_path)}): wait for it "
+                                 "to finish, stop it, or give this run another --out_dir") from None
+        try:  # the lock of the folder as it is now, not of one a failed run removed while this one opened it
+            if os.path.samestat(os.fstat(lock_file.fileno()), os.stat(lock_path)):
+                break
+        except FileNotFoundError:
+            pass
         lock_file.close()
-        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise RunFolderError(f"cannot lock {lock_path}: {e.strerror}") from None
-        raise RunFolderError(f"{path} is in use by another training run ({_holder(lock_path)}): wait for it to "
-                             "finish, stop it, or give this run another --out_dir") from None
+    else:
+        raise RunFolderError(f"cannot lock {lock_path}: the folder keeps being removed and made again")
     folder = RunFolder(path, lock_file, created)
     atexit.register(folder._remove_if_unused)
     old = holds_run(path)
@@ -114,8 +138,7 @@ def claim(out_dir, fresh: bool, replace: bool = False, command: str | None = Non
                 f"checkpoints and evaluations beside the new ones). Continue it with --init_from=resume, give this "
                 f"run another --out_dir, or start over with --replace_run=True (the old run is moved whole to "
                 f"{path.name}.replaced-TIME beside it)")
-        moved = path.with_name(f"{path.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
-        moved.mkdir()
+        moved = _new_folder(path.with_name(f"{path.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"))
         for entry in path.iterdir():
             if entry.name != LOCK_NAME:
                 os.replace(entry, moved / entry.name)

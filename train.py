@@ -401,13 +401,16 @@ def main(argv):
 
     # ---- the run folder: this run's alone from here on (a lock, held until the process ends) ----------------
     out_dir = Path(t.out_dir)
+    refused = [""]  # rank 0 claims it; every rank exits with its refusal rather than wait at a barrier
     if master:
         try:
             claim_run_folder(out_dir, fresh=t.init_from != "resume", replace=t.replace_run)
         except RunFolderError as e:
-            fail(str(e), status=2)
+            refused = [str(e)]
     if distributed:
-        dist.barrier()
+        dist.broadcast_object_list(refused, src=0)
+    if refused[0]:
+        fail(refused[0], status=2)
 
     # ---- model, its layout, optimizer, and (on resume) their saved state -----------------------------------
     ckpt = None

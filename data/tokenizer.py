@@ -202,15 +202,22 @@ def _cached_hub_file(repo: str, filename: str) -> str | None:
 
 
 def _hub_unreachable() -> str:
-    """Why the Hugging Face hub cannot be reached ("" when it can): offline mode, or no connection within 3 s."""
+    """Why the Hugging Face hub cannot be reached ("" when it can): offline mode, or no connection within 3 s.
+    Behind a proxy the hub client goes through it, so no direct connection is tried (the client says why if
+    the proxy fails)."""
     import socket
     from urllib.parse import urlparse
+    from urllib.request import getproxies, proxy_bypass
 
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
         return "HF_HUB_OFFLINE is set"
-    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    host = endpoint.hostname or "huggingface.co"
+    proxies = getproxies()
+    if (proxies.get(endpoint.scheme or "https") or proxies.get("all")) and not proxy_bypass(host):
+        return ""
     try:
-        socket.create_connection((host, 443), timeout=3).close()
+        socket.create_connection((host, endpoint.port or (80 if endpoint.scheme == "http" else 443)), timeout=3).close()
     except OSError as e:
         return f"{host}: {e.strerror or e}"
     return ""

@@ -201,7 +201,8 @@ def run_ppl(e: EvalRunConfig, ctx) -> dict:
             # the same windows for every run scored with the same data and settings: pairable
             # (scripts/compare.py --paired A B --task ppl --key nll --by cell)
             cell = f"L{length}" + (f"/w{window}" if window is not None else "")
-            per_example += [{"id": f"{cell}/{i}", "cell": cell, "length": length, "nll": v, "tokens": n}
+            per_example += [{"id": f"{cell}/{i}", "cell": cell, "length": length, "window": window, "nll": v,
+                             "tokens": n}
                             for i, (v, n) in enumerate(zip(window_nll, window_tokens))]
             rows.append({**row, "window": window})
             where = f"{e.window_key}={window:<6} " if window is not None else ""
@@ -270,7 +271,8 @@ def run_recall(e: EvalRunConfig, ctx) -> dict:
             rows.append({"filler": tag or "corpus", **row})
             # the same documents for every run with the same seed: pairable (scripts/compare.py --paired)
             cell = (f"F{tag}/" if tag else "") + f"L{length}"  # scripts/compare.py --paired ... --by=cell
-            per_example += [{"id": f"{cell}/{i}", "cell": cell, "length": length, "correct": c}
+            per_example += [{"id": f"{cell}/{i}", "cell": cell, "filler": tag or "corpus", "length": length,
+                             "correct": c}
                             for i, c in enumerate(row["correct"])]
             print(f"recall {'filler ' + tag + ' ' if tag else ''}L={length:<6} accuracy {row['accuracy']:.3f} "
                   f"+- {row['stderr']:.3f} (chance {row['chance']:.3f}, {row['n']} documents)")

@@ -232,10 +232,17 @@ def run(model, tokenizer, essay_text: str, lengths, depths, kinds, samples: int,
         rows.append({"kind": kind, "length": length, "depth": depth, "n": len(records),
                      "score": float(np.mean([r["score"] for r in records])) if generate else None,
                      "acc_rank": float(np.mean([r["correct_rank"] for r in records]))})
-    for length in lengths:
-        cell = [r for r in rows if r["length"] == length and r["n"]]
+    return {"rows": rows + average_rows(rows), "per_example": per_example}
+
+
+def average_rows(rows: list[dict]) -> list[dict]:
+    """One "average" row per length over the subtasks scored there (when more than one): RULER's average. Also
+    recomputed when a later evaluation adds or replaces subtasks at a length (eval/results.py)."""
+    out = []
+    for length in sorted({r["length"] for r in rows}):
+        cell = [r for r in rows if r["length"] == length and r["n"] and r["kind"] != "average"]
         if len({r["kind"] for r in cell}) > 1:
-            mean = lambda key: float(np.mean([r[key] for r in cell])) if cell[0][key] is not None else None
-            rows.append({"kind": "average", "length": length, "depth": None, "n": sum(r["n"] for r in cell),
-                         "score": mean("score"), "acc_rank": mean("acc_rank")})
-    return {"rows": rows, "per_example": per_example}
+            mean = lambda key: float(np.mean([r[key] for r in cell])) if cell[0][key] is not None else None  # noqa: E731
+            out.append({"kind": "average", "length": length, "depth": None, "n": sum(r["n"] for r in cell),
+                        "score": mean("score"), "acc_rank": mean("acc_rank")})
+    return out

@@ -33,6 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from checkpoint import write_json  # noqa: E402
+from eval.results import setting_items, setting_results, standing_setting  # noqa: E402
 from eval.stats import paired_comparison  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -70,8 +71,10 @@ def load_run(path: Path) -> dict:
     metrics = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip()]
     best = min(r["val_loss"] for r in metrics if "val_loss" in r)
     diag = json.loads((path / "eval" / "diagnostics.json").read_text())
-    examples = diag["per_example"]
-    accuracy = {row["probe"]: row["accuracy"] for row in diag["results"]["rows"] if row["cell"] == "all"}
+    setting = standing_setting(diag)  # the full evaluation, not a --limit check beside it
+    examples = setting_items(diag, "per_example", setting)
+    results = setting_results(diag, setting)
+    accuracy = {row["probe"]: row["accuracy"] for row in setting_items(diag, "rows", setting) if row["cell"] == "all"}
     semantic = [e for e in examples if e["probe"] in ("semantic_exact", "semantic_paraphrase")]
     if semantic:
         accuracy["clean_semantic"] = sum(e["correct"] for e in semantic) / len(semantic)
@@ -79,10 +82,10 @@ def load_run(path: Path) -> dict:
         e["clean_semantic"] = True
     config = json.loads((path / "config.json").read_text())
     return {"ppl": math.exp(best), "accuracy": accuracy, "examples": examples,
-            "prompt_nll": diag["results"].get("prompt_nll", []),
-            "prompt_nll_boundary": diag["results"].get("prompt_nll_boundary", []), "model": config["model"],
+            "prompt_nll": results.get("prompt_nll", []),
+            "prompt_nll_boundary": results.get("prompt_nll_boundary", []), "model": config["model"],
             "answers_only": bool(config.get("data", {}).get("loss_after")),
-            "geometry": diag["results"].get("geometry")}
+            "geometry": results.get("geometry")}
 
 
 def write_back(model_config: dict, family: str, n: int) -> int | None:

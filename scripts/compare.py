@@ -34,6 +34,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from eval.results import describe_settings, setting_items, setting_options, standing_setting  # noqa: E402
 from eval.stats import mean_std, paired_comparison  # noqa: E402
 
 # metrics.jsonl keys with a column of their own (or none); any other numeric key becomes a column (last value)
@@ -354,9 +355,10 @@ def eval_summaries(evals: dict) -> dict:
 
 
 def rows_by_setting(result: dict) -> list[tuple[str, list[dict]]]:
-    """A task's rows grouped by evaluation setting (eval/results.py), each with its column suffix: "" for a setting
-    over all examples, " (limit N)" for one computed on --limit=N examples (never shown as if it were a full
-    evaluation); settings of a run that would share a column are told apart by their id."""
+    """A task's rows grouped by evaluation setting (eval/results.py), each with its column suffix: the setting that
+    stands for the result (the one plots use) has the plain column, " (limit N)" when it was computed on --limit=N
+    examples (never shown as if it were a full evaluation); another setting of the run that would share its
+    column is told apart by its id."""
     rows = result.get("rows") or []
     settings = result.get("settings") or {}
     legacy_limit = ((result.get("provenance") or {}).get("eval_config") or {}).get("limit", 0)
@@ -365,10 +367,12 @@ def rows_by_setting(result: dict) -> list[tuple[str, list[dict]]]:
         groups.setdefault(row.get("setting"), []).append(row)
     limit_of = lambda sid: (settings.get(sid) or {}).get("limit", legacy_limit if not settings else 0)  # noqa: E731
     suffixes = {sid: f" (limit {limit_of(sid)})" if limit_of(sid) else "" for sid in groups}
+    standing = standing_setting(result, among=set(groups))
     out = []
     for sid, group in groups.items():
         shared = [other for other in groups if suffixes[other] == suffixes[sid]]
-        out.append((suffixes[sid] + (f" [setting {sid}]" if len(shared) > 1 else ""), group))
+        tell_apart = len(shared) > 1 and (sid != standing or standing not in shared)
+        out.append((suffixes[sid] + (f" [setting {sid}]" if tell_apart else ""), group))
     return out
 
 
@@ -774,21 +778,9 @@ def _sort_key(value):
 
 
 def standing_rows(result: dict) -> list[dict]:
-    """The rows that stand for a task's result in plots: those of its full_setting (all rows of a result from
+    """The rows that stand for a task's result in plots: those of its standing setting (all rows of a result from
     before settings were recorded)."""
-    chosen = full_setting(result)
-    return [row for row in result.get("rows") or [] if chosen is None or row.get("setting") == chosen]
-
-
-def full_setting(result: dict, among=None):
-    """The evaluation setting whose cells stand for a task's result: the latest one over all examples (no
-    --limit), else the latest; among: only those settings."""
-    settings = result.get("settings") or {}
-    found = [sid for sid in settings if among is None or sid in among]
-    if not settings:  # a result from before settings were recorded: its items carry none
-        return None
-    full = [sid for sid in found if not settings[sid].get("limit")]
-    return (full or found or [None])[-1]
+    return setting_items({"results": result}, "rows", standing_setting(result))
 
 
 def paired(run_a: dict, run_b: dict, task: str, key: str = "correct", by: str | None = None,
@@ -807,10 +799,18 @@ def paired(run_a: dict, run_b: dict, task: str, key: str = "correct", by: str | 
     # a setting both were evaluated under (the same examples), else each one's own, said; the example ids must
     # then still be the same on both sides
     shared = set(results[0].get("settings") or {}) & set(results[1].get("settings") or {})
-    chosen = [full_setting(r, shared or None) for r in results]
-    if not shared and all(r.get("settings") for r in results):
-        a, b = (r["settings"][sid] for r, sid in zip(results, chosen))
-        differ = sorted(k for k in set(a) | set(b) if k != "provenance" and a.get(k) != b.get(k))
+    chosen = [standing_setting(r) for r in results]
+    if shared:  # one setting on both sides: the one both were most recently evaluated under, full ones first
+        both = lambda sid: (not results[0]["settings"][sid].get("limit"),  # noqa: E731
+                            min(r["settings"][sid].get("evaluated_at") or 0 for r in results))
+        chosen = [max(sorted(shared), key=both)] * 2
+        if len(shared) > 1:
+            labels = describe_settings({sid: results[0]["settings"][sid] for sid in shared})
+            warn(f"{run_a['name']} and {run_b['name']} share {len(shared)} evaluation settings on {task}; pairing "
+                 f"under {labels[chosen[0]]} ({chosen[0]}), the one both were most recently evaluated under")
+    elif all(r.get("settings") for r in results):
+        a, b = (setting_options(r["settings"][sid]) for r, sid in zip(results, chosen))
+        differ = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
         warn(f"{run_a['name']} and {run_b['name']} were evaluated on {task} under different settings "
              f"({', '.join(differ)} differ): pairing their examples by id")
     examples = [[x for x in r["per_example"] if x.get("setting") == sid] for r, sid in zip(results, chosen)]
@@ -880,9 +880,8 @@ def position_gain(tables: dict, records: list[dict], reference: str, length: int
 
     def profile(record) -> np.ndarray:
         result = record["evals"].get("ppl", {})
-        chosen = full_setting(result)
-        for entry in result.get("positions") or []:
-            if entry.get("length") == length and entry.get("window") is None and entry.get("setting") == chosen:
+        for entry in setting_items({"results": result}, "positions", standing_setting(result)):
+            if entry.get("length") == length and entry.get("window") is None:
                 return np.array([np.nan if v is None else v for v in entry["nll"]], dtype=np.float64)
         raise CompareError(f"{record['source']} has no NLL by position at L={length} (run: python -m eval "
                            f"--out_dir={record['source']} --tasks=ppl --ppl_lengths={length})")

@@ -46,6 +46,7 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import shutil
 import signal
@@ -257,8 +258,9 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def kill_tree(proc: subprocess.Popen) -> None:
-    """Kill proc and every process it started. A child that began a session of its own (a nested check's pytest,
+def kill_tree(proc: subprocess.Popen, reap: bool = True) -> None:
+    """Kill proc and every process it started (reap: and wait for proc; a signal handler does not, since the
+    Popen it would wait on may be inside wait() in the interrupted code, holding a lock the handler would need). A child that began a session of its own (a nested check's pytest,
     a compile worker) is out of proc's process group, so the tree is walked, not only the group killed. The
     tree is frozen first (SIGSTOP: no process in it starts another, and none is orphaned into another tree
     before it is found), walked again until it stops growing, then killed."""
@@ -278,7 +280,8 @@ def kill_tree(proc: subprocess.Popen) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    proc.wait()
+    if reap:
+        proc.wait()
 
 
 def run_command(command: list, log_path: Path, timeout: float, env: dict | None = None, kill_when=None) -> Completed:
@@ -318,10 +321,11 @@ def run_command(command: list, log_path: Path, timeout: float, env: dict | None 
 
 
 def stop_children() -> None:
-    """Start no more subprocesses and kill the running ones (safe in a signal handler: no lock is taken)."""
+    """Start no more subprocesses and kill the running ones (safe in a signal handler: no lock is taken; each
+    run_command reaps its own)."""
     _stopping.set()
     for proc in list(_children):
-        kill_tree(proc)
+        kill_tree(proc, reap=False)
 
 
 # ---- the check: steps, budgets, the report --------------------------------------------------------------
@@ -844,10 +848,18 @@ def step_resume(ctx: StepContext) -> dict:
     if killed.returncode != -signal.SIGKILL:
         return outcome("failed", "the run to kill ended before it was killed", None, killed.error())
     stopped_at = logged_steps(broken)
+    if stopped_at >= steps:
+        return outcome("failed", f"the run to kill logged all {steps} steps before it was killed: nothing to resume")
     done = ctx.run([ctx.python, *args, f"--out_dir={broken}", "--init_from=resume"], "resume_resumed")
     if done.timed_out or done.returncode != 0:
         return outcome("failed", f"resuming after a SIGKILL at step {stopped_at} failed", None, done.error())
-    reference, resumed = read_losses(unbroken), read_losses(broken)
+    # the resumed process's own word for where it started: a check that resumed nothing must not pass
+    found = re.search(r"^resumed from .+ at step (\d+) ", done.output(), re.MULTILINE)
+    if found is None or not at <= int(found.group(1)) < steps:
+        return outcome("failed", f"the resumed run did not resume from a checkpoint between steps {at} and {steps}",
+                       None, done.error())
+    at = int(found.group(1))  # a later checkpoint than the first when the kill came late
+    reference, resumed = read_losses(unbroken), read_losses(broken)  # the log keeps no step after the checkpoint
     compared = sorted(set(reference) & set(resumed) - set(range(at + 1)))
     differences = [abs(resumed[s] - reference[s]) for s in compared]
     worst = max(differences, default=math.inf)

@@ -163,6 +163,109 @@ def test_eval_results_keep_every_setting_and_compare_marks_limited_ones(byte_run
     assert "limit=3" in (run_dir / "eval" / "summary.md").read_text()
 
 
+def evaluate(run_dir, task, result, provenance=None, **options):
+    """What a call of python -m eval leaves in run_dir/eval/TASK.json, for a result computed under options."""
+    import dataclasses
+
+    from checkpoint import write_json
+    from eval.__main__ import EvalRunConfig
+    from eval.results import merged_report
+
+    path = run_dir / "eval" / f"{task}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    provenance = {"ckpt": str(run_dir / "ckpt_best.pt"), "step": 8, "config_hash": "c0", **(provenance or {})}
+    e = dataclasses.replace(EvalRunConfig(out_dir=str(run_dir)), **options)
+    write_json(merged_report(path, task, json.loads(json.dumps(result)), e, run_dir.parent, provenance), path)
+    return json.loads(path.read_text())
+
+
+def recall_result(correct, length=64):
+    return {"rows": [{"filler": "corpus", "length": length, "n": len(correct), "accuracy": sum(correct) / len(correct)}],
+            "per_example": [{"id": f"L{length}/{i}", "cell": f"L{length}", "filler": "corpus", "length": length,
+                             "correct": c} for i, c in enumerate(correct)]}
+
+
+def niah_result(length, scores):
+    rows = [{"kind": k, "length": length, "depth": None, "n": 1, "score": v, "acc_rank": v} for k, v in scores.items()]
+    from eval.niah import average_rows
+
+    return {"rows": rows + average_rows(rows),
+            "per_example": [{"id": f"{k}/{length}/0", "kind": k, "length": length, "depth": None, "correct": bool(v)}
+                            for k, v in scores.items()]}
+
+
+def test_paired_runs_are_paired_under_one_setting_both_were_evaluated_under(tmp_path, monkeypatch):
+    import itertools
+
+    import eval.results
+
+    clock = itertools.count(1000)
+    monkeypatch.setattr(eval.results.time, "time", lambda: next(clock))
+    compare = load_script("compare")
+    # A evaluated with seed 1 then 2, B with seed 2 then 1: each file's newest setting differs, the pair must not
+    a, b = tmp_path / "a", tmp_path / "b"
+    evaluate(a, "recall", recall_result([True] * 8), seed=1)
+    evaluate(a, "recall", recall_result([True] * 4 + [False] * 4), seed=2)
+    evaluate(b, "recall", recall_result([False] * 8), seed=2)
+    evaluate(b, "recall", recall_result([True] * 8), seed=1)
+    records = [{"name": d.name, "source": str(d), "evals": compare.load_evals(d)} for d in (a, b)]
+    out = compare.paired(*records, "recall")
+    assert (out["all"]["acc_a"], out["all"]["acc_b"]) == (0.5, 0.0)  # seed 2 on both sides (evaluated most recently)
+
+
+def test_a_later_evaluation_keeps_earlier_per_example_results_and_recomputes_averages(tmp_path):
+    evaluate(tmp_path, "niah", niah_result(1024, {"single_1": 1.0, "multikey_1": 0.0}))
+    evaluate(tmp_path, "niah", niah_result(2048, {"single_1": 1.0}))
+    report = evaluate(tmp_path, "niah", niah_result(1024, {"single_1": 0.0}))  # one subtask again at 1024
+    assert sorted((x["kind"], x["length"], x["correct"]) for x in report["per_example"]) == [
+        ("multikey_1", 1024, False), ("single_1", 1024, False), ("single_1", 2048, True)]
+    averages = [r for r in report["results"]["rows"] if r["kind"] == "average"]
+    assert [(r["length"], r["score"]) for r in averages] == [(1024, 0.0)]  # from the rows as merged, not stale
+    diag = {"rows": [{"probe": "needle", "cell": "all", "n": 1, "accuracy": 1.0}], "prompt_nll": [{"bin_start": 1}],
+            "per_example": [{"id": "needle/0", "probe": "needle", "correct": True}]}
+    evaluate(tmp_path, "diagnostics", diag)
+    report = evaluate(tmp_path, "diagnostics", {**diag, "rows": [{**diag["rows"][0], "probe": "boundary_sweep"}],
+                                                "prompt_nll": [], "per_example": [{"id": "b/0", "probe": "boundary_sweep",
+                                                                                   "correct": False}]})
+    assert report["results"]["prompt_nll"] == [{"bin_start": 1}]  # the needle's profile outlives a later probe
+    assert sorted(x["probe"] for x in report["per_example"]) == ["boundary_sweep", "needle"]
+
+
+def test_another_checkpoint_moves_the_earlier_results_aside_and_hf_attention_is_a_setting(tmp_path, capsys):
+    evaluate(tmp_path, "recall", recall_result([True] * 4, length=32))
+    report = evaluate(tmp_path, "recall", recall_result([False] * 4, length=64), {"step": 16})
+    assert [r["length"] for r in report["results"]["rows"]] == [64]  # no step-8 cell read as the step-16 model's
+    kept = list((tmp_path / "eval" / "superseded").glob("recall-step8-*.json"))
+    assert len(kept) == 1 and json.loads(kept[0].read_text())["results"]["rows"][0]["length"] == 32
+    assert "moved to" in capsys.readouterr().err
+    hf = {"ckpt": "gpt2", "step": None, "config_hash": "h"}
+    evaluate(tmp_path, "recall", recall_result([True] * 4), {**hf, "attention": {"swa_window": 256}})
+    report = evaluate(tmp_path, "recall", recall_result([False] * 4), {**hf, "config_hash": "h2",
+                                                                      "attention": {"swa_window": 512}})
+    assert len(report["settings"]) == 2 and len(report["results"]["rows"]) == 2  # side by side, not mixed
+    from eval.results import describe_settings
+
+    assert "512" in describe_settings(report["settings"])[report["results"]["rows"][1]["setting"]]
+
+
+def test_the_standing_setting_has_the_plain_column_and_the_bridge_sweep_reads_it(tmp_path):
+    compare, sweep = load_script("compare"), load_script("bridge_sweep")
+    evaluate(tmp_path, "recall", recall_result([True] * 4), seed=1)
+    evaluate(tmp_path, "recall", recall_result([False] * 4), seed=2)
+    columns = compare.eval_summaries(compare.load_evals(tmp_path))
+    assert columns["recall_accuracy@L=64"][1] == 0.0  # the latest full setting
+    assert [c for c in columns if "[setting" in c] == [next(c for c in columns if c != "recall_accuracy@L=64")]
+    diag = {"rows": [{"probe": "needle", "cell": "all", "n": 2, "accuracy": 1.0}], "prompt_nll": [],
+            "per_example": [{"id": f"needle/{i}", "probe": "needle", "correct": True} for i in range(2)]}
+    evaluate(tmp_path, "diagnostics", diag)
+    evaluate(tmp_path, "diagnostics", {**diag, "rows": [{**diag["rows"][0], "accuracy": 0.0}],
+                                       "per_example": [{"id": "needle/0", "probe": "needle", "correct": False}]}, limit=1)
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "val_loss": 1.0}) + "\n")
+    (tmp_path / "config.json").write_text(json.dumps({"model": {}, "data": {}}))
+    run = sweep.load_run(tmp_path)
+    assert run["accuracy"]["needle"] == 1.0 and len(run["examples"]) == 2  # not the --limit=1 check's
+
+
 # ---- one run per folder ---------------------------------------------------------------------------------------
 
 def test_two_trainings_started_on_one_folder_leave_exactly_one_running(tmp_path):
@@ -221,6 +324,28 @@ def test_a_fresh_run_never_starts_over_an_old_one_unless_asked(byte_run, tmp_pat
     assert len(moved) == 1 and (moved[0] / "ckpt_best.pt").read_bytes() == before["ckpt_best.pt"]
     assert (moved[0] / "eval").is_dir() and not (run_dir / "eval").exists()  # the old run moved whole
     assert max(read_metrics(run_dir)) == 4
+
+
+def test_replacing_twice_in_one_second_keeps_both_old_runs_and_an_unused_folder_goes_under_its_lock(tmp_path,
+                                                                                                      monkeypatch):
+    import run_folder
+
+    monkeypatch.setattr(run_folder.time, "strftime", lambda *_: "20260101-000000")
+    path = tmp_path / "run"
+    for log in ("first", "second", "third"):
+        folder = run_folder.claim(path, fresh=True, replace=True)
+        (path / "metrics.jsonl").write_text(log)
+        folder.release()
+    moved = sorted(p.name for p in tmp_path.iterdir() if p.name != "run")
+    assert moved == ["run.replaced-20260101-000000", "run.replaced-20260101-000000-2"]
+    assert (tmp_path / moved[1] / "metrics.jsonl").read_text() == "second"
+    unused = run_folder.claim(tmp_path / "unused", fresh=True)
+    unused._remove_if_unused()
+    assert not (tmp_path / "unused").exists() and unused._lock_file is None
+    used = run_folder.claim(tmp_path / "used", fresh=True)
+    (tmp_path / "used" / "config.json").write_text("{}")
+    used._remove_if_unused()
+    assert (tmp_path / "used" / "config.json").exists()
 
 
 def test_sample_and_eval_say_which_checkpoint_they_loaded(byte_run):
@@ -335,6 +460,25 @@ def test_an_unknown_tokenizer_fails_at_once_offline(tmp_path):
                f"--out_dir={tmp_path / 'data'}", timeout=120)
     assert proc.returncode != 0 and "no-such-tokenizer" in proc.stderr and "Traceback" not in proc.stderr
     assert time.time() - started < 15  # not the hub client's retries (about 20 s)
+
+
+def test_the_hub_probe_leaves_proxied_connections_to_the_hub_client(monkeypatch):
+    import socket
+
+    from data import tokenizer
+
+    def refused(*args, **kwargs):
+        raise OSError(111, "Connection refused")
+
+    monkeypatch.setattr(socket, "create_connection", refused)
+    for name in ("HF_HUB_OFFLINE", "HF_ENDPOINT", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY", "no_proxy",
+                 "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    assert tokenizer._hub_unreachable() == "huggingface.co: Connection refused"  # no proxy: said at once
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")
+    assert tokenizer._hub_unreachable() == ""  # only the proxy can say: the hub client goes through it
+    monkeypatch.setenv("NO_PROXY", "huggingface.co")
+    assert tokenizer._hub_unreachable() == "huggingface.co: Connection refused"
 
 
 def test_prepare_says_where_a_single_documents_validation_comes_from(tmp_path):

@@ -223,6 +223,16 @@ def test_accumulation_that_does_not_divide_among_processes_is_reported_once(tmp_
     assert not (tmp_path / "run").exists()
 
 
+def test_a_folder_that_holds_a_run_is_refused_once_under_torchrun(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("")
+    proc = run(["--gradient_accumulation_steps=2"], tmp_path / "run", check=False, torchrun=True)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "already holds a run" in errors[0], proc.stderr
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == "" and not (tmp_path / "run" / "config.json").exists()
+
+
 def test_a_runs_saved_config_json_trains_the_same_run(reference_run, tmp_path):
     train_subprocess([str(reference_run / "config.json"), f"--out_dir={tmp_path}"])
     assert metrics(tmp_path) == metrics(reference_run)
