@@ -132,7 +132,8 @@ REDUCED = {
     "bench_train": ["--n_layer=2", "--batch_size=1", "--block_size=64", "--steps=1", "--warmup=0"],
     "train_runs": {"n_embd": 64, "n_head": 4, "block_size": 128, "window": 32, "batch_size": 4, "max_iters": 10,
                    "eval_iters": 2, "log_interval": 1},
-    "resume": {"max_iters": 24, "checkpoint_at": 4},  # long enough to be killed before it ends
+    # long enough to be killed before it ends, and before the next checkpoint on a busy machine (6 steps later)
+    "resume": {"max_iters": 24, "checkpoint_at": 8},
     "memory": {"config": "configs/swax/swax_1p4b_stochastic.py", "block_size": 256, "n_layer": 2, "n_embd": 128,
                "n_head": 4, "mlstm_n_head": 2, "vocab_size": 512, "swa_window": 64, "swax_short_window": 32},
     "generate": ["--contexts=128,512", "--n_layer=2", "--n_embd=64", "--n_head=4", "--window=32", "--vocab_size=256",

@@ -60,9 +60,11 @@ def test_quick_cpu_check_runs_every_step_and_writes_the_report(tmp_path):
 
 @pytest.mark.parametrize("killed_steps, resumed_says, expected", [
     (24, "", "nothing to resume"),  # the kill came after the run had finished
-    (6, "already finished at step 24", "did not resume"),  # a resume that trained nothing
-    (6, "resumed from {out}/ckpt_last.pt at step 4 (best val loss 1.0)", "passed")])
+    (2, "already finished at step 24", "did not resume"),  # a resume that trained nothing
+    (2, "resumed from {out}/ckpt_last.pt at step {at} (best val loss 1.0)", "passed")])
 def test_the_resume_check_passes_only_when_a_run_resumed(tmp_path, monkeypatch, killed_steps, resumed_says, expected):
+    at = check.REDUCED["resume"]["checkpoint_at"]
+
     def log(out, steps):
         out.mkdir(parents=True, exist_ok=True)
         (out / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "train_loss": 1 / s}) + "\n" for s in steps))
@@ -72,11 +74,11 @@ def test_the_resume_check_passes_only_when_a_run_resumed(tmp_path, monkeypatch, 
         said = ""
         if log_name == "resume_unbroken":
             log(out, range(1, 25))
-        elif log_name == "resume_killed":
-            log(out, range(1, killed_steps + 1))
+        elif log_name == "resume_killed":  # killed_steps: all 24, or 2 past the checkpoint
+            log(out, range(1, (24 if killed_steps == 24 else at + killed_steps) + 1))
         elif resumed_says.startswith("resumed"):  # what train.py does: the log cut at the checkpoint, then on
             log(out, range(1, 25))
-            said = resumed_says.format(out=out)
+            said = resumed_says.format(out=out, at=at)
         else:
             said = resumed_says
         (tmp_path / f"{log_name}.log").write_text(said + "\n")
