@@ -49,6 +49,25 @@ def writable_folder_problem(path: Path) -> str:
     return ""
 
 
+def read_metrics(path: Path, warn=None) -> list[dict]:
+    """A run's metrics.jsonl as its records (dicts with a step). A line that is not JSON (one cut short by a run
+    killed mid-write) is skipped, and said through warn(message) when given: every reader of the log tolerates
+    what a kill leaves, as a resume does."""
+    records = []
+    for number, line in enumerate(Path(path).read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if warn is not None:
+                warn(f"{path}:{number} is not valid JSON; skipped")
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), (int, float)):
+            records.append(record)
+    return records
+
+
 def holds_run(path: Path) -> list[str]:
     """The files of a run already in path."""
     return [name for name in RUN_FILES if (path / name).exists()]

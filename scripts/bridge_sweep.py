@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from checkpoint import write_json  # noqa: E402
 from eval.results import setting_items, setting_results, standing_setting  # noqa: E402
 from eval.stats import paired_comparison  # noqa: E402
+from run_folder import read_metrics  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 FAMILIES = ["full", "swa", "se_bridge", "pbb", "bridge", "block"]  # Table 3's row order
@@ -68,7 +69,7 @@ def run_dir(out: Path, config: str, seed: int) -> Path:
 
 def load_run(path: Path) -> dict:
     """Best validation perplexity, per-probe accuracy and per-example results of one finished run."""
-    metrics = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    metrics = read_metrics(path / "metrics.jsonl")
     best = min(r["val_loss"] for r in metrics if "val_loss" in r)
     diag = json.loads((path / "eval" / "diagnostics.json").read_text())
     setting = standing_setting(diag)  # the full evaluation, not a --limit check beside it

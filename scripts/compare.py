@@ -34,6 +34,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from run_folder import read_metrics  # noqa: E402
 from eval.results import describe_settings, setting_items, setting_options, standing_setting  # noqa: E402
 from eval.stats import mean_std, paired_comparison  # noqa: E402
 
@@ -67,22 +68,6 @@ def _read_json(path: Path):
         raise CompareError(f"{path} is not valid JSON (line {e.lineno}: {e.msg})") from None
     except OSError as e:
         raise CompareError(f"cannot read {path}: {e.strerror}") from None
-
-
-def load_metrics(path: Path) -> list[dict]:
-    """metrics.jsonl as a list of dicts; an unreadable line (e.g. cut by a killed run) is skipped with a warning."""
-    records = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError:
-            warn(f"{path}:{lineno} is not valid JSON; skipped")
-            continue
-        if isinstance(item, dict) and isinstance(item.get("step"), (int, float)):
-            records.append(item)
-    return records
 
 
 def _is_number(v) -> bool:
@@ -166,7 +151,7 @@ def load_local_run(path) -> dict:
     config = _read_json(path / "config.json")
     if not isinstance(config, dict):
         raise CompareError(f"{path / 'config.json'} does not hold a config object")
-    metrics = load_metrics(path / "metrics.jsonl") if (path / "metrics.jsonl").is_file() else []
+    metrics = read_metrics(path / "metrics.jsonl", warn) if (path / "metrics.jsonl").is_file() else []
     train = [(m["step"], m["train_loss"]) for m in metrics if _is_number(m.get("train_loss"))]
     val = [(m["step"], m["val_loss"]) for m in metrics if _is_number(m.get("val_loss"))]
     extra = {}

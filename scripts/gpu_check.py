@@ -68,6 +68,7 @@ sys.path.insert(0, str(REPO))
 
 from checkpoint import atomic_write, git_hash, write_json  # noqa: E402
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
+from run_folder import read_metrics  # noqa: E402
 
 
 @dataclass
@@ -751,7 +752,7 @@ def step_train_runs(ctx: StepContext) -> dict:
         options = run_options(name, ctx.device, size["window"])
         done = ctx.run([ctx.python, "train.py", *base, *options, f"--out_dir={out_dir}"], f"train_{name}")
         result = {"mixer": name, "options": " ".join(options), "seconds": round(done.seconds, 1),
-                  **read_metrics(out_dir / "metrics.jsonl")}
+                  **run_summary(out_dir / "metrics.jsonl")}
         problem = ""
         if done.timed_out or done.returncode != 0:
             problem = done.error()
@@ -794,11 +795,11 @@ def step_train_runs(ctx: StepContext) -> dict:
     return outcome("passed", summary, results)
 
 
-def read_metrics(path: Path) -> dict:
+def run_summary(path: Path) -> dict:
     """Start and end of a run from its metrics.jsonl: validation loss at the first and last evaluation, the last
     training loss, steady-state tokens/s and MFU (the last logging interval: compilation happens in the first)
     and the largest max_memory_gib (CUDA)."""
-    records = [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+    records = read_metrics(path) if path.exists() else []
     train = [r for r in records if "train_loss" in r]
     val = [r for r in records if "val_loss" in r]
     memory = [r["max_memory_gib"] for r in train if "max_memory_gib" in r]
@@ -816,18 +817,10 @@ def read_metrics(path: Path) -> dict:
 
 def logged_steps(out_dir: Path) -> int:
     """The last step with a training loss in a run's metrics.jsonl (0 when none; a torn last line is skipped)."""
-    last = 0
     try:
-        for line in (out_dir / "metrics.jsonl").read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if "train_loss" in record:
-                last = max(last, record["step"])
+        return max((r["step"] for r in read_metrics(out_dir / "metrics.jsonl") if "train_loss" in r), default=0)
     except OSError:
-        pass
-    return last
+        return 0
 
 
 def step_resume(ctx: StepContext) -> dict:
@@ -880,8 +873,7 @@ def step_resume(ctx: StepContext) -> dict:
 
 def read_losses(out_dir: Path) -> dict:
     """{step: training loss} of a run."""
-    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line]
-    return {r["step"]: r["train_loss"] for r in records if "train_loss" in r}
+    return {r["step"]: r["train_loss"] for r in read_metrics(out_dir / "metrics.jsonl") if "train_loss" in r}
 
 
 # ---- step: memory (the measurement runs in a child process: --worker=memory) --------------------------------
@@ -1026,7 +1018,7 @@ def step_pretrained(ctx: StepContext) -> dict:
     done = ctx.run([ctx.python, *train], "pretrained_train")
     if done.timed_out or done.returncode != 0:
         return outcome("failed", "init_from=hf: failed", None, done.error())
-    metrics = read_metrics(root / "run" / "metrics.jsonl")
+    metrics = run_summary(root / "run" / "metrics.jsonl")
     evaluate = [ctx.python, "-m", "eval", f"--hf={folder}", f"--data_dir={data_dir}", f"--out_dir={root / 'eval'}",
                 "--attn_pattern=swa", "--swa_window=32", "--tasks=ppl", "--ppl_lengths=128", "--limit=4",
                 f"--device={ctx.device}", f"--dtype={dtype}", "--progress=False"]

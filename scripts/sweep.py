@@ -3,8 +3,9 @@
     python scripts/sweep.py configs/mswa/mswa_cpu_swa.py configs/mswa/mswa_cpu_mswa.py --out=out/sweeps/mswa_table2
     python scripts/sweep.py configs/mswa/mswa_cpu_*.py --seeds=1337,2025 --eval="--tasks=ppl --ppl_lengths=64,256"
 
-Each run goes to OUT/<config name>_s<seed>; a run whose ckpt_last.pt (or sharded ckpt_last/) already reached max_iters is kept, so an
-interrupted sweep picks up where it stopped. The table (scripts/compare.py) and the exact command of the
+Each run goes to OUT/<config name>_s<seed>; a run whose ckpt_last.pt (or sharded ckpt_last/) already reached max_iters is kept, one
+with a checkpoint short of it is resumed, and one killed before its first checkpoint starts again (its partial
+folder moved aside to <name>.replaced-TIME), so an interrupted sweep picks up where it stopped. The table (scripts/compare.py) and the exact command of the
 sweep are written to OUT/results.md.
 """
 
@@ -17,6 +18,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from run_folder import holds_run, read_metrics  # noqa: E402
 
 
 def has_last_checkpoint(run_dir: Path) -> bool:
@@ -29,7 +33,7 @@ def finished(run_dir: Path) -> bool:
     if not (config.exists() and metrics.exists() and has_last_checkpoint(run_dir)):
         return False
     max_iters = json.loads(config.read_text())["train"]["max_iters"]
-    steps = [json.loads(line).get("step", -1) for line in metrics.read_text().splitlines() if line.strip()]
+    steps = [record["step"] for record in read_metrics(metrics)]  # a line torn by a kill is skipped
     return bool(steps) and max(steps) >= max_iters
 
 
@@ -55,7 +59,10 @@ def main(argv):
                 if args.eval and not (run_dir / "eval" / "summary.md").exists():  # interrupted before its eval
                     evaluate(run_dir, args.eval)
                 continue
-            resume = ["--init_from=resume"] if has_last_checkpoint(run_dir) else []
+            # a run killed before its first checkpoint has nothing to resume: start it again, its partial log moved
+            # aside whole (to NAME.replaced-TIME) rather than mixed with the new run's
+            resume = ["--init_from=resume"] if has_last_checkpoint(run_dir) \
+                else ["--replace_run=True"] if holds_run(run_dir) else []
             command = [sys.executable, "train.py", config, f"--out_dir={run_dir}", *shlex.split(args.extra),
                        *([f"--seed={seed}"] if seed else []), *resume]
             print(f"[sweep] {name}: {' '.join(command[1:])}", flush=True)

@@ -1,3 +1,4 @@
+import shutil
 import subprocess
 import sys
 
@@ -23,3 +24,17 @@ def test_sweep_trains_compares_and_resumes(tmp_path):
     again = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and again.stdout.count("already finished, kept") == 2
     assert (out / "tiny_swa" / "eval" / "summary.md").exists()  # evaluated on the rerun, not retrained
+
+    # tiny_full as if killed before its first checkpoint (its config and log written, nothing to resume), and
+    # tiny_swa's log with a last line torn by a kill: the rerun starts tiny_full again, its partial folder moved
+    # aside, and keeps tiny_swa
+    for checkpoint in (out / "tiny_full").glob("ckpt_*.pt"):
+        checkpoint.unlink()
+    shutil.rmtree(out / "tiny_full" / "eval")
+    with open(out / "tiny_swa" / "metrics.jsonl", "a") as log:
+        log.write('{"step": 5, "train_lo')
+    third = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert third.returncode == 0, third.stdout[-2000:] + third.stderr[-2000:]
+    assert "tiny_swa: already finished, kept" in third.stdout and "--replace_run=True" in third.stdout
+    assert (out / "tiny_full" / "ckpt_last.pt").exists() and (out / "tiny_full" / "eval" / "summary.md").exists()
+    assert [p.name.split(".replaced-")[0] for p in out.glob("*.replaced-*")] == ["tiny_full"]
