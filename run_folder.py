@@ -41,9 +41,10 @@ def writable_folder_problem(path: Path) -> str:
         existing = existing.parent
     if not existing.is_dir():
         return f"{path} lies under {existing}, which is a file: give --out_dir a folder's path"
-    try:  # a real write: permissions, read-only mounts and full quotas all show here
-        with tempfile.TemporaryFile(dir=existing):
-            pass
+    try:  # a real write of a byte (an empty file fits on a full disk): permissions, read-only mounts, full disks
+        with tempfile.TemporaryFile(dir=existing) as probe:
+            probe.write(b"x")
+            probe.flush()
     except OSError as e:
         return f"{existing} cannot be written ({e.strerror}): give --out_dir a folder you can write"
     return ""
@@ -89,7 +90,10 @@ class RunFolder:
 
     def release(self) -> None:
         if self._lock_file is not None:
-            self._lock_file.close()  # closing the descriptor drops the flock
+            try:
+                self._lock_file.close()  # closing the descriptor drops the flock
+            except OSError:  # a full disk refused the holder's record: the descriptor is closed all the same
+                pass
             self._lock_file = None
 
     def _remove_if_unused(self) -> None:
@@ -148,23 +152,41 @@ def claim(out_dir, fresh: bool, replace: bool = False, command: str | None = Non
         raise RunFolderError(f"cannot lock {lock_path}: the folder keeps being removed and made again")
     folder = RunFolder(path, lock_file, created)
     atexit.register(folder._remove_if_unused)
-    old = holds_run(path)
-    if fresh and old:
-        if not replace:
-            folder.release()
-            raise RunFolderError(
-                f"{path} already holds a run ({', '.join(old)}): a fresh run there would mix two models (its old "
-                f"checkpoints and evaluations beside the new ones). Continue it with --init_from=resume, give this "
-                f"run another --out_dir, or start over with --replace_run=True (the old run is moved whole to "
-                f"{path.name}.replaced-TIME beside it)")
-        moved = _new_folder(path.with_name(f"{path.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"))
-        for entry in path.iterdir():
-            if entry.name != LOCK_NAME:
-                os.replace(entry, moved / entry.name)
-        print(f"the old run in {path} was moved to {moved}", file=sys.stderr)
-    lock_file.seek(0)
-    lock_file.truncate()
-    lock_file.write(json.dumps({"pid": os.getpid(), "command": command or " ".join(sys.argv),
-                                "started": time.strftime("%Y-%m-%d %H:%M:%S")}))
-    lock_file.flush()
+    try:
+        old = holds_run(path)
+        if fresh and old:
+            if not replace:
+                resumable = any(name.startswith("ckpt_") for name in old)
+                raise RunFolderError(
+                    f"{path} already holds a run ({', '.join(old)}): a fresh run there would mix two models (its "
+                    "old checkpoints and evaluations beside the new ones). "
+                    + ("Continue it with --init_from=resume, give" if resumable else
+                       "It has no checkpoint to resume from. Give")
+                    + f" this run another --out_dir, or start over with --replace_run=True (the old run is moved "
+                    f"whole to {path.name}.replaced-TIME beside it)")
+            _move_aside(path)
+        lock_file.seek(0)
+        lock_file.truncate()
+        lock_file.write(json.dumps({"pid": os.getpid(), "command": command or " ".join(sys.argv),
+                                    "started": time.strftime("%Y-%m-%d %H:%M:%S")}))
+        lock_file.flush()
+    except OSError as e:  # a full disk, a folder that cannot be written beside out_dir
+        folder.release()
+        raise RunFolderError(f"cannot prepare {path} for the run: {e.strerror or e}: free some space, or give "
+                             "--out_dir a folder you can write") from None
+    except RunFolderError:
+        folder.release()
+        raise
     return folder
+
+
+def _move_aside(path: Path) -> None:
+    """Move the old run in path whole into a new folder beside it (nothing is deleted)."""
+    if os.stat(path).st_dev != os.stat(path.parent).st_dev:
+        raise RunFolderError(f"{path} is a mount point: its old run cannot be moved beside it on the same disk. "
+                             "Move or remove the old run yourself, or give this run another --out_dir")
+    moved = _new_folder(path.with_name(f"{path.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"))
+    for entry in path.iterdir():
+        if entry.name != LOCK_NAME:
+            os.replace(entry, moved / entry.name)  # one disk: a rename, never a copy
+    print(f"the old run in {path} was moved to {moved}", file=sys.stderr)

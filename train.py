@@ -103,9 +103,10 @@ def data_tokenizer_identity(meta: dict) -> dict:
     return identity
 
 
-def checkpoint_write_failure(error: Exception, out_dir: Path, which: str, sharded: bool, saved_steps: dict) -> str:
-    """The one-line error when a checkpoint could not be written (writes are atomic: the previous files are
-    intact): why (a full disk, said as such), which checkpoints remain, and the command that resumes."""
+def write_failure(error: Exception, out_dir: Path, name: str, sharded: bool, saved_steps: dict) -> str:
+    """The one-line error when a file of the run (a checkpoint, the log, the config) could not be written
+    (checkpoint writes are atomic: the previous files are intact): why (a full disk, said as such), which
+    checkpoints remain, and the command that resumes, or that starts again when there is none."""
     import errno
     import shutil
 
@@ -121,10 +122,9 @@ def checkpoint_write_failure(error: Exception, out_dir: Path, which: str, sharde
     except OSError:
         free = None
     full = full or (free is not None and free < 64 * 2**20)
-    name = f"ckpt_{which}" + ("" if sharded else ".pt")
     why = (f"the disk holding {out_dir} is full ({free / 2**20:.0f} MiB free)" if full and free is not None
            else "the disk is full" if full else f"{reasons[-1]}")
-    intact = [f"{'the previous ' if w == which else ''}ckpt_{w}{'' if sharded else '.pt'}"
+    intact = [f"{'the previous ' if name.startswith(f'ckpt_{w}') else ''}ckpt_{w}{'' if sharded else '.pt'}"
               + (f" (step {saved_steps[w]})" if w in saved_steps else "")
               for w in ("best", "last") if (out_dir / f"ckpt_{w}{'' if sharded else '.pt'}").exists()]
     resume = f"python train.py {out_dir / 'config.json'} --init_from=resume"
@@ -132,7 +132,8 @@ def checkpoint_write_failure(error: Exception, out_dir: Path, which: str, sharde
         resume += " --resume_from=best"
     return (f"could not write {name}: {why}. " + (f"{' and '.join(intact)} {'is' if len(intact) == 1 else 'are'} "
                                                    "intact" if intact else "No checkpoint of this run exists yet")
-            + (f"; free some space, then resume: {resume}" if intact else "; free some space and start again"))
+            + (f"; free some space, then resume: {resume}" if intact else
+               "; free some space, then start again with --replace_run=True (the partial run is moved aside)"))
 
 
 def fail(message: str, status: int = 1):
@@ -224,8 +225,9 @@ def format_eta(seconds: float) -> str:
 class MetricsLog:
     """metrics.jsonl (always) and wandb (when enabled); only rank 0 writes."""
 
-    def __init__(self, path: Path, wandb_run=None):
-        self.path, self.wandb_run = path, wandb_run
+    def __init__(self, path: Path, wandb_run=None, on_write_error=None):
+        """on_write_error(file name, OSError): what a failed write does (a full disk ends the run in one line)."""
+        self.path, self.wandb_run, self.on_write_error = path, wandb_run, on_write_error
 
     def truncate_after(self, step: int, reevaluated: bool = False) -> None:
         """On resume, drop records of steps the interrupted run logged after its last checkpoint (and, when the
@@ -250,8 +252,13 @@ class MetricsLog:
         atomic_write(self.path, lambda f: f.write("".join(line + "\n" for line in kept).encode()))
 
     def log(self, step: int, **values) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, **values}) + "\n")
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": step, **values}) + "\n")
+        except OSError as e:
+            if self.on_write_error is None:
+                raise
+            self.on_write_error(self.path.name, e)
         if self.wandb_run is not None:
             self.wandb_run.log(values, step=step)
 
@@ -486,14 +493,22 @@ def main(argv):
             return
 
     # ---- output folder, logs, signals ---------------------------------------------------------------------
+    saved_steps = {t.resume_from: step} if ckpt_step is not None else {}  # the step of each checkpoint written
+
+    def cannot_write(name: str, error: OSError):
+        fail(write_failure(error, out_dir, name, fsdp, saved_steps))
+
     if master:
         out_dir.mkdir(parents=True, exist_ok=True)
         remove_stale_temp_files(out_dir)
         info = run_info(world_size)
         # the resolved config (its data section included), the run, and the prepared data's meta beside it
         unigram = unigram_entropy(open_tokens(data_dir, "val")[:10_000_000], meta["vocab_size"])
-        write_json({**cfg.to_dict(), "run": info, "data_meta": {**meta, "unigram_entropy": unigram}},
-                   out_dir / "config.json")
+        try:
+            write_json({**cfg.to_dict(), "run": info, "data_meta": {**meta, "unigram_entropy": unigram}},
+                       out_dir / "config.json")
+        except OSError as e:
+            cannot_write("config.json", e)
         n_params = raw_model.num_params()
         print(f"model: {m.arch}, {m.n_layer} layers x {m.n_head} heads x {m.n_embd}, mixers {m.attn_pattern!r}: "
               f"{n_params / 1e6:.2f}M parameters ({raw_model.num_params(exclude_embeddings=True) / 1e6:.2f}M "
@@ -520,13 +535,15 @@ def main(argv):
                                    config={**cfg.to_dict(), "run": info, "n_params": n_params},
                                    id=wandb_run_id, resume="allow", dir=str(out_dir), mode=wandb_mode)
             wandb_run_id = wandb_run.id
-        metrics = MetricsLog(out_dir / "metrics.jsonl", wandb_run)
+        metrics = MetricsLog(out_dir / "metrics.jsonl", wandb_run, on_write_error=cannot_write)
         if step > 0:
             try:  # the evaluation at the resumed step runs again (below): its earlier records are dropped
                 metrics.truncate_after(step, reevaluated=step % ev.eval_interval == 0 or step == t.max_iters
                                        or ev.eval_only)
             except ValueError as e:
                 fail(str(e))
+            except OSError as e:
+                cannot_write("metrics.jsonl", e)
             print(f"resumed from {out_dir / (f'ckpt_{t.resume_from}' + ('' if fsdp else '.pt'))} at step {step} "
                   f"(best val loss {best_val_loss:.4f})")
         elif (out_dir / "metrics.jsonl").exists():
@@ -562,10 +579,9 @@ def main(argv):
                 save_checkpoint({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
                                  "scaler": scaler.state_dict(), **meta_}, out_dir / f"ckpt_{which}.pt")
         except (OSError, RuntimeError) as e:  # a full disk, a quota: the writes are atomic, nothing is half-written
-            fail(checkpoint_write_failure(e, out_dir, which, fsdp, saved_steps))
+            fail(write_failure(e, out_dir, f"ckpt_{which}" + ("" if fsdp else ".pt"), fsdp, saved_steps))
         saved_steps[which] = step
 
-    saved_steps = {t.resume_from: step} if ckpt_step is not None else {}  # the step of each checkpoint written
 
     # ---- the training loop --------------------------------------------------------------------------------
     flops_per_token = raw_model.flops_per_token(m.block_size)

@@ -430,6 +430,54 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_naming_what_is_intact(tmp_p
     assert load_checkpoint(out / "ckpt_last.pt")["step"] == 4  # the previous checkpoint, whole
 
 
+def test_a_full_disk_outside_a_checkpoint_is_one_line_and_the_advice_works(tmp_path):
+    out = tmp_path / "run"
+    # in a process of its own (its run folder stays locked until it exits): the disk fills when the log first grows
+    fill_the_disk_at_the_log = f"""
+import builtins, errno, sys
+import train
+
+def full_for_the_log(path, mode="r", *args, **kwargs):
+    if str(path).endswith("metrics.jsonl") and "a" in mode:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return builtins.open(path, mode, *args, **kwargs)
+
+train.open = full_for_the_log
+train.main({[*TINY, f"--out_dir={out}", "--max_iters=4", "--eval_interval=4", "--device=cpu"]!r})
+"""
+    proc = run(["-c", fill_the_disk_at_the_log])
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    error = proc.stderr.strip().splitlines()[-1]
+    assert error.startswith("error: could not write metrics.jsonl") and "is full" in error
+    assert "No checkpoint of this run exists yet" in error and "--replace_run=True" in error
+    # the advice works: the folder holds a partial run without a checkpoint, which a plain rerun refuses
+    # without offering a resume, and --replace_run=True starts over
+    proc = train_subprocess([*TINY, f"--out_dir={out}", "--max_iters=2", "--eval_interval=2"], check=False)
+    assert proc.returncode == 2 and "no checkpoint to resume from" in proc.stderr, proc.stderr
+    assert "--init_from=resume" not in proc.stderr and "--replace_run=True" in proc.stderr
+    train_subprocess([*TINY, f"--out_dir={out}", "--max_iters=2", "--eval_interval=2", "--replace_run=True"])
+    assert max(read_metrics(out)) == 2
+
+
+def test_a_folder_that_cannot_take_the_old_run_aside_is_one_line(tmp_path, monkeypatch):
+    import errno
+
+    import run_folder
+
+    path = tmp_path / "run"
+    path.mkdir()
+    (path / "metrics.jsonl").write_text("{}\n")
+
+    def cross_device(*_):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(run_folder.os, "replace", cross_device)
+    with pytest.raises(run_folder.RunFolderError, match="cannot prepare .*Invalid cross-device link"):
+        run_folder.claim(path, fresh=True, replace=True)
+    assert (path / "metrics.jsonl").read_text() == "{}\n"  # nothing lost
+    run_folder.claim(path, fresh=False).release()  # and the lock was released
+
+
 # ---- smaller ones ----------------------------------------------------------------------------------------------
 
 def test_recurrent_mixers_inside_a_pretrained_model_are_refused_with_the_reason(tmp_path):
