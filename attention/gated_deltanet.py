@@ -252,12 +252,14 @@ class GatedDeltaNet(RecurrentMixer):
         q, k, v = (F.silu(t).view(B, T, H, D) for t in (q, k, v))
         # the state sums many decayed terms: keep the recurrence in float32 or better under autocast
         compute = torch.promote_types(v.dtype, torch.float32)
-        beta = torch.sigmoid(self.c_beta(x).to(compute))
-        g = -self.A_log.to(compute).exp() * F.softplus(self.c_decay(x).to(compute) + self.dt_offset.to(compute))
+        beta_logit = self.c_beta(x).to(compute)  # (B, T, H)
+        decay_logit = self.c_decay(x).to(compute) + self.dt_offset.to(compute)
         previous = None if cache is None else cache.state
 
         kernel = None if cache is not None and T == 1 else self.fla_kernel(v)
         if kernel is not None:
+            beta = torch.sigmoid(beta_logit)
+            g = -self.A_log.to(compute).exp() * F.softplus(decay_logit)
             y, state = kernel(q, k, v, g, beta.to(v.dtype), scale=D ** -0.5, initial_state=previous,
                               output_final_state=cache is not None, use_qk_l2norm_in_kernel=True)
             y = y.to(compute)
@@ -265,7 +267,10 @@ class GatedDeltaNet(RecurrentMixer):
             q = F.normalize(q.to(compute), dim=-1, eps=1e-6) * D ** -0.5
             k = F.normalize(k.to(compute), dim=-1, eps=1e-6)
             q, k, v32 = (t.transpose(1, 2) for t in (q, k, v.to(compute)))
-            g, beta = g.transpose(1, 2), beta.transpose(1, 2)
+            # gates made per head (B, H, T), contiguous, before their nonlinearities: on strided gates a compiled
+            # backward (aot_eager) assumes other strides than eager gives, and fails to view the gradient
+            beta = torch.sigmoid(beta_logit.transpose(1, 2).contiguous())
+            g = -self.A_log.to(compute).exp()[:, None] * F.softplus(decay_logit.transpose(1, 2).contiguous())
             # autocast would run the products with the state (and build A) in bf16 again
             with torch.autocast(x.device.type, enabled=False):
                 if cache is not None and T == 1:

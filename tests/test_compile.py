@@ -42,6 +42,13 @@ def test_every_mixer_compiles_without_graph_breaks_or_unexpected_recompiles():
     assert swax[1] == swax[2] == "5"  # swa at two windows + mlstm in training, swa + mlstm in evaluation
 
 
+def test_the_recurrent_mixers_backward_compiles_through_aot_autograd():
+    # the GPU check compiles every mixer with aot_eager (AOTAutograd's traced backward, no code generation): a
+    # strided gate once made its backward view a gradient whose strides eager gives otherwise
+    proc, out = run_compile_check("--backend=aot_eager", "--mixers=gated_deltanet,mlstm")
+    assert proc.returncode == 0 and "2/2 clean" in out, out + proc.stderr[-3000:]
+
+
 def test_inductor_compiles_the_cpu_training_path():
     # inductor's code generation on the chunked kernel (custom autograd functions) and the stochastic layout
     proc, out = run_compile_check("--mixers=swa,sa")
