@@ -98,10 +98,11 @@ STEPS = ("preflight", "gpu_tests", "train_runs", "resume", "memory", "pretrained
 # time budget of each step in seconds: at full size on one H100, and reduced (CPU, --quick). The full budgets
 # are limits, set from the estimates in each step's docstring plus a margin for cold compile caches; they sum
 # to at most 20 minutes (multi_gpu costs nothing on one GPU: MULTI_GPU_BUDGET_S applies with two or more)
-BUDGET_S = {"preflight": (20, 20), "gpu_tests": (150, 120), "train_runs": (380, 200), "resume": (90, 90),
+BUDGET_S = {"preflight": (20, 20), "gpu_tests": (150, 120), "train_runs": (350, 200), "resume": (90, 90),
             "memory": (60, 60), "pretrained": (60, 120), "multi_gpu": (0, 0), "backends": (120, 90),
-            "bench_attention": (90, 90), "bench_train": (90, 60), "compile_check": (60, 600), "generate": (45, 60)}
+            "bench_attention": (110, 90), "bench_train": (90, 60), "compile_check": (90, 600), "generate": (45, 60)}
 MULTI_GPU_BUDGET_S = 150
+MEMORY_RATIO = (0.8, 1.25)  # measured / planned peak the memory step accepts: the plan is for choosing batch sizes
 TOTAL_LIMIT_S = 20 * 60  # the whole check on one H100
 CALL_LIMIT_S = 540  # --plan splits the steps into commands of at most this long (a 10-minute session limit)
 
@@ -116,11 +117,12 @@ FULL = {
     # multiple of the flex block, bfloat16 at one that is
     "backends": {"float32": (300,), "bfloat16": (1024,), "head_dim": 64},
     "bench_attention": ["--batch=16", "--heads=16", "--head_dim=64", "--dtype=bfloat16", "--window=256",
-                        "--variants=full,swa,sa,sa_swa", "--lengths=2048,4096,8192,16384,32768"],
-    "bench_train": ["--n_layer=0", "--batch_size=8"],
+                        "--variants=full,swa,sa", "--lengths=2048,8192,32768"],
+    "bench_train": ["--configs=configs/bridges/owt_124m_full.py", "--n_layer=0", "--batch_size=8"],
     "train_runs": {"n_embd": 256, "n_head": 4, "block_size": 1024, "window": 128, "batch_size": 8, "max_iters": 30,
                    "eval_iters": 5, "log_interval": 10},
-    "resume": {"max_iters": 20, "checkpoint_at": 10},
+    # killed once step 12 is logged: 48 steps (about a second on an H100) before the run would end on its own
+    "resume": {"max_iters": 60, "checkpoint_at": 10},
     # the 1.4B SWAX recipe's blocks at 16K tokens, one sequence (fewer layers when the plan says they won't fit)
     "memory": {"config": "configs/swax/swax_1p4b_stochastic.py", "block_size": 16384, "n_layer": 0},
     "generate": ["--contexts=1024,8192", "--n_layer=12", "--n_embd=1024", "--n_head=16", "--dtype=bfloat16"],
@@ -388,7 +390,7 @@ def gpu_kernel_problems(device: str, env: dict) -> list[str]:
         return []
     versions, problems = env["optional_kernels"], []
     for package in sorted({kernel[2] for kernel in gpu_kernel_mixers().values()}):  # requirements-gpu.txt
-        if versions.get(package) == "not installed":
+        if versions.get(package, "not installed") == "not installed":
             problems.append(f"{package} is not installed: pip install -r requirements-gpu.txt")
     pin = env.get("triton_pin") or "the version torch pins"
     if versions.get("triton") == "not installed":
@@ -471,10 +473,10 @@ def read_junit(path: Path) -> list[dict]:
 # ---- step: backends (the comparisons run in a child process: --worker=backends) ----------------------
 
 def step_backends(ctx: StepContext) -> dict:
-    """Every backend of every rule family against dense. On an H100 each (rule, padded length, dtype) compiles
-    its FlexAttention kernels once, forward and backward (~5 s each): 13 families x 2 (float32 at 300, bfloat16
-    at 1024) = about 26 distinct compilations (the branch forms share block's), split over ctx.jobs worker
-    processes: about a minute."""
+    """Every backend of every rule family (the registry's cases under edge rules) against dense. On an H100 each
+    (rule, padded length, dtype) compiles its FlexAttention kernels once, forward and backward (~5 s each): two
+    per family (float32 at 300, bfloat16 at 1024), split over ctx.jobs worker processes: about a minute and a
+    half."""
     shards = ctx.jobs if ctx.device == "cuda" else 1
     paths = [ctx.out / f"backends_{i}.json" for i in range(shards)]
     for path in paths:
@@ -640,9 +642,9 @@ def backends_worker(cfg: CheckConfig, device: str) -> None:
 # ---- step: bench_attention ----------------------------------------------------------------------------
 
 def step_bench_attention(ctx: StepContext) -> dict:
-    """full vs swa / sa / sa_swa at B=16, H=16, d_h=64, bf16, 2K..32K. On an H100: full SDPA at 32K is ~0.5 s a
-    step (~1.2e14 FLOPs at ~300 TFLOP/s) x 6; sa and swa compile one flex kernel pair per length (10 x ~5 s);
-    about 1.5-2 minutes."""
+    """full vs swa and sa at B=16, H=16, d_h=64, bf16, at 2K, 8K and 32K (paper 000's Table 2 lengths), each case
+    a process of its own (start and CUDA init ~5 s). On an H100: full SDPA at 32K is ~0.5 s a step (~1.2e14 FLOPs
+    at ~300 TFLOP/s) x 6; sa and swa compile one flex kernel pair per length (6 x ~5 s); about 1.5 minutes."""
     path = ctx.out / "bench_attention.json"
     path.unlink(missing_ok=True)
     done = ctx.run([ctx.python, "scripts/bench_attention.py", f"--device={ctx.device}", *ctx.sizes["bench_attention"],
@@ -671,9 +673,9 @@ def step_bench_attention(ctx: StepContext) -> dict:
 # ---- step: bench_train --------------------------------------------------------------------------------
 
 def step_bench_train(ctx: StepContext) -> dict:
-    """The 124M (12 x 768, 1024 tokens) and 360M (24 x 1024, 2048 tokens) recipes at full depth, batch 8,
-    compiled per block (every block shares one graph: one compilation of ~40 s each). A step is 6 x 124M x 8K
-    = 6e12 FLOPs (~15 ms at 40% MFU) and 6 x 360M x 16K = 3.5e13 (~90 ms): compilation dominates, ~2 minutes."""
+    """The 124M recipe (12 x 768, 1024 tokens) at full depth, batch 8, compiled per block (every block shares
+    one graph: one compilation of ~40 s). A step is 6 x 124M x 8K = 6e12 FLOPs (~15 ms at 40% MFU): compilation
+    dominates, about a minute. (scripts/bench_train.py alone also measures the 360M recipe.)"""
     path = ctx.out / "bench_train.json"
     path.unlink(missing_ok=True)
     done = ctx.run([ctx.python, "scripts/bench_train.py", f"--device={ctx.device}", *ctx.sizes["bench_train"],
@@ -734,8 +736,8 @@ def step_train_runs(ctx: StepContext) -> dict:
     """A 30-step run per mixer family and per GPU setting, ctx.jobs at a time. On an H100 each is process start
     and CUDA init (~8 s), compiling its block graphs for training and for evaluation (~15-40 s, CPU-bound, so
     several runs compile at once; kernels shared with earlier runs come from the inductor cache; mswa has four
-    windows, so four graphs) and 30 steps of 8 x 1024 tokens through 2 layers (~2 s): 20 runs, 4 at a time, in
-    about 4-5 minutes. Their tokens/s are measured beside the other runs (bench_train measures throughput)."""
+    windows, so four graphs) and 30 steps of 8 x 1024 tokens through 2 layers (~2 s): one run per registry case
+    and per GPU setting (27 today), 4 at a time, in about 5-6 minutes. Their tokens/s are measured beside the other runs (bench_train measures throughput)."""
     size = ctx.sizes["train_runs"]
     compile_ = ctx.device == "cuda"  # on CPU compiling 20 models takes longer than the whole check should
     base = train_base(ctx, size, compile_)
@@ -894,6 +896,10 @@ def step_memory(ctx: StepContext) -> dict:
         return outcome("passed", f"{shape}: planned {r['estimated_gib']:.2f} GiB (not measured on CPU)", r)
     summary = (f"{shape}: measured / planned = {r['measured_gib']:.2f} / {r['estimated_gib']:.2f} GiB = "
                f"{r['ratio']:.2f}")
+    low, high = MEMORY_RATIO
+    if not low <= r["ratio"] <= high:
+        return outcome("failed", summary, r, f"scripts/plan_memory.py's estimate is off by more than its stated "
+                       f"accuracy ({low}-{high} x the measured peak): its per-layer saved-activation counts need fixing")
     return outcome("passed", summary, r)
 
 
@@ -924,7 +930,9 @@ def memory_worker(cfg: CheckConfig, device: str) -> None:
 
     n_layer = size["n_layer"] or m.n_layer
     if device == "cuda":  # as many of the recipe's layers as fit this GPU by the plan, whole pattern periods
-        free, period = torch.cuda.mem_get_info()[0] * 0.9, len(m.attn_pattern.split(","))
+        from attention.registry import pattern_names
+
+        free, period = torch.cuda.mem_get_info()[0] * 0.9, len(pattern_names(m.attn_pattern))  # swax: 2 layers
         # the planned activations plus the float32 weights and gradients
         while n_layer > period and planned(n_layer)[1] + 2 * plan_memory.F32 * _param_count(m) > free:
             n_layer -= period
@@ -1041,7 +1049,7 @@ def step_pretrained(ctx: StepContext) -> dict:
 
 def step_multi_gpu(ctx: StepContext) -> dict:
     """torchrun with 2 processes (NCCL), DDP and FSDP, against the same run in one process: losses equal to
-    bf16 tolerance. Three runs per parallelism, compiled: about 2 minutes. Needs two GPUs."""
+    bf16 tolerance. Two runs per parallelism, compiled: about 2 minutes. Needs two GPUs."""
     gpus = torch.cuda.device_count() if ctx.device == "cuda" else 0
     if gpus < 2:
         where = "one GPU" if gpus == 1 else "CPU (the test suite runs 2-process gloo DDP and FSDP)"
@@ -1075,8 +1083,9 @@ def step_multi_gpu(ctx: StepContext) -> dict:
 # ---- step: compile_check ------------------------------------------------------------------------------
 
 def step_compile_check(ctx: StepContext) -> dict:
-    """scripts/compile_check.py: 17 cases of a 2-layer model, 3 training steps and an evaluation each; with
-    aot_eager (no code generation) a few seconds a case, about a minute (inductor: ~15 s a case, 4-5 minutes)."""
+    """scripts/compile_check.py: every registry case (22 today) as a 2-layer model, 3 training steps and an
+    evaluation each; with aot_eager (Dynamo's capture and AOTAutograd's backward, no code generation: inductor's
+    runs are train_runs) 2-4 s a case, about a minute and a half (inductor: ~15 s a case, 5-6 minutes)."""
     script = REPO / "scripts" / "compile_check.py"
     if not script.exists():
         return outcome("missing", "scripts/compile_check.py does not exist yet: nothing checked")
@@ -1135,16 +1144,12 @@ def environment(device: str) -> dict:
         model = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
                       if line.startswith("model name")), platform.processor() or "CPU")
         name, memory = f"CPU: {model} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)", ""
-    optional = {}
-    for module, package in (("triton", "triton"), ("mlstm_kernels", "mlstm_kernels"),
-                            ("fla", "flash-linear-attention"), ("fla", "fla-core")):
-        if importlib.util.find_spec(module) is None:
+    optional = {}  # Triton, each registered GPU kernel's package (Mixer.gpu_kernel), and fla's kernels
+    for package in ("triton", *sorted({kernel[2] for kernel in gpu_kernel_mixers().values()}), "fla-core"):
+        try:
+            optional[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
             optional[package] = "not installed"
-        else:
-            try:
-                optional[package] = importlib.metadata.version(package)
-            except importlib.metadata.PackageNotFoundError:
-                optional[package] = "installed"
     block_ptr = None
     if optional["triton"] != "not installed":
         try:
@@ -1241,7 +1246,9 @@ def render_backends(results: dict) -> list[str]:
     for c in results["cases"]:
         rows.setdefault((c["family"], c["backend"], c["dtype"]), []).append(c)
     tolerance = results.get("tolerance", TOLERANCE)
-    lines = [f"Every backend against `dense` in float32 (B=2, H=4, or 8 for mswa; w = b = {results.get('window')}); "
+    heads = sorted({c["heads"] for c in results["cases"] if c.get("heads")})
+    lines = [f"Every backend against `dense` in float32 (B=2, H={'/'.join(map(str, heads))}; "
+             f"w = b = {results.get('window')}); "
              f"errors are the largest over the lengths. Tolerance: float32 {tolerance['float32']}; bfloat16 "
              f"{tolerance['bfloat16']} (max abs error shown).", "",
              "| rule | backend | dtype | lengths | fwd max abs err | bwd max abs err | fwd / bwd rel err | ok |",

@@ -22,7 +22,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # xdist workers (one per core) an
 # from torch.arange) therefore fails here too, on a machine without a GPU.
 
 CUDA = torch.cuda.is_available()
-GPU_DEVICE = "cuda" if CUDA else "cpu"
 FACTORIES = {torch.randn, torch.rand, torch.randint, torch.randperm, torch.zeros, torch.ones, torch.empty,
              torch.full, torch.arange, torch.linspace, torch.logspace, torch.tensor, torch.eye}
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
