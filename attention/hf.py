@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from attention.kernels import masked_attention
+from attention.kernels import masked_attention, repeat_kv
 from attention.registry import build_mixer, validate_config
 
 HF_ATTENTION = "efficient_attention"  # the name under which the function is registered in transformers
@@ -107,9 +107,8 @@ def variant_attention(module, query, key, value, attention_mask, scaling=None, d
         raise ValueError("efficient_attention cannot honour soft-capping or attention sinks")
     if attention_mask is not None:  # no_padding_mask builds none; a caller's own 4D mask cannot be honoured
         raise ValueError("efficient_attention builds its own masks: call the model without a 4D attention_mask")
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:  # grouped-query attention: each k/v head serves `groups` consecutive query heads
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    if not mixer.native_gqa:  # grouped-query attention, for mixers whose kernels take one k/v head per query head
+        key, value = repeat_kv(query, key, value)
     head_dim = query.shape[-1]
     if scaling is not None and not math.isclose(scaling, head_dim ** -0.5, rel_tol=1e-9):
         query = query * (scaling * math.sqrt(head_dim))  # the kernels scale by 1/sqrt(head_dim)

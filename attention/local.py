@@ -20,7 +20,8 @@ class CausalSelfAttention(MaskedAttention):
     def check_config(cls, config):
         super().check_config(config)
         if config.attn_backend == "chunked":
-            raise ValueError("attn_backend=chunked needs a bounded window; full attention uses sdpa, flex or dense")
+            raise ValueError("attn_backend=chunked is for rules that skip keys: full attention reads every earlier "
+                             "key, which SDPA's fused kernels do faster; use attn_backend=auto (sdpa), flex or dense")
 
     def __init__(self, config, layer_idx):
         super().__init__(config, layer_idx, Causal())

@@ -111,7 +111,7 @@ class MixtureOfBlockAttention(Attention):
     paper = "000 (baseline)"
     summary = "j <= i in the k blocks of c positions scoring best against i by q_i . mean(k), i's own among them"
 
-    settings = ("attn_backend", MOBA_BLOCK, MOBA_TOPK)
+    settings = Attention.settings + (MOBA_BLOCK, MOBA_TOPK)
 
     @classmethod
     def example_settings(cls, window):

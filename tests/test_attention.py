@@ -309,7 +309,7 @@ def test_rolling_cache_holds_only_the_window():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--attn_pattern=full", "--attn_backend=chunked"], "needs a bounded window"),
+    (["--attn_pattern=full", "--attn_backend=chunked"], "is for rules that skip keys"),
     (["--attn_backend=fast"], "attn_backend='fast'"),
     (["--attn_pattern=swa", "--swa_window=0"], "swa_window=0"),
 ])
@@ -452,3 +452,9 @@ def test_no_registered_variant_builds_an_n_by_n_tensor_on_its_training_path():
         assert largest.numel < n * n // 8 and sum(size >= n // 8 for size in largest.shape) <= 1, (name, largest.shape)
         checked.append(name)
     assert {"swa", "block", "mswa", "swat", "pbb", "se_bridge", "mlstm", "gated_deltanet", "linear"} <= set(checked)
+
+
+def test_a_union_with_far_keys_takes_its_local_rules_chunk():
+    # the far keys cost one key chunk per query chunk whatever its size; the window sets the chunk below 64
+    assert AnyOf((SlidingWindow(32), GlobalKeys(4))).chunk_size() == SlidingWindow(32).chunk_size() == 16
+    assert AnyOf((SlidingWindow(256), GlobalKeys(4))).chunk_size() == 64

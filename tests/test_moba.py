@@ -86,3 +86,13 @@ def test_dense_backend_is_the_reference_through_a_model():
 def test_bad_settings_are_refused(bad, message):
     with pytest.raises(ValueError, match=message):
         validate_config(ModelConfig(n_layer=2, n_head=2, n_embd=16, attn_pattern="moba", **bad))
+
+
+def test_moba_declares_the_attention_settings_it_reads():
+    # compare.py tells runs apart by the settings their layers declare: two moba runs differing in n_kv_head
+    # must not be averaged as seeds of one configuration
+    from attention.registry import used_settings
+    from config import ModelConfig
+
+    used = used_settings(ModelConfig(attn_pattern="moba"))
+    assert {"n_kv_head", "attn_head_dim", "qk_norm", "qkv_bias", "moba_block", "moba_topk"} <= used
