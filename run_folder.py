@@ -19,6 +19,7 @@ import shutil
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 LOCK_NAME = ".lock"
@@ -67,6 +68,15 @@ def read_metrics(path: Path, warn=None) -> list[dict]:
         if isinstance(record, dict) and isinstance(record.get("step"), (int, float)):
             records.append(record)
     return records
+
+
+@contextmanager
+def held(lock_path: Path):
+    """An exclusive lock held for a short read-modify-write of a file that several processes update (two
+    evaluations of one run merging their cells into eval/TASK.json): the second waits for the first."""
+    with open(lock_path, "a") as lock_file:
+        fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX)
+        yield  # closing the file releases the lock
 
 
 def holds_run(path: Path) -> list[str]:

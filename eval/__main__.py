@@ -47,7 +47,7 @@ from eval import niah as niah_task
 from eval import ppl as ppl_task
 from eval import recall as recall_task
 from eval.results import describe_settings, merged_report
-from run_folder import writable_folder_problem
+from run_folder import held, holds_run, writable_folder_problem
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -410,6 +410,12 @@ def main(argv):
     if problem:
         print(f"error: cannot write the results: {problem}", file=sys.stderr)
         sys.exit(2)
+    trained = [name for name in holds_run(Path(e.out_dir)) if name.startswith("ckpt_") or name == "metrics.jsonl"]
+    if e.hf and trained:  # a --hf evaluation writes the folder's config.json: never over a training run's
+        print(f"error: {e.out_dir} holds a training run ({', '.join(trained)}): a --hf model's results there would "
+              f"replace its config.json and read as that run's; give --out_dir a folder of its own "
+              f"(e.g. --out_dir=out/hf_{Path(e.hf).name})", file=sys.stderr)
+        sys.exit(2)
     dtype_name = e.hf_dtype or (e.dtype if e.dtype != "auto" else (
         "bfloat16" if device == "cuda" and torch.cuda.is_bf16_supported() else "float32"))
     torch.manual_seed(e.seed)
@@ -450,8 +456,9 @@ def main(argv):
             print(f"error in task {task}: {err}", file=sys.stderr)
             failed.append(task)
             continue
-        write_json(merged_report(eval_dir / f"{task}.json", task, result, e, data_dir,
-                                 {**provenance, "seconds": time.time() - started}), eval_dir / f"{task}.json")
+        with held(eval_dir / ".lock"):  # another evaluation of this run may be merging into the same file
+            write_json(merged_report(eval_dir / f"{task}.json", task, result, e, data_dir,
+                                     {**provenance, "seconds": time.time() - started}), eval_dir / f"{task}.json")
     atomic_write(eval_dir / "summary.md", lambda f: f.write(summary_markdown(eval_dir).encode()))
     done = [t for t in e.tasks.split(",") if t not in failed]
     print(f"wrote {', '.join(f'{t}.json' for t in done) or 'no task result'}; summary.md in {eval_dir}")

@@ -51,10 +51,12 @@ def setting_id(setting: dict) -> str:
 
 
 def evaluated_model(provenance: dict) -> dict:
-    """Which model a call evaluated: the checkpoint file, its step and its run config (a --hf model: its name;
-    its attention settings are part of the setting)."""
-    return {"ckpt": provenance.get("ckpt"), "step": provenance.get("step"),
-            "config_hash": None if "attention" in provenance else provenance.get("config_hash")}
+    """Which model a call evaluated: the checkpoint's file name (the run folder may be named by another path,
+    or moved), its step and its run config (a --hf model: its name; its attention settings are part of the
+    setting)."""
+    hf, ckpt = "attention" in provenance, provenance.get("ckpt")
+    return {"ckpt": ckpt if hf or ckpt is None else Path(ckpt).name, "step": provenance.get("step"),
+            "config_hash": None if hf else provenance.get("config_hash")}
 
 
 def standing_setting(report: dict, among=None):
@@ -89,6 +91,8 @@ def supersede(path: Path, old: dict, model: dict) -> dict:
     """old, or {} after moving its file to eval/superseded/ when it holds another model's cells (a file holds one
     model's: cells of two checkpoints side by side would read as one model's results)."""
     before = old.get("model") or evaluated_model(old.get("provenance") or {})
+    if before.get("config_hash") is not None and before.get("ckpt"):  # a file from when the whole path was kept
+        before = {**before, "ckpt": Path(before["ckpt"]).name}
     if not old or before == model:
         return old
     folder = path.parent / "superseded"

@@ -233,6 +233,11 @@ def test_a_later_evaluation_keeps_earlier_per_example_results_and_recomputes_ave
 
 def test_another_checkpoint_moves_the_earlier_results_aside_and_hf_attention_is_a_setting(tmp_path, capsys):
     evaluate(tmp_path, "recall", recall_result([True] * 4, length=32))
+    # the same checkpoint named by another path (a relative --out_dir, a moved folder) is the same model
+    report = evaluate(tmp_path, "recall", recall_result([True] * 4, length=48),
+                      {"ckpt": f"moved/{tmp_path.name}/ckpt_best.pt"})
+    assert [r["length"] for r in report["results"]["rows"]] == [32, 48]
+    assert not (tmp_path / "eval" / "superseded").exists()
     report = evaluate(tmp_path, "recall", recall_result([False] * 4, length=64), {"step": 16})
     assert [r["length"] for r in report["results"]["rows"]] == [64]  # no step-8 cell read as the step-16 model's
     kept = list((tmp_path / "eval" / "superseded").glob("recall-step8-*.json"))
@@ -480,6 +485,16 @@ def test_a_folder_that_cannot_take_the_old_run_aside_is_one_line(tmp_path, monke
 
 # ---- smaller ones ----------------------------------------------------------------------------------------------
 
+def test_a_pretrained_model_is_not_evaluated_into_a_training_runs_folder(byte_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(byte_run, run_dir)
+    before = (run_dir / "config.json").read_bytes()
+    proc = run(["-m", "eval"], "--hf=some/model", "--data_dir=data/embedded_byte", f"--out_dir={run_dir}", "--limit=1",
+               "--progress=False")
+    assert proc.returncode == 2 and "holds a training run" in proc.stderr and "--out_dir=out/hf_model" in proc.stderr
+    assert (run_dir / "config.json").read_bytes() == before
+
+
 def test_recurrent_mixers_inside_a_pretrained_model_are_refused_with_the_reason(tmp_path):
     folder, data_dir = load_script("gpu_check").build_tiny_hf_model(tmp_path / "hf")
     for pattern in ("mlstm", "gated_deltanet", "linear", "swax"):
@@ -575,3 +590,24 @@ def test_the_window_sweep_says_what_it_needs_instead_of_falling_back(tmp_path):
     proc = subprocess.run([sys.executable, "-c", without], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "pip install -r requirements-eval.txt" in proc.stderr, proc.stderr
     assert not (tmp_path / "sweep").exists()
+
+
+def test_two_evaluations_merge_their_cells_one_after_the_other(tmp_path):
+    # the read-modify-write of eval/TASK.json is under a lock: the second merge waits for the first
+    import threading
+
+    from run_folder import held
+
+    order = []
+
+    def second():
+        with held(tmp_path / ".lock"):
+            order.append("second")
+
+    with held(tmp_path / ".lock"):
+        thread = threading.Thread(target=second)
+        thread.start()
+        thread.join(0.3)
+        order.append("first")
+    thread.join()
+    assert order == ["first", "second"]
