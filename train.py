@@ -29,7 +29,7 @@ from checkpoint import (CheckpointError, atomic_write, checkpoint_tokenizer_iden
 from config import Config, ConfigError, exit_on_config_error, load_config, resolve_device, validate
 from data.loader import WindowSampler
 from data.meta import (DataError, check_vocabulary, load_meta, open_tokens, prepare_generated_if_missing,
-                       tokenizer_identity, tokenizer_mismatch, unigram_entropy)
+                       tokenizer_mismatch, unigram_entropy)
 from data.tokenizer import TokenizerUnavailable, get_tokenizer
 from eval.probes import training_probes
 from machine import busy_note
@@ -87,20 +87,6 @@ def schedule_warning(t) -> str:
         effect = f"training ends at {t.max_iters / t.lr_decay_iters:.0%} of the decay, before min_lr"
     return (f"warning: lr_decay_iters={t.lr_decay_iters} but max_iters={t.max_iters}: {effect}; set "
             f"--lr_decay_iters={t.max_iters}, or 0 to follow max_iters")
-
-
-def data_tokenizer_identity(meta: dict) -> dict:
-    """The identity of the tokenizer the data was prepared with, which checkpoints record: from meta.json, with
-    the vocabulary hash computed from the tokenizer where the data predates it and the tokenizer loads here."""
-    identity = tokenizer_identity(meta)
-    if "vocab_sha256" not in identity:
-        try:
-            found = get_tokenizer(meta["tokenizer"]).identity()
-        except TokenizerUnavailable:
-            return identity
-        if (found["vocab_size"], found["eot_id"]) == (meta["vocab_size"], meta["eot_id"]):
-            identity = found
-    return identity
 
 
 def write_failure(error: Exception, out_dir: Path, name: str, sharded: bool, saved_steps: dict) -> str:
@@ -365,23 +351,26 @@ def main(argv):
         if distributed:
             dist.barrier()
         meta = load_meta(data_dir)
-        check_vocabulary(data_dir, meta)
+        data_tokenizer = check_vocabulary(data_dir, meta)  # the identity checkpoints record
     except DataError as e:
         fail(str(e))
-    data_tokenizer = data_tokenizer_identity(meta)
     if m.vocab_size == 0:
         m.vocab_size = -(-meta["vocab_size"] // 64) * 64  # padded to a multiple of 64 for efficient matmuls
     elif m.vocab_size < meta["vocab_size"]:
         fail(f"vocab_size={m.vocab_size} is smaller than the vocabulary of {data_dir} ({meta['vocab_size']}, "
              f"tokenizer {meta['tokenizer']}): set --vocab_size={meta['vocab_size']} or larger, or 0 to take it "
              "from the data", status=2)
-    if source is not None and meta["tokenizer"] not in ("gpt2", source):
-        message = (f"{data_dir} was tokenized with {meta['tokenizer']!r}, not the tokenizer of {source}: prepare the "
-                   f"data with python data/prepare.py ... --tokenizer={'gpt2' if t.init_from in GPT2_NAMES else source}")
-        if t.init_from in GPT2_NAMES:
-            fail(message, status=2)
-        elif master:  # a local checkpoint's tokenizer may be another name for the data's
-            print(f"warning: {message} (unless they are the same vocabulary)")
+    if source is not None:  # pretrained weights read the data's token ids as their own tokenizer's
+        name = "gpt2" if t.init_from in GPT2_NAMES else source
+        try:
+            problem = tokenizer_mismatch(get_tokenizer(name).identity(), meta, data_dir, f"init_from={t.init_from}")
+        except TokenizerUnavailable:  # a folder of weights without tokenizer files: only the names can be compared
+            problem = ""
+            if meta["tokenizer"] != name and master:
+                print(f"warning: {data_dir} was tokenized with {meta['tokenizer']!r} and {source} has no tokenizer "
+                      f"here to compare its vocabulary with: prepare the data with --tokenizer={name} if they differ")
+        if problem:
+            fail(problem, status=2)
     loss_after = None
     if cfg.data.loss_after:
         try:

@@ -74,26 +74,35 @@ def tokenizer_mismatch(expected: dict, data_meta: dict, data_dir, what: str = "t
               "(python data/prepare.py --dataset=... --tokenizer=...)")
 
 
-def check_vocabulary(data_dir, meta) -> None:
-    """meta.json's vocab_size and eot_id against its tokenizer's, and the token ids against vocab_size (a meta
-    that does not describe its data would crash, or worse train silently, further on)."""
+def check_vocabulary(data_dir, meta) -> dict:
+    """meta.json's tokenizer against the tokenizer of that name here (its vocabulary hash where meta.json has
+    one, else vocab_size and eot_id), and the token ids against vocab_size (a meta that does not describe its
+    data would crash, or worse train silently, further on). Returns the data's tokenizer identity, which
+    checkpoints record: meta.json's, with the hash from the tokenizer where the data predates it."""
     from data.tokenizer import TokenizerUnavailable, get_tokenizer
 
     redo = f"re-run {prepare_command(data_dir, meta)}"
+    identity = tokenizer_identity(meta)
     try:
-        tok = get_tokenizer(meta["tokenizer"])
+        found = get_tokenizer(meta["tokenizer"]).identity()
     except TokenizerUnavailable:
-        tok = None  # not loadable here (no network): the token ids are still checked below
-    if tok is not None and (tok.vocab_size, tok.eot_id) != (meta["vocab_size"], meta["eot_id"]):
-        raise DataError(f"{data_dir}/meta.json says vocab_size {meta['vocab_size']} and eot_id {meta['eot_id']}, but "
-                        f"its tokenizer {meta['tokenizer']!r} has {tok.vocab_size} and {tok.eot_id}: the meta does not "
-                        f"describe this data; {redo}")
+        found = None  # not loadable here (no network): the token ids are still checked below
+    if found is not None:
+        if tokenizer_mismatch(found, meta, data_dir):
+            same_size = (found["vocab_size"], found["eot_id"]) == (meta["vocab_size"], meta["eot_id"])
+            raise DataError(f"{data_dir}/meta.json says vocab_size {meta['vocab_size']} and eot_id {meta['eot_id']}, "
+                            f"but its tokenizer {meta['tokenizer']!r} has "
+                            + ("another vocabulary of that size here" if same_size else
+                               f"{found['vocab_size']} and {found['eot_id']}")
+                            + f": the meta does not describe this data; {redo}")
+        identity = found
     for split in SPLITS:
         tokens = open_tokens(data_dir, split)
         top = int(np.max(tokens[:50_000_000]))
         if top >= meta["vocab_size"]:
             raise DataError(f"{data_dir}/{split}.bin holds token id {top}, beyond meta.json's vocab_size "
                             f"{meta['vocab_size']}: the bins and the meta do not match; {redo}")
+    return identity
 
 
 def load_meta(data_dir) -> dict:

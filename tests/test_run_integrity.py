@@ -495,6 +495,28 @@ def test_a_pretrained_model_is_not_evaluated_into_a_training_runs_folder(byte_ru
     assert (run_dir / "config.json").read_bytes() == before
 
 
+def test_a_tokenizer_file_that_changed_under_its_data_is_refused(bpe, tmp_path):
+    # the data was prepared with a/tokenizer.json; that path now holds another vocabulary of the same size
+    shutil.copytree(bpe / "a", tmp_path / "a")
+    shutil.copytree(bpe / "data_a", tmp_path / "data_a")
+    meta = json.loads((tmp_path / "data_a" / "meta.json").read_text())
+    meta["tokenizer"] = str(tmp_path / "a" / "tokenizer.json")
+    (tmp_path / "data_a" / "meta.json").write_text(json.dumps(meta))
+    shutil.copy(bpe / "b" / "tokenizer.json", tmp_path / "a" / "tokenizer.json")
+    proc = train_subprocess([*TINY, f"--data_dir={tmp_path / 'data_a'}", f"--out_dir={tmp_path / 'run'}",
+                             "--max_iters=1"], check=False)
+    assert proc.returncode != 0 and "another vocabulary of that size" in proc.stderr, proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_pretrained_weights_refuse_data_of_another_tokenizer(tmp_path):
+    folder, _ = load_script("gpu_check").build_tiny_hf_model(tmp_path / "hf")
+    proc = train_subprocess(["configs/quickstart.py", f"--init_from=hf:{folder}", "--data_dir=data/embedded_byte",
+                             f"--out_dir={tmp_path / 'run'}", "--max_iters=1"], check=False)
+    assert proc.returncode == 2 and "was prepared with the tokenizer 'byte'" in proc.stderr, proc.stderr
+    assert f"init_from=hf:{folder}" in proc.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 def test_recurrent_mixers_inside_a_pretrained_model_are_refused_with_the_reason(tmp_path):
     folder, data_dir = load_script("gpu_check").build_tiny_hf_model(tmp_path / "hf")
     for pattern in ("mlstm", "gated_deltanet", "linear", "swax"):
