@@ -426,8 +426,7 @@ def main(argv):
             model, cfg, tokenizer, data_dir, with_config, source = load_run(e, device, getattr(torch, dtype_name))
         meta = load_meta(data_dir)
         # the data's tokens must be the model's: a checkpoint's tokenizer as trained, a --hf model's own
-        expected = source["tokenizer"] if not e.hf else tokenizer.identity()
-        problem = tokenizer_mismatch(expected, meta, data_dir, "the model" if e.hf else f"{source['ckpt']}")
+        problem = tokenizer_mismatch(source["tokenizer"], meta, data_dir, "the model" if e.hf else f"{source['ckpt']}")
         if problem:
             raise DataError(problem)
     except ConfigError as err:
