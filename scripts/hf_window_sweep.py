@@ -15,10 +15,13 @@ Writes OUT/results.json (every cell with its metric), OUT/table.md (Tables 4-5's
 window, one column per task, then the average) and OUT/accuracy_vs_window.png (Fig. 4: average accuracy
 against the effective window, full attention as a dashed line) with OUT/accuracy_by_task.png (Figs. 5-6).
 Tasks live on the Hugging Face hub (downloaded on first use); --include_path adds local task YAMLs. HumanEval
-executes generated code: lm_eval asks for HF_ALLOW_CODE_EVAL=1 and --confirm_run_unsafe_code.
+executes generated code: lm_eval asks for HF_ALLOW_CODE_EVAL=1 and --confirm_run_unsafe_code. A rerun into the
+same --out under the same settings adds and replaces cells (the others are kept); under other settings
+(model, tasks, --limit, ...) it is refused.
 """
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -41,6 +44,33 @@ def modes(windows: list[int], moba_blocks: list[int], moba_topk: int) -> list[di
         cells.append({"mode": "moba", "window": c * moba_topk,
                       "settings": {"attn_pattern": "moba", "moba_block": c, "moba_topk": moba_topk}})
     return cells
+
+
+# the arguments a score depends on: a sweep's folder holds cells computed under one choice of them
+SCORE_ARGUMENTS = ("hf", "tasks", "hf_dtype", "hf_decode", "hf_context", "sa_mode", "sa_seed", "limit", "num_fewshot",
+                   "include_path", "seed")
+
+
+def earlier_rows(path: str, args, cells: list[dict]) -> list[dict]:
+    """The rows of an earlier sweep in the same --out that this one does not recompute, kept beside its new rows;
+    a sweep there under other settings is refused (its numbers and these would read as one table)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        previous = json.load(f)
+    before = previous.get("args", {})
+    differ = [key for key in SCORE_ARGUMENTS if before.get(key) != getattr(args, key)]
+    if differ:
+        print(f"error: {os.path.dirname(path)} holds a sweep under other settings ("
+              + ", ".join(f"--{key}={before.get(key)!r} there, {getattr(args, key)!r} here" for key in differ)
+              + "): give --out another folder, or rerun with its settings to add cells to it", file=sys.stderr)
+        sys.exit(2)
+    recomputed = {cell_key(cell) for cell in cells}
+    return [row for row in previous.get("rows", []) if cell_key(row) not in recomputed]
+
+
+def cell_key(cell: dict) -> str:
+    return json.dumps(cell["settings"], sort_keys=True)
 
 
 def task_score(task: str, results: dict) -> tuple[str, float]:
@@ -132,6 +162,8 @@ def main(argv=None):
     if wanted - {"full", "swa", "sa", "moba"} or not wanted:
         parser.error(f"--modes={args.modes}: expected some of full, swa, sa, moba")
     tasks = [t for t in args.tasks.split(",") if t]
+    cells = [cell for cell in modes(windows, moba_blocks, args.moba_topk) if cell["mode"] in wanted]
+    rows = earlier_rows(os.path.join(args.out, "results.json"), args, cells)  # before any work: refusals first
 
     try:
         import lm_eval
@@ -159,8 +191,6 @@ def main(argv=None):
     lm = CheckpointLM.from_model(model, tokenizer, batch_size=args.batch_size)
     task_manager = TaskManager(include_path=args.include_path) if args.include_path else TaskManager()
     os.makedirs(args.out, exist_ok=True)
-    rows = []
-    cells = [cell for cell in modes(windows, moba_blocks, args.moba_topk) if cell["mode"] in wanted]
     for i, cell in enumerate(cells):
         model.with_changes(**cell["settings"], sa_mode=args.sa_mode, sa_seed=args.sa_seed)
         started = time.time()  # simple_evaluate seeds torch: sa draws the same permutations in every run

@@ -161,6 +161,16 @@ def test_window_sweep_writes_the_table_and_the_plots(local_model, tmp_path, offl
     assert "| mode | window | tiny_mc | tiny_gen | average |" in table and "| moba | 8 |" in table
     for name in ("accuracy_vs_window.png", "accuracy_by_task.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # a rerun of one cell into the same folder keeps the others; one under another setting is refused
+    main([f"--hf={folder}", "--tasks=tiny_mc,tiny_gen", f"--include_path={tmp_path}", "--windows=4",
+          "--moba_blocks=", "--modes=swa", f"--out={out}", "--device=cpu", "--batch_size=4"])
+    again = json.loads((out / "results.json").read_text())["rows"]
+    assert sorted((row["mode"], row["window"] or 0) for row in again) == sorted((m, w or 0) for m, w in cells)
+    with pytest.raises(SystemExit) as refused:
+        main([f"--hf={folder}", "--tasks=tiny_mc,tiny_gen", f"--include_path={tmp_path}", "--windows=4",
+              "--modes=swa", f"--out={out}", "--device=cpu", "--limit=1"])
+    assert refused.value.code == 2
+    assert json.loads((out / "results.json").read_text())["rows"] == again
 
 
 @pytest.mark.parametrize("hf_decode, last_forward", [("full", 40), ("variant", 42)])
