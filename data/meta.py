@@ -75,8 +75,8 @@ def tokenizer_mismatch(expected: dict, data_meta: dict, data_dir, what: str = "t
 
 
 def check_vocabulary(data_dir, meta) -> dict:
-    """meta.json's tokenizer against the tokenizer of that name here (its vocabulary hash where meta.json has
-    one, else vocab_size and eot_id), and the token ids against vocab_size (a meta that does not describe its
+    """meta.json's tokenizer against the tokenizer of that name here (vocab_size, eot_id and, where meta.json
+    has one, the vocabulary hash), and the token ids against vocab_size (a meta that does not describe its
     data would crash, or worse train silently, further on). Returns the data's tokenizer identity, which
     checkpoints record: meta.json's, with the hash from the tokenizer where the data predates it."""
     from data.tokenizer import TokenizerUnavailable, get_tokenizer
@@ -88,8 +88,8 @@ def check_vocabulary(data_dir, meta) -> dict:
     except TokenizerUnavailable:
         found = None  # not loadable here (no network): the token ids are still checked below
     if found is not None:
-        if tokenizer_mismatch(found, meta, data_dir):
-            same_size = (found["vocab_size"], found["eot_id"]) == (meta["vocab_size"], meta["eot_id"])
+        same_size = (found["vocab_size"], found["eot_id"]) == (meta["vocab_size"], meta["eot_id"])
+        if not same_size or meta.get("vocab_sha256", found["vocab_sha256"]) != found["vocab_sha256"]:
             raise DataError(f"{data_dir}/meta.json says vocab_size {meta['vocab_size']} and eot_id {meta['eot_id']}, "
                             f"but its tokenizer {meta['tokenizer']!r} has "
                             + ("another vocabulary of that size here" if same_size else
