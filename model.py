@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from attention import build_mixer
+from attention import build_mixer, simulate_cuda
 from config import ModelConfig
 
 
@@ -159,7 +159,7 @@ class GPT(nn.Module):
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
-        fused = device_type == "cuda"
+        fused = simulate_cuda.gpu_path(device_type)  # CUDA's fused AdamW (also on the CPU standing in for CUDA)
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
 
     @torch.no_grad()

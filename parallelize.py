@@ -18,6 +18,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from attention import simulate_cuda
+
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 
 
@@ -60,11 +62,14 @@ def apply_activation_checkpointing(model, mode: str) -> None:
 def compile_blocks(model, device=None, dtype=None, **options) -> None:
     """torch.compile each block in place (Module.compile: the parameters and state-dict keys stay as they are).
     Refuses (ValueError) when a layer says it should not be compiled at the model's length on this device and
-    dtype (Mixer.compile_problem: e.g. a python chunk loop that would take hours to unroll)."""
+    dtype (Mixer.compile_problem: e.g. a python chunk loop that would take hours to unroll). The backend is
+    inductor unless options name one; aot_eager on the CPU standing in for CUDA (attention/simulate_cuda.py:
+    CPU inductor has no FlexAttention backward)."""
     if device is not None:
         problems = model.compile_problems(model.config.block_size, device, dtype)
         if problems:
             raise ValueError("; ".join(problems))
+        options.setdefault("backend", simulate_cuda.compile_backend(device))
     for block in model.blocks:
         block.compile(**options)
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from attention import simulate_cuda
 from checkpoint import CheckpointError, describe_checkpoint, load_model, run_tokenizer
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error, resolve_device
 from data.tokenizer import TokenizerUnavailable
@@ -60,7 +61,8 @@ def main(argv):
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     print(describe_checkpoint(ckpt), file=sys.stderr)  # stderr: stdout holds the samples alone
-    dtype = s.dtype if s.dtype != "auto" else ("bfloat16" if device == "cuda" and torch.cuda.is_bf16_supported()
+    cuda_bf16 = device == "cuda" and torch.cuda.is_bf16_supported()  # or the CPU standing in for CUDA
+    dtype = s.dtype if s.dtype != "auto" else ("bfloat16" if cuda_bf16 or simulate_cuda.simulated(device)
                                                   else "float32")
     model = model.to(getattr(torch, dtype))
     if s.window and model.set_window(s.window) == 0:

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from attention import simulate_cuda
 from checkpoint import (CheckpointError, atomic_write, checkpoint_tokenizer_identity, load_checkpoint, load_sharded_meta,
                         load_sharded_training_state, remove_stale_temp_files, run_info, save_checkpoint,
                         save_sharded_checkpoint, sharded_training_state, write_json)
@@ -316,8 +317,9 @@ def main(argv):
     elif fsdp:  # FSDP shards over a process group, even one of a single process
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
     master = rank == 0
-    if t.dtype == "auto":
-        dtype_name = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if device.type == "cuda" else "float32"
+    if t.dtype == "auto":  # the CPU standing in for CUDA (attention/simulate_cuda.py) trains as a bf16 GPU does
+        cuda_dtype = "bfloat16" if simulate_cuda.simulated(device) or torch.cuda.is_bf16_supported() else "float16"
+        dtype_name = cuda_dtype if simulate_cuda.gpu_path(device) else "float32"
     else:
         dtype_name = t.dtype
     if fsdp and dtype_name == "float16":

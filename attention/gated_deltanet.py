@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attention import simulate_cuda
 from attention.memory import F32, linear_inputs, padded
 from attention.registry import RecurrentMixer, Setting, chunk_loop_problem, register
 
@@ -127,6 +128,39 @@ def fla_chunk_kernel():
     return chunk_gated_delta_rule
 
 
+def _fla_l2norm(x):
+    """fla's l2norm_fwd (fla/modules/norm/l2norm.py): x / sqrt(sum x^2 + 1e-6), in float32."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
+
+
+@torch.compiler.disable  # as fla's own chunk_gated_delta_rule: compiled code breaks its graph around it
+def fla_chunk_stand_in(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                       use_qk_l2norm_in_kernel=False, chunk_size=64, **unused):
+    """fla's chunk_gated_delta_rule on the CPU standing in for CUDA (attention/simulate_cuda.py): computed with
+    chunked_gated_delta_rule in float32, with fla-core 0.6.0's contract (fla/ops/gated_delta_rule/chunk.py):
+    q, k (B, T, H, K), v (B, T, H, V), g (log decay) and beta (B, T, H) in the (B, T, H, ...) layout; scale
+    defaults to K^-0.5; use_qk_l2norm_in_kernel normalises q and k as fla's l2norm_fwd (eps 1e-6 inside the
+    square root); the state is (B, H, K, V) (state_v_first=False). Returns o (B, T, H, V) in q's dtype
+    (ChunkGatedDeltaRuleFunction.forward: o.to(q.dtype)), contiguous, and the final state in float32
+    (chunk_gated_delta_rule_fwd_h: k.new_zeros(N, HV, K, V, dtype=torch.float32)) when output_final_state, else
+    None. Gradients reach q, k, v, g, beta and the initial state in their own dtypes, as fla's backward gives
+    them (dq.to(q), ...)."""
+    if scale is None:
+        scale = k.shape[-1] ** -0.5
+    if chunk_size not in (16, 32, 64):  # fla's own refusal
+        raise ValueError(f"`chunk_size` must be 16, 32, or 64 for Gated Delta Rule, got {chunk_size}.")
+    if use_qk_l2norm_in_kernel:
+        q_, k_ = _fla_l2norm(q), _fla_l2norm(k)
+    else:
+        q_, k_ = q.float(), k.float()
+    heads_first = lambda t: t.transpose(1, 2)  # noqa: E731  (B, T, H, ...) -> (B, H, T, ...)
+    state = None if initial_state is None else initial_state.float()
+    y, final = chunked_gated_delta_rule(heads_first(q_ * scale), heads_first(k_), heads_first(v.float()),
+                                        heads_first(g.float()), heads_first(beta.float()), state, chunk_size)
+    return y.transpose(1, 2).to(q.dtype).contiguous(), (final.float() if output_final_state else None)
+
+
 @dataclass
 class GDNState:
     """Generation state of a Gated DeltaNet layer: the delta-rule state S (B, H, d, D) and the convolution states
@@ -188,7 +222,7 @@ class GatedDeltaNet(RecurrentMixer):
         self.n_head, self.head_dim = config.n_head, config.head_dim
         self.chunk, self.conv_size, self.kernel = config.gdn_chunk, config.gdn_conv_size, config.gdn_kernel
         self.norm_eps = config.norm_eps
-        if self.kernel == "fla" and fla_chunk_kernel() is None:
+        if self.kernel == "fla" and fla_chunk_kernel() is None and not simulate_cuda.active():
             raise ImportError("gdn_kernel=fla needs the flash-linear-attention package (pip install -r "
                               "requirements-gpu.txt); gdn_kernel=auto or native use the built-in chunked form")
         C = config.n_embd
@@ -229,11 +263,11 @@ class GatedDeltaNet(RecurrentMixer):
         return self.fla_kernel_for(x.device, x.dtype)
 
     def fla_kernel_for(self, device, dtype):
-        if self.kernel == "native" or torch.device(device).type != "cuda":
+        if self.kernel == "native" or not simulate_cuda.gpu_path(device):
             return None  # fla's kernels are Triton (CUDA) only
         if self.kernel == "auto" and dtype not in (torch.bfloat16, torch.float16):
             return None  # some fla versions reject float32 inputs; full precision runs use the native form
-        return fla_chunk_kernel()
+        return fla_chunk_stand_in if simulate_cuda.simulated(device) else fla_chunk_kernel()
 
     def compile_problem(self, seq_len, device, dtype):
         if self.fla_kernel_for(device, dtype) is not None:
@@ -302,8 +336,12 @@ class GatedDeltaNet(RecurrentMixer):
 
     def describe(self):
         if self.kernel == "auto":
-            kernel = ("kernel fla for bf16/fp16 on CUDA, else native" if fla_chunk_kernel() is not None
-                      else "kernel native (fla not installed)")
+            if simulate_cuda.active():
+                kernel = "kernel fla for bf16/fp16 on CUDA (its CPU stand-in while simulating CUDA), else native"
+            elif fla_chunk_kernel() is not None:
+                kernel = "kernel fla for bf16/fp16 on CUDA, else native"
+            else:
+                kernel = "kernel native (fla not installed)"
         else:
             kernel = f"kernel {self.kernel}"
         return f"Gated DeltaNet: head dim {self.head_dim}, chunk {self.chunk}, conv {self.conv_size}, {kernel}"

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from attention import simulate_cuda
 from attention.edges import Causal, EdgeRule
 
 BACKENDS = ("auto", "dense", "chunked", "flex", "sdpa")
@@ -64,9 +65,10 @@ def resolve_backend(name: str, rule: EdgeRule, device: torch.device, head_dim: i
         return name
     if type(rule) is Causal:  # plain causal attention: the fused kernels' own causal path
         return "sdpa"
-    # every other rule runs block-sparse at the cost of its edges: compiled FlexAttention on CUDA, the chunked
-    # kernel elsewhere (and on CUDA below FlexAttention's smallest head dimension)
-    flex_ok = torch.device(device).type == "cuda" and head_dim >= FLEX_MIN_HEAD_DIM
+    # every other rule runs block-sparse at the cost of its edges: compiled FlexAttention on CUDA (and on the CPU
+    # standing in for it: attention/simulate_cuda.py), the chunked kernel elsewhere (and on CUDA below
+    # FlexAttention's smallest head dimension)
+    flex_ok = simulate_cuda.gpu_path(device) and head_dim >= FLEX_MIN_HEAD_DIM
     return "flex" if flex_ok else "chunked"
 
 
@@ -87,7 +89,9 @@ class AttentionPlan:
 
     kernel: window | chunked | flex | sdpa | dense. data: window: _window_plan's tensors; chunked: a tuple of
     (first head, end head, ChunkTiles), one per group of heads; flex: a BlockMask; sdpa: a dense boolean
-    mask, or None for causal attention from position 0; dense: None.
+    mask, or None for causal attention from position 0; dense: None. cpu_flash: whether the chunked kernel
+    takes the CPU's fused flash kernel (not on CUDA, nor on the CPU standing in for it: decided here, outside
+    compiled code, so that a compiled block's branch is one of its guarded inputs).
     """
 
     kernel: str
@@ -97,6 +101,7 @@ class AttentionPlan:
     score_mod: object = None
     activation: str = "softmax"
     data: object = None
+    cpu_flash: bool = True
 
 
 @dataclass(eq=False)
@@ -130,7 +135,7 @@ def plan_attention(rule: EdgeRule, backend: str, n: int, n_head: int, head_dim: 
     kernel = resolve_backend(backend, rule, torch.device(device), head_dim)
     if kernel not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}: expected one of {', '.join(BACKENDS)}")
-    plan = AttentionPlan(kernel, rule, n, start, score_mod, activation)
+    plan = AttentionPlan(kernel, rule, n, start, score_mod, activation, cpu_flash=not simulate_cuda.gpu_path(device))
     if kernel == "dense":
         return plan
     if kernel == "sdpa":
@@ -153,6 +158,8 @@ def plan_attention(rule: EdgeRule, backend: str, n: int, n_head: int, head_dim: 
                                                             len(heads), device))
                           for heads, sub_rule in groups)
     else:  # flex
+        if simulate_cuda.simulated(device):  # before any block that calls flex_attention is traced
+            simulate_cuda.allow_flex_cpu_backward()
         plan.data = flex_block_mask(rule, n, n_head, device, start)
         plan.score_mod = _flex_score_mod(score_mod, start, activation)
     return plan
@@ -197,12 +204,13 @@ def attend_planned(q, k, v, plan: AttentionPlan, dropout_p: float = 0.0):
     if plan.kernel == "chunked":
         groups = plan.data
         if len(groups) == 1:
-            return chunked_attention(q, k, v, rule, start, 0, score_mod, activation, dropout_p, tiles=groups[0][2])
+            return chunked_attention(q, k, v, rule, start, 0, score_mod, activation, dropout_p, tiles=groups[0][2],
+                                     cpu_flash=plan.cpu_flash)
         # each head group at its own window's cost, not the largest one's
         order = [i for heads, _, _ in groups for i in heads]
         in_order = order == list(range(q.shape[1]))
         if in_order and _fusable(score_mod) and activation == "softmax" and dropout_p == 0.0 \
-                and q.device.type == "cpu":  # one fused call writing every group into the same output
+                and q.device.type == "cpu" and plan.cpu_flash:  # one fused call writing every group into the output
             bounds, first = [], 0
             for heads, _, tiles in groups:
                 bounds.append((first, first + len(heads), tiles))
@@ -215,7 +223,7 @@ def attend_planned(q, k, v, plan: AttentionPlan, dropout_p: float = 0.0):
             index = [torch.tensor(heads, device=q.device) for heads, _, _ in groups]
             pieces = ((q[:, h], k[:, h], v[:, h]) for h in index)
         parts = [chunked_attention(q_g, k_g, v_g, sub_rule, start, 0, _head_subset(score_mod, heads, q.device),
-                                   activation, dropout_p, tiles=tiles)
+                                   activation, dropout_p, tiles=tiles, cpu_flash=plan.cpu_flash)
                  for (q_g, k_g, v_g), (heads, sub_rule, tiles) in zip(pieces, groups)]
         y = torch.cat(parts, dim=1)
         return y if in_order else y[:, torch.argsort(torch.tensor(order, device=q.device))]
@@ -491,7 +499,8 @@ _cached_chunk_tiles = functools.lru_cache(maxsize=64)(_chunk_tiles)
 
 
 def chunked_attention(q, k, v, rule: EdgeRule, start: int = 0, chunk: int = 128, score_mod=None,
-                      activation="softmax", dropout_p: float = 0.0, fused: bool = True, tiles: ChunkTiles = None):
+                      activation="softmax", dropout_p: float = 0.0, fused: bool = True, tiles: ChunkTiles = None,
+                      cpu_flash: bool | None = None):
     """Block-sparse attention, O(edges): query chunks of `chunk` positions, each over the key chunks that hold
     its allowed edges (tiles: the rule's ChunkTiles at this length, from plan_attention; built here when not
     given).
@@ -499,6 +508,7 @@ def chunked_attention(q, k, v, rule: EdgeRule, start: int = 0, chunk: int = 128,
     Without dropout and with no score_mod or a ScoreBias, softmax on CPU runs ChunkedFlashCPU (groups of tiles
     through PyTorch's fused CPU flash kernel, forward and backward) and sigmoid runs ChunkedSigmoid on any
     device; other cases build all tiles at once and use autograd (`fused=False` forces that path, for tests).
+    cpu_flash=False (the plan's choice on the CPU standing in for CUDA) takes CUDA's branch on the CPU.
     """
     B, H, n, D = q.shape
     if tiles is None:
@@ -508,7 +518,9 @@ def chunked_attention(q, k, v, rule: EdgeRule, start: int = 0, chunk: int = 128,
     n_chunks = mask.shape[-3]
     plain = score_mod is None and activation == "softmax"
     if fused and _fusable(score_mod) and dropout_p == 0.0:
-        if activation == "softmax" and q.device.type == "cpu":
+        if cpu_flash is None:  # not planned: CUDA's branch on CUDA and on the CPU standing in for it
+            cpu_flash = not simulate_cuda.gpu_path(q.device)
+        if activation == "softmax" and q.device.type == "cpu" and cpu_flash:
             return ChunkedFlashCPU.apply(q, k, v, ((0, H, tiles),), score_mod, start)
         if activation == "sigmoid":
             return ChunkedSigmoid.apply(q, k, v, tiles, score_mod, start)
@@ -758,7 +770,9 @@ FLEX_BLOCK = 128  # FlexAttention's default block size
 # to these buckets (multiples of FLEX_BLOCK, two per octave) so that a grid of lengths or the varying widths
 # of ranking batches compile a bounded number of kernels
 FLEX_RECOMPILE_LIMIT = 64  # distinct (rule, bucket, batch, dtype) kernels before it fails (never a silent fallback)
-COMPILE_EAGER_FLEX = None  # None: on CUDA only (on CPU eager flex checks masks in the tests; it has no backward)
+# None: on CUDA (and on the CPU standing in for it, compiled with aot_eager); eager on the CPU otherwise, where
+# flex checks masks in the tests, forward only
+COMPILE_EAGER_FLEX = None
 
 
 def flex_length_bucket(n: int) -> int:
@@ -861,10 +875,10 @@ def _band_blocks(n: int, lookback: int, lookahead: int, device: str):
 
 
 @functools.cache
-def _compiled_flex():
+def _compiled_flex(backend: str = "inductor"):
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention, dynamic=False, backend=backend)
 
 
 def flex(q, k, v, rule: EdgeRule, start: int = 0, score_mod=None, activation="softmax", dropout_p: float = 0.0,
@@ -884,13 +898,15 @@ def flex(q, k, v, rule: EdgeRule, start: int = 0, score_mod=None, activation="so
         raise ValueError(f"unknown attention activation {activation!r}: expected softmax or sigmoid")
     if dropout_p > 0:
         raise ValueError("the flex backend has no attention dropout: set dropout=0 or use attn_backend=chunked")
-    on_cuda = q.device.type == "cuda"
+    on_cuda = simulate_cuda.gpu_path(q.device)  # CUDA, or the CPU standing in for it
     if on_cuda and q.shape[-1] < FLEX_MIN_HEAD_DIM:
         raise ValueError(f"FlexAttention on CUDA needs a head dimension of at least {FLEX_MIN_HEAD_DIM} (got "
                          f"{q.shape[-1]}): use attn_backend=chunked, or fewer, wider heads")
     if not on_cuda and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise RuntimeError("FlexAttention has no CPU backward in this torch version: train on CPU with "
                            "attn_backend=chunked (or auto)")
+    if simulate_cuda.simulated(q.device) and not torch.compiler.is_compiling():
+        simulate_cuda.allow_flex_cpu_backward()
     kwargs = {"enable_gqa": k.shape[1] != q.shape[1]}  # grouped-query: k, v heads shared, not repeated
     if activation == "sigmoid":
         kwargs["return_aux"] = AuxRequest(lse=True)
@@ -917,7 +933,8 @@ def flex(q, k, v, rule: EdgeRule, start: int = 0, score_mod=None, activation="so
     with torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True), \
             torch.compiler.set_stance("default"):
         try:
-            out = _compiled_flex()(q, k, v, score_mod=score_mod, block_mask=block_mask, **kwargs)
+            out = _compiled_flex(simulate_cuda.compile_backend(q.device))(q, k, v, score_mod=score_mod,
+                                                                           block_mask=block_mask, **kwargs)
         except torch._dynamo.exc.FailOnRecompileLimitHit:
             raise RuntimeError(f"compiled FlexAttention has built {FLEX_RECOMPILE_LIMIT} kernels (one per rule, padded "
                                "length, batch size and dtype) and would now fall back to materialising (B, H, n, n) "

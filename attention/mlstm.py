@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attention import simulate_cuda
 from attention.memory import F32, linear_inputs, padded
 from attention.registry import RecurrentMixer, Setting, chunk_loop_problem, register
 
@@ -94,11 +95,13 @@ def recurrent_mlstm(q, k, v, i, f, state=None, eps: float = EPS):
     return torch.stack(outputs, dim=2), (C, n, m)
 
 
-def chunkwise_mlstm(q, k, v, i, f, state=None, chunk: int = 64, eps: float = EPS):
+def chunkwise_mlstm(q, k, v, i, f, state=None, chunk: int = 64, eps: float = EPS, return_stats: bool = False):
     """O(n) training form: the quadratic form inside chunks of `chunk` tokens, the recurrence between them.
 
-    Returns h (B, H, n, d_v) and the state (C, n, m) after the last token. Memory is O(n * chunk): the
-    chunk states are computed by a scan over chunks, then every chunk's outputs in one batched pass.
+    Returns h (B, H, n, d_v) and the state (C, n, m) after the last token; with return_stats also each
+    position's denominator max(|n . q~|, exp(-m)) and stabiliser m, (B, H, n) each (what mlstm_kernels' forward
+    returns as vecN_out and vecM_out). Memory is O(n * chunk): the chunk states are computed by a scan over
+    chunks, then every chunk's outputs in one batched pass.
     """
     B, H, length, dk = q.shape
     pad = -length % chunk
@@ -143,8 +146,12 @@ def chunkwise_mlstm(q, k, v, i, f, state=None, chunk: int = 64, eps: float = EPS
     initial = torch.exp(log_initial - m_t)[..., None]
     numerator = weights @ vc + initial * (qc @ C_before)
     qn = weights.sum(-1, keepdim=True) + initial * (qc @ n_before[..., None])
-    h = numerator / (torch.maximum(qn.abs(), torch.exp(-m_t)[..., None]) + eps)
-    return h.reshape(B, H, nc * chunk, -1)[:, :, :length], (C, n, m)
+    denominator = torch.maximum(qn.abs(), torch.exp(-m_t)[..., None])
+    h = (numerator / (denominator + eps)).reshape(B, H, nc * chunk, -1)[:, :, :length]
+    if return_stats:
+        stats = tuple(t.reshape(B, H, nc * chunk)[:, :, :length] for t in (denominator, m_t))
+        return h, (C, n, m), stats
+    return h, (C, n, m)
 
 
 TRITON_CHUNK = 64  # the chunk mlstm_kernels' Triton kernel runs with (its tuned default)
@@ -161,13 +168,24 @@ def triton_head_problem(qk_head_dim: int, v_head_dim: int) -> str:
 
 
 @functools.cache
-def triton_available() -> bool:
-    """Whether mlstm_kernels' Triton chunkwise kernel can run here (the package and triton installed)."""
+def triton_installed() -> bool:
+    """Whether mlstm_kernels' Triton chunkwise kernel is installed (the package and triton)."""
     try:
         import mlstm_kernels.torch.chunkwise.triton_xl_chunk  # noqa: F401
     except ImportError:
         return False
     return True
+
+
+def triton_available() -> bool:
+    """Whether the Triton kernel's ops can run in this process: installed (CUDA), or their CPU stand-ins while
+    simulating CUDA (attention/simulate_cuda.py)."""
+    return triton_installed() or simulate_cuda.active()
+
+
+def triton_runs_on(device) -> bool:
+    """Whether the ops run for tensors on device: on CUDA with the package, on the CPU standing in for CUDA."""
+    return simulate_cuda.simulated(device) or (torch.device(device).type == "cuda" and triton_installed())
 
 
 # mlstm_kernels' own autograd.Function keeps its settings as tensors and reads them back with int() and float()
@@ -222,14 +240,73 @@ def _triton_backward(ctx, grad_h, grad_n, grad_m):  # n_out and m_out are kernel
 _triton_fw.register_autograd(_triton_backward, setup_context=_triton_setup_context)
 
 
+# The ops' CPU kernels: stand-ins for the Triton kernels, run when the CPU stands in for CUDA
+# (attention/simulate_cuda.py), so that compiled code meets on the CPU what it meets on a GPU. They compute with
+# chunkwise_mlstm (float32) and return exactly what the CUDA kernels above return, as read from mlstm_kernels
+# 2.0.6 (torch/chunkwise/triton_xl_chunk/fw.py, fw_parallel.py, bw.py, bw_parallel_dQ/dK/dV.py,
+# chunkwise_gates.py):
+#   forward   h (B, NH, S, DHHV) in q's dtype (fw_parallel: torch.empty(B, NH, S, DHHV, dtype=matQ.dtype));
+#             vecN_out, vecM_out (B, NH, S) in output_dtype, float32 here: each position's denominator
+#             max(|n . q|, exp(-m)) and stabiliser m. All contiguous (torch.empty), whatever the inputs' strides
+#             (the kernels read .contiguous() copies: contiguous_noctx)
+#   backward  dq, dk (B, NH, S, DHQK) and dv (B, NH, S, DHHV) in q's dtype (grad_output_dtype = matQ.dtype,
+#             torch.empty: contiguous); di, df (B, NH, S) float32 (compute_gate_grads_vecDeltaI_vecDeltaF computes
+#             in float32), contiguous, then .to(i.dtype), .to(f.dtype) by _triton_bw
+@_triton_fw.register_kernel("cpu")
+def _cpu_fw(q, k, v, i, f, chunk_size, eps):
+    h, _, (denominator, m) = chunkwise_mlstm(*(t.float() for t in (q, k, v, i, f)), chunk=chunk_size, eps=eps,
+                                             return_stats=True)
+    return h.to(q.dtype).contiguous(), denominator.contiguous(), m.contiguous()
+
+
+@_triton_bw.register_kernel("cpu")
+def _cpu_bw(q, k, v, i, f, n_out, m_out, grad_h, chunk_size, eps):
+    with simulate_cuda.autograd_in_kernel():  # an op's kernel runs below autograd
+        inputs = [t.detach().float().requires_grad_() for t in (q, k, v, i, f)]
+        h, _ = chunkwise_mlstm(*inputs, chunk=chunk_size, eps=eps)
+        dq, dk, dv, di, df = torch.autograd.grad(h, inputs, grad_h.float())
+    return (dq.to(q.dtype).contiguous(), dk.to(q.dtype).contiguous(), dv.to(q.dtype).contiguous(),
+            di.contiguous().to(i.dtype), df.contiguous().to(f.dtype))
+
+
+def _layer_layout(dtype, requires_grad: bool, B: int = 2, H: int = 2, S: int = 128, dqk: int = 16, dv: int = 32):
+    """q, k, v and the gates as MLSTMLayer.forward hands them to the ops: heads-first views of (B, S, H, d)
+    projections (not contiguous), q, k, v in the activation dtype, the gates in float32, near their
+    initialisation (input -10, forget 3..6)."""
+    generator = torch.Generator().manual_seed(0)
+
+    def heads_first(*shape, scale=1.0, shift=0.0, type_=dtype):
+        t = torch.randn(B, S, H, *shape, generator=generator) * scale + shift
+        return t.to(type_).transpose(1, 2).requires_grad_(requires_grad)
+    return (heads_first(dqk), heads_first(dqk), heads_first(dv), heads_first(scale=2.0, shift=-10.0, type_=torch.float32),
+            heads_first(shift=4.0, type_=torch.float32))
+
+
+@simulate_cuda.opcheck_samples("efficient_attention::mlstm_chunkwise_fw")
+def _fw_samples():
+    return [(*_layer_layout(dtype, True), TRITON_CHUNK, EPS) for dtype in (torch.bfloat16, torch.float32)]
+
+
+@simulate_cuda.opcheck_samples("efficient_attention::mlstm_chunkwise_bw")
+def _bw_samples():
+    samples = []
+    for dtype in (torch.bfloat16, torch.float32):
+        q, k, v, i, f = _layer_layout(dtype, False)
+        h, n_out, m_out = _cpu_fw(q, k, v, i, f, TRITON_CHUNK, EPS)
+        grad_h = torch.randn(h.shape[0], h.shape[2], h.shape[1], h.shape[3]).transpose(1, 2).to(dtype)
+        samples.append((q, k, v, i, f, n_out, m_out, grad_h, TRITON_CHUNK, EPS))
+    return samples
+
+
 def mlstm_sequence(q, k, v, i, f, state=None, chunk: int = 64, kernel: str = "auto", need_state: bool = True):
-    """A whole sequence in the training form: mlstm_kernels' Triton kernel on CUDA when it is installed
-    (kernel auto or triton, from a zero state, when the final state is not needed), else chunkwise_mlstm.
+    """A whole sequence in the training form: mlstm_kernels' Triton kernel on CUDA when it is installed (its CPU
+    stand-in while simulating CUDA; kernel auto or triton, from a zero state, when the final state is not
+    needed), else chunkwise_mlstm.
     Returns h and the final state (None from the Triton kernel). The Triton kernel takes q, k, v in their own
     dtype (bfloat16 under bf16 training: its matmuls run in bf16 with float32 accumulation, as xLSTM 7B
     trains) and the gates in float32; chunkwise_mlstm computes in float32 or better."""
-    triton = kernel != "native" and q.is_cuda and state is None and not need_state
-    if triton and not triton_available():
+    triton = kernel != "native" and simulate_cuda.gpu_path(q.device) and state is None and not need_state
+    if triton and not triton_runs_on(q.device):
         if kernel == "triton":
             raise RuntimeError("mlstm_kernel=triton needs the mlstm_kernels package (pip install -r "
                                "requirements-gpu.txt); use mlstm_kernel=native or auto")
@@ -254,6 +331,12 @@ class MLSTMLayer(RecurrentMixer):
     settings = (MLSTM_N_HEAD, MLSTM_QK_DIM_FACTOR, MLSTM_GATE_SOFT_CAP, MLSTM_CHUNK, MLSTM_KERNEL)
     gpu_kernel = ("mlstm_kernel", "triton", "mlstm_kernels", "kernel triton")
 
+    @classmethod
+    def example_settings(cls, window):
+        # two memory heads: from the tools' narrowest width (n_embd 64) up, q/k and v heads are wide enough
+        # (>= 16) for the Triton kernel, so the small models run the kernel a GPU trains with
+        return {"mlstm_n_head": 2}
+
     def kernel_inputs(self, batch, seq_len, device, dtype, generator=None):
         """q, k, v as the layer's projections give them and the gate pre-activations near their
         initialisation (input -10, forget 3..6), where the stabiliser matters most."""
@@ -267,7 +350,7 @@ class MLSTMLayer(RecurrentMixer):
         return tuple(t.requires_grad_() for t in (q, k, v, i, f))
 
     def kernel_forward(self, q, k, v, i, f):
-        kernel = "triton" if self.triton and q.is_cuda else "native"
+        kernel = "triton" if self.triton and triton_runs_on(q.device) else "native"
         return mlstm_sequence(q, k, v, i, f, chunk=self.chunk, kernel=kernel, need_state=False)[0]
 
     @classmethod
@@ -331,7 +414,7 @@ class MLSTMLayer(RecurrentMixer):
         # exponential gates and long sums: float32 or better, also under autocast (the Triton kernel takes
         # q, k, v in the autocast dtype and does the same inside)
         compute = torch.promote_types(q.dtype, torch.float32)
-        triton = self.triton and x.is_cuda and cache is None
+        triton = self.triton and triton_runs_on(x.device) and cache is None
         with torch.autocast(x.device.type, enabled=False):
             if not triton:
                 q, k, v = (t.to(compute) for t in (q, k, v))
@@ -353,7 +436,7 @@ class MLSTMLayer(RecurrentMixer):
         return h
 
     def compile_problem(self, seq_len, device, dtype):
-        if self.triton and torch.device(device).type == "cuda":
+        if self.triton and triton_runs_on(device):
             return ""  # mlstm_kernels' Triton kernel: one op in the graph
         return chunk_loop_problem("mlstm", seq_len, self.chunk, "install mlstm_kernels with triton on the CUDA "
                                   "machine (pip install -r requirements-gpu.txt) for its Triton kernel")
@@ -367,7 +450,8 @@ class MLSTMLayer(RecurrentMixer):
 
     def describe(self):
         if self.triton:
-            kernel = f"kernel triton (mlstm_kernels, chunk {TRITON_CHUNK}, on CUDA)"
+            where = "on CUDA; its CPU stand-in while simulating CUDA" if simulate_cuda.active() else "on CUDA"
+            kernel = f"kernel triton (mlstm_kernels, chunk {TRITON_CHUNK}, {where})"
         elif self.kernel == "auto" and self.narrow and triton_available():
             kernel = f"kernel native ({self.narrow})"
         else:

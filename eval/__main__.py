@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from attention import simulate_cuda
 from attention.registry import used_settings
 from checkpoint import (CheckpointError, atomic_write, checkpoint_path, checkpoint_tokenizer_identity,
                         describe_checkpoint, git_hash, load_model, run_tokenizer, write_json)
@@ -416,8 +417,9 @@ def main(argv):
               f"replace its config.json and read as that run's; give --out_dir a folder of its own "
               f"(e.g. --out_dir=out/hf_{Path(e.hf).name})", file=sys.stderr)
         sys.exit(2)
+    cuda_bf16 = device == "cuda" and torch.cuda.is_bf16_supported()  # or the CPU standing in for CUDA
     dtype_name = e.hf_dtype or (e.dtype if e.dtype != "auto" else (
-        "bfloat16" if device == "cuda" and torch.cuda.is_bf16_supported() else "float32"))
+        "bfloat16" if cuda_bf16 or simulate_cuda.simulated(device) else "float32"))
     torch.manual_seed(e.seed)
     try:
         if e.hf:

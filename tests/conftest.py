@@ -49,6 +49,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: a test of a GPU path (scripts/gpu_check.py runs them with -m gpu); it "
                                        "takes the device fixture: cuda where CUDA exists, else cpu under the "
                                        "device guard (tests/conftest.py)")
+    config.addinivalue_line("markers", "gpu_sim: the CUDA path executed on the CPU (attention/simulate_cuda.py); "
+                                       "part of every run of the suite, -m gpu_sim alone")
 
 
 def pytest_collection_modifyitems(config, items):

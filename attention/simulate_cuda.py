@@ -1,0 +1,130 @@
+"""The CUDA path on the CPU: one documented switch under which a CPU run executes the code only a GPU reaches.
+
+    EFFICIENT_ATTENTION_SIMULATE_CUDA=1 python train.py configs/quickstart.py --attn_pattern=swax ...
+    with simulate_cuda.simulating(): ...        # the same, in-process (build models inside: layers resolve
+                                                # their kernels when they are built)
+
+No GPU has to exist for the GPU path to be tested: with the switch on, code on the CPU takes every branch code
+on CUDA takes, and where CUDA hardware or a CUDA-only package would run, a CPU stand-in runs in its place,
+with the same output contract (shapes, dtypes, contiguity):
+
+    attention backends   attn_backend=auto picks FlexAttention for every static rule with head_dim >= 16, as
+                         on CUDA (plain causal attention keeps SDPA), and the chunked kernel takes its CUDA
+                         branch (one batched SDPA call over the tiles, not the CPU flash kernel)
+    FlexAttention        compiled with aot_eager instead of inductor, eager calls too: AOTAutograd runs torch's
+                         reference implementation of FlexAttention forward and backward (CPU inductor has no
+                         FlexAttention backward). Torch's one refusal of CPU autograd (flex_attention's
+                         _validate_device) is lifted for the CPU; every other check of flex_attention runs
+    torch.compile        train.py and parallelize.compile_blocks compile with aot_eager (same reason)
+    GPU kernels          the mLSTM's Triton ops run their CPU stand-ins, registered as the ops' CPU kernels
+                         (attention/mlstm.py), and Gated DeltaNet's fla kernel runs its stand-in
+                         (attention/gated_deltanet.py): the built-in forms, returning what the real kernels return
+    dtype=auto           bfloat16 in train.py, sample.py and python -m eval; AdamW fused, as on CUDA
+
+What only a GPU shows: speed and memory, the code inductor and Triton generate for CUDA (and their compile
+times), the real kernels' numerics, NCCL, and CUDA's own errors (illegal memory access, launch limits).
+The test suite runs this path for every case of the mixer registry (tests/test_gpu_sim.py, marker gpu_sim).
+On a CUDA device the switch changes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+import torch
+
+ENV = "EFFICIENT_ATTENTION_SIMULATE_CUDA"
+
+
+def active() -> bool:
+    """Whether the switch is on (EFFICIENT_ATTENTION_SIMULATE_CUDA=1, true, yes or on)."""
+    return os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def gpu_path(device) -> bool:
+    """Whether code on `device` takes the CUDA branches: on CUDA, and on the CPU while simulating."""
+    kind = torch.device(device).type
+    return kind == "cuda" or (kind == "cpu" and active())
+
+
+def simulated(device) -> bool:
+    """Whether `device` is the CPU standing in for CUDA (a stand-in runs where a CUDA kernel would)."""
+    return torch.device(device).type == "cpu" and active()
+
+
+def compile_backend(device) -> str:
+    """The torch.compile backend for blocks on `device`: inductor, or aot_eager on the CPU while simulating."""
+    return "aot_eager" if simulated(device) else "inductor"
+
+
+@contextmanager
+def simulating(on: bool = True):
+    """The switch for the code inside (restored afterwards): for tests and in-process tools."""
+    before = os.environ.get(ENV)
+    os.environ[ENV] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = before
+
+
+_lifted = False
+
+
+def allow_flex_cpu_backward() -> None:
+    """Let torch's flex_attention take CPU tensors that require grad (called while simulating, before the first
+    FlexAttention call). Torch 2.13 refuses them in one validation function (its CPU kernel generation has no
+    backward); the FlexAttention op itself, traced by AOTAutograd, has a device-independent reference backward.
+    The replacement keeps that function's other checks; CUDA tensors go through the original."""
+    global _lifted
+    if _lifted:
+        return
+    import torch.nn.attention.flex_attention as flex_module
+
+    original = getattr(flex_module, "_validate_device", None)
+    if original is None:
+        raise RuntimeError(f"torch {torch.__version__}: torch.nn.attention.flex_attention has no _validate_device; "
+                           f"attention/simulate_cuda.py was written against torch 2.13.0 (requirements.txt)")
+
+    def validate_device(query, key, value):
+        if query.device.type == "cpu":
+            return  # the CPU stands in for CUDA: FlexAttention's reference backward runs under AOTAutograd
+        return original(query, key, value)
+
+    flex_module._validate_device = validate_device
+    _lifted = True
+
+
+@contextmanager
+def autograd_in_kernel():
+    """Autograd inside a custom op's kernel, for a stand-in whose backward is the autograd of a built-in form.
+    The dispatcher runs an op's kernels below autograd (its dispatch keys excluded), where autograd.grad would
+    find nothing recorded; this lifts that exclusion for the code inside (functorch's vjp is no way out: it
+    fails under opcheck's schema and fake-tensor checks)."""
+    from torch._C import DispatchKey
+
+    included = torch._C._dispatch_tls_local_include_set()
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    for key in (DispatchKey.AutogradFunctionality, DispatchKey.ADInplaceOrView, DispatchKey.AutogradOther):
+        excluded = excluded.remove(key)
+    with torch._C._ForceDispatchKeyGuard(included, excluded), torch.enable_grad():
+        yield
+
+
+# The project's custom ops (torch.library.custom_op: opaque to torch.compile, so their fake kernels must say what
+# the real ones return) -> a function giving sample arguments laid out as the layers pass them. The test suite
+# runs torch.library.opcheck on every op of the project with these, its CPU stand-in as the kernel that runs
+# (tests/test_gpu_sim.py); an op without samples fails there.
+OPCHECK_SAMPLES: dict = {}
+
+
+def opcheck_samples(qualname: str):
+    """Decorator: fn() -> a list of argument tuples for the custom op `qualname` (namespace::name)."""
+    def register(fn):
+        OPCHECK_SAMPLES[qualname] = fn
+        return fn
+    return register

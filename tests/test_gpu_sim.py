@@ -1,0 +1,212 @@
+"""The CUDA path on the CPU (marker gpu_sim): with the switch of attention/simulate_cuda.py on, every case of the
+mixer registry runs the code a CUDA run executes (FlexAttention with the variants' block masks, compiled with
+aot_eager, forward and backward; the GPU kernels' CPU stand-ins; bf16 autocast, bf16 weights and bf16 cached
+generation) against the float32 dense reference, and the custom ops' fake kernels are checked against the
+kernels that run (torch.library.opcheck). The cases come from the registry (example_cases): a mixer added in
+one new file is in every test here."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from attention import simulate_cuda
+from attention.kernels import AttentionPlan, resolve_backend
+from attention.registry import MIXERS, example_cases, pattern_names
+from config import ModelConfig
+from model import GPT
+from parallelize import compile_blocks
+
+pytestmark = [pytest.mark.gpu_sim,
+              pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated")]
+
+WINDOW = 32  # the cases' windows and blocks
+LENGTH = 256  # two FlexAttention blocks of 128: block masks with empty, partial and full blocks
+CASES = example_cases(WINDOW)
+BF16 = 3e-2  # ||bf16 - float32 reference|| / ||reference|| allowed for logits and gradients of two layers
+
+
+def case_config(name: str, gpu_kernels: bool, **overrides) -> ModelConfig:
+    """The case's small model. gpu_kernels: each mixer with a GPU kernel (Mixer.gpu_kernel) is made to use it, as
+    the GPU check does on CUDA, so a case whose layers cannot run it fails here instead of training natively;
+    else the built-in forms (the reference)."""
+    settings = dict(CASES[name])
+    for mixer in set(pattern_names(settings["attn_pattern"])):
+        if MIXERS[mixer].gpu_kernel:
+            setting, value = MIXERS[mixer].gpu_kernel[:2]
+            settings[setting] = value if gpu_kernels else "native"
+    return ModelConfig(**{"arch": "llama", "n_layer": 2, "n_head": 4, "n_embd": 64, "bias": False,
+                          "block_size": LENGTH, "vocab_size": 128, "dropout": 0.0, **settings, **overrides})
+
+
+def reference_model(name: str) -> GPT:
+    """float32, eager, the dense backend and the recurrent mixers' built-in forms: the CPU reference."""
+    torch.manual_seed(0)
+    return GPT(case_config(name, gpu_kernels=False, attn_backend="dense"))
+
+
+def simulated_model(name: str, reference: GPT) -> GPT:
+    """The case as a CUDA run builds it (call under simulate_cuda.simulating()), with the reference's weights."""
+    model = GPT(case_config(name, gpu_kernels=True))
+    model.load_state_dict(reference.state_dict())
+    return model
+
+
+def attention_plans(plan) -> list[AttentionPlan]:
+    """The kernel plans inside a mixer's plan (a tuple of paths, sa's permutation plan, ...)."""
+    if isinstance(plan, AttentionPlan):
+        return [plan]
+    if isinstance(plan, (tuple, list)):
+        return [p for item in plan for p in attention_plans(item)]
+    if dataclasses.is_dataclass(plan):
+        return [p for field in dataclasses.fields(plan) for p in attention_plans(getattr(plan, field.name))]
+    return []
+
+
+def assert_cuda_kernels(model: GPT) -> None:
+    """Every layer resolved what it resolves on CUDA: attention plans the kernel it plans there (FlexAttention
+    for every rule but plain causal attention's SDPA; the bridges' window tiles), GPU kernels report themselves
+    in use."""
+    for block, plan in zip(model.blocks, model.plan(2, LENGTH, "cpu")):
+        for path in attention_plans(plan):
+            on_cuda = resolve_backend("auto", path.rule, torch.device("cuda"), block.mixer.head_dim)
+            assert path.kernel == on_cuda or path.kernel == "window" and on_cuda == "flex", (path.kernel, on_cuda)
+            assert not path.cpu_flash  # the chunked kernel, where a rule takes it, as on CUDA
+        if type(block.mixer).gpu_kernel:
+            assert type(block.mixer).gpu_kernel[3] in block.mixer.describe(), block.mixer.describe()
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12)).item()
+
+
+def batch(seed: int = 1):
+    return torch.randint(0, 128, (2, LENGTH + 1), generator=torch.Generator().manual_seed(seed))
+
+
+def step(model, tokens, autocast: bool):
+    """Loss and parameter gradients of one training step (sa draws its permutations from seed 7)."""
+    torch.manual_seed(7)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        _, loss = model(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def assert_close_to_reference(loss, grads, ref_loss, ref_grads, tolerance):
+    """The loss and all gradients together within tolerance (relative); each parameter's gradient within
+    3 x tolerance (a small vector such as a per-head decay carries more relative rounding)."""
+    assert torch.isfinite(loss) and abs(loss.item() - ref_loss.item()) <= tolerance * ref_loss.item(), \
+        (loss.item(), ref_loss.item())
+    assert grads.keys() == ref_grads.keys(), sorted(set(grads) ^ set(ref_grads))
+    flat = lambda g: torch.cat([g[k].float().flatten() for k in sorted(g)])  # noqa: E731
+    assert relative_error(flat(grads), flat(ref_grads)) <= tolerance
+    worst = max(((relative_error(grads[k], ref_grads[k]), k) for k in grads), default=(0.0, ""))
+    assert worst[0] <= 3 * tolerance, worst
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_compiled_training_and_evaluation_under_bf16_autocast(name):
+    # train.py on a GPU: blocks compiled (aot_eager standing in for inductor), bf16 autocast, FlexAttention's
+    # forward and backward inside the compiled blocks, the GPU kernels' stand-ins; then an evaluation forward
+    from torch._dynamo.utils import counters
+
+    tokens = batch()
+    reference = reference_model(name)
+    ref_loss, ref_grads = step(reference, tokens, autocast=False)
+    with torch.no_grad():
+        torch.manual_seed(7)
+        ref_logits = reference(tokens[:, :-1])[0]
+    torch._dynamo.reset()
+    counters.clear()
+    with simulate_cuda.simulating():
+        model = simulated_model(name, reference)
+        assert_cuda_kernels(model)
+        compile_blocks(model, "cpu", torch.bfloat16)
+        loss, grads = step(model, tokens, autocast=True)
+        model.eval()
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.manual_seed(7)
+            logits = model(tokens[:, :-1])[0]
+    assert counters["stats"]["unique_graphs"] >= 2, dict(counters["stats"])  # compiled: training and evaluation
+    assert_close_to_reference(loss, grads, ref_loss, ref_grads, BF16)
+    if not all(b.mixer.length_independent for b in model.blocks):  # sa: evaluation draws fresh permutations
+        return
+    assert logits.dtype == torch.bfloat16 and relative_error(logits, ref_logits) <= BF16
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_training_with_bf16_weights(name):
+    # FSDP's MixedPrecisionPolicy(param_dtype=bfloat16) computes every layer with bf16 weights and activations
+    # (no autocast): each layer must keep its float32 parts to itself and hand bf16 on
+    tokens = batch()
+    reference = reference_model(name)
+    ref_loss, ref_grads = step(reference, tokens, autocast=False)
+    with simulate_cuda.simulating():
+        model = simulated_model(name, reference).to(torch.bfloat16)
+        loss, grads = step(model, tokens, autocast=False)
+    assert loss.dtype == torch.float32  # the loss is reduced in float32 whatever the weights
+    assert all(g.dtype == torch.bfloat16 for g in grads.values())
+    assert_close_to_reference(loss, grads, ref_loss, ref_grads, 2 * BF16)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_cached_generation_with_bf16_weights(name):
+    # sample.py and bench_generate.py --dtype=bfloat16 on a GPU: the model in bf16, a prompt's prefill through
+    # the layers' caches (FlexAttention for the prompt), then one token at a time
+    tokens = batch()[:, :LENGTH // 2 + 8]
+    prompt, decoded = LENGTH // 2, 8
+    with simulate_cuda.simulating():
+        model = simulated_model(name, reference_model(name)).to(torch.bfloat16).eval()
+        torch.manual_seed(7)
+        with torch.no_grad():
+            if not all(b.mixer.supports_cache for b in model.blocks):  # sa: re-runs the context per token
+                out = model.generate(tokens[:, :prompt], decoded, temperature=0)
+                assert out.shape == (2, prompt + decoded)
+                return
+            caches = model.init_caches(2, prompt + decoded)
+            steps = [model(tokens[:, :prompt], caches=caches)[0][:, -1]]
+            for t in range(prompt, prompt + decoded - 1):
+                steps.append(model(tokens[:, t:t + 1], caches=caches, start_pos=t)[0][:, -1])
+            whole = model(tokens[:, :prompt + decoded - 1])[0][:, prompt - 1:]
+    cached = torch.stack(steps, dim=1)
+    assert cached.dtype == torch.bfloat16 and torch.isfinite(cached).all()
+    assert relative_error(cached, whole) <= BF16
+
+
+# ---- the GPU kernels' contracts: their CPU stand-ins under torch.compile, and every custom op's fake kernel ----
+
+GPU_KERNEL_MIXERS = [name for name, cls in MIXERS.items() if cls.gpu_kernel]
+
+
+def test_every_custom_op_passes_opcheck_with_its_cpu_stand_in():
+    # opcheck runs each op on its samples (its CPU stand-in) and compares what its fake kernel says (shapes,
+    # dtypes, strides) with what ran, under autograd and AOTAutograd's dynamic shapes
+    from torch._library.custom_ops import OPDEFS  # every torch.library.custom_op defined in this process
+
+    ops = sorted(name for name in OPDEFS if name.startswith("efficient_attention::"))
+    assert ops and set(ops) == set(simulate_cuda.OPCHECK_SAMPLES), \
+        f"custom ops {ops}, with opcheck samples: {sorted(simulate_cuda.OPCHECK_SAMPLES)}"
+    for name in ops:
+        op = getattr(torch.ops.efficient_attention, name.partition("::")[2]).default
+        for args in simulate_cuda.OPCHECK_SAMPLES[name]():
+            torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+@pytest.mark.parametrize("name", GPU_KERNEL_MIXERS)
+def test_gpu_kernel_stand_ins_compile_forward_and_backward(name, backend):
+    # a model of the mixer alone, its GPU kernel forced, compiled by both backends: the compiled graph holds the
+    # kernel's op (or, for a kernel its package keeps out of compiled graphs, breaks around it) and its backward
+    tokens = batch()
+    reference = reference_model(name)
+    ref_loss, ref_grads = step(reference, tokens, autocast=False)
+    torch._dynamo.reset()
+    with simulate_cuda.simulating():
+        model = simulated_model(name, reference)
+        assert_cuda_kernels(model)
+        compile_blocks(model, "cpu", torch.bfloat16, backend=backend)
+        loss, grads = step(model, tokens, autocast=True)
+    assert_close_to_reference(loss, grads, ref_loss, ref_grads, BF16)
