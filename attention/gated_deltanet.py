@@ -10,7 +10,8 @@ and gated by SiLU(W_g x). Three forms, equal to float tolerance (tests):
     recurrent   the reference and the generation form: one token at a time, constant memory
     chunked     training, O(n): the WY form below, exact within chunks of C tokens, the state between them
     fla         fla's Triton chunk kernel (the same chunked algorithm): gdn_kernel=auto uses it for bf16/fp16
-                activations on CUDA when the package is installed, gdn_kernel=fla on any CUDA input
+                activations on CUDA when the package is installed, gdn_kernel=fla on any CUDA input; on the CPU
+                standing in for CUDA (attention/simulate_cuda.py) its stand-in, fla_chunk_stand_in
 
 The chunked form. Inside a chunk starting from state S, let G_i be the cumulative log decay up to position i
 and delta_j = beta_j (v_j - k_j exp(g_j) S_{j-1}) the correction written at j. Unrolling the recurrence,

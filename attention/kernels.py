@@ -11,11 +11,13 @@
     windows  chosen by the other backends for rules made of disjoint windows (EdgeRule.window_tiles: paper
              004's bridge path): one batched SDPA call over one tile per window, its rows by its keys
     flex     FlexAttention with a block mask built once per (rule, length) from the same block structure and
-             shared by all layers; compiled on CUDA; forward-only on CPU (torch 2.13 has no CPU backward for it)
+             shared by all layers; compiled on CUDA; forward-only on CPU (torch 2.13 has no CPU backward for it),
+             except on the CPU standing in for CUDA (attention/simulate_cuda.py: compiled with aot_eager, whose
+             reference implementation runs forward and backward)
     sdpa     PyTorch's fused SDPA: is_causal for the causal rule, else a dense boolean mask (O(n^2) memory)
 
-auto picks sdpa for plain causal attention only; every other static rule runs block-sparse (flex on CUDA,
-chunked elsewhere), whatever its lookback.
+auto picks sdpa for plain causal attention only; every other static rule runs block-sparse (flex on CUDA and on
+the CPU standing in for it, chunked elsewhere), whatever its lookback.
 
 Every kernel takes the same optional `score_mod(score, b, h, q_idx, kv_idx)` (FlexAttention's signature, over
 absolute positions, so one definition serves all backends) and `activation` ("softmax" or "sigmoid": no
@@ -28,6 +30,7 @@ by exp(lse) on flex.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -102,6 +105,18 @@ class AttentionPlan:
     activation: str = "softmax"
     data: object = None
     cpu_flash: bool = True
+
+
+def plans_in(plan) -> list[AttentionPlan]:
+    """The AttentionPlans inside what a Mixer.plan returned (one, a tuple of paths, sa's permutation plans, ...):
+    which kernels a layer runs, for tools and tests."""
+    if isinstance(plan, AttentionPlan):
+        return [plan]
+    if isinstance(plan, (tuple, list)):
+        return [p for item in plan for p in plans_in(item)]
+    if dataclasses.is_dataclass(plan) and not isinstance(plan, type):
+        return [p for field in dataclasses.fields(plan) for p in plans_in(getattr(plan, field.name))]
+    return []
 
 
 @dataclass(eq=False)
@@ -268,21 +283,22 @@ def masked_attention(q, k, v, mask, q_pos=None, k_pos=None, score_mod=None, acti
     """
     if fused and score_mod is None and activation == "softmax":
         return _fused_softmax(q, k, v, mask, dropout_p)
+    if activation not in ("softmax", "sigmoid"):
+        raise ValueError(f"unknown attention activation {activation!r}: expected softmax or sigmoid")
     k, v = repeat_kv(q, k, v)
     compute = torch.promote_types(q.dtype, torch.float32)  # at least float32, float64 when given
-    scores = (q.to(compute) @ k.to(compute).transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    if score_mod is not None:
-        scores = _apply_score_mod(scores, score_mod, q_pos.unsqueeze(-1), k_pos.unsqueeze(-2))
-    if activation == "softmax":
-        # the finite minimum (not -inf) keeps rows without any allowed key at exactly zero instead of NaN
-        probs = torch.softmax(scores.masked_fill(~mask, torch.finfo(scores.dtype).min), dim=-1) * mask
-    elif activation == "sigmoid":
-        probs = torch.sigmoid(scores) * mask
-    else:
-        raise ValueError(f"unknown attention activation {activation!r}: expected softmax or sigmoid")
-    if dropout_p > 0:
-        probs = F.dropout(probs, dropout_p)
-    return (probs @ v.to(compute)).to(q.dtype)
+    with torch.autocast(q.device.type, enabled=False):  # autocast would run the matmuls in bf16 again
+        scores = (q.to(compute) @ k.to(compute).transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        if score_mod is not None:
+            scores = _apply_score_mod(scores, score_mod, q_pos.unsqueeze(-1), k_pos.unsqueeze(-2))
+        if activation == "softmax":
+            # the finite minimum (not -inf) keeps rows without any allowed key at exactly zero instead of NaN
+            probs = torch.softmax(scores.masked_fill(~mask, torch.finfo(scores.dtype).min), dim=-1) * mask
+        else:
+            probs = torch.sigmoid(scores) * mask
+        if dropout_p > 0:
+            probs = F.dropout(probs, dropout_p)
+        return (probs @ v.to(compute)).to(q.dtype)
 
 
 def _fused_softmax(q, k, v, mask, dropout_p=0.0):

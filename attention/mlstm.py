@@ -17,7 +17,8 @@ Three forms, equal to float tolerance (tests, which also compare with `mlstm_ker
     chunkwise   training, O(n): exact within chunks of mlstm_chunk tokens, the state (C, n, m) between them
     recurrent   generation: one token at a time, constant memory
 On CUDA the chunkwise form can run as mlstm_kernels' Triton kernel (same layout and state conventions)
-when that package is installed; it is never required.
+when that package is installed; it is never required. Its two ops have CPU stand-ins with the same output
+contract, which run on the CPU standing in for CUDA (attention/simulate_cuda.py).
 """
 
 from __future__ import annotations
@@ -223,7 +224,10 @@ def _triton_bw(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: torch.Tenso
 
 @_triton_bw.register_fake
 def _(q, k, v, i, f, n_out, m_out, grad_h, chunk_size, eps):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(i), torch.empty_like(f)
+    # contiguous, whatever the inputs' strides (the layer passes heads-first views): mlstm_kernels allocates its
+    # gradients with torch.empty, dq, dk and dv in q's dtype, and the gate gradients come out of float32 math
+    return q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape), i.new_empty(i.shape), \
+        f.new_empty(f.shape)
 
 
 def _triton_setup_context(ctx, inputs, output):
@@ -412,8 +416,8 @@ class MLSTMLayer(RecurrentMixer):
         i = soft_cap(self.i_gate(x), self.soft_cap).transpose(1, 2)  # (B, H, T)
         f = soft_cap(self.f_gate(x), self.soft_cap).transpose(1, 2)
         # exponential gates and long sums: float32 or better, also under autocast (the Triton kernel takes
-        # q, k, v in the autocast dtype and does the same inside)
-        compute = torch.promote_types(q.dtype, torch.float32)
+        # q, k, v in the autocast dtype and does the same inside); the output goes back in the projections' dtype
+        compute, activation = torch.promote_types(q.dtype, torch.float32), q.dtype
         triton = self.triton and triton_runs_on(x.device) and cache is None
         with torch.autocast(x.device.type, enabled=False):
             if not triton:
@@ -422,7 +426,7 @@ class MLSTMLayer(RecurrentMixer):
             h = h.to(compute)
             # per-head LayerNorm without bias, weight shared layout with xLSTM 7B's MultiHeadLayerNorm
             h = F.layer_norm(h.transpose(1, 2), (self.v_head_dim,), eps=NORM_EPS).reshape(B, T, C)
-        h = (h * self.norm_weight.to(compute)).to(v.dtype)
+        h = (h * self.norm_weight.to(compute)).to(activation)
         return self.resid_dropout(self.c_proj(torch.sigmoid(self.o_gate(x)) * h))
 
     def cell(self, q, k, v, i, f, cache, kernel="native"):

@@ -42,7 +42,7 @@ def moba_choose(q, k, q_pos, block: int, topk: int):
     fewer than topk blocks. Keys are at positions 0 .. Tk - 1; q_pos (Tq,) are the queries' positions."""
     B, H, Tq, D = q.shape
     n_blocks = -(-k.shape[2] // block)
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast(q.device.type, enabled=False):  # the choice in float32, also under autocast
         keys = F.pad(k.detach().float(), (0, 0, 0, n_blocks * block - k.shape[2]))
         # a partial last block's mean is never compared: it is the own block or a later one of every query
         means = keys.reshape(B, H, n_blocks, block, D).mean(3)
@@ -97,11 +97,14 @@ def _attend_chosen(q, key_blocks, value_blocks, q_pos, chosen, block, dropout_p)
     k_pos = (index[..., None] * block + torch.arange(block, device=q.device)).flatten(-2)
     mask = chosen_block_edges(q_pos[:, None], k_pos, chosen.repeat_interleave(block, dim=-1), block)
     compute = torch.promote_types(q.dtype, torch.float32)
-    scores = torch.einsum("bhtd,bhtkd->bhtk", q.to(compute), keys.to(compute)) / math.sqrt(D)
-    probs = torch.softmax(scores.masked_fill(~mask, torch.finfo(compute).min), dim=-1) * mask
-    if dropout_p > 0:
-        probs = F.dropout(probs, dropout_p)
-    return torch.einsum("bhtk,bhtkd->bhtd", probs, values.to(compute)).to(q.dtype)
+    # scores and their softmax in float32 also under autocast, which would run the einsums in bf16 (and the
+    # float32 minimum below would then overflow)
+    with torch.autocast(q.device.type, enabled=False):
+        scores = torch.einsum("bhtd,bhtkd->bhtk", q.to(compute), keys.to(compute)) / math.sqrt(D)
+        probs = torch.softmax(scores.masked_fill(~mask, torch.finfo(scores.dtype).min), dim=-1) * mask
+        if dropout_p > 0:
+            probs = F.dropout(probs, dropout_p)
+        return torch.einsum("bhtk,bhtkd->bhtd", probs, values.to(compute)).to(q.dtype)
 
 
 @register("moba")

@@ -1,45 +1,59 @@
-"""Check the GPU path in one command: the GPU tests, training runs of every mixer family and of the settings a
-GPU run depends on (compiled, bf16 and fp16, activation checkpointing, FSDP), an exact resume, measured memory
-against the planner, pretrained models, every attention backend against the dense reference, and the
-benchmarks, with one report to paste into docs/benchmarks.md.
+"""Check the GPU path in one command: the GPU tests, training runs of the mixers with GPU kernels and of the
+settings a GPU run depends on (compiled, bf16 and fp16, activation checkpointing, FSDP), an exact resume,
+measured memory against the planner, pretrained models, every attention backend against the dense reference,
+and the benchmarks, with one report to paste into docs/benchmarks.md.
 
-    python scripts/gpu_check.py --plan                                   # each step's budget on one H100, nothing run
-    python scripts/gpu_check.py                                          # everything: at most 20 minutes on one H100
+    python scripts/gpu_check.py --plan                                   # budgets from counted compilations
+    python scripts/gpu_check.py                                          # the steps that fit 20 minutes on one H100
+    python scripts/gpu_check.py --only=backends,bench_attention          # the rest, as --plan prints it
     python scripts/gpu_check.py --steps=preflight,gpu_tests,train_runs   # a subset, into a fresh report
     python scripts/gpu_check.py --only=resume,memory                     # rerun these steps into the same report
+    python scripts/gpu_check.py --steps=train_runs --runs=sa,swat        # other training runs than the grid's
     python scripts/gpu_check.py --device=cpu --quick                     # reduced sizes on CPU (checks this script)
+    EFFICIENT_ATTENTION_SIMULATE_CUDA=1 python scripts/gpu_check.py --device=cpu --quick   # CUDA's path on the CPU
 
 Steps, riskiest first (what a first GPU run is most likely to find broken runs while the budget is fresh):
 
     preflight        versions of torch, CUDA, Triton, fla and mlstm_kernels; fails at once, with the fix, when a
                      GPU kernel package is missing or the installed Triton lacks what they build with
     gpu_tests        python -m pytest -m gpu tests/ (flex backward, the Triton mLSTM, fla's Gated DeltaNet, each
-                     against the reference), in parallel workers
-    train_runs       train.py: a short compiled run per mixer family and per GPU setting, the Triton and fla
-                     mixers first, in parallel processes (loss falls, kernels used as asked)
+                     against the reference), in parallel workers, each test's outcome recorded as it finishes
+    train_runs       train.py: short compiled runs of the mixers with GPU kernels and of the GPU settings, the
+                     Triton and fla mixers first, in parallel processes (loss falls, kernels used as asked)
     resume           a compiled bf16 run killed after a checkpoint and resumed: its losses against the unbroken run's
     memory           one block stack of the 1.4B SWAX recipe at 16K tokens: peak memory measured / planned
     pretrained       init_from=hf: and python -m eval --hf= on a small local model, in bf16
     multi_gpu        2-rank NCCL DDP and FSDP runs against one rank (two or more GPUs; said so and skipped on one)
     backends         every backend against dense, forward and backward, float32 and bfloat16, every rule family
-    bench_attention  scripts/bench_attention.py: full vs swa / sa / sa_swa, next to paper 000's Table 2
-    bench_train      scripts/bench_train.py: tokens/s and MFU of the 124M and 360M recipes, compiled, full depth
+    bench_attention  scripts/bench_attention.py: full vs sa at paper 000's Table 2 lengths
+    bench_train      scripts/bench_train.py: tokens/s and MFU of the 124M recipe, compiled, full depth
     compile_check    scripts/compile_check.py: graph breaks and unexpected recompiles per mixer
     generate         scripts/bench_generate.py: decode throughput and state size, swax vs full
+
+Budgets. Compilation dominates a first GPU run: a FlexAttention forward and backward costs 20-90 s per
+distinct mask and shape, Triton autotuning minutes. Each step counts its compilations at full size
+(step_estimate: FlexAttention kernel pairs and forwards, block graphs, autotuned packages, cache hits, read
+from the registry and the layers' own plans) and its budget is their cost at COMPILE_S plus the work itself,
+times MARGIN. Without --steps the check runs, riskiest first, the steps that fit TOTAL_LIMIT_S; --plan prints
+the counts, the budgets and the commands for the rest. Full-size grids are trimmed the same way (train_runs
+trains the mixers with GPU kernels and the GPU settings; --runs names others).
 
 Each step is isolated: it runs in subprocesses (sys.executable) under a time budget, and a step that fails (an
 exception, a nonzero exit, a timeout) is recorded as failed with the tail of its output while the next step
 still runs; a timeout kills the step's whole process tree. OUT/report.md and OUT/report.json are rewritten
-atomically before and after every step (and after every training run), so a run cut off by a time limit leaves
-everything it finished; every subprocess's output is kept in OUT/logs/. The exit status is 1 when a step
-failed, 2 for a bad option.
+atomically before and after every step (and after every training run, backend case and GPU test), so a run
+cut off by a time limit leaves everything it finished, and a step cut off reports what finished and what did
+not; every subprocess's output is kept in OUT/logs/. The exit status is 1 when a step failed, 2 for a bad
+option.
 
 On CPU, and with --quick, every step runs at reduced sizes and says so in the report: those numbers check
-this script, not the hardware. --only=STEP,... reruns those steps and keeps every other step's result from
-the report already in OUT (a check split over several commands, each within a time limit: --plan suggests
-the split).
+this script, not the hardware. With EFFICIENT_ATTENTION_SIMULATE_CUDA=1 the CPU takes CUDA's path
+(attention/simulate_cuda.py): runs compile, demand the GPU kernels (their CPU stand-ins) and train in bf16.
+--only=STEP,... reruns those steps and keeps every other step's result from the report already in OUT (a check
+split over several commands, each within a time limit: --plan suggests the split).
 """
 
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -56,7 +70,6 @@ import threading
 import time
 import traceback
 import warnings
-import xml.etree.ElementTree as ElementTree
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -66,6 +79,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from attention import simulate_cuda  # noqa: E402
 from checkpoint import atomic_write, git_hash, write_json  # noqa: E402
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
 from run_folder import read_metrics  # noqa: E402
@@ -87,6 +101,7 @@ class CheckConfig:
     # generating code (minutes faster); train_runs compiles every mixer family with inductor anyway
     compile_check_backend: str = "aot_eager"
     keep_checkpoints: bool = False  # keep the training runs' checkpoints (deleted by default: OUT stays small)
+    runs: str = ""  # train_runs: only these runs (comma-separated names from the report's train_runs table)
     fail_steps: str = ""  # for testing the report: these steps raise at their start, as a broken step would
     worker: str = ""  # internal: run a step's in-process work (backends, memory) in this process, a child of the check
     shard: str = "0/1"  # internal: the part i/n of the backends cases a worker runs
@@ -95,14 +110,26 @@ class CheckConfig:
 STEPS = ("preflight", "gpu_tests", "train_runs", "resume", "memory", "pretrained", "multi_gpu", "backends",
          "bench_attention", "bench_train", "compile_check", "generate")
 
-# time budget of each step in seconds: at full size on one H100, and reduced (CPU, --quick). The full budgets
-# are limits, set from the estimates in each step's docstring plus a margin for cold compile caches; they sum
-# to at most 20 minutes (multi_gpu costs nothing on one GPU: MULTI_GPU_BUDGET_S applies with two or more)
-BUDGET_S = {"preflight": (20, 20), "gpu_tests": (150, 120), "train_runs": (350, 200), "resume": (90, 90),
-            "memory": (60, 60), "pretrained": (60, 120), "multi_gpu": (0, 0), "backends": (120, 90),
-            "bench_attention": (110, 90), "bench_train": (90, 60), "compile_check": (90, 600), "generate": (45, 60)}
-MULTI_GPU_BUDGET_S = 150
+# Full-size budgets on one H100 are derived from counted compilations (step_estimate; --plan prints the
+# counts). What one compilation costs there, stated once: FlexAttention's forward and backward kernels for one
+# mask and shape, 20-90 s of inductor and Triton code generation (CPU-bound: steps that compile independent
+# kernels run several processes at once); its forward alone, about a third of that; inductor compiling the rest
+# of a block's graph around them, ~15 s; Triton autotuning a GPU kernel package (mlstm_kernels, fla) at its first
+# shapes, minutes, once per step (its binaries are cached on disk for the processes after it); a graph found in
+# inductor's and Triton's caches (compiled earlier in the check at the same shapes), seconds; Dynamo and
+# AOTAutograd without code generation (aot_eager), seconds.
+COMPILE_S = {"flex": 60, "flex_fwd": 25, "graph": 15, "autotune": 120, "cached": 3, "aot_eager": 4}
+PROCESS_S = 10  # a process's start: imports and CUDA initialisation
+MARGIN = 1.25  # a budget is its estimate plus a quarter: a limit to stop at, not a forecast
+# reduced sizes (CPU, --quick): budgets in seconds, from runs on 2 CPU cores
+REDUCED_BUDGET_S = {"preflight": 20, "gpu_tests": 120, "train_runs": 200, "resume": 90, "memory": 60,
+                    "pretrained": 120, "multi_gpu": 0, "backends": 90, "bench_attention": 90, "bench_train": 60,
+                    "compile_check": 600, "generate": 60}
 MEMORY_RATIO = (0.8, 1.25)  # measured / planned peak the memory step accepts: the plan is for choosing batch sizes
+# the memory step's model is sized so that its weights and gradients plus this many times its planned peak fit
+# 90% of the GPU's free memory: a peak up to MEMORY_RATIO[1] x the plan (and a tenth more) still fits, so the
+# measured / planned ratio decides the step, not an out-of-memory error
+MEMORY_HEADROOM = MEMORY_RATIO[1] * 1.1
 TOTAL_LIMIT_S = 20 * 60  # the whole check on one H100
 CALL_LIMIT_S = 540  # --plan splits the steps into commands of at most this long (a 10-minute session limit)
 
@@ -112,15 +139,21 @@ PAPER_000_TABLE_2 = {2048: (5.4, 8.0, 1.5), 4096: (7.9, 27.2, 3.5), 8192: (15.2,
                      16384: (29.6, 379.9, 12.8), 32768: (52.8, 1477.0, 28.0)}
 
 # sizes of every step: full on a GPU, reduced on CPU and with --quick (seconds instead of minutes)
+# Full sizes are trimmed to fit TOTAL_LIMIT_S by their counted compilations, riskiest first: each trimmed part
+# is either run on the CPU standing in for CUDA by the test suite (tests/test_gpu_sim.py) or checked by an
+# earlier step, and the parts left out are printed by --plan with the command that runs them.
 FULL = {
-    # every (rule, padded length, dtype) compiles its own flex kernels: float32 at a length that is not a
-    # multiple of the flex block, bfloat16 at one that is
-    "backends": {"float32": (300,), "bfloat16": (1024,), "head_dim": 64},
+    # every (rule, padded length, dtype) compiles its own flex kernels: bfloat16 at a length that is a multiple of
+    # the flex block (gpu_tests compares every rule kind's flex kernels with dense in float32 at 300)
+    "backends": {"float32": (), "bfloat16": (1024,), "head_dim": 64},
+    # paper 000's Table 2 at its longest lengths: sa against full (swa costs what sa costs; --variants adds it)
     "bench_attention": ["--batch=16", "--heads=16", "--head_dim=64", "--dtype=bfloat16", "--window=256",
-                        "--variants=full,swa,sa", "--lengths=2048,8192,32768"],
+                        "--variants=full,sa", "--lengths=8192,32768"],
     "bench_train": ["--configs=configs/bridges/owt_124m_full.py", "--n_layer=0", "--batch_size=8"],
+    # the runs with a GPU kernel and the GPU settings (train_runs: riskiest first); the other cases' compiled
+    # training is what the simulated CUDA path runs in the test suite, --runs=... runs them here
     "train_runs": {"n_embd": 256, "n_head": 4, "block_size": 1024, "window": 128, "batch_size": 8, "max_iters": 30,
-                   "eval_iters": 5, "log_interval": 10},
+                   "eval_iters": 5, "log_interval": 10, "grid": "gpu_kernels"},
     # killed once step 12 is logged: 48 steps (about a second on an H100) before the run would end on its own
     "resume": {"max_iters": 60, "checkpoint_at": 10},
     # the 1.4B SWAX recipe's blocks at 16K tokens, one sequence (fewer layers when the plan says they won't fit)
@@ -135,8 +168,9 @@ REDUCED = {
     "bench_train": ["--n_layer=2", "--batch_size=1", "--block_size=64", "--steps=1", "--warmup=0"],
     "train_runs": {"n_embd": 64, "n_head": 4, "block_size": 128, "window": 32, "batch_size": 4, "max_iters": 10,
                    "eval_iters": 2, "log_interval": 1},
-    # long enough to be killed before it ends, and before the next checkpoint on a busy machine (6 steps later)
-    "resume": {"max_iters": 24, "checkpoint_at": 8},
+    # long enough to be killed before it ends (compiled steps on the CPU standing in for CUDA take ~40 ms), and
+    # before the next checkpoint on a busy machine (6 steps later)
+    "resume": {"max_iters": 40, "checkpoint_at": 8},
     "memory": {"config": "configs/swax/swax_1p4b_stochastic.py", "block_size": 256, "n_layer": 2, "n_embd": 128,
                "n_head": 4, "mlstm_n_head": 2, "vocab_size": 512, "swa_window": 64, "swax_short_window": 32},
     "generate": ["--contexts=128,512", "--n_layer=2", "--n_embd=64", "--n_head=4", "--window=32", "--vocab_size=256",
@@ -182,6 +216,23 @@ def train_runs(window: int) -> dict[str, list[str]]:
     runs.update({f"{base}_{setting}": options[base] + extra for setting, (extra, _) in SETTING_RUNS.items()})
     runs.update({name: options[name] for name in risky + list(cases) if name not in runs})
     return runs
+
+
+def grid_runs(sizes: dict, chosen: str = "") -> list[str]:
+    """The runs train_runs makes, riskiest first: those named by --runs, else the sizes' grid: every run, or
+    (grid gpu_kernels) those whose mixers have a GPU kernel and the GPU-setting runs."""
+    from attention.registry import pattern_names
+
+    runs = train_runs(sizes["window"])
+    if chosen:
+        return [name for name in runs if name in chosen.split(",")]
+    if sizes.get("grid", "all") == "all":
+        return list(runs)
+    settings = [name for name in runs if any(name.endswith("_" + setting) for setting in SETTING_RUNS)]
+    kernels = [name for name, options in runs.items()
+               if set(pattern_names(next(o.partition("=")[2] for o in options if o.startswith("--attn_pattern="))))
+               & set(gpu_kernel_mixers())]
+    return [name for name in runs if name in settings or name in kernels]
 
 
 def cuda_only_runs(window: int) -> dict[str, str]:
@@ -353,6 +404,11 @@ class StepContext:
         return sys.executable
 
     @property
+    def gpu_path(self) -> bool:
+        """Whether the runs take CUDA's path: on CUDA, or on the CPU standing in for it (simulate_cuda)."""
+        return simulate_cuda.gpu_path(self.device)
+
+    @property
     def jobs(self) -> int:
         """Processes at a time in steps that compile independent kernels."""
         return self.cfg.jobs or (4 if self.device == "cuda" else 2)
@@ -412,8 +468,9 @@ def step_preflight(ctx: StepContext) -> dict:
     problems = gpu_kernel_problems(ctx.device, env)
     if problems:
         return outcome("failed", summary, results, "\n".join(problems))
-    return outcome("passed", summary + ("" if ctx.device == "cuda" else " (the GPU kernels are not needed on CPU)"),
-                   results)
+    on_cpu = " (the GPU kernels' CPU stand-ins: simulated CUDA)" if ctx.gpu_path else \
+        " (the GPU kernels are not needed on CPU)"
+    return outcome("passed", summary + ("" if ctx.device == "cuda" else on_cpu), results)
 
 
 # ---- step: gpu_tests ----------------------------------------------------------------------------------------
@@ -424,50 +481,76 @@ REQUIRED_GPU_TESTS = {"mlstm_kernels' Triton kernel": "test_cuda_triton_kernel_e
                       "fla's Gated DeltaNet kernel": "test_cuda_fla_layer_equals_native_layer_in_bf16"}
 
 
-def missing_kernel_tests(device: str, tests: list[dict]) -> list[str]:
-    """The GPU kernels whose tests did not pass in a gpu_tests run on CUDA (none off CUDA)."""
+def missing_kernel_tests(device: str, tests: list[dict], collected: list[str] | None = None) -> list[str]:
+    """The GPU kernels whose tests did not pass in a gpu_tests run on CUDA (none off CUDA), each with why: not
+    collected (the package is not installed), collected but unfinished (the step was cut off), or failed."""
     if device != "cuda":
         return []
-    passed = {t["test"].rpartition("::")[2].partition("[")[0] for t in tests if t["outcome"] == "passed"}
-    return [f"{kernel}: {name} did not pass (not installed, or it failed)"
-            for kernel, name in REQUIRED_GPU_TESTS.items() if name not in passed]
+    outcomes = {t["test"].rpartition("::")[2].partition("[")[0]: t["outcome"] for t in tests}
+    names = {test.rpartition("::")[2].partition("[")[0] for test in (collected or [])}
+    missing = []
+    for kernel, name in REQUIRED_GPU_TESTS.items():
+        if outcomes.get(name) == "passed":
+            continue
+        if name in outcomes:
+            why = f"{name} {outcomes[name]}"
+        elif name in names:
+            why = f"{name} did not finish before the step was cut off"
+        else:
+            why = f"{name} did not pass (not installed, or it failed)"
+        missing.append(f"{kernel}: {why}")
+    return missing
+
+
+def read_results_log(path: Path) -> tuple[list[str], list[dict]]:
+    """tests/conftest.py's --results-log: (the collected test ids, each finished test's last record); a line torn
+    by a kill is skipped."""
+    collected, tests = [], {}
+    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "collected" in record:
+            collected = record["collected"]
+        elif record.get("outcome") != "passed" or record["test"] not in tests:  # a teardown error stays an error
+            tests[record["test"]] = record
+    return collected, list(tests.values())
 
 
 def step_gpu_tests(ctx: StepContext) -> dict:
-    """The tests marked gpu (about 40 on CUDA: each compiles FlexAttention kernels for its rule, a few seconds
-    each, plus the Triton and fla kernels), in ctx.jobs pytest workers: 1-2 minutes on an H100. On CPU they run
-    under the device guard of tests/conftest.py (flex forward only)."""
-    junit = ctx.out / "gpu_tests.xml"
-    junit.unlink(missing_ok=True)
+    """The tests marked gpu in ctx.jobs pytest workers, each test's outcome recorded as it finishes (so a step cut
+    off by its budget reports what finished and what did not). On an H100 each test of a flex backend compiles
+    its rule's FlexAttention kernels, and the Triton and fla kernel tests autotune their packages (step_estimate
+    counts them). On CPU they run under the device guard of tests/conftest.py (flex forward only)."""
+    log = ctx.out / "gpu_tests.jsonl"
+    log.unlink(missing_ok=True)
     workers = ["-n", str(ctx.jobs)] if ctx.device == "cuda" and ctx.jobs > 1 else []
     done = ctx.run([ctx.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers, *GPU_TESTS,
-                    f"--junitxml={junit}"], "gpu_tests")
-    tests = read_junit(junit) if junit.exists() else []
+                    f"--results-log={log}"], "gpu_tests")
+    collected, tests = read_results_log(log)
     counts = {}
     for t in tests:
         counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
+    unfinished = [test for test in collected if test not in {t["test"] for t in tests}]
     summary = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no tests ran"
+    if unfinished:
+        summary += f"; {len(unfinished)} of {len(collected)} did not finish"
+    if done.timed_out:
+        summary = f"timed out after {done.seconds:.0f} s: " + summary
     if ctx.device != "cuda":
-        summary += " (on the CPU, under the device guard)"
-    results = {"counts": counts, "tests": tests, "command": shlex.join(done.command)}
-    missing = missing_kernel_tests(ctx.device, tests)
-    if done.timed_out or done.returncode != 0 or not tests or missing:
+        summary += " (on the CPU, under the device guard" + \
+            ("; simulated CUDA: flex forward and backward)" if ctx.gpu_path else ")")
+    results = {"counts": counts, "tests": tests, "collected": len(collected), "unfinished": unfinished,
+               "command": shlex.join(done.command)}
+    missing = missing_kernel_tests(ctx.device, tests, collected)
+    if done.timed_out or done.returncode != 0 or not tests or missing or unfinished:
         # pytest exits 5 when it collects nothing: the GPU tests are missing, a failure too
         failure = [done.error()] if done.timed_out or done.returncode else []
-        return outcome("failed", summary, results, "\n".join(missing + failure))
+        not_run = [f"did not finish: {', '.join(unfinished[:20])}" + (" ..." if len(unfinished) > 20 else "")] \
+            if unfinished else []
+        return outcome("failed", summary, results, "\n".join(missing + not_run + failure))
     return outcome("passed", summary, results)
-
-
-def read_junit(path: Path) -> list[dict]:
-    tests = []
-    for case in ElementTree.parse(path).getroot().iter("testcase"):
-        result = next((c for c in case if c.tag in ("failure", "error", "skipped")), None)
-        outcome_ = {"failure": "failed", "error": "error", "skipped": "skipped"}.get(
-            result.tag if result is not None else "", "passed")
-        message = (result.get("message") or "")[:500] if result is not None else ""
-        tests.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome_,
-                      "seconds": round(float(case.get("time") or 0), 2), "message": message})
-    return tests
 
 
 # ---- step: backends (the comparisons run in a child process: --worker=backends) ----------------------
@@ -550,8 +633,9 @@ def backend_cases(device: str, sizes: dict) -> list[tuple]:
             # plain causal attention: sdpa is its fast path; every other rule runs block-sparse
             for backend in (("sdpa", "flex") if causal else ("flex", "chunked")):
                 # CPU flex runs forward only (torch 2.13 has no CPU backward for it), eagerly (~1 s a call): a
-                # check of its masks, in float32; its numerics matter on the GPU
-                if backend == "flex" and device == "cpu" and dtype != "float32":
+                # check of its masks, in float32; its numerics matter on the GPU (the CPU standing in for CUDA
+                # runs its reference forward and backward, compiled with aot_eager, in both dtypes)
+                if backend == "flex" and not simulate_cuda.gpu_path(device) and dtype != "float32":
                     continue
                 cases.append((family, backend, dtype, n))
     return cases
@@ -592,7 +676,7 @@ def run_backend_case(family, backend, dtype_name, n, head_dim, device) -> dict:
     ref = attention(*ref_inputs, "dense")
     ref_grads = torch.autograd.grad(ref, ref_inputs, grad_out)
     dtype = getattr(torch, dtype_name)
-    with_grad = not (backend == "flex" and device == "cpu")  # CPU flex: forward only
+    with_grad = not (backend == "flex" and not simulate_cuda.gpu_path(device))  # CPU flex: forward only
     inputs = [t.to(dtype).requires_grad_(with_grad) for t in (q, k, v)]
     out = attention(*inputs, backend)
     result = {"family": family, "backend": backend, "dtype": dtype_name, "n": n, "heads": heads,
@@ -703,13 +787,13 @@ def train_base(ctx: StepContext, size: dict, compile_: bool) -> list[str]:
             f"--log_interval={size['log_interval']}", f"--compile={compile_}", f"--device={ctx.device}"]
 
 
-def run_options(name: str, device: str, window: int) -> list[str]:
-    """A training run's options (train_runs), and on CUDA the GPU kernel of each of its mixers that has one
-    (Mixer.gpu_kernel): a run that cannot use it fails instead of training with the built-in form."""
+def run_options(name: str, gpu_path: bool, window: int) -> list[str]:
+    """A training run's options (train_runs), and on CUDA's path the GPU kernel of each of its mixers that has
+    one (Mixer.gpu_kernel): a run that cannot use it fails instead of training with the built-in form."""
     from attention.registry import pattern_names
 
     options = train_runs(window)[name]
-    if device == "cuda":
+    if gpu_path:
         pattern = next(o.partition("=")[2] for o in options if o.startswith("--attn_pattern="))
         kernels = gpu_kernel_mixers()
         options = options + [f"--{kernels[m][0]}={kernels[m][1]}" for m in sorted(set(pattern_names(pattern)))
@@ -739,10 +823,12 @@ def step_train_runs(ctx: StepContext) -> dict:
     windows, so four graphs) and 30 steps of 8 x 1024 tokens through 2 layers (~2 s): one run per registry case
     and per GPU setting (27 today), 4 at a time, in about 5-6 minutes. Their tokens/s are measured beside the other runs (bench_train measures throughput)."""
     size = ctx.sizes["train_runs"]
-    compile_ = ctx.device == "cuda"  # on CPU compiling 20 models takes longer than the whole check should
+    # on the CPU compiling 20 models takes longer than the whole check should, unless it stands in for CUDA
+    compile_ = ctx.gpu_path
     base = train_base(ctx, size, compile_)
-    all_runs, cuda_only = train_runs(size["window"]), cuda_only_runs(size["window"])
-    names = [name for name in all_runs if ctx.device == "cuda" or name not in cuda_only]
+    cuda_only = cuda_only_runs(size["window"])
+    all_runs = {name: train_runs(size["window"])[name] for name in grid_runs(size, ctx.cfg.runs)}
+    names = [name for name in all_runs if ctx.gpu_path or name not in cuda_only]
     runs = {name: {"mixer": name, "status": "not applicable", "error": "", "options": " ".join(all_runs[name]),
                    "note": f"on CPU: {reason}"} for name, reason in cuda_only.items() if name not in names}
 
@@ -751,7 +837,7 @@ def step_train_runs(ctx: StepContext) -> dict:
             reason = "the check was stopped" if _stopping.is_set() else "the step's time budget ran out"
             return {"mixer": name, "status": "failed", "error": f"not run: {reason}"}
         out_dir = fresh_run_dir(ctx.out / "runs" / name)
-        options = run_options(name, ctx.device, size["window"])
+        options = run_options(name, ctx.gpu_path, size["window"])
         done = ctx.run([ctx.python, "train.py", *base, *options, f"--out_dir={out_dir}"], f"train_{name}")
         result = {"mixer": name, "options": " ".join(options), "seconds": round(done.seconds, 1),
                   **run_summary(out_dir / "metrics.jsonl")}
@@ -832,7 +918,7 @@ def step_resume(ctx: StepContext) -> dict:
     size = {**ctx.sizes["train_runs"], **ctx.sizes["resume"], "log_interval": 1}
     at, steps = size["checkpoint_at"], size["max_iters"]
     riskiest = next(iter(train_runs(size["window"])))  # a case with a GPU kernel (swax)
-    args = ["train.py", *train_base(ctx, size, ctx.device == "cuda"), *run_options(riskiest, ctx.device, size["window"]),
+    args = ["train.py", *train_base(ctx, size, ctx.gpu_path), *run_options(riskiest, ctx.gpu_path, size["window"]),
             f"--ckpt_interval={at}"]
     runs = ctx.out / "resume"
     unbroken, broken = fresh_run_dir(runs / "unbroken"), fresh_run_dir(runs / "resumed")
@@ -892,6 +978,13 @@ def step_memory(ctx: StepContext) -> dict:
         return outcome("failed", "the memory measurement failed", None, done.error())
     r = json.loads(path.read_text())
     shape = f"{r['n_layer']} layers x {r['n_embd']}, {r['tokens']:,} tokens"
+    if r.get("out_of_memory"):
+        low, high = MEMORY_RATIO
+        return outcome("failed", f"{shape}: out of memory above {r['more_than_gib']:.1f} GiB, planned "
+                       f"{r['estimated_gib']:.2f} GiB: measured / planned > {r['more_than_gib'] / r['estimated_gib']:.2f}",
+                       r, f"the model was sized so that a peak of {MEMORY_HEADROOM:.2f} x the plan fits: "
+                       f"scripts/plan_memory.py's estimate is off by more than its stated accuracy ({low}-{high} x the "
+                       "measured peak): its per-layer saved-activation counts need fixing")
     if r["measured_gib"] is None:
         return outcome("passed", f"{shape}: planned {r['estimated_gib']:.2f} GiB (not measured on CPU)", r)
     summary = (f"{shape}: measured / planned = {r['measured_gib']:.2f} / {r['estimated_gib']:.2f} GiB = "
@@ -929,13 +1022,15 @@ def memory_worker(cfg: CheckConfig, device: str) -> None:
         return e, e.activations_peak + autocast
 
     n_layer = size["n_layer"] or m.n_layer
-    if device == "cuda":  # as many of the recipe's layers as fit this GPU by the plan, whole pattern periods
+    if device == "cuda":  # as many of the recipe's layers as fit this GPU with headroom, whole pattern periods
         from attention.registry import pattern_names
 
-        free, period = torch.cuda.mem_get_info()[0] * 0.9, len(pattern_names(m.attn_pattern))  # swax: 2 layers
-        # the planned activations plus the float32 weights and gradients
-        while n_layer > period and planned(n_layer)[1] + 2 * plan_memory.F32 * _param_count(m) > free:
-            n_layer -= period
+        period = len(pattern_names(m.attn_pattern))  # swax: 2 layers
+
+        def needed(layers: int) -> float:  # the float32 weights and gradients, and the planned peak with headroom
+            step = planned(layers)[1]
+            return 2 * plan_memory.F32 * _param_count(m) + MEMORY_HEADROOM * step
+        n_layer = memory_layers(n_layer, period, 0.9 * torch.cuda.mem_get_info()[0], needed)
     estimate, estimated = planned(n_layer)
     result = {"config": size["config"], "n_layer": n_layer, "recipe_n_layer": load_config([size["config"]]).model.n_layer,
               "n_embd": m.n_embd, "attn_pattern": m.attn_pattern, "tokens": m.block_size, "batch_size": 1,
@@ -953,14 +1048,29 @@ def memory_worker(cfg: CheckConfig, device: str) -> None:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            _, loss = model(x, x)
-        loss.backward()
-        torch.cuda.synchronize()
+        try:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                _, loss = model(x, x)
+            loss.backward()
+            torch.cuda.synchronize()
+        except torch.cuda.OutOfMemoryError:  # the peak passed MEMORY_HEADROOM x the plan: a ratio beyond bounds
+            available = torch.cuda.mem_get_info()[1] - base
+            result.update(out_of_memory=True, measured_gib=None, ratio=None, weights_and_gradients_gib=base / 2**30,
+                          more_than_gib=max(available, torch.cuda.max_memory_allocated() - base) / 2**30)
+            write_json(result, Path(cfg.out) / "memory.json")
+            return
         measured = torch.cuda.max_memory_allocated() - base
         result.update(measured_gib=measured / 2**30, ratio=measured / estimated,
                       weights_and_gradients_gib=base / 2**30)
     write_json(result, Path(cfg.out) / "memory.json")
+
+
+def memory_layers(n_layer: int, period: int, free: float, needed) -> int:
+    """The most layers, from n_layer down by whole pattern periods (at least one period), whose needed(layers)
+    bytes fit in free."""
+    while n_layer > period and needed(n_layer) > free:
+        n_layer -= period
+    return n_layer
 
 
 def _param_count(m) -> int:
@@ -1017,12 +1127,12 @@ def step_pretrained(ctx: StepContext) -> dict:
     in its attention (compiled on CUDA), and evaluated with python -m eval --hf=: about 40 s."""
     root = fresh_run_dir(ctx.out / "pretrained")
     folder, data_dir = build_tiny_hf_model(root)
-    dtype = "bfloat16" if ctx.device == "cuda" else "float32"
+    dtype = "bfloat16" if ctx.gpu_path else "float32"
     train = ["train.py", f"--init_from=hf:{folder}", f"--data_dir={data_dir}", f"--out_dir={root / 'run'}",
              "--attn_pattern=swa", "--swa_window=32", "--block_size=128", "--batch_size=4",
              "--gradient_accumulation_steps=1", "--max_iters=10", "--warmup_iters=2", "--lr_decay_iters=10",
              "--learning_rate=1e-3", "--eval_interval=10", "--eval_iters=2", "--log_interval=5",
-             f"--compile={ctx.device == 'cuda'}", f"--device={ctx.device}", f"--dtype={dtype}"]
+             f"--compile={ctx.gpu_path}", f"--device={ctx.device}", f"--dtype={dtype}"]
     done = ctx.run([ctx.python, *train], "pretrained_train")
     if done.timed_out or done.returncode != 0:
         return outcome("failed", "init_from=hf: failed", None, done.error())
@@ -1126,6 +1236,141 @@ def step_generate(ctx: StepContext) -> dict:
               for (variant, context), r in by_case.items() if variant == "swax" and ("full", context) in by_case]
     return outcome("passed", "swax decode speed over full at context " + ", ".join(ratios),
                    {**data, "command": shlex.join(done.command)})
+
+
+# ---- full-size budgets: counted compilations ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Estimate:
+    """A step's work at full size on one H100: its compilations by kind (COMPILE_S), the processes it starts and
+    how many run at once, and the time of the work itself beside compiling."""
+
+    compiles: tuple  # ((kind, count), ...)
+    processes: int
+    jobs: int
+    run_s: float
+    left_out: str = ""  # what the full-size grid leaves out to fit TOTAL_LIMIT_S, and the command that runs it
+
+    @property
+    def seconds(self) -> float:
+        compile_s = sum(COMPILE_S[kind] * count for kind, count in self.compiles)
+        return (self.processes * PROCESS_S + compile_s) / max(1, min(self.jobs, self.processes)) + self.run_s
+
+    @property
+    def budget_s(self) -> float:
+        return MARGIN * self.seconds
+
+    def describe(self) -> str:
+        kinds = ", ".join(f"{count} {kind}" for kind, count in self.compiles if count) or "none"
+        return f"{kinds}; {self.processes} process{'es' if self.processes != 1 else ''}" + \
+            (f", {min(self.jobs, self.processes)} at a time" if min(self.jobs, self.processes) > 1 else "")
+
+
+def _estimate(compiles: dict, processes: int, jobs: int, run_s: float, left_out: str = "") -> Estimate:
+    return Estimate(tuple((kind, compiles.get(kind, 0)) for kind in COMPILE_S if compiles.get(kind)), processes,
+                    jobs, run_s, left_out)
+
+
+@functools.cache
+def run_compiles(name: str) -> tuple[frozenset, frozenset, frozenset]:
+    """What a full-size compiled training run (train_runs' run `name`) compiles on CUDA, as keys, so that a step
+    counts each distinct compilation once (a repeat is found in inductor's and Triton's caches): its block graphs
+    (one per distinct Mixer.compile_key, in training and in evaluation; the dtype, FSDP and activation
+    checkpointing change them, loss_chunk does not), its FlexAttention kernels (per flex call in a distinct
+    graph: a forward and backward pair in training, a forward in evaluation, per dtype) and the GPU kernel
+    packages it runs. The kernels each layer plans are read from the model as the CPU standing in for CUDA plans
+    it (attention/simulate_cuda.py): no GPU is needed to count them."""
+    from attention.kernels import plans_in
+    from attention.registry import MIXERS, layer_names
+    from config import load_config
+    from model import GPT
+
+    size = FULL["train_runs"]
+    options = dict(o[2:].split("=", 1) for o in train_runs(size["window"])[name])
+    cfg = load_config(["configs/quickstart.py", "--arch=llama", "--bias=False", "--n_layer=2",
+                       f"--n_head={size['n_head']}", f"--n_embd={size['n_embd']}",
+                       f"--block_size={size['block_size']}", *(f"--{k}={v}" for k, v in options.items())])
+    m = cfg.model
+    m.vocab_size = m.vocab_size or 256
+    with torch.device("meta"):
+        model = GPT(m)
+    with simulate_cuda.simulating():
+        plans = model.plan(size["batch_size"], m.block_size, "cpu")
+    dtype = options.get("dtype", "bfloat16")
+    layout = (dtype, cfg.train.parallelism)
+    graphs, flex = set(), set()
+    for block, plan in zip(model.blocks, plans):
+        key = block.mixer.compile_key()
+        graphs |= {(key, "train", *layout, cfg.train.activation_checkpointing), (key, "eval", *layout)}
+        calls = sum(p.kernel == "flex" for p in plans_in(plan))
+        flex |= {(key, dtype, kind, i) for i in range(calls) for kind in ("flex", "flex_fwd")}
+    packages = frozenset(MIXERS[mixer].gpu_kernel[2] for mixer in set(layer_names(m)) if MIXERS[mixer].gpu_kernel)
+    return frozenset(graphs), frozenset(flex), packages
+
+
+@functools.cache
+def collected_gpu_tests() -> tuple[str, ...]:
+    """The ids of the tests gpu_tests runs (pytest --collect-only; the Triton and fla kernels' tests only where
+    their packages are installed)."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           *GPU_TESTS], cwd=REPO, capture_output=True, text=True, timeout=300)
+    return tuple(line for line in proc.stdout.splitlines() if "::" in line)
+
+
+@functools.cache
+def step_estimate(name: str, gpus: int = 1) -> Estimate:
+    """What step `name` compiles and runs at full size on one H100 (gpus: how many the machine has)."""
+    from attention.registry import example_cases
+
+    packages = len({kernel[2] for kernel in gpu_kernel_mixers().values()})
+    window = FULL["train_runs"]["window"]
+    if name == "preflight":
+        return _estimate({}, 1, 1, 5)
+    if name == "gpu_tests":  # a test with flex in its id compiles a kernel pair; each GPU kernel package autotunes
+        flex = sum("flex" in test for test in collected_gpu_tests())
+        return _estimate({"flex": flex, "autotune": packages}, 5, 4, 30)
+    if name == "train_runs":  # distinct graphs and kernels compile, repeats come from the caches
+        names = grid_runs(FULL["train_runs"])
+        runs = [run_compiles(run) for run in names]
+        graphs, kernels = [g for r in runs for g in r[0]], [k for r in runs for k in r[1]]
+        distinct = {"graph": len(set(graphs)), "flex": len({k for k in kernels if k[2] == "flex"}),
+                    "flex_fwd": len({k for k in kernels if k[2] == "flex_fwd"})}
+        cached = len(graphs) + len(kernels) - sum(distinct.values())
+        left = [run for run in train_runs(window) if run not in names]
+        left_out = f"{len(left)} runs: --steps=train_runs --runs={','.join(left)}" if left else ""
+        # the GPU kernels' packages autotuned in gpu_tests: their binaries are in Triton's cache
+        return _estimate({**distinct, "cached": cached + len(set().union(*(r[2] for r in runs)))}, len(names), 4,
+                         2 * len(names), left_out)
+    if name == "resume":  # three runs of the riskiest case, its graphs and kernels in the caches after train_runs
+        graphs, kernels, packages = run_compiles(next(iter(train_runs(window))))
+        return _estimate({"cached": 3 * (len(graphs) + len(kernels) + len(packages))}, 3, 1, 15)
+    if name == "memory":  # eager: the swa layers' flex pair as one compiled call, the mLSTM kernel at new shapes
+        return _estimate({"flex": 1, "graph": 1}, 1, 1, 30)
+    if name == "pretrained":  # a compiled fine-tuning run (train and evaluation graphs), then python -m eval
+        return _estimate({"graph": 2, "flex": 1, "flex_fwd": 2}, 2, 1, 25)
+    if name == "multi_gpu":
+        if gpus < 2:
+            return _estimate({}, 0, 1, 0)
+        graphs, kernels, _ = run_compiles("swa")
+        first = {"graph": len(graphs), "flex": len(kernels) // 2, "flex_fwd": len(kernels) // 2}
+        return _estimate({**first, "cached": 3 * (len(graphs) + len(kernels))}, 6, 1, 40)
+    if name == "backends":
+        cases = backend_cases("cuda", FULL["backends"])
+        flex = len({(family, dtype, n) for family, backend, dtype, n in cases if backend == "flex"})
+        return _estimate({"flex": flex}, 4, 4, 0.3 * len(cases))
+    if name == "bench_attention":
+        args = dict(a[2:].split("=", 1) for a in FULL["bench_attention"])
+        variants, lengths = args["variants"].split(","), args["lengths"].split(",")
+        cases = len(variants) * len(lengths)  # one process each; full attention is SDPA (nothing to compile)
+        return _estimate({"flex": sum(v != "full" for v in variants) * len(lengths)}, cases, 1, 3 * cases)
+    if name == "bench_train":  # every block shares one graph: compiled for training
+        return _estimate({"graph": 2}, 1, 1, 20)
+    if name == "compile_check":
+        return _estimate({"aot_eager": len(example_cases(32))}, 1, 1, len(example_cases(32)))
+    if name == "generate":  # swax's prefill: one forward flex kernel per context length; decoding runs eagerly
+        args = dict(a[2:].split("=", 1) for a in FULL["generate"])
+        return _estimate({"flex_fwd": len(args["contexts"].split(","))}, 1, 1, 15)
+    raise ValueError(f"unknown step {name!r}")
 
 
 STEP_FUNCTIONS = {"preflight": step_preflight, "gpu_tests": step_gpu_tests, "train_runs": step_train_runs,
@@ -1238,6 +1483,9 @@ def render_gpu_tests(results: dict) -> list[str]:
     if bad:
         lines += ["", "| failed test | message |", "|---|---|"]
         lines += [f"| {t['test']} | {_cell(t['message'][:200])} |" for t in bad]
+    if results.get("unfinished"):
+        lines += ["", f"Did not finish ({len(results['unfinished'])} of {results['collected']} collected): "
+                      + ", ".join(f"`{t}`" for t in results["unfinished"])]
     return lines
 
 
@@ -1349,7 +1597,9 @@ def render_resume(results: dict) -> list[str]:
 
 def render_memory(results: dict) -> list[str]:
     rows = [[f"`{results['config']}`", f"{results['n_layer']} of {results['recipe_n_layer']}", results["attn_pattern"],
-             f"{results['tokens']:,}", results["dtype"], _num(results["measured_gib"], "{:.2f} GiB"),
+             f"{results['tokens']:,}", results["dtype"],
+             f"out of memory above {results['more_than_gib']:.1f} GiB" if results.get("out_of_memory")
+             else _num(results["measured_gib"], "{:.2f} GiB"),
              f"{results['estimated_gib']:.2f} GiB", _num(results["ratio"], "{:.2f}")]]
     return ["Peak memory of one forward and backward (eager, no checkpointing, batch 1) above the float32 weights "
             "and gradients, against `scripts/plan_memory.py`'s activations at their peak "
@@ -1377,6 +1627,10 @@ def parse(argv) -> CheckConfig:
             raise ConfigError(f"{option}: unknown step(s) {', '.join(unknown)}; expected some of {', '.join(STEPS)}")
     if c.steps and c.only:
         raise ConfigError("give --steps (a fresh report) or --only (rerun into the report in OUT), not both")
+    known_runs = train_runs(REDUCED["train_runs"]["window"])
+    unknown = [name for name in c.runs.split(",") if name and name not in known_runs]
+    if unknown:
+        raise ConfigError(f"runs: unknown run(s) {', '.join(unknown)}; expected some of {', '.join(known_runs)}")
     if c.device not in ("auto", "cuda", "cpu"):
         raise ConfigError(f"device={c.device!r}: expected auto, cuda or cpu")
     if c.device == "cuda" and not torch.cuda.is_available():
@@ -1393,10 +1647,9 @@ def parse(argv) -> CheckConfig:
 
 
 def step_budget(name: str, reduced: bool, gpus: int = 1) -> float:
-    """A step's time budget in seconds before --budget_scale (multi_gpu's only with two or more GPUs)."""
-    if name == "multi_gpu" and not reduced and gpus >= 2:
-        return MULTI_GPU_BUDGET_S
-    return BUDGET_S[name][1 if reduced else 0]
+    """A step's time budget in seconds before --budget_scale: reduced, from REDUCED_BUDGET_S; at full size, its
+    estimate from counted compilations plus MARGIN (multi_gpu's with two or more GPUs only)."""
+    return REDUCED_BUDGET_S[name] if reduced else step_estimate(name, gpus).budget_s
 
 
 def step_descriptions() -> dict[str, str]:
@@ -1427,21 +1680,50 @@ def plan_parts(names: list[str], limit: float = CALL_LIMIT_S) -> list[list[str]]
     return parts
 
 
+def default_steps(gpus: int = 1) -> list[str]:
+    """The steps a full-size check runs when none are named: in STEPS order (riskiest first), each that still fits
+    TOTAL_LIMIT_S by its budget; the others are left to a second command (--plan prints it)."""
+    chosen, total = [], 0.0
+    for name in STEPS:
+        budget = step_budget(name, False, gpus)
+        if total + budget <= TOTAL_LIMIT_S:
+            chosen.append(name)
+            total += budget
+    return chosen
+
+
 def print_plan(cfg: CheckConfig) -> None:
-    """Each step's budget on one H100, the total, and commands that split it within CALL_LIMIT_S each."""
-    names = [s for s in STEPS if s in (cfg.steps or cfg.only).split(",")] if (cfg.steps or cfg.only) else list(STEPS)
+    """Each step's budget on one H100 from its counted compilations, the total, the steps left to a second command,
+    and commands that split the check within CALL_LIMIT_S each."""
+    named = cfg.steps or cfg.only
+    names = [s for s in STEPS if s in named.split(",")] if named else default_steps()
     what = step_descriptions()
-    print("step             budget on one H100   what it checks")
+    print("Budgets on one H100, from each step's compilations at "
+          + ", ".join(f"{COMPILE_S[kind]} s per {kind}" for kind in COMPILE_S) + f", {PROCESS_S} s per process "
+          f"start, and the work itself; a budget is the estimate x {MARGIN}")
+    print("step             budget   compilations (processes)                  what it checks")
     for name in names:
         budget = step_budget(name, False) * cfg.budget_scale
-        note = f" ({MULTI_GPU_BUDGET_S} s with two or more GPUs)" if name == "multi_gpu" else ""
-        print(f"{name:<17}{budget:>6.0f} s  {what[name]}{note}")
+        estimate = step_estimate(name)
+        note = ""
+        if name == "multi_gpu":
+            note = f" ({step_budget(name, False, 2):.0f} s with two or more GPUs: {step_estimate(name, 2).describe()})"
+        print(f"{name:<17}{budget:>4.0f} s   {estimate.describe():<40}  {what[name]}{note}")
+        if estimate.left_out:
+            print(f"{'':<26}left out to fit {TOTAL_LIMIT_S // 60} minutes: {estimate.left_out}")
     total = sum(step_budget(name, False) for name in names) * cfg.budget_scale
     print(f"total            {total:>8.0f} s = {total / 60:.1f} minutes on one H100 (limit "
           f"{TOTAL_LIMIT_S // 60} minutes; budgets are limits, each step usually ends sooner)")
+    rest = [name for name in STEPS if name not in names]
+    if not named and rest:
+        later = sum(step_budget(name, False) for name in rest) * cfg.budget_scale
+        print(f"left to a second command ({later / 60:.1f} minutes: the benchmarks, and checks that the steps "
+              f"above or the test suite's simulated CUDA path cover in part):")
+        for part in plan_parts(rest, CALL_LIMIT_S / cfg.budget_scale):
+            print(f"  python scripts/gpu_check.py --only={','.join(part)}")
     parts = plan_parts(names, CALL_LIMIT_S / cfg.budget_scale)
     if len(parts) > 1:
-        print(f"in commands of at most {CALL_LIMIT_S / 60:.0f} minutes each:")
+        print(f"the check in commands of at most {CALL_LIMIT_S / 60:.0f} minutes each:")
         first = True
         for part in parts:
             option = "--steps" if first else "--only"
@@ -1458,11 +1740,14 @@ def main(argv) -> int:
     if cfg.worker:
         (backends_worker if cfg.worker == "backends" else memory_worker)(cfg, device)
         return 0
-    reduced = [label for label, on in (("CPU", device == "cpu"), ("--quick", cfg.quick)) if on]
+    reduced = [label for label, on in (("CPU", device == "cpu"), ("--quick", cfg.quick),
+                                       ("simulated CUDA", simulate_cuda.simulated(device))) if on]
     reduced = f"reduced ({', '.join(reduced)})" if reduced else ""
     sizes = REDUCED if reduced else FULL
     chosen = cfg.steps or cfg.only
-    names = [s for s in STEPS if s in chosen.split(",")] if chosen else list(STEPS)
+    gpus = torch.cuda.device_count() if device == "cuda" else 0
+    # at full size the steps that fit TOTAL_LIMIT_S (--plan names the rest); reduced, every step
+    names = [s for s in STEPS if s in chosen.split(",")] if chosen else (list(STEPS) if reduced else default_steps(gpus))
     failing = set(filter(None, cfg.fail_steps.split(",")))
     out = Path(cfg.out).resolve()  # subprocesses run in the repository
     out.mkdir(parents=True, exist_ok=True)

@@ -51,6 +51,52 @@ def pytest_configure(config):
                                        "device guard (tests/conftest.py)")
     config.addinivalue_line("markers", "gpu_sim: the CUDA path executed on the CPU (attention/simulate_cuda.py); "
                                        "part of every run of the suite, -m gpu_sim alone")
+    if config.getoption("results_log") and not hasattr(config, "workerinput"):  # the controller writes
+        _results_log["path"] = config.getoption("results_log")
+
+
+# ---- --results-log=PATH: one JSON line per test as it finishes ---------------------------------------------
+#
+# scripts/gpu_check.py runs the gpu tests under a time limit; pytest's own reports (JUnit) are written at the end,
+# so a run killed at its limit would leave nothing. With --results-log the collected ids and then every test's
+# outcome are appended as they happen (by the controller under xdist): a killed run leaves what finished.
+
+_results_log = {"path": ""}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--results-log", default="", help="append the collected test ids, then one JSON line per "
+                                                       "test as it finishes, to this file")
+
+
+def _log_result(record: dict) -> None:
+    import json
+
+    with open(_results_log["path"], "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def pytest_collection_finish(session):  # without xdist (under xdist the controller collects nothing)
+    if _results_log["path"] and session.items:
+        _log_result({"collected": [item.nodeid for item in session.items]})
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):  # the controller, once per worker: the same ids
+    if _results_log["path"] and not _results_log.get("collected"):
+        _results_log["collected"] = True
+        _log_result({"collected": list(ids)})
+
+
+def pytest_runtest_logreport(report):
+    if not _results_log["path"] or not (report.when == "call" or report.failed or report.skipped):
+        return
+    outcome = report.outcome if report.when == "call" else ("error" if report.failed else "skipped")
+    message = ""
+    if report.failed or report.skipped:
+        message = (report.longreprtext.strip().splitlines() or [""])[-1][:500]
+    _log_result({"test": report.nodeid, "outcome": outcome, "when": report.when,
+                 "seconds": round(report.duration, 2), "message": message})
 
 
 def pytest_collection_modifyitems(config, items):

@@ -80,8 +80,12 @@ def fwd_bwd(fn, tensors, backward=True):
 
 
 def flex_has_backward(device) -> bool:
-    """torch 2.13's FlexAttention has a backward on CUDA only: gpu tests check flex's forward alone on the CPU."""
-    return torch.device(device).type == "cuda"
+    """torch 2.13's FlexAttention has a backward on CUDA only: gpu tests check flex's forward alone on the CPU,
+    unless the CPU stands in for CUDA (EFFICIENT_ATTENTION_SIMULATE_CUDA=1), where it runs compiled with
+    aot_eager."""
+    from attention import simulate_cuda
+
+    return simulate_cuda.gpu_path(device)
 
 
 @pytest.mark.parametrize("rule", RULES, ids=repr)

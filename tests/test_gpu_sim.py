@@ -5,15 +5,19 @@ generation) against the float32 dense reference, and the custom ops' fake kernel
 kernels that run (torch.library.opcheck). The cases come from the registry (example_cases): a mixer added in
 one new file is in every test here."""
 
-import dataclasses
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from attention import simulate_cuda
-from attention.kernels import AttentionPlan, resolve_backend
+from attention.kernels import plans_in, resolve_backend
 from attention.registry import MIXERS, example_cases, pattern_names
 from config import ModelConfig
+from conftest import REPO, load_script, read_metrics
 from model import GPT
 from parallelize import compile_blocks
 
@@ -23,7 +27,10 @@ pytestmark = [pytest.mark.gpu_sim,
 WINDOW = 32  # the cases' windows and blocks
 LENGTH = 256  # two FlexAttention blocks of 128: block masks with empty, partial and full blocks
 CASES = example_cases(WINDOW)
-BF16 = 3e-2  # ||bf16 - float32 reference|| / ||reference|| allowed for logits and gradients of two layers
+# ||bf16 - float32 reference|| / ||reference|| allowed for the logits and all gradients of two layers together
+# (measured: 0.3-0.9%, moba 2.4-3.6%: bf16 rounding moves some of its discrete block choices); float32: the
+# FlexAttention path and the GPU kernels' stand-ins against the dense reference and the built-in forms
+BF16, FLOAT32 = 5e-2, 1e-4
 
 
 def case_config(name: str, gpu_kernels: bool, **overrides) -> ModelConfig:
@@ -52,23 +59,12 @@ def simulated_model(name: str, reference: GPT) -> GPT:
     return model
 
 
-def attention_plans(plan) -> list[AttentionPlan]:
-    """The kernel plans inside a mixer's plan (a tuple of paths, sa's permutation plan, ...)."""
-    if isinstance(plan, AttentionPlan):
-        return [plan]
-    if isinstance(plan, (tuple, list)):
-        return [p for item in plan for p in attention_plans(item)]
-    if dataclasses.is_dataclass(plan):
-        return [p for field in dataclasses.fields(plan) for p in attention_plans(getattr(plan, field.name))]
-    return []
-
-
 def assert_cuda_kernels(model: GPT) -> None:
     """Every layer resolved what it resolves on CUDA: attention plans the kernel it plans there (FlexAttention
     for every rule but plain causal attention's SDPA; the bridges' window tiles), GPU kernels report themselves
     in use."""
     for block, plan in zip(model.blocks, model.plan(2, LENGTH, "cpu")):
-        for path in attention_plans(plan):
+        for path in plans_in(plan):
             on_cuda = resolve_backend("auto", path.rule, torch.device("cuda"), block.mixer.head_dim)
             assert path.kernel == on_cuda or path.kernel == "window" and on_cuda == "flex", (path.kernel, on_cuda)
             assert not path.cpu_flash  # the chunked kernel, where a rule takes it, as on CUDA
@@ -97,7 +93,7 @@ def step(model, tokens, autocast: bool):
 
 def assert_close_to_reference(loss, grads, ref_loss, ref_grads, tolerance):
     """The loss and all gradients together within tolerance (relative); each parameter's gradient within
-    3 x tolerance (a small vector such as a per-head decay carries more relative rounding)."""
+    3 x tolerance (a small vector such as a per-head decay carries more relative rounding: up to 8% in bf16)."""
     assert torch.isfinite(loss) and abs(loss.item() - ref_loss.item()) <= tolerance * ref_loss.item(), \
         (loss.item(), ref_loss.item())
     assert grads.keys() == ref_grads.keys(), sorted(set(grads) ^ set(ref_grads))
@@ -105,6 +101,22 @@ def assert_close_to_reference(loss, grads, ref_loss, ref_grads, tolerance):
     assert relative_error(flat(grads), flat(ref_grads)) <= tolerance
     worst = max(((relative_error(grads[k], ref_grads[k]), k) for k in grads), default=(0.0, ""))
     assert worst[0] <= 3 * tolerance, worst
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_compiled_training_equals_the_dense_reference_in_float32(name):
+    # the CUDA path's kernels in compiled blocks (FlexAttention under the variants' block masks, forward and
+    # backward; the GPU kernels' stand-ins) against the dense reference: equal to float32 rounding
+    tokens = batch()
+    reference = reference_model(name)
+    ref_loss, ref_grads = step(reference, tokens, autocast=False)
+    torch._dynamo.reset()
+    with simulate_cuda.simulating():
+        model = simulated_model(name, reference)
+        assert_cuda_kernels(model)
+        compile_blocks(model, "cpu", torch.float32)
+        loss, grads = step(model, tokens, autocast=False)
+    assert_close_to_reference(loss, grads, ref_loss, ref_grads, FLOAT32)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -149,7 +161,7 @@ def test_training_with_bf16_weights(name):
         loss, grads = step(model, tokens, autocast=False)
     assert loss.dtype == torch.float32  # the loss is reduced in float32 whatever the weights
     assert all(g.dtype == torch.bfloat16 for g in grads.values())
-    assert_close_to_reference(loss, grads, ref_loss, ref_grads, 2 * BF16)
+    assert_close_to_reference(loss, grads, ref_loss, ref_grads, BF16)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -210,3 +222,42 @@ def test_gpu_kernel_stand_ins_compile_forward_and_backward(name, backend):
         compile_blocks(model, "cpu", torch.bfloat16, backend=backend)
         loss, grads = step(model, tokens, autocast=True)
     assert_close_to_reference(loss, grads, ref_loss, ref_grads, BF16)
+
+
+# ---- the GPU tests, the GPU check's settings and its resume, on the simulated CUDA path ------------------------
+
+def test_the_gpu_tests_pass_on_the_simulated_cuda_path():
+    # the tests marked gpu (every backend against dense for every rule kind, sa, swat, the bridges' windows, the
+    # mLSTM's forms), with FlexAttention's backward too: what gpu_check's gpu_tests step runs on a GPU
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests/"],
+                          cwd=REPO, env={**os.environ, simulate_cuda.ENV: "1"}, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and " passed" in proc.stdout and "failed" not in proc.stdout, proc.stdout[-3000:]
+
+
+def test_the_gpu_checks_setting_runs_and_resume_on_the_simulated_cuda_path(tmp_path):
+    # scripts/gpu_check.py with the switch on: its runs compile (aot_eager), demand the GPU kernels (their
+    # stand-ins) and train in bf16; the riskiest case (swa + mLSTM) under every setting a GPU run depends on
+    # (FSDP2 with bf16 MixedPrecisionPolicy in one gloo process, full and selective activation checkpointing
+    # around compiled blocks, float16 with its GradScaler, loss_chunk), then killed after a checkpoint and resumed
+    check = load_script("gpu_check")
+    window = check.REDUCED["train_runs"]["window"]
+    base = next(iter(check.train_runs(window)))
+    settings = [f"{base}_{setting}" for setting in check.SETTING_RUNS]
+    proc = subprocess.run([sys.executable, "scripts/gpu_check.py", "--device=cpu", "--quick", f"--out={tmp_path}",
+                           "--steps=train_runs,resume", f"--runs={','.join([base, *settings])}"], cwd=REPO,
+                          env={**os.environ, simulate_cuda.ENV: "1"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = json.loads((tmp_path / "report.json").read_text())["steps"]
+    assert steps["train_runs"]["reduced"] == "reduced (CPU, --quick, simulated CUDA)"
+    results = steps["train_runs"]["results"]
+    runs = {r["mixer"]: r for r in results["runs"]}
+    assert results["compiled"] and set(runs) == {base, *settings}
+    assert all(r["status"] == "passed" for r in runs.values()), runs  # the GPU kernels in use, the loss falling
+    # every setting trains as the plain run does (bf16 rounding apart): none changes what is computed
+    plain = read_metrics(tmp_path / "runs" / base)
+    for name in settings:
+        losses = read_metrics(tmp_path / "runs" / name)
+        assert losses.keys() == plain.keys() and max(abs(losses[s] - plain[s]) for s in plain) < 1e-2, name
+    resume = steps["resume"]["results"]
+    assert steps["resume"]["status"] == "passed" and resume["bitwise"], steps["resume"]["summary"]

@@ -1,7 +1,7 @@
 """A new attention variant is one file: a module dropped into attention/ (here a copy of the repository's, with no
 other file edited) is trained, sampled with its cache, benchmarked, compile-checked, memory-planned, counted,
-run inside a small Hugging Face model, and its kernels equal the dense reference forward and backward without an
-n x n tensor on the training path: everything through the registry."""
+run inside a small Hugging Face model, run on the CUDA path simulated on the CPU, and its kernels equal the dense
+reference forward and backward without an n x n tensor on the training path: everything through the registry."""
 
 import json
 import shutil
@@ -144,6 +144,10 @@ def test_a_variant_in_one_new_file_reaches_every_tool(repo_with_variant, tmp_pat
     # per query: the window (32, fewer at the start) and the sinks beyond it
     assert stats["layers"][0]["edges_per_head"] == sum(min(q + 1, 32) + max(0, min(4, q + 1 - 32)) for q in range(256))
     assert "checks passed" in run(copy, "-c", "import sys; sys.path[:0] = ['.', 'tests']\n" + CHECKS).stdout
+    # the CUDA path, simulated on the CPU (tests/test_gpu_sim.py): FlexAttention under its block masks, compiled,
+    # forward and backward against dense; bf16 autocast, bf16 weights, bf16 cached generation
+    simulated = run(copy, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu_sim.py", "-k", "sinkwin")
+    assert "4 passed" in simulated.stdout, simulated.stdout[-2000:]
     # inside a small Hugging Face model
     folder, data = (tmp_path / "hf" / "tiny-qwen3", tmp_path / "hf" / "corpus_tok")
     run(copy, "-c", "import sys; sys.path.insert(0, 'scripts'); sys.path.insert(0, '.'); import gpu_check; "
