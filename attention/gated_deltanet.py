@@ -147,18 +147,20 @@ def fla_chunk_stand_in(q, k, v, g, beta, scale=None, initial_state=None, output_
     (chunk_gated_delta_rule_fwd_h: k.new_zeros(N, HV, K, V, dtype=torch.float32)) when output_final_state, else
     None. Gradients reach q, k, v, g, beta and the initial state in their own dtypes, as fla's backward gives
     them (dq.to(q), ...)."""
+    simulate_cuda.ran("flash-linear-attention")
     if scale is None:
         scale = k.shape[-1] ** -0.5
     if chunk_size not in (16, 32, 64):  # fla's own refusal
         raise ValueError(f"`chunk_size` must be 16, 32, or 64 for Gated Delta Rule, got {chunk_size}.")
-    if use_qk_l2norm_in_kernel:
-        q_, k_ = _fla_l2norm(q), _fla_l2norm(k)
-    else:
-        q_, k_ = q.float(), k.float()
-    heads_first = lambda t: t.transpose(1, 2)  # noqa: E731  (B, T, H, ...) -> (B, H, T, ...)
-    state = None if initial_state is None else initial_state.float()
-    y, final = chunked_gated_delta_rule(heads_first(q_ * scale), heads_first(k_), heads_first(v.float()),
-                                        heads_first(g.float()), heads_first(beta.float()), state, chunk_size)
+    with torch.autocast(q.device.type, enabled=False):  # float32 throughout, also when called under autocast
+        if use_qk_l2norm_in_kernel:
+            q_, k_ = _fla_l2norm(q), _fla_l2norm(k)
+        else:
+            q_, k_ = q.float(), k.float()
+        heads_first = lambda t: t.transpose(1, 2)  # noqa: E731  (B, T, H, ...) -> (B, H, T, ...)
+        state = None if initial_state is None else initial_state.float()
+        y, final = chunked_gated_delta_rule(heads_first(q_ * scale), heads_first(k_), heads_first(v.float()),
+                                            heads_first(g.float()), heads_first(beta.float()), state, chunk_size)
     return y.transpose(1, 2).to(q.dtype).contiguous(), (final.float() if output_final_state else None)
 
 
@@ -223,7 +225,7 @@ class GatedDeltaNet(RecurrentMixer):
         self.n_head, self.head_dim = config.n_head, config.head_dim
         self.chunk, self.conv_size, self.kernel = config.gdn_chunk, config.gdn_conv_size, config.gdn_kernel
         self.norm_eps = config.norm_eps
-        if self.kernel == "fla" and fla_chunk_kernel() is None and not simulate_cuda.active():
+        if self.kernel == "fla" and fla_chunk_kernel() is None and not simulate_cuda.stand_ins():
             raise ImportError("gdn_kernel=fla needs the flash-linear-attention package (pip install -r "
                               "requirements-gpu.txt); gdn_kernel=auto or native use the built-in chunked form")
         C = config.n_embd

@@ -278,27 +278,27 @@ def masked_attention(q, k, v, mask, q_pos=None, k_pos=None, score_mod=None, acti
                      dropout_p: float = 0.0, fused: bool = True):
     """Attention of q over k, v under a boolean mask broadcastable to (B, H, Tq, Tk) (or tiles of it).
 
-    fused: plain softmax goes through SDPA; otherwise explicit math in float32 (float64 for float64 inputs),
-    where a query with no allowed key gets a zero output (never NaN).
+    fused: plain softmax goes through SDPA; otherwise explicit math in float32 (float64 for float64 inputs; under
+    autocast its matmuls in the autocast dtype), where a query with no allowed key gets a zero output (never NaN).
     """
     if fused and score_mod is None and activation == "softmax":
         return _fused_softmax(q, k, v, mask, dropout_p)
-    if activation not in ("softmax", "sigmoid"):
-        raise ValueError(f"unknown attention activation {activation!r}: expected softmax or sigmoid")
     k, v = repeat_kv(q, k, v)
     compute = torch.promote_types(q.dtype, torch.float32)  # at least float32, float64 when given
-    with torch.autocast(q.device.type, enabled=False):  # autocast would run the matmuls in bf16 again
-        scores = (q.to(compute) @ k.to(compute).transpose(-1, -2)) / math.sqrt(q.shape[-1])
-        if score_mod is not None:
-            scores = _apply_score_mod(scores, score_mod, q_pos.unsqueeze(-1), k_pos.unsqueeze(-2))
-        if activation == "softmax":
-            # the finite minimum (not -inf) keeps rows without any allowed key at exactly zero instead of NaN
-            probs = torch.softmax(scores.masked_fill(~mask, torch.finfo(scores.dtype).min), dim=-1) * mask
-        else:
-            probs = torch.sigmoid(scores) * mask
-        if dropout_p > 0:
-            probs = F.dropout(probs, dropout_p)
-        return (probs @ v.to(compute)).to(q.dtype)
+    scores = (q.to(compute) @ k.to(compute).transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if score_mod is not None:
+        scores = _apply_score_mod(scores, score_mod, q_pos.unsqueeze(-1), k_pos.unsqueeze(-2))
+    if activation == "softmax":
+        # the finite minimum (not -inf) keeps rows without any allowed key at exactly zero instead of NaN; of the
+        # scores' dtype, which autocast makes its own
+        probs = torch.softmax(scores.masked_fill(~mask, torch.finfo(scores.dtype).min), dim=-1) * mask
+    elif activation == "sigmoid":
+        probs = torch.sigmoid(scores) * mask
+    else:
+        raise ValueError(f"unknown attention activation {activation!r}: expected softmax or sigmoid")
+    if dropout_p > 0:
+        probs = F.dropout(probs, dropout_p)
+    return (probs @ v.to(compute)).to(q.dtype)
 
 
 def _fused_softmax(q, k, v, mask, dropout_p=0.0):

@@ -118,7 +118,9 @@ def chunkwise_mlstm(q, k, v, i, f, state=None, chunk: int = 64, eps: float = EPS
     total = log_f[..., -1]  # (B, H, nc): a chunk's whole decay
     # each chunk's own contribution to the state at its end, stabilised by its largest log weight g
     log_to_end = total[..., None] - log_f + ic  # b_L - b_j + i_j
-    g = log_to_end.amax(-1)
+    # max().values, not amax(): amax's backward divides by the number of ties, which inductor recomputes in
+    # backward and can find 0 of (NaN gate gradients from bf16 gates under autocast); max's goes to one index
+    g = log_to_end.max(-1).values
     to_end = torch.exp(log_to_end - g[..., None])[..., None] * kc  # (B, H, nc, L, dk)
     chunk_C, chunk_n = to_end.transpose(-1, -2) @ vc, to_end.sum(-2)
 
@@ -142,7 +144,7 @@ def chunkwise_mlstm(q, k, v, i, f, state=None, chunk: int = 64, eps: float = EPS
     causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
     log_weights = torch.where(causal, log_f[..., :, None] - log_f[..., None, :] + ic[..., None, :], -torch.inf)
     log_initial = log_f + m_before  # (B, H, nc, L)
-    m_t = torch.maximum(log_weights.amax(-1), log_initial)
+    m_t = torch.maximum(log_weights.max(-1).values, log_initial)  # (max, not amax: see g above)
     weights = torch.exp(log_weights - m_t[..., None]) * (qc @ kc.transpose(-1, -2))
     initial = torch.exp(log_initial - m_t)[..., None]
     numerator = weights @ vc + initial * (qc @ C_before)
@@ -180,8 +182,8 @@ def triton_installed() -> bool:
 
 def triton_available() -> bool:
     """Whether the Triton kernel's ops can run in this process: installed (CUDA), or their CPU stand-ins while
-    simulating CUDA (attention/simulate_cuda.py)."""
-    return triton_installed() or simulate_cuda.active()
+    simulating CUDA on a machine without it (attention/simulate_cuda.py)."""
+    return triton_installed() or simulate_cuda.stand_ins()
 
 
 def triton_runs_on(device) -> bool:
@@ -258,6 +260,7 @@ _triton_fw.register_autograd(_triton_backward, setup_context=_triton_setup_conte
 #             in float32), contiguous, then .to(i.dtype), .to(f.dtype) by _triton_bw
 @_triton_fw.register_kernel("cpu")
 def _cpu_fw(q, k, v, i, f, chunk_size, eps):
+    simulate_cuda.ran("mlstm_kernels")
     h, _, (denominator, m) = chunkwise_mlstm(*(t.float() for t in (q, k, v, i, f)), chunk=chunk_size, eps=eps,
                                              return_stats=True)
     return h.to(q.dtype).contiguous(), denominator.contiguous(), m.contiguous()
@@ -265,6 +268,7 @@ def _cpu_fw(q, k, v, i, f, chunk_size, eps):
 
 @_triton_bw.register_kernel("cpu")
 def _cpu_bw(q, k, v, i, f, n_out, m_out, grad_h, chunk_size, eps):
+    simulate_cuda.ran("mlstm_kernels")
     with simulate_cuda.autograd_in_kernel():  # an op's kernel runs below autograd
         inputs = [t.detach().float().requires_grad_() for t in (q, k, v, i, f)]
         h, _ = chunkwise_mlstm(*inputs, chunk=chunk_size, eps=eps)

@@ -24,12 +24,14 @@ with the same output contract (shapes, dtypes, contiguity):
 What only a GPU shows: speed and memory, the code inductor and Triton generate for CUDA (and their compile
 times), the real kernels' numerics, NCCL, and CUDA's own errors (illegal memory access, launch limits).
 The test suite runs this path for every case of the mixer registry (tests/test_gpu_sim.py, marker gpu_sim).
-On a CUDA device the switch changes nothing.
+Code on a CUDA device takes its own path whatever the switch, and on a machine with CUDA layers are built from
+the installed GPU kernel packages as without it (stand_ins): there the switch changes nothing.
 """
 
 from __future__ import annotations
 
 import os
+from collections import Counter
 from contextlib import contextmanager
 
 import torch
@@ -51,6 +53,23 @@ def gpu_path(device) -> bool:
 def simulated(device) -> bool:
     """Whether `device` is the CPU standing in for CUDA (a stand-in runs where a CUDA kernel would)."""
     return torch.device(device).type == "cpu" and active()
+
+
+def stand_ins() -> bool:
+    """Whether a layer being built may count on the GPU kernels' CPU stand-ins where a kernel's package is missing:
+    while simulating, on a machine without CUDA. On a CUDA machine the installed packages decide, as without
+    the switch, so the switch changes nothing there."""
+    return active() and not torch.cuda.is_available()
+
+
+# calls of each GPU kernel's CPU stand-in in this process, by the kernel's package (Mixer.gpu_kernel[2]): tests
+# check that a simulated run ran the stand-ins, not the built-in forms
+STAND_IN_CALLS: Counter = Counter()
+
+
+def ran(package: str) -> None:
+    """Count one call of a stand-in (called by the stand-ins)."""
+    STAND_IN_CALLS[package] += 1
 
 
 def compile_backend(device) -> str:
@@ -91,7 +110,7 @@ def allow_flex_cpu_backward() -> None:
                            f"attention/simulate_cuda.py was written against torch 2.13.0 (requirements.txt)")
 
     def validate_device(query, key, value):
-        if query.device.type == "cpu":
+        if query.device.type == "cpu" and active():
             return  # the CPU stands in for CUDA: FlexAttention's reference backward runs under AOTAutograd
         return original(query, key, value)
 

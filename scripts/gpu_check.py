@@ -830,7 +830,8 @@ def step_train_runs(ctx: StepContext) -> dict:
     all_runs = {name: train_runs(size["window"])[name] for name in grid_runs(size, ctx.cfg.runs)}
     names = [name for name in all_runs if ctx.gpu_path or name not in cuda_only]
     runs = {name: {"mixer": name, "status": "not applicable", "error": "", "options": " ".join(all_runs[name]),
-                   "note": f"on CPU: {reason}"} for name, reason in cuda_only.items() if name not in names}
+                   "note": f"on CPU: {reason}"} for name, reason in cuda_only.items()
+            if name in all_runs and name not in names}
 
     def train(name: str) -> dict:
         if ctx.remaining() < 5 or _stopping.is_set():
@@ -1047,16 +1048,16 @@ def memory_worker(cfg: CheckConfig, device: str) -> None:
         x = torch.randint(0, m.vocab_size, (1, m.block_size), device=device)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
+        base, free = torch.cuda.memory_allocated(), torch.cuda.mem_get_info()[0]
         try:
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 _, loss = model(x, x)
             loss.backward()
             torch.cuda.synchronize()
         except torch.cuda.OutOfMemoryError:  # the peak passed MEMORY_HEADROOM x the plan: a ratio beyond bounds
-            available = torch.cuda.mem_get_info()[1] - base
+            # the step needed more than was free when it started (and at least the peak it reached)
             result.update(out_of_memory=True, measured_gib=None, ratio=None, weights_and_gradients_gib=base / 2**30,
-                          more_than_gib=max(available, torch.cuda.max_memory_allocated() - base) / 2**30)
+                          more_than_gib=max(free, torch.cuda.max_memory_allocated() - base) / 2**30)
             write_json(result, Path(cfg.out) / "memory.json")
             return
         measured = torch.cuda.max_memory_allocated() - base
@@ -1309,17 +1310,52 @@ def run_compiles(name: str) -> tuple[frozenset, frozenset, frozenset]:
 
 
 @functools.cache
-def collected_gpu_tests() -> tuple[str, ...]:
+def collected_gpu_tests() -> tuple[str, ...] | None:
     """The ids of the tests gpu_tests runs (pytest --collect-only; the Triton and fla kernels' tests only where
-    their packages are installed)."""
-    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                           *GPU_TESTS], cwd=REPO, capture_output=True, text=True, timeout=300)
-    return tuple(line for line in proc.stdout.splitlines() if "::" in line)
+    their packages are installed), or None when they cannot be collected (gpu_tests then fails and says why)."""
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                               *GPU_TESTS], cwd=REPO, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    tests = tuple(line for line in proc.stdout.splitlines() if "::" in line)
+    return tests if proc.returncode == 0 and tests else None
+
+
+# the FlexAttention kernel pairs gpu_tests is budgeted for when its tests cannot be collected (36 tests, 16
+# pairs, when this was written)
+GPU_TESTS_FLEX_UNCOLLECTED = 24
+
+
+def runs_compiles(names: list[str], autotuned: bool) -> dict:
+    """The compilations of training runs one after the other in one step: each distinct graph and kernel once,
+    their repeats as cache hits; each GPU kernel package autotuned once (a cache hit when an earlier step of the
+    same command, gpu_tests, autotuned it)."""
+    runs = [run_compiles(run) for run in names]
+    graphs, kernels = [g for r in runs for g in r[0]], [k for r in runs for k in r[1]]
+    distinct = {"graph": len(set(graphs)), "flex": len({k for k in kernels if k[2] == "flex"}),
+                "flex_fwd": len({k for k in kernels if k[2] == "flex_fwd"})}
+    packages = len(set().union(*(r[2] for r in runs))) if runs else 0
+    cached = len(graphs) + len(kernels) - sum(distinct.values()) + (packages if autotuned else 0)
+    return {**distinct, "cached": cached, "autotune": 0 if autotuned else packages}
+
+
+def train_runs_commands(left: list[str]) -> list[str]:
+    """The runs left out of train_runs' full-size grid, as commands of at most CALL_LIMIT_S each by budget."""
+    commands, part = [], []
+    for run in left:
+        if part and step_estimate("train_runs", runs=",".join(part + [run])).budget_s > CALL_LIMIT_S:
+            commands.append(part)
+            part = []
+        part.append(run)
+    return [f"--steps=train_runs --runs={','.join(p)}" for p in commands + ([part] if part else [])]
 
 
 @functools.cache
-def step_estimate(name: str, gpus: int = 1) -> Estimate:
-    """What step `name` compiles and runs at full size on one H100 (gpus: how many the machine has)."""
+def step_estimate(name: str, gpus: int = 1, runs: str = "", after: frozenset = frozenset()) -> Estimate:
+    """What step `name` compiles and runs at full size on one H100. gpus: how many the machine has; runs: train_runs'
+    --runs; after: the steps run before it by the same command (whose compilations it then finds in the caches
+    on disk: gpu_tests autotunes the GPU kernels' packages, train_runs compiles the riskiest run resume repeats)."""
     from attention.registry import example_cases
 
     packages = len({kernel[2] for kernel in gpu_kernel_mixers().values()})
@@ -1327,23 +1363,20 @@ def step_estimate(name: str, gpus: int = 1) -> Estimate:
     if name == "preflight":
         return _estimate({}, 1, 1, 5)
     if name == "gpu_tests":  # a test with flex in its id compiles a kernel pair; each GPU kernel package autotunes
-        flex = sum("flex" in test for test in collected_gpu_tests())
+        tests = collected_gpu_tests()
+        flex = GPU_TESTS_FLEX_UNCOLLECTED if tests is None else sum("flex" in test for test in tests)
         return _estimate({"flex": flex, "autotune": packages}, 5, 4, 30)
     if name == "train_runs":  # distinct graphs and kernels compile, repeats come from the caches
-        names = grid_runs(FULL["train_runs"])
-        runs = [run_compiles(run) for run in names]
-        graphs, kernels = [g for r in runs for g in r[0]], [k for r in runs for k in r[1]]
-        distinct = {"graph": len(set(graphs)), "flex": len({k for k in kernels if k[2] == "flex"}),
-                    "flex_fwd": len({k for k in kernels if k[2] == "flex_fwd"})}
-        cached = len(graphs) + len(kernels) - sum(distinct.values())
-        left = [run for run in train_runs(window) if run not in names]
-        left_out = f"{len(left)} runs: --steps=train_runs --runs={','.join(left)}" if left else ""
-        # the GPU kernels' packages autotuned in gpu_tests: their binaries are in Triton's cache
-        return _estimate({**distinct, "cached": cached + len(set().union(*(r[2] for r in runs)))}, len(names), 4,
-                         2 * len(names), left_out)
-    if name == "resume":  # three runs of the riskiest case, its graphs and kernels in the caches after train_runs
-        graphs, kernels, packages = run_compiles(next(iter(train_runs(window))))
-        return _estimate({"cached": 3 * (len(graphs) + len(kernels) + len(packages))}, 3, 1, 15)
+        names = grid_runs(FULL["train_runs"], runs)
+        left = [run for run in train_runs(window) if run not in names] if not runs else []
+        left_out = f"{len(left)} runs: " + "; ".join(train_runs_commands(left)) if left else ""
+        return _estimate(runs_compiles(names, "gpu_tests" in after), len(names), 4, 2 * len(names), left_out)
+    if name == "resume":  # three runs of the riskiest case: after train_runs, its graphs and kernels are cached
+        riskiest = next(iter(train_runs(window)))
+        compiles = runs_compiles([riskiest] * (1 if "train_runs" in after else 3), "gpu_tests" in after)
+        if "train_runs" in after:
+            compiles = {"cached": 3 * sum(compiles.values())}
+        return _estimate(compiles, 3, 1, 15)
     if name == "memory":  # eager: the swa layers' flex pair as one compiled call, the mLSTM kernel at new shapes
         return _estimate({"flex": 1, "graph": 1}, 1, 1, 30)
     if name == "pretrained":  # a compiled fine-tuning run (train and evaluation graphs), then python -m eval
@@ -1646,10 +1679,11 @@ def parse(argv) -> CheckConfig:
     return c
 
 
-def step_budget(name: str, reduced: bool, gpus: int = 1) -> float:
+def step_budget(name: str, reduced: bool, gpus: int = 1, runs: str = "", after=()) -> float:
     """A step's time budget in seconds before --budget_scale: reduced, from REDUCED_BUDGET_S; at full size, its
-    estimate from counted compilations plus MARGIN (multi_gpu's with two or more GPUs only)."""
-    return REDUCED_BUDGET_S[name] if reduced else step_estimate(name, gpus).budget_s
+    estimate from counted compilations plus MARGIN (multi_gpu's with two or more GPUs only), given train_runs'
+    --runs and the steps run before it by the same command."""
+    return REDUCED_BUDGET_S[name] if reduced else step_estimate(name, gpus, runs, frozenset(after)).budget_s
 
 
 def step_descriptions() -> dict[str, str]:
@@ -1668,24 +1702,25 @@ def step_descriptions() -> dict[str, str]:
 
 
 def plan_parts(names: list[str], limit: float = CALL_LIMIT_S) -> list[list[str]]:
-    """The steps in order, grouped into commands of at most `limit` seconds of budget each."""
+    """The steps in order, grouped into commands of at most `limit` seconds of budget each (each step's budget
+    counted within its own command: what an earlier command compiled is not assumed cached)."""
     parts, total = [[]], 0.0
     for name in names:
-        budget = step_budget(name, False)
+        budget = step_budget(name, False, after=parts[-1])
         if parts[-1] and total + budget > limit:
             parts.append([])
-            total = 0.0
+            total, budget = 0.0, step_budget(name, False)
         parts[-1].append(name)
         total += budget
     return parts
 
 
-def default_steps(gpus: int = 1) -> list[str]:
+def default_steps(gpus: int = 1, budget_scale: float = 1.0) -> list[str]:
     """The steps a full-size check runs when none are named: in STEPS order (riskiest first), each that still fits
-    TOTAL_LIMIT_S by its budget; the others are left to a second command (--plan prints it)."""
+    TOTAL_LIMIT_S by its budget (times budget_scale); the others are left to a second command (--plan prints it)."""
     chosen, total = [], 0.0
     for name in STEPS:
-        budget = step_budget(name, False, gpus)
+        budget = step_budget(name, False, gpus, after=chosen) * budget_scale
         if total + budget <= TOTAL_LIMIT_S:
             chosen.append(name)
             total += budget
@@ -1696,27 +1731,28 @@ def print_plan(cfg: CheckConfig) -> None:
     """Each step's budget on one H100 from its counted compilations, the total, the steps left to a second command,
     and commands that split the check within CALL_LIMIT_S each."""
     named = cfg.steps or cfg.only
-    names = [s for s in STEPS if s in named.split(",")] if named else default_steps()
+    names = [s for s in STEPS if s in named.split(",")] if named else default_steps(budget_scale=cfg.budget_scale)
     what = step_descriptions()
     print("Budgets on one H100, from each step's compilations at "
           + ", ".join(f"{COMPILE_S[kind]} s per {kind}" for kind in COMPILE_S) + f", {PROCESS_S} s per process "
           f"start, and the work itself; a budget is the estimate x {MARGIN}")
     print("step             budget   compilations (processes)                  what it checks")
-    for name in names:
-        budget = step_budget(name, False) * cfg.budget_scale
-        estimate = step_estimate(name)
+    budgets = {}
+    for i, name in enumerate(names):
+        budget = budgets[name] = step_budget(name, False, runs=cfg.runs, after=names[:i]) * cfg.budget_scale
+        estimate = step_estimate(name, runs=cfg.runs, after=frozenset(names[:i]))
         note = ""
         if name == "multi_gpu":
             note = f" ({step_budget(name, False, 2):.0f} s with two or more GPUs: {step_estimate(name, 2).describe()})"
         print(f"{name:<17}{budget:>4.0f} s   {estimate.describe():<40}  {what[name]}{note}")
         if estimate.left_out:
             print(f"{'':<26}left out to fit {TOTAL_LIMIT_S // 60} minutes: {estimate.left_out}")
-    total = sum(step_budget(name, False) for name in names) * cfg.budget_scale
+    total = sum(budgets.values())
     print(f"total            {total:>8.0f} s = {total / 60:.1f} minutes on one H100 (limit "
           f"{TOTAL_LIMIT_S // 60} minutes; budgets are limits, each step usually ends sooner)")
     rest = [name for name in STEPS if name not in names]
     if not named and rest:
-        later = sum(step_budget(name, False) for name in rest) * cfg.budget_scale
+        later = sum(step_budget(name, False, after=rest[:i]) for i, name in enumerate(rest)) * cfg.budget_scale
         print(f"left to a second command ({later / 60:.1f} minutes: the benchmarks, and checks that the steps "
               f"above or the test suite's simulated CUDA path cover in part):")
         for part in plan_parts(rest, CALL_LIMIT_S / cfg.budget_scale):
@@ -1747,7 +1783,8 @@ def main(argv) -> int:
     chosen = cfg.steps or cfg.only
     gpus = torch.cuda.device_count() if device == "cuda" else 0
     # at full size the steps that fit TOTAL_LIMIT_S (--plan names the rest); reduced, every step
-    names = [s for s in STEPS if s in chosen.split(",")] if chosen else (list(STEPS) if reduced else default_steps(gpus))
+    names = [s for s in STEPS if s in chosen.split(",")] if chosen else \
+        (list(STEPS) if reduced else default_steps(gpus, cfg.budget_scale))
     failing = set(filter(None, cfg.fail_steps.split(",")))
     out = Path(cfg.out).resolve()  # subprocesses run in the repository
     out.mkdir(parents=True, exist_ok=True)
@@ -1778,7 +1815,7 @@ def main(argv) -> int:
     signal.signal(signal.SIGINT, interrupt)
 
     for name in names:
-        budget = step_budget(name, bool(reduced), run["gpus"]) * cfg.budget_scale
+        budget = step_budget(name, bool(reduced), run["gpus"], cfg.runs, names[:names.index(name)]) * cfg.budget_scale
         record = {"status": "running", "seconds": 0.0, "budget_s": budget, "reduced": reduced, "run": run_index,
                   "summary": "running (a report showing this was cut off during the step)", "results": None,
                   "error": "", "started": now()}

@@ -52,11 +52,24 @@ def reference_model(name: str) -> GPT:
     return GPT(case_config(name, gpu_kernels=False, attn_backend="dense"))
 
 
-def simulated_model(name: str, reference: GPT) -> GPT:
-    """The case as a CUDA run builds it (call under simulate_cuda.simulating()), with the reference's weights."""
-    model = GPT(case_config(name, gpu_kernels=True))
+def simulated_model(name: str, reference: GPT, gpu_kernels: bool = True) -> GPT:
+    """The case as a CUDA run builds it (call under simulate_cuda.simulating()), with the reference's weights;
+    gpu_kernels=False: as a GPU without the GPU kernels' packages builds it (their layers' built-in forms)."""
+    model = GPT(case_config(name, gpu_kernels=gpu_kernels))
     model.load_state_dict(reference.state_dict())
     return model
+
+
+def gpu_kernel_packages(model: GPT) -> set:
+    """The packages of the GPU kernels the model's layers train with (Mixer.gpu_kernel)."""
+    return {type(b.mixer).gpu_kernel[2] for b in model.blocks if type(b.mixer).gpu_kernel}
+
+
+def assert_stand_ins_ran(model: GPT, calls_before) -> None:
+    """Each GPU kernel the model's layers name ran, as its CPU stand-in, since calls_before (a copy of
+    simulate_cuda.STAND_IN_CALLS): the layers did not fall back to their built-in forms."""
+    for package in gpu_kernel_packages(model):
+        assert simulate_cuda.STAND_IN_CALLS[package] > calls_before[package], f"{package}'s stand-in did not run"
 
 
 def assert_cuda_kernels(model: GPT) -> None:
@@ -103,19 +116,31 @@ def assert_close_to_reference(loss, grads, ref_loss, ref_grads, tolerance):
     assert worst[0] <= 3 * tolerance, worst
 
 
+def compiled_training(name: str, autocast: bool, gpu_kernels: bool = True, **options):
+    """One training step of the case as a CUDA run compiles it (its blocks compiled, with aot_eager unless options
+    name a backend; gpu_kernels: see simulated_model) and of the float32 reference with the same weights:
+    (model, (loss, grads), (reference's))."""
+    tokens = batch()
+    reference = reference_model(name)
+    expected = step(reference, tokens, autocast=False)
+    torch._dynamo.reset()
+    with simulate_cuda.simulating():
+        model = simulated_model(name, reference, gpu_kernels)
+        if gpu_kernels:
+            assert_cuda_kernels(model)
+        compile_blocks(model, "cpu", torch.bfloat16 if autocast else torch.float32, **options)
+        calls = simulate_cuda.STAND_IN_CALLS.copy()
+        result = model, step(model, tokens, autocast=autocast), expected
+    if gpu_kernels:
+        assert_stand_ins_ran(model, calls)
+    return result
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_compiled_training_equals_the_dense_reference_in_float32(name):
     # the CUDA path's kernels in compiled blocks (FlexAttention under the variants' block masks, forward and
     # backward; the GPU kernels' stand-ins) against the dense reference: equal to float32 rounding
-    tokens = batch()
-    reference = reference_model(name)
-    ref_loss, ref_grads = step(reference, tokens, autocast=False)
-    torch._dynamo.reset()
-    with simulate_cuda.simulating():
-        model = simulated_model(name, reference)
-        assert_cuda_kernels(model)
-        compile_blocks(model, "cpu", torch.float32)
-        loss, grads = step(model, tokens, autocast=False)
+    _, (loss, grads), (ref_loss, ref_grads) = compiled_training(name, autocast=False)
     assert_close_to_reference(loss, grads, ref_loss, ref_grads, FLOAT32)
 
 
@@ -125,25 +150,17 @@ def test_compiled_training_and_evaluation_under_bf16_autocast(name):
     # forward and backward inside the compiled blocks, the GPU kernels' stand-ins; then an evaluation forward
     from torch._dynamo.utils import counters
 
-    tokens = batch()
-    reference = reference_model(name)
-    ref_loss, ref_grads = step(reference, tokens, autocast=False)
+    counters.clear()
+    model, (loss, grads), (ref_loss, ref_grads) = compiled_training(name, autocast=True)
+    assert_close_to_reference(loss, grads, ref_loss, ref_grads, BF16)
+    tokens = batch()[:, :-1]
     with torch.no_grad():
         torch.manual_seed(7)
-        ref_logits = reference(tokens[:, :-1])[0]
-    torch._dynamo.reset()
-    counters.clear()
-    with simulate_cuda.simulating():
-        model = simulated_model(name, reference)
-        assert_cuda_kernels(model)
-        compile_blocks(model, "cpu", torch.bfloat16)
-        loss, grads = step(model, tokens, autocast=True)
-        model.eval()
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_logits = reference_model(name)(tokens)[0]
+        with simulate_cuda.simulating(), torch.autocast("cpu", dtype=torch.bfloat16):
             torch.manual_seed(7)
-            logits = model(tokens[:, :-1])[0]
+            logits = model.eval()(tokens)[0]
     assert counters["stats"]["unique_graphs"] >= 2, dict(counters["stats"])  # compiled: training and evaluation
-    assert_close_to_reference(loss, grads, ref_loss, ref_grads, BF16)
     if not all(b.mixer.length_independent for b in model.blocks):  # sa: evaluation draws fresh permutations
         return
     assert logits.dtype == torch.bfloat16 and relative_error(logits, ref_logits) <= BF16
@@ -152,16 +169,22 @@ def test_compiled_training_and_evaluation_under_bf16_autocast(name):
 @pytest.mark.parametrize("name", list(CASES))
 def test_training_with_bf16_weights(name):
     # FSDP's MixedPrecisionPolicy(param_dtype=bfloat16) computes every layer with bf16 weights and activations
-    # (no autocast): each layer must keep its float32 parts to itself and hand bf16 on
+    # (no autocast): each layer must keep its float32 parts to itself and hand bf16 on, with its GPU kernel and,
+    # as on a GPU without the kernel's package, with its built-in form
     tokens = batch()
     reference = reference_model(name)
     ref_loss, ref_grads = step(reference, tokens, autocast=False)
     with simulate_cuda.simulating():
         model = simulated_model(name, reference).to(torch.bfloat16)
-        loss, grads = step(model, tokens, autocast=False)
-    assert loss.dtype == torch.float32  # the loss is reduced in float32 whatever the weights
-    assert all(g.dtype == torch.bfloat16 for g in grads.values())
-    assert_close_to_reference(loss, grads, ref_loss, ref_grads, BF16)
+        calls = simulate_cuda.STAND_IN_CALLS.copy()
+        runs = [step(model, tokens, autocast=False)]
+        assert_stand_ins_ran(model, calls)
+        if gpu_kernel_packages(model):
+            runs.append(step(simulated_model(name, reference, gpu_kernels=False).to(torch.bfloat16), tokens, False))
+    for loss, grads in runs:
+        assert loss.dtype == torch.float32  # the loss is reduced in float32 whatever the weights
+        assert all(g.dtype == torch.bfloat16 for g in grads.values())
+        assert_close_to_reference(loss, grads, ref_loss, ref_grads, BF16)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -207,20 +230,15 @@ def test_every_custom_op_passes_opcheck_with_its_cpu_stand_in():
             torch.library.opcheck(op, args)
 
 
+@pytest.mark.parametrize("gpu_kernel", [True, False], ids=["gpu_kernel", "built_in"])
 @pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
 @pytest.mark.parametrize("name", GPU_KERNEL_MIXERS)
-def test_gpu_kernel_stand_ins_compile_forward_and_backward(name, backend):
-    # a model of the mixer alone, its GPU kernel forced, compiled by both backends: the compiled graph holds the
-    # kernel's op (or, for a kernel its package keeps out of compiled graphs, breaks around it) and its backward
-    tokens = batch()
-    reference = reference_model(name)
-    ref_loss, ref_grads = step(reference, tokens, autocast=False)
-    torch._dynamo.reset()
-    with simulate_cuda.simulating():
-        model = simulated_model(name, reference)
-        assert_cuda_kernels(model)
-        compile_blocks(model, "cpu", torch.bfloat16, backend=backend)
-        loss, grads = step(model, tokens, autocast=True)
+def test_gpu_kernel_stand_ins_compile_forward_and_backward(name, backend, gpu_kernel):
+    # a model of the mixer alone, compiled by both backends under bf16 autocast: with its GPU kernel forced (the
+    # compiled graph holds the kernel's op, or, for a kernel its package keeps out of compiled graphs, breaks
+    # around it), and with its built-in form, as a GPU without the kernel's package compiles it
+    _, (loss, grads), (ref_loss, ref_grads) = compiled_training(name, autocast=True, gpu_kernels=gpu_kernel,
+                                                                backend=backend)
     assert_close_to_reference(loss, grads, ref_loss, ref_grads, BF16)
 
 
