@@ -286,8 +286,9 @@ def _layer_layout(dtype, requires_grad: bool, B: int = 2, H: int = 2, S: int = 1
     def heads_first(*shape, scale=1.0, shift=0.0, type_=dtype):
         t = torch.randn(B, S, H, *shape, generator=generator) * scale + shift
         return t.to(type_).transpose(1, 2).requires_grad_(requires_grad)
-    return (heads_first(dqk), heads_first(dqk), heads_first(dv), heads_first(scale=2.0, shift=-10.0, type_=torch.float32),
-            heads_first(shift=4.0, type_=torch.float32))
+    gate = torch.float32
+    return (heads_first(dqk), heads_first(dqk), heads_first(dv), heads_first(scale=2.0, shift=-10.0, type_=gate),
+            heads_first(shift=4.0, type_=gate))
 
 
 @simulate_cuda.opcheck_samples("efficient_attention::mlstm_chunkwise_fw")

@@ -24,7 +24,8 @@ Steps, riskiest first (what a first GPU run is most likely to find broken runs w
     memory           one block stack of the 1.4B SWAX recipe at 16K tokens: peak memory measured / planned
     pretrained       init_from=hf: and python -m eval --hf= on a small local model, in bf16
     multi_gpu        2-rank NCCL DDP and FSDP runs against one rank (two or more GPUs; said so and skipped on one)
-    backends         every backend against dense, forward and backward, float32 and bfloat16, every rule family
+    backends         every backend against dense, forward and backward, every rule family, in bfloat16 (and in
+                     float32 at reduced sizes: at full size gpu_tests compares every rule kind in float32)
     bench_attention  scripts/bench_attention.py: full vs sa at paper 000's Table 2 lengths
     bench_train      scripts/bench_train.py: tokens/s and MFU of the 124M recipe, compiled, full depth
     compile_check    scripts/compile_check.py: graph breaks and unexpected recompiles per mixer
@@ -139,9 +140,9 @@ PAPER_000_TABLE_2 = {2048: (5.4, 8.0, 1.5), 4096: (7.9, 27.2, 3.5), 8192: (15.2,
                      16384: (29.6, 379.9, 12.8), 32768: (52.8, 1477.0, 28.0)}
 
 # sizes of every step: full on a GPU, reduced on CPU and with --quick (seconds instead of minutes)
-# Full sizes are trimmed to fit TOTAL_LIMIT_S by their counted compilations, riskiest first: each trimmed part
-# is either run on the CPU standing in for CUDA by the test suite (tests/test_gpu_sim.py) or checked by an
-# earlier step, and the parts left out are printed by --plan with the command that runs them.
+# Full sizes are trimmed to fit TOTAL_LIMIT_S by their counted compilations, riskiest first: what a grid leaves
+# out is covered by an earlier step or by the test suite's simulated CUDA path (tests/test_gpu_sim.py), or is a
+# benchmark length or variant --variants adds; --plan prints the commands for the runs left out.
 FULL = {
     # every (rule, padded length, dtype) compiles its own flex kernels: bfloat16 at a length that is a multiple of
     # the flex block (gpu_tests compares every rule kind's flex kernels with dense in float32 at 300)
@@ -981,8 +982,9 @@ def step_memory(ctx: StepContext) -> dict:
     shape = f"{r['n_layer']} layers x {r['n_embd']}, {r['tokens']:,} tokens"
     if r.get("out_of_memory"):
         low, high = MEMORY_RATIO
+        bound = r["more_than_gib"] / r["estimated_gib"]
         return outcome("failed", f"{shape}: out of memory above {r['more_than_gib']:.1f} GiB, planned "
-                       f"{r['estimated_gib']:.2f} GiB: measured / planned > {r['more_than_gib'] / r['estimated_gib']:.2f}",
+                       f"{r['estimated_gib']:.2f} GiB: measured / planned > {bound:.2f}",
                        r, f"the model was sized so that a peak of {MEMORY_HEADROOM:.2f} x the plan fits: "
                        f"scripts/plan_memory.py's estimate is off by more than its stated accuracy ({low}-{high} x the "
                        "measured peak): its per-layer saved-activation counts need fixing")

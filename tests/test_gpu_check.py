@@ -173,6 +173,23 @@ def test_the_memory_step_sizes_its_model_so_the_ratio_not_an_out_of_memory_decid
     assert check.memory_layers(2, 2, 1.0, needed) == 2  # one period at least: the plan's check then fails loudly
 
 
+def test_an_out_of_memory_error_in_the_memory_step_is_a_ratio_beyond_bounds(tmp_path, monkeypatch):
+    measured = {"config": "c.py", "n_layer": 18, "recipe_n_layer": 24, "n_embd": 2048, "tokens": 16384,
+                "attn_pattern": "swax", "dtype": "bfloat16", "estimated_gib": 44.7, "peak_moment": "backward",
+                "measured_gib": None, "ratio": None, "out_of_memory": True, "more_than_gib": 62.0}
+
+    def out_of_memory(command, log_name, timeout=None, env=None, kill_when=None):
+        (tmp_path / "memory.json").write_text(json.dumps(measured))
+        return check.Completed(command, 0, 30.0, "log", "", None)
+
+    ctx = check.StepContext(cfg=check.CheckConfig(), device="cuda", out=tmp_path, reduced="", sizes=check.FULL,
+                            budget_s=150, started=time.time(), publish=None, explicit=False)
+    monkeypatch.setattr(ctx, "run", out_of_memory)
+    result = check.step_memory(ctx)
+    assert result["status"] == "failed" and "measured / planned > 1.39" in result["summary"]
+    assert "out of memory above 62.0 GiB" in "\n".join(check.render_memory(result["results"]))
+
+
 def test_riskiest_steps_and_runs_come_first():
     assert check.STEPS[:3] == ("preflight", "gpu_tests", "train_runs")
     assert list(check.train_runs(64))[:3] == ["swax", "swax_gdn", "swax_fsdp"]  # the Triton mLSTM, fla, FSDP
