@@ -61,9 +61,7 @@ def main(argv):
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     print(describe_checkpoint(ckpt), file=sys.stderr)  # stderr: stdout holds the samples alone
-    cuda_bf16 = device == "cuda" and torch.cuda.is_bf16_supported()  # or the CPU standing in for CUDA
-    dtype = s.dtype if s.dtype != "auto" else ("bfloat16" if cuda_bf16 or simulate_cuda.simulated(device)
-                                                  else "float32")
+    dtype = s.dtype if s.dtype != "auto" else simulate_cuda.auto_dtype(device)
     model = model.to(getattr(torch, dtype))
     if s.window and model.set_window(s.window) == 0:
         print(f"error: --window={s.window}: the model of {s.out_dir} ({cfg.model.attn_pattern}) has no sliding-window "

@@ -318,9 +318,7 @@ def main(argv):
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
     master = rank == 0
     if t.dtype == "auto":  # the CPU standing in for CUDA (attention/simulate_cuda.py) trains as a bf16 GPU does
-        bf16 = simulate_cuda.simulated(device) or (device.type == "cuda" and torch.cuda.is_bf16_supported())
-        cuda_dtype = "bfloat16" if bf16 else "float16"
-        dtype_name = cuda_dtype if simulate_cuda.gpu_path(device) else "float32"
+        dtype_name = simulate_cuda.auto_dtype(device, older_gpu="float16")
     else:
         dtype_name = t.dtype
     if fsdp and dtype_name == "float16":

@@ -72,6 +72,17 @@ def ran(package: str) -> None:
     STAND_IN_CALLS[package] += 1
 
 
+def auto_dtype(device, older_gpu: str = "float32") -> str:
+    """dtype=auto of train.py, sample.py and python -m eval: bfloat16 on a GPU that has it and on the CPU standing
+    in for CUDA, older_gpu on a GPU without it (train.py: float16, with its gradient scaler), float32 on the CPU."""
+    kind = torch.device(device).type
+    if simulated(device):
+        return "bfloat16"
+    if kind != "cuda":
+        return "float32"
+    return "bfloat16" if torch.cuda.is_bf16_supported() else older_gpu
+
+
 def compile_backend(device) -> str:
     """The torch.compile backend for blocks on `device`: inductor, or aot_eager on the CPU while simulating."""
     return "aot_eager" if simulated(device) else "inductor"

@@ -417,9 +417,7 @@ def main(argv):
               f"replace its config.json and read as that run's; give --out_dir a folder of its own "
               f"(e.g. --out_dir=out/hf_{Path(e.hf).name})", file=sys.stderr)
         sys.exit(2)
-    cuda_bf16 = device == "cuda" and torch.cuda.is_bf16_supported()  # or the CPU standing in for CUDA
-    dtype_name = e.hf_dtype or (e.dtype if e.dtype != "auto" else (
-        "bfloat16" if cuda_bf16 or simulate_cuda.simulated(device) else "float32"))
+    dtype_name = e.hf_dtype or (e.dtype if e.dtype != "auto" else simulate_cuda.auto_dtype(device))
     torch.manual_seed(e.seed)
     try:
         if e.hf:
