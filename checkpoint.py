@@ -195,7 +195,14 @@ def load_model(out_dir, which: str = "best", device="cpu"):
     from model import GPT
 
     path = checkpoint_path(out_dir, which)
-    if which == "best" and not checkpoint_exists(path) and checkpoint_exists(checkpoint_path(out_dir, "last")):
+    other = "last" if which == "best" else "best"
+    if not checkpoint_exists(path):
+        if not checkpoint_exists(checkpoint_path(out_dir, other)):
+            raise CheckpointError(f"no checkpoint in {out_dir} (neither ckpt_best nor ckpt_last): train a model there "
+                                  f"first (python train.py CONFIG --out_dir={out_dir}), or give --out_dir the folder "
+                                  "of a trained run")
+        if which == "last":
+            raise CheckpointError(f"no checkpoint at {path}: {out_dir} has only its best checkpoint; use --ckpt=best")
         # no best yet (a run stopped before its first evaluation saved one): the last is what there is
         path = checkpoint_path(out_dir, "last")
         print(f"note: {out_dir} has no best checkpoint; using {path.name}", file=sys.stderr)

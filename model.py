@@ -145,6 +145,17 @@ class GPT(nn.Module):
         p = self.wte.weight
         return [block.mixer.init_cache(batch_size, max_len, p.device, p.dtype) for block in self.blocks]
 
+    def generation_bytes(self, batch_size: int, length: int, use_cache: bool = True) -> int:
+        """The memory generate() holds at the end of `batch_size` sequences of `length` tokens: the token ids and,
+        with caches, every layer's (built on the meta device: their sizes, nothing allocated)."""
+        total = batch_size * length * 8  # int64 ids
+        if use_cache and all(block.mixer.supports_cache for block in self.blocks):
+            cache_len = min(length, self.config.block_size) if self.wpe is not None else length
+            dtype = self.wte.weight.dtype
+            caches = [block.mixer.init_cache(batch_size, cache_len, "meta", dtype) for block in self.blocks]
+            total += sum(t.numel() * t.element_size() for t in _tensors(caches))
+        return total
+
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 per parameter (forward + backward) plus 3x each mixer's mixing FLOPs."""
         n_matmul = self.num_params(exclude_embeddings=True)  # an untied lm_head is already among them
@@ -183,7 +194,8 @@ class GPT(nn.Module):
                 logits, _ = self(context)
             elif caches is None:
                 remaining = max_new_tokens if limit is None else limit
-                caches = self.init_caches(idx.size(0), min(context.size(1) + remaining, limit or 1 << 62))
+                # caches grow as they fill (attention/cache.py): a long generation allocates as it goes
+                caches = self.init_caches(idx.size(0), min(context.size(1) + min(remaining, 4096), limit or 1 << 62))
                 logits, _ = self(context, caches=caches)
                 cached = context.size(1)
             else:
@@ -192,6 +204,20 @@ class GPT(nn.Module):
             idx_next = sample_next(logits[:, -1, :], temperature, top_k, top_p, generator)
             idx = torch.cat((idx, idx_next), dim=1)
         return idx
+
+
+def _tensors(value):
+    """Every tensor held in value: nested lists, tuples, dicts and objects' attributes (the layers' caches)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+    elif hasattr(value, "__dict__"):
+        yield from _tensors(vars(value))
 
 
 def token_nll(logits, targets):

@@ -5,7 +5,9 @@ an old one (or to replace it unasked), and the checks that it can be written at 
 
 The lock is an advisory file lock (fcntl.flock) on OUT_DIR/.lock, held for the whole run: the operating system
 releases it when the process ends however it ends, so a killed run never leaves a stale lock, and a second
-writer is refused with the holder's PID and command (which the lock file records).
+writer is refused with the holder's PID and command (which the lock file records). A run that ends (finished,
+stopped, or failed) removes the file; only a run killed outright (SIGKILL, a lost machine) leaves it, unlocked,
+and the next run takes it over.
 """
 
 from __future__ import annotations
@@ -73,10 +75,40 @@ def read_metrics(path: Path, warn=None) -> list[dict]:
 @contextmanager
 def held(lock_path: Path):
     """An exclusive lock held for a short read-modify-write of a file that several processes update (two
-    evaluations of one run merging their cells into eval/TASK.json): the second waits for the first."""
-    with open(lock_path, "a") as lock_file:
+    evaluations of one run merging their cells into eval/TASK.json): the second waits for the first. The lock
+    file is removed on the way out, so a folder keeps none once its writers are done."""
+    while True:
+        lock_file = open(lock_path, "a")
         fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX)
-        yield  # closing the file releases the lock
+        if _still_at(lock_file, lock_path):
+            break
+        lock_file.close()  # locked a file its last holder removed: lock the one at the path now
+    try:
+        yield
+    finally:
+        _unlink_and_close(lock_file, lock_path)
+
+
+def _still_at(lock_file, lock_path: Path) -> bool:
+    """Whether the locked file is still the one at lock_path (a holder removes it as it lets go)."""
+    try:
+        return os.path.samestat(os.fstat(lock_file.fileno()), os.stat(lock_path))
+    except FileNotFoundError:
+        return False
+
+
+def _unlink_and_close(lock_file, lock_path: Path) -> None:
+    """Remove the lock file while still holding its lock (a process waiting on it then finds it gone and locks
+    a new one), then let go."""
+    try:
+        if _still_at(lock_file, lock_path):
+            os.unlink(lock_path)
+    except OSError:  # a folder that cannot be written any more: the lock is released all the same
+        pass
+    try:
+        lock_file.close()  # closing the descriptor drops the flock
+    except OSError:  # a full disk refused the holder's record: the descriptor is closed all the same
+        pass
 
 
 def holds_run(path: Path) -> list[str]:
@@ -100,10 +132,7 @@ class RunFolder:
 
     def release(self) -> None:
         if self._lock_file is not None:
-            try:
-                self._lock_file.close()  # closing the descriptor drops the flock
-            except OSError:  # a full disk refused the holder's record: the descriptor is closed all the same
-                pass
+            _unlink_and_close(self._lock_file, self.path / LOCK_NAME)
             self._lock_file = None
 
     def _remove_if_unused(self) -> None:
@@ -152,11 +181,8 @@ def claim(out_dir, fresh: bool, replace: bool = False, command: str | None = Non
                 raise RunFolderError(f"cannot lock {lock_path}: {e.strerror}") from None
             raise RunFolderError(f"{path} is in use by another training run ({_holder(lock_path)}): wait for it "
                                  "to finish, stop it, or give this run another --out_dir") from None
-        try:  # the lock of the folder as it is now, not of one a failed run removed while this one opened it
-            if os.path.samestat(os.fstat(lock_file.fileno()), os.stat(lock_path)):
-                break
-        except FileNotFoundError:
-            pass
+        if _still_at(lock_file, lock_path):  # the lock of the folder as it is now, not of one a finished run
+            break                             # removed (or a failed run's folder) while this one opened it
         lock_file.close()
     else:
         raise RunFolderError(f"cannot lock {lock_path}: the folder keeps being removed and made again")

@@ -8,7 +8,11 @@
 import sys
 from dataclasses import dataclass
 
-import torch
+import machine  # first: OpenMP's wait policy is read once, when torch loads it
+
+machine.passive_openmp()
+
+import torch  # noqa: E402
 
 from attention import simulate_cuda
 from checkpoint import CheckpointError, describe_checkpoint, load_model, run_tokenizer
@@ -38,7 +42,8 @@ def parse(argv) -> SampleConfig:
     apply_args(cfg, argv, dataclass_fields(SampleConfig))
     for key, ok, need in (("temperature", cfg.temperature >= 0, ">= 0"), ("top_p", 0 < cfg.top_p <= 1, "in (0, 1]"),
                           ("top_k", cfg.top_k >= 0, ">= 0"), ("num_samples", cfg.num_samples >= 1, ">= 1"),
-                          ("max_new_tokens", cfg.max_new_tokens >= 0, ">= 0"), ("window", cfg.window >= 0, ">= 0")):
+                          ("max_new_tokens", cfg.max_new_tokens >= 0, ">= 0"), ("window", cfg.window >= 0, ">= 0"),
+                          ("ckpt", cfg.ckpt in ("best", "last"), "best or last")):
         if not ok:
             raise ConfigError(f"{key}={getattr(cfg, key)}: must be {need}")
     if cfg.start.startswith("FILE:"):  # read now: a missing prompt file is a bad option, found before loading
@@ -49,6 +54,34 @@ def parse(argv) -> SampleConfig:
             reason = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
             raise ConfigError(f"--start=FILE:{cfg.start[5:]}: cannot read the prompt file ({reason})") from None
     return cfg
+
+
+def free_memory(device: str) -> int | None:
+    """Bytes free for new tensors on the device (CUDA: the driver's count; CPU: MemAvailable), None if unknown."""
+    if str(device).startswith("cuda"):
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
+def generation_memory_problem(model, s: SampleConfig, prompt_len: int, device: str) -> str:
+    """Why the generation asked for cannot fit in memory ("" when it can): said before anything is allocated,
+    with the most new tokens that do fit."""
+    free = free_memory(device)
+    need = lambda new: model.generation_bytes(s.num_samples, prompt_len + new, s.use_cache)  # noqa: E731
+    if free is None or need(s.max_new_tokens) <= free:
+        return ""
+    low, high = 0, s.max_new_tokens  # the most new tokens that fit: need() grows with the length
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if need(mid) <= free else (low, mid - 1)
+    return (f"--max_new_tokens={s.max_new_tokens:,}: {s.num_samples} samples of {prompt_len + s.max_new_tokens:,} "
+            f"tokens would hold {need(s.max_new_tokens) / 2**30:,.1f} GiB (token ids and the layers' caches), more than "
+            f"the {free / 2**30:.1f} GiB free on {device}; at most about {low:,} new tokens fit: lower --max_new_tokens "
+            "(or --num_samples)")
 
 
 def main(argv):
@@ -78,6 +111,10 @@ def main(argv):
         else:
             print(f"note: prompt and continuation reach {longest} tokens, beyond the training length "
                   f"block_size={block_size}: positions past it were never trained on", file=sys.stderr)
+    problem = generation_memory_problem(model, s, len(ids), device)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
     x = torch.tensor([ids] * s.num_samples, dtype=torch.long, device=device)
     generator = torch.Generator(device=device).manual_seed(s.seed)
     y = model.generate(x, s.max_new_tokens, temperature=s.temperature, top_k=s.top_k or None,

@@ -20,7 +20,11 @@ import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
-import torch
+import machine  # first: OpenMP's wait policy is read once, when torch loads it
+
+machine.passive_openmp()
+
+import torch  # noqa: E402
 import torch.distributed as dist
 
 from attention import simulate_cuda
@@ -30,10 +34,10 @@ from checkpoint import (CheckpointError, atomic_write, checkpoint_tokenizer_iden
 from config import Config, ConfigError, exit_on_config_error, load_config, resolve_device, validate
 from data.loader import WindowSampler
 from data.meta import (DataError, check_vocabulary, load_meta, open_tokens, prepare_generated_if_missing,
-                       tokenizer_mismatch, unigram_entropy)
+                       split_fingerprint, tokenizer_mismatch, unigram_entropy)
 from data.tokenizer import TokenizerUnavailable, get_tokenizer
 from eval.probes import training_probes
-from machine import busy_note
+from machine import openmp_note
 from model import GPT
 from run_folder import RunFolderError
 from run_folder import claim as claim_run_folder
@@ -495,7 +499,8 @@ def main(argv):
         # the resolved config (its data section included), the run, and the prepared data's meta beside it
         unigram = unigram_entropy(open_tokens(data_dir, "val")[:10_000_000], meta["vocab_size"])
         try:
-            write_json({**cfg.to_dict(), "run": info, "data_meta": {**meta, "unigram_entropy": unigram}},
+            write_json({**cfg.to_dict(), "run": info, "data_meta": {**meta, "unigram_entropy": unigram,
+                                                                   "val_sha256": split_fingerprint(data_dir)}},
                        out_dir / "config.json")
         except OSError as e:
             cannot_write("config.json", e)
@@ -515,8 +520,8 @@ def main(argv):
         print(f"unigram baseline (val token entropy): {unigram:.4f} nats")
         if schedule_warning(t):
             print(schedule_warning(t))
-        if device.type == "cpu" and busy_note(torch.get_num_threads()):
-            print(busy_note(torch.get_num_threads()))
+        if device.type == "cpu":
+            print(openmp_note())
         wandb_run = None
         if t.wandb_log:
             import wandb

@@ -8,7 +8,9 @@ import torch
 
 
 class KVCache:
-    """Keys and values of every position seen so far (preallocated to max_len): full causal attention."""
+    """Keys and values of every position seen so far: full causal attention. Allocated for the length asked
+    (max_len), and grown (doubled) when a sequence runs past it, so a generation's length need not be known up
+    front."""
 
     def __init__(self, shape, device, dtype):
         batch_size, n_head, max_len, head_dim = shape
@@ -24,7 +26,12 @@ class KVCache:
         """Store the new keys/values (B, H, T, D) at positions pos; return all keys, values and positions."""
         start, end = self.length, self.length + k.shape[2]
         if end > self.k.shape[2]:
-            raise RuntimeError(f"KV cache holds {self.k.shape[2]} positions; cannot append up to {end}")
+            capacity = max(end, 2 * self.k.shape[2])
+            for name in ("k", "v"):
+                old = getattr(self, name)
+                grown = old.new_zeros(*old.shape[:2], capacity, old.shape[3])
+                grown[:, :, :start] = old[:, :, :start]
+                setattr(self, name, grown)
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
         self.length = end

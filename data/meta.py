@@ -9,6 +9,7 @@ truncated or mismatched bin otherwise trains silently on garbage. Each error
 says what is wrong and how to fix it.
 """
 
+import hashlib
 import json
 import os
 
@@ -162,6 +163,16 @@ def open_tokens(data_dir, split) -> np.memmap:
         raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
     meta = load_meta(data_dir)
     return np.memmap(os.path.join(str(data_dir), f"{split}.bin"), dtype=DTYPES[meta["dtype"]], mode="r")
+
+
+def split_fingerprint(data_dir, split="val", limit: int = 1 << 26) -> str:
+    """A short hash of a split's tokens (its size and first `limit` bytes): which text an evaluation read, so
+    results on other data are never mistaken for a run's own validation numbers, wherever the folder lies."""
+    path = os.path.join(str(data_dir), f"{split}.bin")
+    digest = hashlib.sha256(str(os.path.getsize(path)).encode())
+    with open(path, "rb") as f:
+        digest.update(f.read(limit))
+    return digest.hexdigest()[:16]
 
 
 def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:

@@ -579,7 +579,41 @@ def prepare(dataset, tokenizer="byte", out_dir=None, max_tokens=None, val_fracti
               f"val {meta['val_tokens']:,} tokens " + (f"in {meta['val_documents']:,} documents" if meta['val_documents']
                                                        else "from the end of the document (one document: split by "
                                                             "tokens)"))
+    line, warnings = describe_validation(meta)
+    if not quiet:
+        print(line)
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     return meta
+
+
+def describe_validation(meta: dict) -> tuple[str, list[str]]:
+    """What became the validation split (documents, tokens, share of the tokens, against what was asked), and
+    warnings when it is a single document or far from the asked fraction: every evaluation measures this text."""
+    split = meta["split"] if isinstance(meta.get("split"), dict) else {}
+    tokens, docs = meta["val_tokens"], meta["val_documents"]
+    total_docs = meta["train_documents"] + docs
+    share = tokens / max(1, tokens + meta["train_tokens"])
+    method = split.get("method")
+    asked = split.get("val_fraction")
+    what = {"source": "the source's own validation split", "token_tail": "the last tokens of the single document",
+            "document": f"{docs:,} of {total_docs:,} documents, each drawn with probability --val_fraction={asked}"}
+    line = (f"validation: {tokens:,} tokens ({100 * share:.2g}% of the tokens): "
+            f"{what.get(method, split.get('method', 'as the source gives it'))}")
+    warnings = []
+    if method == "document" and docs == 1:
+        suggest = min(0.5, round(2 / max(1, total_docs), 2))
+        warnings.append(f"validation is a single document ({tokens:,} tokens" + (f"; {split['note']}" if split.get("note")
+                                                                                 else "") +
+                        "): every evaluation will measure that one text. For several documents, raise --val_fraction "
+                        f"(with {total_docs:,} documents, --val_fraction={suggest} expects {suggest * total_docs:.1f}) "
+                        "or prepare more documents")
+    elif method in ("document", "token_tail") and asked and not asked / 3 <= share <= asked * 3:
+        warnings.append(f"validation holds {100 * share:.2g}% of the tokens, far from the asked --val_fraction={asked} "
+                        f"({'of the documents' if method == 'document' else 'of the tokens'}): "
+                        + (split["note"] if split.get("note") else "documents differ in length") +
+                        "; choose --val_fraction (or --seed) for the share you want")
+    return line, warnings
 
 
 def write_tokens(files, rows, tok, dataset, keep_sets, max_tokens, val_fraction, num_proc, seed, quiet):
@@ -695,6 +729,11 @@ def main(argv=None):
     except (DataError, TokenizerUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # the temporary files are removed on the way out; the folder is as it was
+        out_dir = args.out_dir or default_out_dir(args.dataset, args.tokenizer)
+        print(f"interrupted: nothing was written to {display_path(out_dir)} (its earlier data, if any, is intact)",
+              file=sys.stderr)
+        return 130
     return 0
 
 

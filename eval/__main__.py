@@ -33,15 +33,19 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-import torch
+import machine  # first: OpenMP's wait policy is read once, when torch loads it
+
+machine.passive_openmp()
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 from attention import simulate_cuda
 from attention.registry import used_settings
 from checkpoint import (CheckpointError, atomic_write, checkpoint_path, checkpoint_tokenizer_identity,
                         describe_checkpoint, git_hash, load_model, run_tokenizer, write_json)
 from config import Config, ConfigError, apply_args, dataclass_fields, exit_on_config_error, resolve_device
-from data.meta import DataError, load_meta, open_tokens, tokenizer_identity, tokenizer_mismatch
+from data.meta import DataError, load_meta, open_tokens, split_fingerprint, tokenizer_identity, tokenizer_mismatch
 from data.tokenizer import TokenizerUnavailable
 from eval import diagnostics as diagnostics_task
 from eval import niah as niah_task
@@ -150,6 +154,8 @@ def parse(argv) -> tuple[EvalRunConfig, dict]:
         raise ConfigError(f"niah_depths={e.niah_depths!r}: expected fractions such as 0,0.5,1") from None
     if any(not 0 <= d <= 1 for d in depths):
         raise ConfigError(f"niah_depths={e.niah_depths}: every depth must be in [0, 1]")
+    if e.ckpt not in ("best", "last"):
+        raise ConfigError(f"ckpt={e.ckpt!r}: expected best or last")
     if e.window < 0:
         raise ConfigError(f"window={e.window}: must be >= 0 (0: the trained window)")
     for key in ("ppl_lengths", "ppl_windows", "niah_lengths", "recall_lengths", "diag_distances"):
@@ -179,6 +185,8 @@ def run_ppl(e: EvalRunConfig, ctx) -> dict:
     lengths = ints(e.ppl_lengths) or [cfg.model.block_size]
     trained = getattr(cfg.model, e.window_key)
     tokens = open_tokens(ctx["data_dir"], "val")
+    if len(tokens) > e.ppl_max_tokens:
+        print(f"ppl  scores the first {e.ppl_max_tokens:,} of the {len(tokens):,} validation tokens (--ppl_max_tokens)")
     if e.ppl_stream:
         docs = [ppl_task.stream(tokens, e.ppl_max_tokens)]
     else:
@@ -205,9 +213,15 @@ def run_ppl(e: EvalRunConfig, ctx) -> dict:
             per_example += [{"id": f"{cell}/{i}", "cell": cell, "length": length, "window": window, "nll": v,
                              "tokens": n}
                             for i, (v, n) in enumerate(zip(window_nll, window_tokens))]
-            rows.append({**row, "window": window})
+            rows.append({**row, "window": window, "val_tokens": len(tokens)})
             where = f"{e.window_key}={window:<6} " if window is not None else ""
-            print(f"ppl  L={length:<6} {where}{row['ppl']:10.4f}  ({row['tokens']:,} tokens)")
+            error = f" ± {row['nll_stderr']:.4f}" if row["nll_stderr"] is not None else ""
+            print(f"ppl  L={length:<6} {where}{row['ppl']:10.4f}  (nll {row['nll']:.4f}{error}; {row['tokens']:,} tokens "
+                  f"in {row['windows']:,} windows)")
+            if row["few_windows"]:
+                print(f"warning: ppl L={length}{' ' + where.strip() if where else ''}: only {row['windows']} windows "
+                      f"({row['tokens']:,} tokens) were scored, fewer than {ppl_task.MIN_WINDOWS}: a noisy number, "
+                      "flagged in the results; score shorter --ppl_lengths or more validation text", file=sys.stderr)
     return {"rows": rows, "trained_window": trained, "positions": positions, "per_example": per_example}
 
 
@@ -386,6 +400,23 @@ def load_run(e: EvalRunConfig, device: str, dtype):
     return model, cfg, tokenizer, data_dir, with_config, source
 
 
+def data_record(e: EvalRunConfig, cfg: Config, data_dir, meta: dict) -> dict:
+    """Which text an evaluation reads, and whether it is the run's own validation split: the split train.py
+    recorded (its hash, in config.json) where it did, else the folder the run trained on. A --hf model has no
+    split of its own. Results on other data are labelled with its name wherever they are shown."""
+    fingerprint = split_fingerprint(data_dir)
+    own = False
+    if not e.hf:
+        try:
+            recorded = json.loads((Path(e.out_dir) / "config.json").read_text()).get("data_meta", {}).get("val_sha256")
+        except (OSError, ValueError, AttributeError):
+            recorded = None
+        trained_on = cfg.data.data_dir or str(REPO / "data" / cfg.data.dataset)
+        own = fingerprint == recorded if recorded else os.path.realpath(data_dir) == os.path.realpath(trained_on)
+    return {"name": Path(os.path.realpath(data_dir)).name, "own": own, "val_tokens": int(meta["val_tokens"]),
+            "val_sha256": fingerprint}
+
+
 def load_hf(e: EvalRunConfig, settings: dict, device: str, dtype_name: str):
     """The same for a Hugging Face model with a variant in its attention (eval/hf_model.py)."""
     from config import Config
@@ -435,6 +466,11 @@ def main(argv):
     except (CheckpointError, TokenizerUnavailable, DataError, PretrainedError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)
+    data = data_record(e, cfg, data_dir, meta)
+    if not e.hf and not data["own"]:
+        print(f"note: {data_dir} is not this run's own validation split: its results are kept apart "
+              f"from the run's own, labelled data={data['name']} (in summary.md and scripts/compare.py)",
+              file=sys.stderr)
     ctx = {"model": model, "cfg": cfg, "meta": meta, "tokenizer": tokenizer, "data_dir": data_dir,
            "device": device, "with_config": with_config}
     eval_dir = Path(e.out_dir) / "eval"
@@ -444,7 +480,7 @@ def main(argv):
         write_json(cfg.to_dict(), Path(e.out_dir) / "config.json")
     provenance = {"command": " ".join([os.path.basename(sys.executable), "-m", "eval", *argv]),
                   "git_hash": git_hash(), "seed": e.seed, **source, "data_tokenizer": tokenizer_identity(meta),
-                  "eval_config": dataclasses.asdict(e), "device": device, "dtype": dtype_name}
+                  "eval_config": dataclasses.asdict(e), "device": device, "dtype": dtype_name, "data": data}
     failed = []
     for task in e.tasks.split(","):
         started = time.time()

@@ -10,6 +10,10 @@ Alongside the total, each window's mean NLL (the per-example results `scripts/co
 across models scored on the same windows) and the mean NLL at each position of the window (where in the
 window a model gains or loses: paper 004's Fig. 5 measured on held-out text, positions taken relative to the
 block boundaries at multiples of the block length).
+
+Each cell also says how much text it scored: its tokens, its windows and the standard error of its mean NLL
+(windows as the sampling units, the ratio estimator's standard error). A cell of fewer than MIN_WINDOWS windows
+is flagged (`few_windows`): its number is noisy, and the evaluation and scripts/compare.py say so.
 """
 
 from __future__ import annotations
@@ -22,6 +26,21 @@ import torch.nn.functional as F
 
 from eval.ranking import length_batches, length_independent
 from progress import progress_bar
+
+MIN_WINDOWS = 20  # fewer windows in a cell: a noisy number, flagged on screen, in the results and in compare
+
+
+def nll_stderr(window_nll, window_tokens) -> float | None:
+    """Standard error of the mean NLL per token (total NLL / tokens) with windows as the units: the ratio
+    estimator's sqrt(k / (k - 1) * sum_i (S_i - nll * n_i)^2) / sum_i n_i, where S_i is window i's total NLL
+    and n_i its tokens. None for fewer than two windows."""
+    k = len(window_nll)
+    if k < 2:
+        return None
+    n = np.asarray(window_tokens, dtype=np.float64)
+    s = np.asarray(window_nll, dtype=np.float64) * n
+    mean = s.sum() / n.sum()
+    return float(math.sqrt(k / (k - 1) * ((s - mean * n) ** 2).sum()) / n.sum())
 
 
 def documents(tokens: np.ndarray, eot_id: int, max_tokens: int | None = None) -> list[np.ndarray]:
@@ -89,5 +108,7 @@ def perplexity(model, docs: list[np.ndarray], length: int, batch_size: int = 8, 
     total_tokens = int(position_count.sum())
     nll = float(position_nll.sum()) / total_tokens
     by_position = [float(t / c) if c else None for t, c in zip(position_nll, position_count)]
-    return {"length": length, "ppl": math.exp(nll), "nll": nll, "tokens": total_tokens, "windows": len(pairs),
-            "window_nll": window_nll, "window_tokens": [len(y) for _, y in pairs], "nll_by_position": by_position}
+    window_tokens = [len(y) for _, y in pairs]
+    return {"length": length, "ppl": math.exp(nll), "nll": nll, "nll_stderr": nll_stderr(window_nll, window_tokens),
+            "tokens": total_tokens, "windows": len(pairs), "few_windows": len(pairs) < MIN_WINDOWS,
+            "window_nll": window_nll, "window_tokens": window_tokens, "nll_by_position": by_position}

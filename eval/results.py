@@ -59,14 +59,33 @@ def evaluated_model(provenance: dict) -> dict:
             "config_hash": None if hf else provenance.get("config_hash")}
 
 
+def own_data(setting: dict) -> bool:
+    """Whether a setting's cells were computed on the run's own validation split (settings recorded before the
+    data was: assumed so, as they were shown)."""
+    data = setting.get("data")
+    return not isinstance(data, dict) or bool(data.get("own"))
+
+
+def reads_validation_text(task: str, options: dict) -> bool:
+    """Whether a task's examples are cut from the data's validation text (perplexity windows, the essay haystack,
+    the diagnostics' filler) rather than generated from the seed alone (recall, a niah haystack of its own)."""
+    return task in ("ppl", "diagnostics") or task == "niah" and options.get("niah_haystack", "val") == "val"
+
+
+def data_label(setting: dict) -> str:
+    """"" for the run's own validation split, else "data=NAME": how results on other data are labelled."""
+    return "" if own_data(setting) else f"data={(setting.get('data') or {}).get('name', '?')}"
+
+
 def standing_setting(report: dict, among=None):
-    """The evaluation setting whose cells stand for a task's result: the most recently evaluated one over all
-    examples (no --limit), else the most recent; among: only those settings. None for a result from before
-    settings were recorded (its items carry none)."""
+    """The evaluation setting whose cells stand for a task's result: the most recently evaluated one on the run's
+    own validation split over all examples (no --limit), else on its own split, else the most recent (a --hf
+    model has no split of its own); among: only those settings. None for a result from before settings were
+    recorded (its items carry none)."""
     settings = report.get("settings") or {}
     found = [sid for sid in settings if among is None or sid in among]
-    full = [sid for sid in found if not settings[sid].get("limit")]
-    return max(full or found, key=lambda sid: _evaluated_at(settings[sid]), default=None)
+    rank = lambda sid: (own_data(settings[sid]), not settings[sid].get("limit"), _evaluated_at(settings[sid]))  # noqa: E731
+    return max(found, key=rank, default=None)
 
 
 def _evaluated_at(setting: dict) -> float:
@@ -156,7 +175,8 @@ def merged_report(path: Path, task: str, result: dict, e, data_dir, provenance: 
     computed = {k: v for k, v in result.items() if v not in (None, [], {})}
     own_results = {**earlier, **{k: v for k, v in result.items() if k not in earlier}, **computed}
     settings = {**old_settings, sid: {**setting, "provenance": provenance, "evaluated_at": time.time(),
-                                      "results": own_results}}
+                                      "results": own_results,
+                                      **({"data": provenance["data"]} if provenance.get("data") else {})}}
     report = {"task": task, "model": model, "results": {**own_results, "rows": merged["rows"]},
               "provenance": provenance, "settings": settings}
     if merged["positions"]:
@@ -168,7 +188,7 @@ def merged_report(path: Path, task: str, result: dict, e, data_dir, provenance: 
 
 def setting_options(setting: dict) -> dict:
     """A setting's options, without the record of its evaluation (provenance, time, results)."""
-    return {k: v for k, v in setting.items() if k not in ("provenance", "evaluated_at", "results")}
+    return {k: v for k, v in setting.items() if k not in ("provenance", "evaluated_at", "results", "data")}
 
 
 def setting_items(report: dict, key: str, sid) -> list[dict]:
@@ -191,7 +211,11 @@ def describe_settings(settings: dict) -> dict:
     differing = [k for k in keys if len({json.dumps(o.get(k), default=str) for o in options.values()}) > 1]
     labels = {}
     for sid, o in options.items():
-        parts = [f"{k}={o.get(k)}" for k in differing]
+        parts = [f"{k}={o.get(k)}" for k in differing if k != "data_dir"]
+        if "data_dir" in differing:  # the data by name, and whether it is the run's own validation split
+            parts.insert(0, data_label(settings[sid]) or "own data")
+        elif data_label(settings[sid]):
+            parts.insert(0, data_label(settings[sid]))
         if o.get("limit") and "limit" not in differing:
             parts.insert(0, f"limit={o['limit']}")
         labels[sid] = ", ".join(parts) or ("all examples" if not o.get("limit") else f"limit={o['limit']}")

@@ -169,7 +169,7 @@ def main(argv):
     b = exit_on_config_error(parse, argv)
     device = torch.device(b.device if b.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     if b.case:
-        name, n = b.case.split(":")
+        name, _, n = b.case.rpartition(":")  # the case may carry settings: CASE:KEY=VALUE:n
         print(json.dumps(run_case(name, int(n), b, device)))
         return
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"

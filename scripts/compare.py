@@ -35,7 +35,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from run_folder import read_metrics  # noqa: E402
-from eval.results import describe_settings, setting_items, setting_options, standing_setting  # noqa: E402
+from eval.results import (data_label, describe_settings, own_data, reads_validation_text,  # noqa: E402
+                          setting_items, setting_options, standing_setting)
 from eval.stats import mean_std, paired_comparison  # noqa: E402
 
 # metrics.jsonl keys with a column of their own (or none); any other numeric key becomes a column (last value)
@@ -339,11 +340,32 @@ def eval_summaries(evals: dict) -> dict:
     return out
 
 
+def eval_flags(evals: dict) -> dict:
+    """{column: why its value is flagged}: perplexity cells scored on fewer than eval/ppl.py's MIN_WINDOWS windows."""
+    out = {}
+    for task, result in evals.items():
+        if task != "ppl":
+            continue
+        for suffix, rows in rows_by_setting(result):
+            for r in rows:
+                if r.get("few_windows") and _is_number(r.get("ppl")) and _is_number(r.get("length")):
+                    out[ppl_column(r, result.get("trained_window")) + suffix] = \
+                        f"{r.get('windows')} windows, {r.get('tokens') or 0:,} tokens"
+    return out
+
+
+def ppl_column(row: dict, trained_window) -> str:
+    w = row.get("window")
+    w = None if w == trained_window else w  # the trained window is the model as trained: plain column
+    return f"ppl@L={row['length']}" + (f",w={w}" if w is not None else "")
+
+
 def rows_by_setting(result: dict) -> list[tuple[str, list[dict]]]:
     """A task's rows grouped by evaluation setting (eval/results.py), each with its column suffix: the setting that
-    stands for the result (the one plots use) has the plain column, " (limit N)" when it was computed on --limit=N
-    examples (never shown as if it were a full evaluation); another setting of the run that would share its
-    column is told apart by its id."""
+    stands for the result (the one plots use) has the plain column when it was computed on the run's own
+    validation split over all examples; other data is named (" (data NAME)") and a --limit=N evaluation said
+    (" (limit N)"), never shown as if it were the run's full evaluation; another setting of the run that would
+    share its column is told apart by its id."""
     rows = result.get("rows") or []
     settings = result.get("settings") or {}
     legacy_limit = ((result.get("provenance") or {}).get("eval_config") or {}).get("limit", 0)
@@ -351,7 +373,12 @@ def rows_by_setting(result: dict) -> list[tuple[str, list[dict]]]:
     for row in rows:
         groups.setdefault(row.get("setting"), []).append(row)
     limit_of = lambda sid: (settings.get(sid) or {}).get("limit", legacy_limit if not settings else 0)  # noqa: E731
-    suffixes = {sid: f" (limit {limit_of(sid)})" if limit_of(sid) else "" for sid in groups}
+
+    def suffix(sid) -> str:
+        parts = [data_label(settings.get(sid) or {}).replace("=", " "), f"limit {limit_of(sid)}" if limit_of(sid) else ""]
+        return f" ({', '.join(p for p in parts if p)})" if any(parts) else ""
+
+    suffixes = {sid: suffix(sid) for sid in groups}
     standing = standing_setting(result, among=set(groups))
     out = []
     for sid, group in groups.items():
@@ -368,10 +395,8 @@ def task_summaries(task: str, result: dict, rows: list[dict]) -> dict:
         trained = result.get("trained_window")
         for r in rows:
             if _is_number(r.get("ppl")) and _is_number(r.get("length")):
-                w = r.get("window")
-                w = None if w == trained else w  # the trained window is the model as trained: plain column
-                name = f"ppl@L={r['length']}" + (f",w={w}" if w is not None else "")
-                out[name] = ((task, "ppl", -1 if w is None else w, r["length"]), float(r["ppl"]))
+                w = None if r.get("window") == trained else r.get("window")
+                out[ppl_column(r, trained)] = ((task, "ppl", -1 if w is None else w, r["length"]), float(r["ppl"]))
         return out
     metrics = ["score", "acc_rank"] if task == "niah" else sorted({m for r in rows for m in _row_fields(r)[1]})
     label = {"score": "niah", "acc_rank": "niah_rank"} if task == "niah" else {}
@@ -470,7 +495,8 @@ def build_tables(records: list[dict], columns: list[str] | None = None) -> dict:
         for name, (sort_key, value) in summaries.items():
             extra_cols.setdefault(name, sort_key)
             cells[name] = value
-        rows.append({"run": record["name"], "flat": flat, "cells": cells, "incomplete": record.get("incomplete", "")})
+        rows.append({"run": record["name"], "flat": flat, "cells": cells, "incomplete": record.get("incomplete", ""),
+                     "flags": eval_flags(record["evals"])})
     task_order = {"ppl": 0, "niah": 1, "~": 3}  # ppl, niah, other tasks, then metrics.jsonl/summary values
     eval_cols = sorted(extra_cols, key=lambda c: (task_order.get(extra_cols[c][0], 2), extra_cols[c], c))
     if columns:
@@ -483,6 +509,7 @@ def build_tables(records: list[dict], columns: list[str] | None = None) -> dict:
         label = _group_label(row["flat"], group_keys)
         g = groups.setdefault(label, {"label": label, "runs": [], "seeds": [], "flat": row["flat"], "members": []})
         g["runs"].append(row["run"])
+        g.setdefault("flags", set()).update(row["flags"])
         g["seeds"].append(row["flat"].get(SEED_KEY))
         g["members"].append(row)
     for g in groups.values():
@@ -531,13 +558,29 @@ def markdown_table(headers: list[str], rows: list[list[str]], right: set[int] = 
     return "\n".join(lines)
 
 
+FEW = " †"  # a cell scored on too little text (eval/ppl.py MIN_WINDOWS)
+
+
+def _flagged(text: str, flagged: bool) -> str:
+    return text + FEW if text and flagged else text
+
+
 def render_runs(tables: dict) -> str:
+    from eval.ppl import MIN_WINDOWS
+
     headers = ["run", *tables["diff_keys"], *tables["columns"]]
     first_num = 1 + len(tables["diff_keys"])
     body = [[row["run"] + (f" (incomplete: {row['incomplete']})" if row.get("incomplete") else ""),
              *(_fmt_config(row["flat"].get(k, MISSING)) for k in tables["diff_keys"]),
-             *(fmt_value(c, row["cells"].get(c)) for c in tables["columns"])] for row in tables["rows"]]
-    return markdown_table(headers, body, right=set(range(first_num, len(headers))))
+             *(_flagged(fmt_value(c, row["cells"].get(c)), c in row.get("flags", {})) for c in tables["columns"])]
+            for row in tables["rows"]]
+    notes = [f"{row['run']} {c}: {row['flags'][c]}" for row in tables["rows"] for c in tables["columns"]
+             if c in row.get("flags", {})]
+    table = markdown_table(headers, body, right=set(range(first_num, len(headers))))
+    if notes:
+        table += (f"\n\n† scored on fewer than {MIN_WINDOWS} windows (eval/ppl.py MIN_WINDOWS), a noisy "
+                  "number: " + "; ".join(notes))
+    return table
 
 
 def render_groups(tables: dict) -> str:
@@ -559,7 +602,7 @@ def render_groups(tables: dict) -> str:
                 text += f" ± {fmt_value(col, std)}"
             if count != n:
                 text += f" (n={count})"
-            cells.append(text)
+            cells.append(_flagged(text, col in g.get("flags", ())))
         keys = [_fmt_config(g["flat"].get(k, MISSING)) for k in tables["group_keys"]] or [g["label"]]
         if len(set(seeds)) < len(seeds):  # the same seed twice: repeated runs, not seed replicates
             distinct = sorted(set(seeds), key=str)
@@ -647,16 +690,16 @@ def seed_group_records(records: list[dict], tables: dict) -> list[dict]:
         val, val_std = _mean_curve([m["val"] for m in members])
         cells: dict = {}
         for m in members:
-            for row in standing_rows(m["evals"].get("ppl", {})):
-                if _is_number(row.get("length")) and _is_number(row.get("ppl")):
-                    cells.setdefault((row["length"], row.get("window")), []).append(row["ppl"])
+            for row in ppl_series(m["evals"].get("ppl", {}))[0]:
+                cells.setdefault((row["length"], row.get("window")), []).append(row["ppl"])
         ppl_rows = [{"length": length, "window": window, "ppl": mean, "ppl_std": std}
                     for (length, window), values in cells.items() if len(values) == len(members)
                     for mean, std in [mean_std(values)]]
-        niah_rows = [row for m in members for row in m["evals"].get("niah", {}).get("rows", [])]  # equal weights
+        niah_rows = [row for m in members for row in standing_rows(m["evals"].get("niah", {}))]  # equal weights
         out.append({**members[0], "name": f"{_group_name(g)} ({len(members)} seeds)", "train": train,
                     "val": val, "train_std": train_std, "val_std": val_std,
-                    "evals": {"ppl": {"rows": ppl_rows}, "niah": {"rows": niah_rows}}})
+                    "evals": {"ppl": {"rows": ppl_rows, "series_label": ppl_series(members[0]["evals"].get("ppl", {}))[1]},
+                              "niah": {"rows": niah_rows}}})
     return out
 
 
@@ -705,26 +748,29 @@ def plot_all(records: list[dict], out_dir: Path) -> list[Path]:
     else:
         plt.close(fig)
 
-    ppl = [(r, c, [row for row in standing_rows(r["evals"].get("ppl", {}))
-                   if _is_number(row.get("length")) and _is_number(row.get("ppl"))]) for r, c in zip(records, colors)]
-    if any(rows for _, _, rows in ppl):
+    ppl = [(r, c, ppl_series(r["evals"].get("ppl", {}))) for r, c in zip(records, colors)]
+    if any(rows for _, _, (rows, _) in ppl):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         styles, markers = ["-", "--", ":", "-."], ["o", "s", "^", "D"]
-        windows = sorted({row.get("window") for _, _, rows in ppl for row in rows},
+        windows = sorted({row.get("window") for _, _, (rows, _) in ppl for row in rows},
                          key=lambda w: (w is not None, w or 0))
-        for record, color, rows in ppl:
-            for i, window in enumerate(windows):
-                points = sorted((row["length"], row["ppl"], row.get("ppl_std")) for row in rows
-                                if row.get("window") == window)
-                if points:
-                    label = record["name"] + (f" (window {window})" if window is not None else "")
-                    lengths, values, stds = zip(*points)
-                    ax.plot(lengths, values, color=color, linestyle=styles[i % 4], marker=markers[i % 4], label=label)
-                    if stds[0] is not None:  # a seed group: mean +- std over its seeds
-                        ax.fill_between(lengths, [v - sd for v, sd in zip(values, stds)],
-                                        [v + sd for v, sd in zip(values, stds)], color=color, alpha=0.2, linewidth=0)
-        _log2_lengths(ax, [row["length"] for _, _, rows in ppl for row in rows])
-        trained = sorted({r["config"].get("model", {}).get("block_size") for r, _, rows in ppl if rows} - {None})
+        series = [(record, color, i, window, label, rows) for record, color, (rows, label) in ppl
+                  for i, window in enumerate(windows) if any(row.get("window") == window for row in rows)]
+        # each series a little apart along the (log) length axis: markers at one length never hide each other
+        step = min(0.05, 0.6 / max(1, len(series) - 1))
+        for k, (record, color, i, window, label, rows) in enumerate(series):
+            points = sorted((row["length"], row["ppl"], row.get("ppl_std")) for row in rows if row.get("window") == window)
+            name = record["name"] + (f" (window {window})" if window is not None else label.get(None, "")) \
+                + label.get("data", "")
+            lengths, values, stds = zip(*points)
+            dodge = 2 ** (step * (k - (len(series) - 1) / 2))
+            ax.plot([n * dodge for n in lengths], values, color=color, linestyle=styles[i % 4],
+                    marker=markers[i % 4], label=name)
+            if stds[0] is not None:  # a seed group: mean +- std over its seeds
+                ax.fill_between([n * dodge for n in lengths], [v - sd for v, sd in zip(values, stds)],
+                                [v + sd for v, sd in zip(values, stds)], color=color, alpha=0.2, linewidth=0)
+        _log2_lengths(ax, [row["length"] for _, _, (rows, _) in ppl for row in rows])
+        trained = sorted({r["config"].get("model", {}).get("block_size") for r, _, (rows, _) in ppl if rows} - {None})
         for i, length in enumerate(trained):  # where extrapolation begins
             ax.axvline(length, color="0.5", linestyle=":", linewidth=1,
                        label="training length" + (f"s ({', '.join(map(str, trained))})" if len(trained) > 1 else
@@ -734,7 +780,7 @@ def plot_all(records: list[dict], out_dir: Path) -> list[Path]:
         ax.set_ylabel("perplexity")
         written.append(_save(fig, [ax], out_dir / "ppl_vs_length.png"))
 
-    niah = [(r, c, r["evals"].get("niah", {}).get("rows", [])) for r, c in zip(records, colors)]
+    niah = [(r, c, standing_rows(r["evals"].get("niah", {}))) for r, c in zip(records, colors)]
     if any(rows for _, _, rows in niah):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         all_lengths = []
@@ -745,7 +791,8 @@ def plot_all(records: list[dict], out_dir: Path) -> list[Path]:
             points = [(n, v) for n, v in points if v is not None]
             if points:
                 all_lengths += [n for n, _ in points]
-                ax.plot(*zip(*points), color=color, marker="o", label=record["name"])
+                ax.plot(*zip(*points), color=color, marker="o",
+                        label=record["name"] + standing_data(record["evals"].get("niah", {})))
         _log2_lengths(ax, all_lengths)
         ax.set_ylim(-0.02, 1.02)
         ax.set_title("Needle retrieval vs context length (rank accuracy, mean over depth and kind)")
@@ -760,6 +807,32 @@ def plot_all(records: list[dict], out_dir: Path) -> list[Path]:
 
 def _sort_key(value):
     return (0, value, "") if _is_number(value) else (1, 0, str(value))
+
+
+def ppl_series(result: dict) -> tuple[list[dict], dict]:
+    """A run's perplexity rows as plotted, and the labels of its series: the trained window's rows are the
+    model as trained (one series, said once: "(as trained, window W)"), and results on other data than the run's
+    own validation split are named ("data": " (data NAME)")."""
+    rows = [row for row in standing_rows(result) if _is_number(row.get("length")) and _is_number(row.get("ppl"))]
+    if "series_label" in result:  # a seed group's mean rows, already as plotted
+        return rows, result["series_label"]
+    trained = result.get("trained_window")
+    plain = {row["length"] for row in rows if row.get("window") is None}
+    rows = [{**row, "window": None} if trained is not None and row.get("window") == trained else row for row in rows
+            if not (trained is not None and row.get("window") == trained and row["length"] in plain)]
+    label = {}
+    if trained is not None and any(row.get("window") is not None for row in rows):
+        label[None] = f" (as trained, window {trained})"
+    if standing_data(result):
+        label["data"] = standing_data(result)
+    return rows, label
+
+
+def standing_data(result: dict) -> str:
+    """" (data NAME)" when a task's standing setting was computed on other data than the run's own validation
+    split, else ""."""
+    data = data_label((result.get("settings") or {}).get(standing_setting(result)) or {})
+    return f" ({data.replace('=', ' ')})" if data else ""
 
 
 def standing_rows(result: dict) -> list[dict]:
@@ -785,8 +858,10 @@ def paired(run_a: dict, run_b: dict, task: str, key: str = "correct", by: str | 
     # then still be the same on both sides
     shared = set(results[0].get("settings") or {}) & set(results[1].get("settings") or {})
     chosen = [standing_setting(r) for r in results]
-    if shared:  # one setting on both sides: the one both were most recently evaluated under, full ones first
-        both = lambda sid: (not results[0]["settings"][sid].get("limit"),  # noqa: E731
+    if shared:  # one setting on both sides: the one both were most recently evaluated under, on their own
+        #         validation split and full ones first
+        both = lambda sid: (all(own_data(r["settings"][sid]) for r in results),  # noqa: E731
+                            not results[0]["settings"][sid].get("limit"),
                             min(r["settings"][sid].get("evaluated_at") or 0 for r in results))
         chosen = [max(sorted(shared), key=both)] * 2
         if len(shared) > 1:
@@ -795,6 +870,13 @@ def paired(run_a: dict, run_b: dict, task: str, key: str = "correct", by: str | 
                  f"under {labels[chosen[0]]} ({chosen[0]}), the one both were most recently evaluated under")
     elif all(r.get("settings") for r in results):
         a, b = (setting_options(r["settings"][sid]) for r, sid in zip(results, chosen))
+        data = [r["settings"][sid].get("data") or {} for r, sid in zip(results, chosen)]
+        if reads_validation_text(task, a) and all(d.get("val_sha256") for d in data) \
+                and data[0]["val_sha256"] != data[1]["val_sha256"]:  # windows of different text never pair
+            raise CompareError(f"{run_a['name']} and {run_b['name']} were evaluated on {task} on different text "
+                               f"({data[0].get('name')}, {data[0].get('val_tokens'):,} validation tokens; "
+                               f"{data[1].get('name')}, {data[1].get('val_tokens'):,}): their examples share ids but "
+                               "not text, so pairing them would be meaningless; evaluate both with the same --data_dir")
         differ = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
         warn(f"{run_a['name']} and {run_b['name']} were evaluated on {task} under different settings "
              f"({', '.join(differ)} differ): pairing their examples by id")

@@ -463,3 +463,13 @@ def test_a_union_with_far_keys_takes_its_local_rules_chunk():
     # the far keys cost one key chunk per query chunk whatever its size; the window sets the chunk below 64
     assert AnyOf((SlidingWindow(32), GlobalKeys(4))).chunk_size() == SlidingWindow(32).chunk_size() == 16
     assert AnyOf((SlidingWindow(256), GlobalKeys(4))).chunk_size() == 64
+
+
+def test_bench_attention_runs_cases_with_settings_on_the_cpu(tmp_path):
+    """The documented CASE:KEY=VALUE form, for a built-in case: measured in its own process like any other."""
+    proc = subprocess.run([sys.executable, "scripts/bench_attention.py", "--variants=swa:swa_window=32,block",
+                           "--lengths=128", "--repeats=1", f"--json={tmp_path / 'bench.json'}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    results = json.loads((tmp_path / "bench.json").read_text())["results"]
+    assert [r["variant"] for r in results] == ["swa:swa_window=32", "block"] and all(r["ms"] > 0 for r in results)

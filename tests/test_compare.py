@@ -439,3 +439,27 @@ def test_plots_draw_a_seed_group_as_its_mean_over_seeds(runs, tmp_path):
     assert plotted["swa_s1"] is records[2]
     written = compare.plot_all(list(plotted.values()), tmp_path)
     assert {p.name for p in written} == {"loss_curves.png", "ppl_vs_length.png", "retrieval_vs_distance.png"}
+
+
+def test_ppl_plot_keeps_every_marker_visible_at_one_length(runs, tmp_path, monkeypatch):
+    """Windows evaluated at one length are drawn apart, not on top of each other, and the trained window is
+    the model as trained: one series, labelled as both, never a legend entry hidden behind another point."""
+    compare = load_compare()
+    swa = runs[2]
+    rows = [{"length": 256, "window": w, "ppl": p, "nll": 1.0, "tokens": 1000, "windows": 40}
+            for w, p in ((None, 3.0), (8, 3.4), (16, 3.0), (32, 3.1))]
+    (swa / "eval" / "ppl.json").write_text(json.dumps(
+        {"task": "ppl", "results": {"rows": rows, "trained_window": 16}, "provenance": {"step": 100}}))
+    drawn = {}
+
+    def keep(fig, axes, path):
+        drawn[path.name] = [(line.get_label(), list(line.get_xdata())) for line in axes[0].get_lines()
+                            if not line.get_label().startswith("training length")]
+        return path
+
+    monkeypatch.setattr(compare, "_save", keep)
+    compare.plot_all([compare.load_local_run(swa)], tmp_path)
+    series = drawn["ppl_vs_length.png"]
+    assert [label for label, _ in series] == ["swa_s1 (as trained, window 16)", "swa_s1 (window 8)", "swa_s1 (window 32)"]
+    xs = [x[0] for _, x in series]
+    assert len(set(xs)) == 3 and all(200 < x < 330 for x in xs)  # apart, and all near L = 256

@@ -170,3 +170,15 @@ def heading_anchors(markdown: str) -> set:
     for heading in re.findall(r"^#+ (.+)$", markdown, re.M):
         anchors.add(re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-"))
     return anchors
+
+
+def test_the_readme_names_the_libraries_its_install_command_installs():
+    """The quick start's first command installs requirements.txt: the README names each library it pulls in."""
+    import re
+
+    readme = (REPO / "README.md").read_text()
+    install = readme.split("The first command installs", 1)[1].split("The second", 1)[0]
+    for line in (REPO / "requirements.txt").read_text().splitlines():
+        name = re.split(r"[<>=\s#]", line.strip(), maxsplit=1)[0]
+        if name and name not in ("torch", "pytest-xdist"):
+            assert name in install, f"README's install paragraph does not name {name}"

@@ -5,8 +5,10 @@ import math
 import os
 import pickle
 import re
+import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -640,3 +642,42 @@ def prepare_command_of(data_dir):
     from data.meta import prepare_command
 
     return prepare_command(data_dir, load_meta(data_dir))
+
+
+def test_prepare_says_what_became_validation_and_warns_when_chance_made_it_one_document(tmp_path, capsys):
+    """Six books at the default val_fraction: no document is drawn, so the last becomes the whole validation set;
+    prepare says so (documents, tokens, share) and warns, with the option that fixes it."""
+    books = tmp_path / "books"
+    books.mkdir()
+    for i in range(6):
+        (books / f"book{i}.txt").write_text(f"Book {i}. " + "It was a dark and stormy night. " * (200 + 50 * i))
+    meta = run_prepare(books, tmp_path / "out", quiet=False)
+    out, err = capsys.readouterr()
+    assert meta["val_documents"] == 1
+    share = meta["val_tokens"] / (meta["val_tokens"] + meta["train_tokens"])
+    assert f"validation: {meta['val_tokens']:,} tokens ({100 * share:.2g}% of the tokens): 1 of 6 documents" in out
+    assert "warning: validation is a single document" in err and "--val_fraction=0.33" in err
+    # a split near what was asked: no warning
+    many = tmp_path / "many"
+    many.mkdir()
+    for i in range(400):
+        (many / f"doc{i:03d}.txt").write_text(f"Document {i}: " + "words and more words. " * 20)
+    meta = run_prepare(many, tmp_path / "out_many", quiet=False, val_fraction=0.1)
+    out, err = capsys.readouterr()
+    assert "validation:" in out and "warning" not in err and meta["val_documents"] > 20
+
+
+def test_ctrl_c_during_prepare_is_one_line_and_keeps_the_data(prepared, tmp_path):
+    """An interrupted prepare says so in one line (no traceback), exits 130 and leaves the earlier data whole."""
+    big = write_jsonl(tmp_path / "big.jsonl", [{"text": f"document {i} of a long corpus to tokenise. " * 8}
+                                               for i in range(100_000)])
+    before = {p.name: p.read_bytes() for p in Path(prepared).iterdir()}
+    proc = subprocess.Popen([sys.executable, "data/prepare.py", f"--dataset={big}", f"--out_dir={prepared}",
+                             "--num_proc=1"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not list(Path(prepared).glob(".tmp-*")) and time.time() < deadline:  # tokenising has begun
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err and "interrupted: nothing was written" in err, err
+    assert {p.name: p.read_bytes() for p in Path(prepared).iterdir()} == before

@@ -4,6 +4,7 @@ import json
 import math
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -14,10 +15,11 @@ import torch.nn.functional as F
 
 from checkpoint import load_model
 from config import ModelConfig
-from conftest import REPO
+from conftest import REPO, load_script
 from data.meta import load_meta, open_tokens
 from data.tokenizer import get_tokenizer
 from eval import niah
+from eval import ppl as ppl_task
 from eval.ranking import continuation_logprobs, rank_candidates
 from model import GPT
 
@@ -126,7 +128,9 @@ def test_eval_cli_errors(tiny_run, tmp_path):
     proc = run_eval(tiny_run, "--tasks=ppl,mmlu", check=False)
     assert proc.returncode == 2 and "unknown task(s) mmlu" in proc.stderr
     proc = run_eval(tmp_path, "--tasks=ppl", check=False)
-    assert proc.returncode == 1 and "no checkpoint at" in proc.stderr
+    assert proc.returncode == 1 and "neither ckpt_best nor ckpt_last" in proc.stderr
+    proc = run_eval(tiny_run, "--tasks=ppl", "--ckpt=middle", check=False)
+    assert proc.returncode == 2 and "ckpt='middle': expected best or last" in proc.stderr
     for flag, message in (("--ppl_lengths=0", "ppl_lengths=0: every value must be >= 1"),
                           ("--niah_lengths=256,x", "niah_lengths='256,x': expected comma-separated integers")):
         proc = run_eval(tiny_run, "--tasks=ppl", flag, check=False)
@@ -241,3 +245,87 @@ def test_ruler_score_is_generation_and_rank_is_labelled_second():
     records = niah.score_examples(Oracle(), tok, examples, gen_tokens=40)
     assert [r["score"] for r in records] == [1.0, 0.75]  # three of multivalue's four values: partial credit
     assert [r["correct"] for r in records] == [True, False] and not any(r["correct_rank"] for r in records)
+
+
+def copy_run(run, to):
+    """A copy of a trained run without its evaluations (a test that evaluates it leaves the shared run as it was)."""
+    shutil.copytree(run, to, ignore=shutil.ignore_patterns("eval"))
+    return to
+
+
+@pytest.fixture(scope="module")
+def other_data(tmp_path_factory):
+    """Byte-level text of another source than the run's: a short essay, prepared as a user prepares a file."""
+    folder = tmp_path_factory.mktemp("other")
+    text = folder / "essay.txt"
+    text.write_text("\n\n".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog, {i} times." * 3
+                                for i in range(60)))
+    subprocess.run([sys.executable, "data/prepare.py", f"--dataset={text}", f"--out_dir={folder / 'essay'}",
+                    "--val_fraction=0.2"], cwd=REPO, check=True, capture_output=True, timeout=120)
+    return folder / "essay"
+
+
+def test_evaluations_on_other_data_are_labelled_and_never_the_runs_own(tiny_run, other_data, tmp_path):
+    """Perplexity on other data than the run's own validation split never sits in the plain column, in the
+    summary, in the plots or in a paired test: it is named by its data, however recently it was computed."""
+    compare = load_script("compare")
+    run = copy_run(tiny_run, tmp_path / "run")
+    run_eval(run, "--tasks=ppl", "--ppl_lengths=32")
+    proc = run_eval(run, "--tasks=ppl", "--ppl_lengths=32", f"--data_dir={other_data}")  # the most recent
+    assert "is not this run's own validation split" in proc.stderr
+    assert not (run / "eval" / ".lock").exists()  # the merge's lock is gone once the write is done
+    report = json.load(open(run / "eval" / "ppl.json"))
+    by_data = {s["data"]["name"]: (sid, s["data"]["own"]) for sid, s in report["settings"].items()}
+    assert by_data["embedded_byte"][1] and not by_data["essay"][1]
+    ppl = {name: next(r["ppl"] for r in report["results"]["rows"] if r["setting"] == sid)
+           for name, (sid, _) in by_data.items()}
+    assert ppl["essay"] != ppl["embedded_byte"]
+    columns = {k: v for k, (_, v) in compare.eval_summaries(compare.load_local_run(run)["evals"]).items()}
+    assert columns == {"ppl@L=32": ppl["embedded_byte"], "ppl@L=32 (data essay)": ppl["essay"]}
+    rows, label = compare.ppl_series(compare.load_local_run(run)["evals"]["ppl"])
+    assert [r["ppl"] for r in rows] == [ppl["embedded_byte"]] and "data" not in label
+    assert "data=essay" in (run / "eval" / "summary.md").read_text()
+    # a run evaluated on the other data only: its plots say so, and it never pairs with the run's own windows
+    other = copy_run(tiny_run, tmp_path / "other_only")
+    run_eval(other, "--tasks=ppl", "--ppl_lengths=32", f"--data_dir={other_data}")
+    assert compare.ppl_series(compare.load_local_run(other)["evals"]["ppl"])[1]["data"] == " (data essay)"
+    own = copy_run(tiny_run, tmp_path / "own_only")
+    run_eval(own, "--tasks=ppl", "--ppl_lengths=32")
+    with pytest.raises(compare.CompareError, match="on different text"):
+        compare.paired(compare.load_local_run(own), compare.load_local_run(other), "ppl", key="nll")
+
+
+def test_every_perplexity_cell_says_how_much_text_it_scored(tiny_run, tmp_path):
+    """Tokens, windows and the standard error of each cell, printed and saved; a cell of fewer than MIN_WINDOWS
+    windows is a warning on screen, a flag in the results and a mark in compare's table."""
+    compare = load_script("compare")
+    run = copy_run(tiny_run, tmp_path / "run")
+    proc = run_eval(run, "--tasks=ppl", "--ppl_lengths=64", "--ppl_max_tokens=700")
+    report = json.load(open(run / "eval" / "ppl.json"))
+    (row,) = report["results"]["rows"]
+    windows = [e for e in report["per_example"] if e["length"] == 64]
+    assert row["windows"] == len(windows) < ppl_task.MIN_WINDOWS and row["few_windows"]
+    assert row["tokens"] == sum(e["tokens"] for e in windows) and row["val_tokens"] > 700
+    # the standard error with windows as the units, computed here from the saved windows
+    n = np.array([e["tokens"] for e in windows], dtype=float)
+    s = np.array([e["nll"] for e in windows]) * n
+    k, mean = len(n), s.sum() / n.sum()
+    assert row["nll_stderr"] == pytest.approx(math.sqrt(k / (k - 1) * ((s - mean * n) ** 2).sum()) / n.sum())
+    assert f"{row['tokens']:,} tokens in {row['windows']} windows" in proc.stdout and "±" in proc.stdout
+    assert f"scores the first 700 of the {row['val_tokens']:,} validation tokens" in proc.stdout
+    assert f"only {row['windows']} windows" in proc.stderr and "warning" in proc.stderr
+    text = compare.render(compare.build_tables([compare.load_local_run(run)]))
+    assert f"{row['ppl']:.3f} †" in text and f"ppl@L=64: {row['windows']} windows" in text
+    # enough windows: no flag
+    run_eval(run, "--tasks=ppl", "--ppl_lengths=16", "--ppl_max_tokens=3000")
+    report = json.load(open(run / "eval" / "ppl.json"))
+    assert not next(r for r in report["results"]["rows"] if r["length"] == 16)["few_windows"]
+
+
+def test_sample_refuses_a_generation_that_cannot_fit_before_allocating_it(tiny_run):
+    """A llama-arch run's caches for a billion new tokens: refused up front, with the limit and the fix."""
+    proc = subprocess.run([sys.executable, "sample.py", f"--out_dir={tiny_run}", "--max_new_tokens=1000000000"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    fit = int(re.search(r"at most about ([\d,]+) new tokens fit", proc.stderr)[1].replace(",", ""))
+    assert 0 < fit < 1_000_000_000 and "lower --max_new_tokens" in proc.stderr

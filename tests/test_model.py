@@ -112,3 +112,24 @@ def test_peak_flops_know_the_h100_form_factors():
     assert peak_flops_of("NVIDIA H200", torch.float32) == 989e12 / 2  # TF32
     assert peak_flops_of("NVIDIA L40S", torch.bfloat16) == 362e12 and peak_flops_of("NVIDIA L4", torch.bfloat16) == 121e12
     assert peak_flops_of("Some Future GPU", torch.bfloat16) is None
+
+
+def test_a_kv_cache_grows_past_the_length_it_was_allocated_for():
+    """Caches are allocated for the length asked and grow as a sequence runs past it: generation need not know its
+    length up front (a huge --max_new_tokens never allocates everything at once)."""
+    model = tiny("llama")  # RoPE: any length
+    prompt = torch.randint(0, 61, (2, 5))
+    caches = model.init_caches(2, 6)
+    assert caches[0].k.shape[2] == 6
+    logits, _ = model(prompt, caches=caches)
+    tokens = [prompt]
+    for step in range(12):  # 5 + 12 positions: past 6, then past the doubled 12
+        nxt = logits[:, -1:].argmax(-1)
+        tokens.append(nxt)
+        logits, _ = model(nxt, caches=caches, start_pos=5 + step)
+    assert caches[0].k.shape[2] >= 17
+    full, _ = model(torch.cat(tokens, 1))
+    torch.testing.assert_close(logits[:, -1], full[:, -1], atol=1e-5, rtol=1e-5)
+    # the memory a generation holds is measured from the caches the layers build, nothing allocated
+    one = model.generation_bytes(2, 1000)
+    assert model.generation_bytes(2, 2000) - one == 1000 * 2 * (8 + 2 * 2 * model.config.n_embd * 4)

@@ -38,6 +38,7 @@ def reference_run(tmp_path_factory):
 def test_run_writes_its_outputs(reference_run):
     for name in ("ckpt_best.pt", "ckpt_last.pt", "config.json", "metrics.jsonl"):
         assert (reference_run / name).exists(), name
+    assert not (reference_run / ".lock").exists()  # a finished run leaves no lock file (docs/training.md)
     saved = json.load(open(reference_run / "config.json"))
     assert saved["train"]["max_iters"] == 12 and saved["model"]["vocab_size"] == 320  # 257 padded to 64
     assert "git_hash" in saved["run"] and "train.py" in saved["run"]["command"]
@@ -132,7 +133,8 @@ def test_non_finite_loss_stops_and_keeps_checkpoints(tmp_path):
 
 @pytest.mark.parametrize("args, message", [(["--start=FILE:/nonexistent/prompt.txt"], "cannot read the prompt file"),
                                            (["--max_new_tokens=-1"], "max_new_tokens=-1: must be >= 0"),
-                                           (["--top_p=0"], "top_p=0.0: must be in (0, 1]")])
+                                           (["--top_p=0"], "top_p=0.0: must be in (0, 1]"),
+                                           (["--ckpt=middle"], "ckpt=middle: must be best or last")])
 def test_sample_rejects_bad_options_in_one_line(reference_run, args, message):
     proc = subprocess.run([sys.executable, "sample.py", f"--out_dir={reference_run}", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
@@ -156,7 +158,8 @@ def test_sample_generates_from_a_checkpoint(reference_run, tmp_path):
 def test_sample_reports_a_missing_checkpoint(tmp_path):
     proc = subprocess.run([sys.executable, "sample.py", f"--out_dir={tmp_path}"], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
-    assert proc.returncode == 1 and "no checkpoint at" in proc.stderr
+    assert proc.returncode == 1 and "no checkpoint in" in proc.stderr and "neither ckpt_best nor ckpt_last" in proc.stderr
+    assert "pick the other one" not in proc.stderr  # there is no other one
 
 
 def test_wandb_offline_logs_and_resume_keeps_the_run_id(tmp_path):
