@@ -22,6 +22,8 @@ most the checkpoint's context (the position table is cropped to it).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from config import ModelConfig
@@ -30,6 +32,9 @@ GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 # GPT-2's MLP activations that are the tanh approximation (gelu_new is OpenAI's original)
 TANH_GELU = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+PROJECT_TYPE = "efficient_attention_gpt"  # a run exported as this project's class (export.py, hf_gpt.py)
+# what an exported run's config does not impose on the new run: how it trains and runs, not what it computes
+RUN_ONLY = ("block_size", "dropout", "attn_backend", "init_std")
 
 
 class PretrainedError(Exception):
@@ -51,14 +56,16 @@ def load_hf_model(source: str):
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
         raise PretrainedError("init_from with pretrained weights needs transformers: pip install transformers") from None
+    import hf_gpt  # noqa: F401  (registers this project's model type, which export.py writes)
+
     try:
         hf_config = AutoConfig.from_pretrained(source)
     except (OSError, ValueError) as e:
         raise PretrainedError(f"cannot read the checkpoint {source!r} ({str(e).splitlines()[0][:200]}): give a hub "
                               "name (downloads need the network once) or a folder written by save_pretrained") from None
-    if hf_config.model_type not in ("gpt2", *LLAMA_FAMILY):
+    if hf_config.model_type not in ("gpt2", *LLAMA_FAMILY, PROJECT_TYPE):
         raise PretrainedError(f"{source!r} is a {hf_config.model_type} model: init_from loads gpt2, "
-                              f"{', '.join(LLAMA_FAMILY)} checkpoints")
+                              f"{', '.join(LLAMA_FAMILY)} checkpoints and this project's exports ({PROJECT_TYPE})")
     return AutoModelForCausalLM.from_pretrained(source, dtype="float32").eval()
 
 
@@ -71,15 +78,29 @@ def pretrained_model_config(hf_config, m: ModelConfig) -> list[str]:
     except ValueError as e:
         raise PretrainedError(str(e)) from None
     others = sorted(name for name in names if name in MIXERS and not MIXERS[name].pretrained_attention_shapes)
-    if others:  # checked before the checkpoint's shapes are set: they would be blamed on settings never given
+    if others and hf_config.model_type != PROJECT_TYPE:  # checked before the checkpoint's shapes are set: they would be blamed on settings never given
         raise PretrainedError(f"attn_pattern={m.attn_pattern!r} has {', '.join(others)} layers, which have no "
                               "counterpart in a pretrained transformer's attention to load: use attention mixers "
                               "only (full, swa, sa, block, bridge, ...), or train this pattern from scratch")
-    settings, notes = (gpt2_settings if hf_config.model_type == "gpt2" else llama_settings)(hf_config, m)
+    if hf_config.model_type == PROJECT_TYPE:
+        settings, notes = project_settings(hf_config, m)
+    else:
+        settings, notes = (gpt2_settings if hf_config.model_type == "gpt2" else llama_settings)(hf_config, m)
     changed = [f"{key}={value!r}" for key, value in settings.items() if getattr(m, key) != value]
     for key, value in settings.items():
         setattr(m, key, value)
     return changed + notes
+
+
+def project_settings(hf_config, m: ModelConfig) -> tuple[dict, list[str]]:
+    """An exported run: its whole model config (attention pattern and the variants' settings included, which
+    its weights belong to), but for how the new run trains (RUN_ONLY)."""
+    exported = hf_config.model_config()
+    if exported.resolved_pos_embedding == "learned" and m.block_size > exported.block_size:
+        raise PretrainedError(f"block_size={m.block_size} is longer than the checkpoint's {exported.block_size} "
+                              f"learned positions: use --block_size={exported.block_size} or less")
+    settings = {key: value for key, value in dataclasses.asdict(exported).items() if key not in RUN_ONLY}
+    return settings, []
 
 
 def gpt2_settings(hf_config, m: ModelConfig) -> tuple[dict, list[str]]:
@@ -93,7 +114,8 @@ def gpt2_settings(hf_config, m: ModelConfig) -> tuple[dict, list[str]]:
                               f"learned positions: use --block_size={hf_config.n_positions} or less")
     settings = {"arch": "gpt2", "n_layer": hf_config.n_layer, "n_head": hf_config.n_head, "n_embd": hf_config.n_embd,
                 "vocab_size": hf_config.vocab_size, "bias": True, "mlp_hidden": hf_config.n_inner or 4 * hf_config.n_embd,
-                "pos_embedding": "learned", "norm_eps": hf_config.layer_norm_epsilon, "tie_embeddings": True,
+                "pos_embedding": "learned", "norm_eps": hf_config.layer_norm_epsilon,
+                "tie_embeddings": bool(getattr(hf_config, "tie_word_embeddings", True)),
                 "gelu": "tanh" if hf_config.activation_function in TANH_GELU else "exact"}
     return settings, []
 
@@ -131,7 +153,25 @@ def pretrained_state_dict(hf_model, block_size: int) -> dict:
     """The checkpoint's weights under this codebase's names."""
     if hf_model.config.model_type == "gpt2":
         return gpt2_state_dict(hf_model, block_size)
+    if hf_model.config.model_type == PROJECT_TYPE:  # the GPT itself, under the name `model`
+        state = dict(hf_model.model.state_dict())
+        if "wpe.weight" in state:
+            state["wpe.weight"] = state["wpe.weight"][:block_size]
+        return state
     return llama_state_dict(hf_model)
+
+
+def tokenizer_identity(source: str) -> dict | None:
+    """The identity (data.tokenizer) of the tokenizer a run exported to this folder was trained with, from its
+    export.json: its tokenizer files are that tokenizer converted, whose vocabulary hashes otherwise."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(source, "export.json")) as f:
+            return json.load(f).get("tokenizer")
+    except (OSError, ValueError):
+        return None
 
 
 def llama_state_dict(hf_model) -> dict:
@@ -167,8 +207,12 @@ def gpt2_state_dict(hf_model, block_size: int) -> dict:
     conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
     state = {}
     for name, value in hf_model.state_dict().items():
-        if name.endswith((".attn.bias", ".attn.masked_bias")) or name == "lm_head.weight":
-            continue  # causal-mask buffers; the head is tied to wte
+        if name.endswith((".attn.bias", ".attn.masked_bias")):
+            continue  # causal-mask buffers
+        if name == "lm_head.weight":
+            if not getattr(hf_model.config, "tie_word_embeddings", True):
+                state[name] = value  # an untied head (OpenAI's checkpoints tie it to wte)
+            continue
         name = name.removeprefix("transformer.")
         if name.startswith("h."):
             _, index, rest = name.split(".", 2)

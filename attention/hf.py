@@ -84,10 +84,26 @@ def use_variant_attention(model, hf_decode: str = "full", **settings) -> list:
     if sorted(layers) != list(range(n_layer)):
         raise ValueError(f"found attention modules for layers {sorted(layers)} of {n_layer}: this model's layers do "
                          "not say their layer_idx")
+    keep_every_key(model.config.get_text_config())
     AttentionInterface.register(HF_ATTENTION, variant_attention)
     AttentionMaskInterface.register(HF_ATTENTION, no_padding_mask)
     model.set_attn_implementation(HF_ATTENTION)
     return mixers
+
+
+def keep_every_key(text_config) -> None:
+    """Make the model's KV cache keep every position. transformers sizes each layer's cache from the config's own
+    sliding window (Mistral, Qwen with use_sliding_window): it would drop the keys past that window, which full
+    attention and every variant reaching further read while decoding. Which keys a query reads is the variant's
+    rule now, so the config's window no longer applies."""
+    if getattr(text_config, "sliding_window", None) is not None:
+        text_config.sliding_window = None
+    if getattr(text_config, "use_sliding_window", False):
+        text_config.use_sliding_window = False
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types:
+        text_config.layer_types = ["full_attention" if kind in ("sliding_attention", "chunked_attention") else kind
+                                   for kind in layer_types]
 
 
 def no_padding_mask(*args, attention_mask=None, **kwargs):

@@ -2,7 +2,7 @@
 codebase's evaluation reads from a trained GPT: `model(idx) -> (logits, None)`, `generate(...)`,
 `config` (the variant's ModelConfig; block_size is the evaluation context), `wpe` (not None for learned
 positions, which limit the context), `num_params()`. So `python -m eval --hf=...` runs ppl, niah, recall and
-diagnostics on it, and the lm-eval adapter scores it (`CheckpointLM.from_model`).
+diagnostics on it (lm-eval runs such models through lm_eval's own HFLM: eval/lm_eval_adapter.py).
 
     from eval.hf_model import load_pretrained_lm
     model, tokenizer = load_pretrained_lm("Qwen/Qwen3-8B", {"attn_pattern": "sa", "swa_window": 128},

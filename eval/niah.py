@@ -12,23 +12,29 @@ The eight retrieval subtasks of RULER's synthetic.yaml, with its templates, need
     niah_multivalue    essay     word   number  1     4               1
     niah_multiquery    essay     word   number  4     1               4
 
-Haystacks: `noise` repeats "The grass is green. ..." one sentence per line; `needle` is made of distractor
-needles with other keys, one per line; `essay` is natural text split into sentences (RULER uses Paul Graham's
-essays; here the validation split of the evaluated run's data, the embedded corpus, or a local text file).
-Needles ("One of the special magic numbers for {key} is: {value}.") go at random lines, or for essays at
-sentence boundaries at depths drawn from RULER's 40 depths; `depths` instead puts the first asked needle at
-that fraction of the haystack (a depth sweep). The haystack grows (binary search on its size, as RULER does)
-until the prompt, ending in RULER's answer prefix, takes at most `length - gen_tokens` tokens.
+Every prompt is RULER's, character for character, given its haystack and draws: the template, the needle
+sentence, the answer prefix a base model continues ("... mentioned in the provided text is"), put in the singular
+("A special magic number is hidden ...") when one value is expected, and RULER's generate_input_output's way of
+inserting needles and joining the haystack. `noise` repeats "The grass is green. ..." one per line (RULER's
+noise, lm_eval's repeat); `needle` is distractor needles with other keys, one per line; both take the needles at
+lines drawn from the haystack's. `essay` is natural text split into sentences (RULER uses Paul Graham's essays
+and nltk's sentence splitter; here the validation split of the evaluated run's data, the embedded corpus or a
+local text file, split at sentence-ending punctuation), the needles going between sentences at depths drawn from
+RULER's 40, pieces joined by spaces. Queries for several keys are listed in RULER's drawn order ("k1, k2, k3, and
+k4"). `depths` instead moves the first asked needle to that fraction of the haystack (a depth sweep, not RULER's).
+The haystack grows (binary search on its size in sentences or lines, as RULER's on its size in words or lines)
+until the prompt takes at most `length - gen_tokens` tokens of the evaluated model's tokenizer.
 
 Scores:
-    score (RULER's)  greedy generation of gen_tokens tokens (KV cache), then string_match_all: the share of
-                     the expected values that appear in the output, case-insensitively (partial credit for the
+    score (RULER's)  greedy generation of gen_tokens tokens (KV cache), then RULER's string_match_all: the share
+                     of the expected values that appear in the output, case-insensitively (partial credit for the
                      multi-value and multi-query subtasks); `correct` when all of them appear
     rank (second)    each expected value must have a lower NLL than every one of `candidates - 1` distractor
                      values of its type (candidate ranking, eval/ranking.py), a measure models too small to
                      generate the answer still register
-Keys are adjective-noun pairs from this module's lists (RULER draws them from wonderwords' lists). Examples are
-a pure function of (seed, subtask, length, depth, index).
+Keys are adjective-noun pairs from this module's lists (RULER draws them from wonderwords' lists), distinct within
+an example and never reused by a distractor needle. Examples are a pure function of (seed, subtask, length,
+depth, index). tests/test_niah_templates.py builds the same examples with lm_eval's copy of RULER's code.
 """
 
 from __future__ import annotations
@@ -55,14 +61,20 @@ SUBTASKS = {
     "niah_multiquery": ("essay", "words", "numbers", 4, 1, 4),
 }
 KINDS = tuple(SUBTASKS)
-NEEDLE = "One of the special magic {type_v} for {key} is: {value}."
-TEMPLATE = ("Some special magic {type_v} are hidden within the following text. Make sure to memorize it. I will quiz "
-            "you about the {type_v} afterwards.\n{context}\nWhat are all the special magic {type_v} for {query} "
-            "mentioned in the provided text?")
-ANSWER_PREFIX = " The special magic {type_v} for {query} mentioned in the provided text are"
+# RULER's strings, character for character (NVIDIA/RULER scripts/data/synthetic/constants.py and niah.py;
+# lm_eval/tasks/ruler/niah_utils.py and prepare_niah.py): tests/test_niah_templates.py checks them against lm_eval's
+NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
+TEMPLATE = ("Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. "
+            "I will quiz you about the {type_needle_v} afterwards.\n{context}\nWhat are all the special magic "
+            "{type_needle_v} for {query} mentioned in the provided text?")
+ANSWER_PREFIX = " The special magic {type_needle_v} for {query} mentioned in the provided text are"
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 DEPTHS = [int(d) for d in np.round(np.linspace(0, 100, num=40, endpoint=True))]  # RULER's needle depths (%)
+RULER_SEED = 42  # RULER shuffles every example's needles with random.Random(random_seed), its fixed seed
 GEN_TOKENS = 128  # RULER's tokens_to_generate for niah
+# 1: this module's own wording ("a special magic number is hidden") and placement; 2: RULER's exact prompts.
+# Part of every example id, so examples of two versions are never paired as the same example
+PROMPT_VERSION = 2
 ADJECTIVES = ["amber", "brisk", "calm", "dusty", "eager", "faint", "gentle", "hollow", "ivory", "jolly",
               "keen", "lucky", "mellow", "noble", "olive", "proud", "quiet", "rusty", "silver", "tidy",
               "vivid", "wild", "young", "zesty"]
@@ -74,20 +86,23 @@ SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 
 def random_item(kind: str, rng: random.Random, digits: int = 7) -> str:
-    """A key or value of RULER's types: an adjective-noun word pair, a uuid4, or a number of `digits` digits."""
+    """A key or value of RULER's types, drawn as RULER's generate_random draws it (so one seeded stream gives
+    RULER's draws): an adjective-noun word pair, a uuid4, or a number of `digits` digits."""
     if kind == "words":
         return rng.choice(WORDS)
     if kind == "uuids":
         return str(uuid.UUID(int=rng.getrandbits(128), version=4))
-    return str(rng.randrange(10 ** (digits - 1), 10 ** digits))
+    return str(rng.randint(10 ** (digits - 1), 10 ** digits - 1))
 
 
 def prompt_template(expected_values: int) -> str:
-    """RULER's prompt for a base model (template, then answer prefix), put in the singular as RULER does when
-    one value is expected."""
+    """RULER's prompt for a base model: the template, then the answer prefix, put in the singular as RULER's
+    niah.py does when one value is expected (the format's type_needle_v is then the singular too)."""
     template = TEMPLATE + ANSWER_PREFIX
     if expected_values == 1:
-        template = template.replace("Some", "a").replace("are all", "is").replace("are", "is")
+        template = template.replace("Some", "A")
+        template = template.replace("are all", "is")
+        template = template.replace("are", "is")
     return template
 
 
@@ -96,86 +111,129 @@ def haystack_sentences(text: str) -> list[str]:
     return [s for s in SENTENCE_END.split(" ".join(text.split())) if s]
 
 
+def example_seed(seed: int, kind: str, length: int, depth: float | None, index: int) -> str:
+    """The seed of one example's random stream: every haystack size tried for it draws the same keys and values."""
+    return f"{seed}/{kind}/{length}/{depth}/{index}"
+
+
+def ruler_prompt(kind: str, essay: list[str], size: int, rng: random.Random, depth: float | None = None,
+                 digits: int = 7) -> tuple[str, list[str]]:
+    """RULER's generate_input_output for a base model with `size` haystack units (essay sentences, noise lines or
+    distractor needles): (prompt ending in the answer prefix, expected values in RULER's order). Draws from rng in
+    RULER's order, so rng seeded as RULER's global random gives RULER's prompt. Two departures, both no-ops when
+    no draw collides: keys are distinct, and distractor needles never use an example's key (this key list is
+    small; RULER's is large enough that it never needs to). depth (a depth sweep, not RULER's) moves the first
+    asked needle to that fraction of the haystack after every draw is made."""
+    haystack, type_k, type_v, n_keys, n_values, n_asked = SUBTASKS[kind]
+    keys, values, needles = [], [], []
+    for _ in range(n_keys):
+        key = random_item(type_k, rng, digits)
+        while key in keys:
+            key = random_item(type_k, rng, digits)
+        keys.append(key)
+        value = []
+        for _ in range(n_values):
+            value.append(random_item(type_v, rng, digits))
+            needles.append(NEEDLE.format(type_needle_v=type_v, key=keys[-1], value=value[-1]))
+        values.append(value)
+    random.Random(RULER_SEED).shuffle(needles)
+
+    if haystack == "essay":
+        if not essay:
+            raise ValueError("the essay haystack is empty: give natural text (niah_haystack)")
+        document_sents = [essay[i % len(essay)] for i in range(size)]  # the text again from its start if need be
+        # RULER's float expression (len * (depth / 100)), kept as is: it rounds differently from len * depth / 100
+        positions = sorted([int(len(document_sents) * (d / 100)) for d in rng.sample(DEPTHS, len(needles))])
+        placed = list(zip(positions, needles))
+    else:
+        if haystack == "noise":
+            sentences = [NOISE] * size
+        else:
+            sentences = []
+            for _ in range(size):  # key before value, as RULER's format call evaluates them
+                key = random_item(type_k, rng, digits)
+                while key in keys:
+                    key = random_item(type_k, rng, digits)
+                sentences.append(NEEDLE.format(type_needle_v=type_v, key=key, value=random_item(type_v, rng, digits)))
+        placed = list(zip(sorted(rng.sample(range(size), len(needles)), reverse=True), needles))
+
+    indices = rng.sample(range(n_keys), n_asked)
+    queries = [keys[i] for i in indices]
+    answers = [a for i in indices for a in values[i]]
+    query = ", ".join(queries[:-1]) + ", and " + queries[-1] if len(queries) > 1 else queries[0]
+
+    if depth is not None:
+        first = needles.index(NEEDLE.format(type_needle_v=type_v, key=queries[0], value=answers[0]))
+        units = len(document_sents) if haystack == "essay" else size
+        placed[first] = (int(round(depth * units)), needles[first])
+        # the order each construction below assumes (stable: RULER's own pairs keep theirs)
+        placed.sort(key=lambda p: p[0], reverse=haystack != "essay")
+
+    if haystack == "essay":  # RULER joins the pieces with spaces, empty ones too (two spaces between needles)
+        bounds = [0] + [p for p, _ in placed] + [len(document_sents)]
+        pieces = []
+        for i in range(1, len(bounds)):
+            pieces.append(" ".join(document_sents[bounds[i - 1]:bounds[i]]))
+            if i - 1 < len(placed):
+                pieces.append(placed[i - 1][1])
+        context = " ".join(pieces)
+    else:  # inserted from the last position back, so every index is one of the original lines
+        for index, needle in placed:
+            sentences.insert(index, needle)
+        context = "\n".join(sentences)
+
+    one = n_asked * n_values == 1
+    prompt = prompt_template(n_asked * n_values).format(type_needle_v=type_v[:-1] if one else type_v,
+                                                         context=context, query=query)
+    return prompt, answers
+
+
 def make_example(tokenizer, essay: list[str], kind: str, length: int, depth: float | None, index: int, seed: int,
                  digits: int = 7, candidates: int = 4, gen_tokens: int = GEN_TOKENS) -> dict:
-    """One example: prompt token ids (at most length - gen_tokens), expected values, distractor values."""
+    """One example: prompt token ids (at most length - gen_tokens), expected values, distractor values, and the
+    haystack size (units) the prompt was built with."""
     if kind not in SUBTASKS:
         raise ValueError(f"unknown niah subtask {kind!r}: expected one of {', '.join(KINDS)}")
     haystack, type_k, type_v, n_keys, n_values, n_asked = SUBTASKS[kind]
-    rng = random.Random(f"{seed}/{kind}/{length}/{depth}/{index}")
-    keys = []
-    while len(keys) < n_keys:
-        key = random_item(type_k, rng, digits)
-        keys += [key] if key not in keys else []
-    values = [[random_item(type_v, rng, digits) for _ in range(n_values)] for _ in keys]
-    type_name = type_v[:-1] if n_asked * n_values == 1 else type_v  # the question's "number" for one value
-    needles = [NEEDLE.format(type_v=type_v, key=k, value=v) for k, vs in zip(keys, values) for v in vs]
-    asked = sorted(rng.sample(range(n_keys), n_asked))
-    query = keys[asked[0]] if n_asked == 1 else ", ".join(keys[i] for i in asked[:-1]) + ", and " + keys[asked[-1]]
-    expected = [v for i in asked for v in values[i]]
-    first_asked = needles.index(NEEDLE.format(type_v=type_v, key=keys[asked[0]], value=values[asked[0]][0]))
-    order = list(range(len(needles)))
-    rng.shuffle(order)  # RULER shuffles the needles before placing them
-    template = prompt_template(n_asked * n_values)
+    name = example_seed(seed, kind, length, depth, index)
 
-    def prompt(size: int) -> str:
-        place = random.Random(f"{seed}/{kind}/{length}/{depth}/{index}/place")
-        if haystack == "essay":  # the text again from its start when the context needs more of it
-            units = [essay[i % len(essay)] for i in range(size)]
-            slots = sorted(int(len(units) * d / 100) for d in place.sample(DEPTHS, len(needles)))
-            joiner = " "
-        else:
-            units = [NOISE] * size if haystack == "noise" else \
-                [NEEDLE.format(type_v=type_v, key=distractor_key(place), value=random_item(type_v, place, digits))
-                 for _ in range(size)]
-            slots = sorted(place.sample(range(size + 1), len(needles)) if size + 1 >= len(needles)
-                           else [0] * len(needles))
-            joiner = "\n"
-        if depth is not None:  # the first asked needle at the requested depth, the others where drawn
-            slots[order.index(first_asked)] = int(round(depth * len(units)))
-        placed = sorted(zip(slots, range(len(order))))
-        pieces, cut = [], 0
-        for slot, position in placed:
-            pieces += units[cut:slot] + [needles[order[position]]]
-            cut = max(cut, slot)
-        pieces += units[cut:]
-        return template.format(type_v=type_name, context=joiner.join(pieces), query=query)
+    def tokens(size: int) -> int:
+        return len(tokenizer.encode(ruler_prompt(kind, essay, size, random.Random(name), depth, digits)[0]))
 
-    def distractor_key(place):  # any key but the example's own
-        while True:
-            key = random_item(type_k, place, digits)
-            if key not in keys:
-                return key
-
-    if haystack == "essay" and not essay:
-        raise ValueError("the essay haystack is empty: give natural text (niah_haystack)")
     budget = length - gen_tokens
+    # RULER samples the needles' lines from the haystack's: at least one line per needle
+    low = 0 if haystack == "essay" else n_keys * n_values
     limit = 1 << 22
-    if len(tokenizer.encode(prompt(0))) > budget:
+    if tokens(low) > budget:
         raise ValueError(f"niah length {length} leaves {budget} tokens for the prompt after {gen_tokens} generated, "
                          f"too few for {kind}'s template and needles")
-    low, high = 0, 1
-    while high < limit and len(tokenizer.encode(prompt(high))) <= budget:
+    high = max(1, 2 * low)
+    while high < limit and tokens(high) <= budget:
         low, high = high, min(2 * high, limit)
-    if high == limit and len(tokenizer.encode(prompt(high))) <= budget:
+    if high == limit and tokens(high) <= budget:
         low = high
     while high - low > 1:  # largest haystack that fits, as RULER's binary search
         middle = (low + high) // 2
-        low, high = (middle, high) if len(tokenizer.encode(prompt(middle))) <= budget else (low, middle)
-    ids = tokenizer.encode(prompt(low))
-    used = {v for vs in values for v in vs}
+        low, high = (middle, high) if tokens(middle) <= budget else (low, middle)
+    prompt, expected = ruler_prompt(kind, essay, low, random.Random(name), depth, digits)
+    ids = tokenizer.encode(prompt)
+    rng = random.Random(f"{name}/distractors")
+    used = set(expected)
     distractors = []
     while len(distractors) < candidates - 1:
         value = random_item(type_v, rng, digits)
-        if value not in used:
+        if value not in used and value not in prompt:  # not the value of any needle either
             used.add(value)
             distractors.append(value)
-    return {"id": f"{kind}/L={length}/d={'ruler' if depth is None else depth}/i={index}", "kind": kind,
-            "length": length, "depth": depth, "context": ids, "expected": expected, "distractors": distractors}
+    return {"id": f"{kind}/L={length}/d={'ruler' if depth is None else depth}/i={index}/p{PROMPT_VERSION}",
+            "kind": kind, "length": length, "depth": depth, "context": ids, "expected": expected,
+            "distractors": distractors, "haystack_size": low}
 
 
 def string_match_all(prediction: str, references: list[str]) -> float:
-    """RULER's niah metric for one example: the share of references found in the prediction (case-insensitive)."""
+    """RULER's niah metric for one example: the share of references found in the prediction (case-insensitive).
+    lm_eval first cleans the prediction (postprocess_pred: control characters to newlines, ends stripped), which
+    cannot change whether a value without whitespace or control characters is found, so it is left out."""
     return sum(reference.lower() in prediction.lower() for reference in references) / len(references)
 
 
@@ -210,7 +268,7 @@ def run(model, tokenizer, essay_text: str, lengths, depths, kinds, samples: int,
         generate: bool = True) -> dict:
     """Every (subtask, length, depth) cell with `samples` examples (depths None: RULER's random placement):
     rows of scores, one "average" row per length over the subtasks (RULER's and paper 003's Table 4 average),
-    and per-example records."""
+    and per-example records, with the version of the prompts they were asked (PROMPT_VERSION)."""
     limit = model.config.block_size if model.wpe is not None else None
     essay = haystack_sentences(essay_text)
     rows, per_example = [], []
@@ -232,7 +290,7 @@ def run(model, tokenizer, essay_text: str, lengths, depths, kinds, samples: int,
         rows.append({"kind": kind, "length": length, "depth": depth, "n": len(records),
                      "score": float(np.mean([r["score"] for r in records])) if generate else None,
                      "acc_rank": float(np.mean([r["correct_rank"] for r in records]))})
-    return {"rows": rows + average_rows(rows), "per_example": per_example}
+    return {"rows": rows + average_rows(rows), "per_example": per_example, "prompt_version": PROMPT_VERSION}
 
 
 def average_rows(rows: list[dict]) -> list[dict]:

@@ -41,6 +41,10 @@ def evaluation_setting(task: str, e, data_dir, attention: dict | None = None) ->
     own = lambda key: not any(key.startswith(p) for p in TASK_PREFIXES.values()) or key.startswith(TASK_PREFIXES[task])  # noqa: E731
     setting = {key: value for key, value in options.items() if key not in NOT_SETTINGS and own(key)}
     setting["data_dir"] = os.path.realpath(str(data_dir))
+    if task == "niah":  # RULER's exact prompts (version 2) are another setting than the earlier wording
+        from eval.niah import PROMPT_VERSION
+
+        setting["niah_prompt_version"] = PROMPT_VERSION
     if attention:
         setting["attention"] = attention
     return setting

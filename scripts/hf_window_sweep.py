@@ -174,25 +174,22 @@ def main(argv=None):
         sys.exit(2)
 
     from config import ConfigError, resolve_device
-    from eval.hf_model import load_pretrained_lm
-    from eval.lm_eval_adapter import CheckpointLM
-    from pretrained import PretrainedError
+    from eval.lm_eval_adapter import EfficientAttentionLM
 
     try:  # a GPU asked for and missing is an error, never a silent hours-long CPU run
         device = resolve_device(args.device)
     except ConfigError as e:
         parser.error(str(e))
-    try:
-        model, tokenizer = load_pretrained_lm(args.hf, {"attn_pattern": "full"}, args.hf_dtype, device,
-                                              args.hf_context, args.hf_decode)
-    except PretrainedError as e:
-        print(f"error: {e}", file=sys.stderr)
+    try:  # lm_eval's own HFLM loads the model and its tokenizer once; each cell puts its variant in the layers
+        lm = EfficientAttentionLM(pretrained=args.hf, device=device, dtype=args.hf_dtype, batch_size=args.batch_size,
+                                  max_length=args.hf_context)
+    except (OSError, ValueError) as e:
+        print(f"error: cannot load {args.hf!r}: {str(e).splitlines()[0][:300]}", file=sys.stderr)
         sys.exit(1)
-    lm = CheckpointLM.from_model(model, tokenizer, batch_size=args.batch_size)
     task_manager = TaskManager(include_path=args.include_path) if args.include_path else TaskManager()
     os.makedirs(args.out, exist_ok=True)
     for i, cell in enumerate(cells):
-        model.with_changes(**cell["settings"], sa_mode=args.sa_mode, sa_seed=args.sa_seed)
+        lm.use_variant(hf_decode=args.hf_decode, **cell["settings"], sa_mode=args.sa_mode, sa_seed=args.sa_seed)
         started = time.time()  # simple_evaluate seeds torch: sa draws the same permutations in every run
         results = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=task_manager, limit=args.limit,
                                           num_fewshot=args.num_fewshot, bootstrap_iters=0, random_seed=args.seed,

@@ -140,7 +140,7 @@ def test_the_readme_is_short_and_every_path_and_command_in_the_docs_exists():
     texts = {path: path.read_text() for path in [REPO / "README.md", *(REPO / "docs").glob("*.md")]}
     missing, commands = [], 0
     for path, text in texts.items():
-        for script in re.findall(r"python (?:-c \S+ )?((?:scripts|data|eval)/\w+\.py|train\.py|sample\.py)", text):
+        for script in re.findall(r"python (?:-c \S+ )?((?:scripts|data|eval)/\w+\.py|train\.py|sample\.py|export\.py)", text):
             commands += 1
             if not (REPO / script).is_file():
                 missing.append((path.name, script))

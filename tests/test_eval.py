@@ -195,7 +195,7 @@ def test_ruler_subtasks_are_built_as_ruler_defines_them(kind):
         assert re.search(rf"One of the special magic {type_v} for [^ ]+ is: {value}\.", text)
     assert not any(d in text for d in e["distractors"])
     one = n_values * n_asked == 1
-    assert text.startswith(f"a special magic {type_v[:-1]} is hidden" if one else f"Some special magic {type_v} are")
+    assert text.startswith(f"A special magic {type_v[:-1]} is hidden" if one else f"Some special magic {type_v} are")
     assert text.endswith(f"mentioned in the provided text {'is' if one else 'are'}")
     if kind == "niah_multiquery":
         assert re.search(r"for [a-z]+-[a-z]+, [a-z]+-[a-z]+, [a-z]+-[a-z]+, and [a-z]+-[a-z]+ mentioned", text)

@@ -58,9 +58,10 @@ def test_two_sharded_processes_match_one_process(tmp_path):
     assert evaluation.returncode == 0, evaluation.stderr[-2000:]
     assert "warning" not in evaluation.stderr.lower()
     assert json.load(open(tmp_path / "fsdp" / "eval" / "ppl.json"))
-    from eval.lm_eval_adapter import CheckpointLM  # lm-evaluation-harness's view of the same folder
+    from eval.lm_eval_adapter import EfficientAttentionLM  # lm-evaluation-harness's view of the same folder
 
-    assert CheckpointLM(out_dir=tmp_path / "fsdp", ckpt="last")._info["step"] == 20
+    lm = EfficientAttentionLM(pretrained=str(tmp_path / "fsdp"), ckpt="last", device="cpu")
+    assert lm.get_model_info()["step"] == 20
 
 
 def test_resume_on_another_number_of_processes(tmp_path):

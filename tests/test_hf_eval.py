@@ -124,22 +124,45 @@ def test_model_settings_without_hf_are_refused():
 def test_lm_eval_adapter_scores_the_model_with_its_variant(local_model):
     from lm_eval.api.instance import Instance
 
-    from eval.lm_eval_adapter import CheckpointLM
+    from eval.lm_eval_adapter import EfficientAttentionLM
 
     folder, _ = local_model
     requests = [Instance(request_type="loglikelihood", doc={}, arguments=("the old house stood", " on the hill"), idx=0)]
-    full = CheckpointLM.create_from_arg_string(f"hf={folder},attn_pattern=full", {"batch_size": 2, "device": "cpu"})
+    full = EfficientAttentionLM.create_from_arg_string(f"pretrained={folder},attn_pattern=full",
+                                                       {"batch_size": 2, "device": "cpu"})
     reference = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     context, continuation = full._encode_pair(*requests[0].arguments)
     with torch.no_grad():
         logits = reference(torch.tensor([context + continuation])).logits[0, len(context) - 1:-1]
     expected = float(torch.log_softmax(logits, -1)[torch.arange(len(continuation)), torch.tensor(continuation)].sum())
     assert math.isclose(full.loglikelihood(requests)[0][0], expected, rel_tol=1e-5)
-    sparse = CheckpointLM.create_from_arg_string(f"hf={folder},attn_pattern=block:block:block:full,block_len=2")
-    assert [mixer.rule.block for mixer in sparse.model.mixers[:3]] == [2, 2, 2]
+    sparse = EfficientAttentionLM.create_from_arg_string(
+        f"pretrained={folder},attn_pattern=block:block:block:full,block_len=2", {"device": "cpu"})
+    assert sparse.get_model_info()["attention"]["attn_pattern"] == "block,block,block,full"
     assert not math.isclose(sparse.loglikelihood(requests)[0][0], expected, rel_tol=1e-3)
-    with pytest.raises(ValueError, match="attention settings go with hf="):
-        CheckpointLM(out_dir="out/x", swa_window=8)
+
+
+def test_cached_decoding_on_a_sliding_window_checkpoint_follows_the_attention_used(tmp_path):
+    """A Mistral-type config has its own sliding window, which transformers' cache would keep to: under full
+    attention (or a variant reaching past it) every cached decode step must equal the uncached forward."""
+    from eval.hf_model import VariantLM
+
+    config = transformers.MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+                                        max_position_embeddings=128)
+    torch.manual_seed(0)
+    for settings in ({"attn_pattern": "full"}, {"attn_pattern": "swa", "swa_window": 24}):
+        model = VariantLM(transformers.MistralForCausalLM(config).eval(), settings, "variant", 128)
+        ids = torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            uncached = model.hf(ids, use_cache=False).logits
+            cache = model.hf(ids[:, :4], use_cache=True).past_key_values
+            for t in range(4, ids.size(1)):  # one decode step per position, past the config's window of 8
+                step = model.hf(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+                cache = step.past_key_values
+                assert torch.allclose(step.logits[0, -1], uncached[0, t], atol=1e-5), (settings, t)
+        assert torch.equal(model.generate(ids[:, :5], 30, temperature=0),
+                           model.generate(ids[:, :5], 30, temperature=0, use_cache=False))
 
 
 def test_window_sweep_writes_the_table_and_the_plots(local_model, tmp_path, offline):

@@ -17,7 +17,7 @@ from model import GPT
 import lm_eval  # noqa: E402  (requirements-eval.txt)
 from lm_eval.api.instance import Instance  # noqa: E402
 
-from eval.lm_eval_adapter import MODEL_NAME, CheckpointLM  # noqa: E402
+from eval.lm_eval_adapter import MODEL_NAME, EfficientAttentionLM  # noqa: E402
 
 SENTENCES = "the cat sat on the mat. the dog ran to the park. a bird flew over the tree. "
 BLOCK = 64
@@ -101,171 +101,100 @@ def reference_generate(model, tok, context_ids, max_new, until):
     return text
 
 
-def test_loglikelihood_matches_plain_forward(model, tok):
-    long_context = (SENTENCES * 3).rstrip()  # 224 bytes: cut from the left
-    assert len(tok.encode(long_context)) > BLOCK
-    cases = [  # (context, continuation, context ids, continuation ids the adapter must score)
-        ("the cat sat on the", " mat.", tok.encode("the cat sat on the"), tok.encode(" mat.")),
-        ("the cat sat on the", " tree.", tok.encode("the cat sat on the"), tok.encode(" tree.")),
-        ("", "the dog ran", [EOT], tok.encode("the dog ran")),
-        ("a bird flew over the ", "tree.", tok.encode("a bird flew over the"), tok.encode(" tree.")),
-        (long_context, "the cat", tok.encode(long_context), tok.encode("the cat")),
-        ("the dog ran to the", "", None, None),
-    ]
-    lm = CheckpointLM.from_model(model, tok, batch_size=2)  # several batches, reordered by length
-    got = lm.loglikelihood([request("loglikelihood", c, x) for c, x, _, _ in cases], disable_tqdm=True)
-    assert len(got) == len(cases)
-    for (context, continuation, ctx_ids, cont_ids), (logprob, greedy) in zip(cases, got):
-        assert isinstance(logprob, float) and isinstance(greedy, bool)
-        if cont_ids is None:
-            assert (logprob, greedy) == (0.0, True)  # nothing to score
-            continue
-        ref, ref_greedy = reference_logprob(model, ctx_ids, cont_ids)
-        assert logprob == pytest.approx(ref, abs=1e-4), (context[-30:], continuation)
-        assert greedy == ref_greedy, (context[-30:], continuation)
-    assert got[0][1] and not got[1][1]  # the trained model completes its sentence, not another one
-    assert got[0][0] > got[1][0]
-    # the long context keeps its last 64 + 1 - 7 tokens ("the cat" is 7)
-    kept = tok.encode(long_context)[-(BLOCK + 1 - 7):]
-    assert got[4][0] == pytest.approx(reference_logprob(model, kept, tok.encode("the cat"), limit=None)[0], abs=1e-4)
-
-
-def test_loglikelihood_rolling_windows(model, tok):
-    long_text = (SENTENCES * 3)[:200]
-    short_text = "the cat sat on the mat."
-    lm = CheckpointLM.from_model(model, tok, batch_size=3)
-    assert lm.max_length == BLOCK
-    got = lm.loglikelihood_rolling([request("loglikelihood_rolling", long_text),
-                                    request("loglikelihood_rolling", short_text),
-                                    request("loglikelihood_rolling", "")], disable_tqdm=True)
-    assert got[0] == pytest.approx(reference_rolling(model, tok.encode(long_text), BLOCK), abs=1e-3)
-    # later windows are conditioned on the text before them: scoring each window after end-of-text alone
-    # gives a clearly different total
-    ids = tok.encode(long_text)
-    no_context = sum(reference_logprob(model, [EOT], ids[i:i + BLOCK])[0] for i in range(0, len(ids), BLOCK))
-    assert abs(got[0] - no_context) > 1.0
-    single = reference_logprob(model, [EOT], tok.encode(short_text))[0]
-    assert got[1] == pytest.approx(single, abs=1e-4)
-    (ll_empty_context, _), = lm.loglikelihood([request("loglikelihood", "", short_text)], disable_tqdm=True)
-    assert got[1] == pytest.approx(ll_empty_context, abs=1e-4)
-    assert got[2] == 0.0
-    # max_length shrinks the windows
-    small = CheckpointLM.from_model(model, tok, max_length=16).loglikelihood_rolling(
-        [request("loglikelihood_rolling", long_text)], disable_tqdm=True)
-    assert small[0] == pytest.approx(reference_rolling(model, tok.encode(long_text), 16), abs=1e-3)
-
-
-def test_rope_model_has_no_position_limit(tok):
-    """RoPE: loglikelihood is not cut; rolling windows default to block_size."""
-    model = tiny_gpt("llama", seed=1).eval()
-    assert model.wpe is None
-    lm = CheckpointLM.from_model(model, tok, batch_size=4)
-    context = (SENTENCES * 2).rstrip()  # 149 tokens, more than block_size
-    (logprob, _), = lm.loglikelihood([request("loglikelihood", context, " the end")], disable_tqdm=True)
-    ref = reference_logprob(model, tok.encode(context), tok.encode(" the end"), limit=None)[0]
-    assert logprob == pytest.approx(ref, abs=1e-4)
-    # nor is a generation prompt cut
-    prompts = []
-    real_generate = model.generate
-
-    def spy_generate(idx, max_new_tokens, **kwargs):
-        prompts.append(idx[0].tolist())
-        return real_generate(idx, max_new_tokens, **kwargs)
-
-    model.generate = spy_generate
-    try:
-        (generated,) = lm.generate_until([request("generate_until", context, {"until": [], "max_gen_toks": 8})],
-                                         disable_tqdm=True)
-    finally:
-        del model.generate
-    assert prompts == [tok.encode(context)]
-    assert generated == reference_generate(model, tok, tok.encode(context), 8, [])
-    text = (SENTENCES * 3)[:150]
-    (rolling,) = lm.loglikelihood_rolling([request("loglikelihood_rolling", text)], disable_tqdm=True)
-    assert rolling == pytest.approx(reference_rolling(model, tok.encode(text), BLOCK), abs=1e-3)
-
-
-def test_generate_until_matches_greedy_generate(model, tok):
-    lm = CheckpointLM.from_model(model, tok)
-    prompt = "the dog ran to"
-    full = reference_generate(model, tok, tok.encode(prompt), 30, [])
-    assert "." in full, f"the tiny model should end its sentence: {full!r}"
-    long_prompt = (SENTENCES * 3)[:200]
-    reqs = [
-        (prompt, {"until": ["."], "max_gen_toks": 30, "do_sample": False}),
-        (prompt, {"until": ["zzz"], "max_gen_toks": 30, "temperature": 0}),
-        (prompt, {"until": [], "max_gen_toks": 50}),  # two chunks of generation
-        (long_prompt, {"until": ["\n"], "max_gen_toks": 10}),
-        ("", {"until": ["."], "max_gen_toks": 20}),
-    ]
-    got = lm.generate_until([request("generate_until", c, k) for c, k in reqs], disable_tqdm=True)
-    assert all(isinstance(g, str) for g in got)
-    assert got[0] == full.split(".")[0] and got[0] and "." not in got[0]
-    assert got[1] == full
-    # 50 new tokens leave room for 64 - 50 = 14 prompt tokens (this prompt's length) in one KV cache
-    assert got[2] == reference_generate(model, tok, tok.encode(prompt)[-14:], 50, [])
-    assert got[3] == reference_generate(model, tok, tok.encode(long_prompt)[-(BLOCK - 10):], 10, ["\n"])
-    assert got[4] == reference_generate(model, tok, [EOT], 20, ["."])
-    # end-of-text ends the generation even without stop strings
-    eot_prompt = tok.encode("a bird flew over the")
-    assert EOT in model.generate(torch.tensor([eot_prompt]), 30, temperature=0)[0, len(eot_prompt):].tolist()
-    (ended,) = lm.generate_until([request("generate_until", "a bird flew over the", {"until": [], "max_gen_toks": 30})],
-                                 disable_tqdm=True)
-    assert ended == reference_generate(model, tok, eot_prompt, 30, []) and ended.endswith(". ")
-    # a stop string ends the generation early, not only the returned text
-    steps = []
-    real_generate = model.generate
-
-    def counting_generate(idx, max_new_tokens, **kwargs):
-        steps.append(max_new_tokens)
-        return real_generate(idx, max_new_tokens, **kwargs)
-
-    model.generate = counting_generate
-    try:
-        (early,) = lm.generate_until([request("generate_until", prompt, {"until": ["."], "max_gen_toks": 200})],
-                                     disable_tqdm=True)
-    finally:
-        del model.generate
-    assert early == got[0] and sum(steps) <= 40, steps
-    # an untrained model's output depends on every context token, so cutting the prompt visibly matters
-    raw = tiny_gpt(seed=2).eval()
-    (cut,) = CheckpointLM.from_model(raw, tok).generate_until(
-        [request("generate_until", long_prompt, {"until": [], "max_gen_toks": 10})], disable_tqdm=True)
-    long_ids = tok.encode(long_prompt)
-    assert cut == reference_generate(raw, tok, long_ids[-(BLOCK - 10):], 10, [])
-    assert cut != reference_generate(raw, tok, long_ids, 10, [])
-    # sampling follows model.generate's sampling with the same seed
-    torch.manual_seed(123)
-    (sampled,) = lm.generate_until([request("generate_until", prompt,
-                                             {"until": [], "max_gen_toks": 20, "do_sample": True,
-                                              "temperature": 1.5})], disable_tqdm=True)
-    torch.manual_seed(123)
-    out = model.generate(torch.tensor([tok.encode(prompt)]), 20, temperature=1.5)[0, len(prompt):].tolist()
-    assert sampled == tok.decode(out[:out.index(EOT)] if EOT in out else out)
-    assert sampled != reference_generate(model, tok, tok.encode(prompt), 20, [])
-
-
-def test_constructors_and_registry(model, tok, tmp_path):
+def save_run(model, folder, step=7):
+    """A run folder holding the model as its best checkpoint (byte tokenizer), as train.py writes one."""
     from checkpoint import save_checkpoint
     from config import Config
 
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = Config()
+    cfg.model = model.config
+    save_checkpoint({"model": model.state_dict(), "config": cfg.to_dict(), "step": step, "tokenizer": "byte",
+                     "tokenizer_identity": get_tokenizer("byte").identity()}, folder / "ckpt_best.pt")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def run(model, tmp_path_factory):
+    return save_run(model, tmp_path_factory.mktemp("run"))
+
+
+def adapter(folder, **kwargs):
+    return EfficientAttentionLM(pretrained=str(folder), device="cpu", **{"batch_size": 2, **kwargs})
+
+
+def test_run_requests_equal_plain_forwards_of_the_model(model, tok, run):
+    """A run's checkpoint through lm_eval's HFLM: each request type against this project's own GPT, scored by
+    hand. The byte tokenizer encodes context + continuation as the two apart; an empty context and the rolling
+    windows are conditioned on end-of-text (the run's BOS); contexts are cut from the left to block_size."""
+    lm = adapter(run)
+    assert lm.max_length == BLOCK and lm.prefix_token_id == EOT and lm.eot_token_id == EOT
+    long_context = (SENTENCES * 3).rstrip()
+    cases = [("the cat sat on the", " mat.", tok.encode("the cat sat on the")),
+             ("the cat sat on the", " tree.", tok.encode("the cat sat on the")),
+             ("", "the dog ran", [EOT]),
+             ("the ca", "t sat", tok.encode("the ca")),
+             (long_context, "the cat", tok.encode(long_context))]
+    got = lm.loglikelihood([request("loglikelihood", c, x) for c, x, _ in cases], disable_tqdm=True)
+    for (context, continuation, ctx_ids), (logprob, greedy) in zip(cases, got):
+        ref, ref_greedy = reference_logprob(model, ctx_ids, tok.encode(continuation))
+        assert logprob == pytest.approx(ref, abs=1e-4) and greedy == ref_greedy, (context[-20:], continuation)
+    assert got[0][1] and not got[1][1] and got[0][0] > got[1][0]  # the trained model knows its sentence
+
+    long_text = (SENTENCES * 3)[:200]
+    rolling = lm.loglikelihood_rolling([request("loglikelihood_rolling", long_text),
+                                        request("loglikelihood_rolling", "the cat sat on the mat.")], disable_tqdm=True)
+    assert rolling[0] == pytest.approx(reference_rolling(model, tok.encode(long_text), BLOCK), abs=1e-3)
+    assert rolling[1] == pytest.approx(reference_logprob(model, [EOT], tok.encode("the cat sat on the mat."))[0],
+                                       abs=1e-4)
+    small = adapter(run, max_length=16).loglikelihood_rolling([request("loglikelihood_rolling", long_text)],
+                                                              disable_tqdm=True)
+    assert small[0] == pytest.approx(reference_rolling(model, tok.encode(long_text), 16), abs=1e-3)
+
+    prompt = "the dog ran to"
+    full = reference_generate(model, tok, tok.encode(prompt), 30, [])
+    assert "." in full
+    reqs = [(prompt, {"until": ["."], "max_gen_toks": 30, "do_sample": False}),
+            ("a bird", {"until": ["."], "max_gen_toks": 30}),  # batched with the first: left-padded
+            (prompt, {"until": ["zzz"], "max_gen_toks": 30, "temperature": 0}),
+            (long_prompt := (SENTENCES * 3)[:200], {"until": ["\n"], "max_gen_toks": 10})]
+    gen = lm.generate_until([request("generate_until", c, k) for c, k in reqs], disable_tqdm=True)
+    assert gen[0] == full.split(".")[0] and gen[0]
+    assert gen[1] == reference_generate(model, tok, tok.encode("a bird"), 30, ["."])
+    assert gen[2] == full.split("zzz")[0]
+    assert gen[3] == reference_generate(model, tok, tok.encode(long_prompt)[-(BLOCK - 10):], 10, ["\n"])
+
+
+def test_cached_generation_of_a_run_equals_uncached(tok, tmp_path):
+    """generate() through transformers keeps the layers' own caches (hf_gpt.GPTCache); a recurrent and a
+    windowed layer decode as the whole sequence re-run would."""
+    torch.manual_seed(3)
+    gpt = GPT(ModelConfig(arch="llama", n_layer=2, n_head=2, n_embd=32, block_size=BLOCK, vocab_size=320,
+                          attn_pattern="swa,mlstm", swa_window=8, bias=False)).eval()
+    from hf_gpt import EfficientAttentionForCausalLM
+
+    hf, _ = EfficientAttentionForCausalLM.from_run(save_run(gpt, tmp_path / "run"))
+    ids = torch.tensor([tok.encode("the cat sat on")])
+    cached = hf.generate(ids, max_new_tokens=30, do_sample=False, use_cache=True)
+    assert torch.equal(cached, hf.generate(ids, max_new_tokens=30, do_sample=False, use_cache=False))
+    assert torch.equal(cached, gpt.generate(ids, 30, temperature=0, use_cache=False))
+
+
+def test_results_name_the_model_and_settings_are_checked(model, run, tmp_path):
     from lm_eval.api.registry import get_model
 
-    assert get_model(MODEL_NAME) is CheckpointLM
-    cfg = Config()
-    cfg.model = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=BLOCK, vocab_size=320)
-    save_checkpoint({"model": model.state_dict(), "config": cfg.to_dict(), "step": 7, "tokenizer": "byte"},
-                    tmp_path / "ckpt_best.pt")
-    assert CheckpointLM.create_from_arg_string(f"out_dir={tmp_path}", {"batch_size": 5}).batch_size == 5
-    lm = CheckpointLM.create_from_arg_string(f"out_dir={tmp_path},ckpt=best,batch_size=8",
-                                             {"batch_size": 1, "device": "cpu", "max_batch_size": None})
-    assert lm.batch_size == 8 and lm.max_length == BLOCK and lm.eot_token_id == EOT
-    assert lm.get_model_info()["step"] == 7
-    reqs = [request("loglikelihood", "the cat sat on the", " mat.")]
-    assert lm.loglikelihood(reqs, disable_tqdm=True) == CheckpointLM.from_model(model, tok).loglikelihood(
-        reqs, disable_tqdm=True)
-    with pytest.raises(ValueError, match="max_length"):
-        CheckpointLM.from_model(model, tok, max_length=BLOCK + 1)
+    assert get_model(MODEL_NAME) is EfficientAttentionLM
+    lm = EfficientAttentionLM.create_from_arg_string(f"pretrained={run},ckpt=best,batch_size=8",
+                                                     {"batch_size": 1, "device": "cpu", "max_batch_size": None})
+    assert lm.batch_size == 8 and lm.pretrained == str(run)
+    info = lm.get_model_info()
+    assert info["step"] == 7 and info["run"] == str(run) and info["model_num_parameters"] == model.num_params()
+    with pytest.raises(ValueError, match="attention it was trained with"):
+        adapter(run, swa_window=8)
+    # sa draws its permutation over the padded length: HFLM's right-padded batches would change its edges
+    sa = save_run(GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=BLOCK, vocab_size=320,
+                                  attn_pattern="sa,full", swa_window=8)), tmp_path / "sa")
+    assert adapter(sa, batch_size=4).batch_size == 1 and adapter(run, batch_size=4).batch_size == 4
 
 
 def test_missing_lm_eval_says_how_to_install(monkeypatch):
@@ -275,6 +204,71 @@ def test_missing_lm_eval_says_how_to_install(monkeypatch):
     monkeypatch.delitem(sys.modules, "eval.lm_eval_adapter")
     with pytest.raises(ImportError, match=r"pip install -r requirements-eval\.txt"):
         __import__("eval.lm_eval_adapter")
+
+
+# ---- a Hugging Face model with attention unchanged: stock HFLM is the reference --------------------------
+
+def tiny_hf_model(folder, kind: str):
+    """A small random Llama whose tokenizer adds BOS (<s>, as Llama's and Mistral's do), or a Qwen3 whose
+    tokenizer adds nothing and ends text with <|im_end|> (a chat tokenizer's EOS): BPE trained here."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    folder.mkdir(parents=True)
+    specials = ["<s>", "</s>"] if kind == "llama" else ["<|endoftext|>", "<|im_end|>"]
+    rust = Tokenizer(models.BPE())
+    rust.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    rust.decoder = decoders.ByteLevel()
+    rust.train_from_iterator([SENTENCES * 4], trainers.BpeTrainer(
+        vocab_size=320, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    if kind == "llama":
+        rust.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+        tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=rust, bos_token="<s>", eos_token="</s>")
+        config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=320,
+                                          max_position_embeddings=48, bos_token_id=0, eos_token_id=1)
+    else:
+        tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=rust, eos_token="<|im_end|>",
+                                                         pad_token="<|endoftext|>")
+        config = transformers.Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=320,
+                                          max_position_embeddings=48, eos_token_id=1)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_a_hugging_face_model_scores_as_stock_hflm_on_every_request_type(kind, tmp_path, offline):
+    """The adapter with full attention through this project's kernels against lm_eval's own HFLM on the same
+    folder: word-boundary and inside-word splits, empty context, rolling windows, a tokenizer that adds BOS
+    and one that does not, contexts past max_position_embeddings, batched generation."""
+    from lm_eval.models.huggingface import HFLM
+
+    folder = tiny_hf_model(tmp_path / kind, kind)
+    stock = HFLM(pretrained=str(folder), device="cpu", batch_size=3, dtype="float32")
+    ours = EfficientAttentionLM(pretrained=str(folder), device="cpu", batch_size=3, dtype="float32",
+                                attn_pattern="full")
+    assert type(ours.model.model.layers[0].self_attn).__name__.endswith("Attention")
+    assert ours.model.config._attn_implementation == "efficient_attention"  # the variant path, not sdpa
+    long = SENTENCES * 3  # past the model's 48 positions
+    ll = [request("loglikelihood", "the cat sat on the", " mat."), request("loglikelihood", "the cat sat on the m", "at. the dog"),
+          request("loglikelihood", "", "the dog ran"), request("loglikelihood", "a bird flew over the ", "tree."),
+          request("loglikelihood", long, " the end")]
+    roll = [request("loglikelihood_rolling", long), request("loglikelihood_rolling", "the cat sat.")]
+    gen = [request("generate_until", "the cat", {"until": ["."], "max_gen_toks": 8}),
+           request("generate_until", long, {"until": ["\n"], "max_gen_toks": 8}),
+           request("generate_until", "a", {"until": ["."], "max_gen_toks": 8})]
+    for reference, got in ((stock.loglikelihood(ll, disable_tqdm=True), ours.loglikelihood(ll, disable_tqdm=True)),
+                           (stock.loglikelihood_rolling(roll, disable_tqdm=True),
+                            ours.loglikelihood_rolling(roll, disable_tqdm=True))):
+        for a, b in zip(reference, got):
+            a, b = (a, b) if isinstance(a, float) else (a[0], b[0])
+            assert b == pytest.approx(a, abs=1e-4)
+    assert ours.generate_until(gen, disable_tqdm=True) == stock.generate_until(gen, disable_tqdm=True)
+    assert ours.prefix_token_id == stock.prefix_token_id == (0 if kind == "llama" else 1)
+    assert ours.max_length == stock.max_length == 48
 
 
 MC_ITEMS = [
@@ -344,15 +338,19 @@ def write_tasks(folder):
         "metric_list:\n  - metric: exact_match\n")
 
 
-def test_simple_evaluate_on_local_tasks(model, tok, tmp_path, offline):
+def test_simple_evaluate_on_local_tasks(model, tok, run, tmp_path, offline):
     from lm_eval.tasks import TaskManager
 
     write_tasks(tmp_path)
-    lm = CheckpointLM.from_model(model, tok, batch_size=4)
+    # logits_cache=False: lm_eval 0.4.13's cache shares one forward among requests whose context + continuation
+    # is the same text, and scores the shorter continuation at the longer one's first positions (items 0 and 3
+    # here: "the cat sat on the| mat." and "the cat sat| on the mat."); docs/evaluation.md
+    lm = adapter(run, batch_size=4, logits_cache=False)
     results = lm_eval.simple_evaluate(model=lm, tasks=["tiny_mc", "tiny_ppl", "tiny_gen"],
                                       task_manager=TaskManager(include_path=str(tmp_path)),
                                       bootstrap_iters=0, log_samples=True)
     res = results["results"]
+    assert results["config"]["model"] == str(run)  # results name the model by its folder
     assert results["n-samples"]["tiny_mc"]["effective"] == len(MC_ITEMS) == len(results["samples"]["tiny_mc"])
     assert results["n-samples"]["tiny_ppl"]["effective"] == len(PPL_DOCS)
     assert results["n-samples"]["tiny_gen"]["effective"] == len(GEN_ITEMS)

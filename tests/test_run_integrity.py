@@ -80,10 +80,10 @@ def test_sample_and_lm_eval_refuse_a_tokenizer_file_that_changed_under_its_name(
     proc = run(["sample.py"], f"--out_dir={out}", "--max_new_tokens=4", "--num_samples=1")
     assert proc.returncode == 1 and "has another vocabulary than the one" in proc.stderr, proc.stderr
     from checkpoint import CheckpointError
-    from eval.lm_eval_adapter import CheckpointLM
+    from eval.lm_eval_adapter import EfficientAttentionLM
 
     with pytest.raises(CheckpointError, match="another vocabulary"):
-        CheckpointLM(out_dir=str(out))
+        EfficientAttentionLM(pretrained=str(out), device="cpu")
 
 
 def test_compare_refuses_an_evaluation_of_another_tokenizers_data(byte_run, tmp_path):

@@ -1,0 +1,165 @@
+"""export.py: a run leaves as a Hugging Face folder. transformers' own classes (and stock lm_eval) are the
+reference: the folder's logits equal the run's, greedy generation is token-identical, stock `lm_eval --model hf`
+scores it as this project's adapter scores the run, and init_from=hf:FOLDER reads the same model back."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+from conftest import REPO
+from config import ModelConfig
+from data.tokenizer import get_tokenizer
+from export import ExportConfig, export_run, hf_tokenizer, main
+from model import GPT
+from tests.test_lm_eval import SENTENCES, offline, save_run, write_tasks  # noqa: F401  (offline: a fixture)
+
+BLOCK = 64
+SHAPE = dict(n_layer=2, n_head=2, n_embd=32, block_size=BLOCK, vocab_size=320)
+CASES = {  # ModelConfig settings -> the class the folder must be
+    "gpt2": (dict(arch="gpt2", bias=False, tie_embeddings=False, gelu="tanh"), "GPT2LMHeadModel"),
+    "llama": (dict(arch="llama", bias=False), "LlamaForCausalLM"),
+    "mistral": (dict(arch="llama", bias=False, attn_pattern="swa", swa_window=8), "MistralForCausalLM"),
+    "qwen3": (dict(arch="llama", bias=False, qk_norm=True, n_kv_head=1, attn_head_dim=8), "Qwen3ForCausalLM"),
+    "qwen2_swa": (dict(arch="llama", bias=False, qkv_bias=True, attn_pattern="swa", swa_window=8), "Qwen2ForCausalLM"),
+    "sa_swa": (dict(arch="llama", bias=False, attn_pattern="sa_swa,full", swa_window=8), "EfficientAttentionForCausalLM"),
+    "mlstm": (dict(arch="llama", bias=False, attn_pattern="swa,mlstm", swa_window=8), "EfficientAttentionForCausalLM"),
+}
+
+
+def make_run(folder, settings, seed=0):
+    torch.manual_seed(seed)
+    gpt = GPT(ModelConfig(**{**SHAPE, **settings})).eval()
+    return gpt, save_run(gpt, folder)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_an_export_is_the_run_in_transformers(case, tmp_path, offline):
+    settings, expected_class = CASES[case]
+    gpt, run = make_run(tmp_path / "run", settings)
+    folder = export_run(ExportConfig(out_dir=str(run)))
+    record = json.loads((folder / "export.json").read_text())
+    assert record["class"] == expected_class and record["step"] == 7 and record["verified_max_logit_diff"] <= 1e-4
+    project = expected_class == "EfficientAttentionForCausalLM"
+    assert os.path.exists(folder / "modeling_efficient_attention_gpt.py") == project
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=project).eval()
+    assert type(hf).__name__ == expected_class
+
+    ids = torch.randint(0, 257, (2, BLOCK), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.manual_seed(0)  # sa_swa draws its permutations from torch's generator
+        ours, _ = gpt(ids)
+        torch.manual_seed(0)
+        theirs = hf(ids).logits
+    assert (ours - theirs).abs().max() <= 1e-5
+    prompt = ids[:1, :10]
+    torch.manual_seed(0)
+    reference = gpt.generate(prompt, 30, temperature=0, use_cache=False)
+    torch.manual_seed(0)
+    assert torch.equal(hf.generate(prompt, max_new_tokens=30, do_sample=False), reference)
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    text = "the cat sat on the mat.\nunicode: é ü 猫 🐈"
+    assert tokenizer(text)["input_ids"] == get_tokenizer("byte").encode(text)  # nothing added: no BOS in training
+    assert tokenizer.bos_token_id == tokenizer.eos_token_id == 256
+
+    # init_from=hf:FOLDER builds the same model as train.py does
+    from pretrained import load_hf_model, load_pretrained_weights, pretrained_model_config
+
+    m = ModelConfig(**{**SHAPE, **({"attn_pattern": "swa", "swa_window": 8} if case in ("mistral", "qwen2_swa") else {})})
+    pretrained_model_config(load_hf_model(str(folder)).config, m)
+    back = GPT(m).eval()
+    assert load_pretrained_weights(back, load_hf_model(str(folder))) == []
+    with torch.no_grad():
+        torch.manual_seed(0)
+        assert (back(ids)[0] - ours).abs().max() <= 1e-5
+
+
+def test_stock_lm_eval_on_an_export_equals_the_adapter_on_the_run(tmp_path, offline):
+    """`lm_eval --model hf --model_args pretrained=FOLDER,trust_remote_code=True`, the harness's own command in
+    a fresh process where this project is importable only through PYTHONPATH, against this project's adapter on
+    the run folder: the same numbers, and the model named by its folder."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from eval.lm_eval_adapter import EfficientAttentionLM
+
+    gpt, run = make_run(tmp_path / "run", CASES["mlstm"][0])
+    folder = export_run(ExportConfig(out_dir=str(run)))
+    write_tasks(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1"}
+    # stock lm_eval: nothing of this project is imported before it starts
+    proc = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
+                           f"pretrained={folder},trust_remote_code=True,dtype=float32", "--tasks",
+                           "tiny_mc,tiny_ppl,tiny_gen", "--include_path", str(tmp_path), "--device", "cpu",
+                           "--batch_size", "2", "--output_path", str(tmp_path / "stock")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (stock_file,) = (tmp_path / "stock").rglob("results_*.json")
+    stock = json.loads(stock_file.read_text())
+    assert stock["model_name"] == str(folder) and stock["config"]["model"] == "hf"
+
+    ours = lm_eval.simple_evaluate(model=EfficientAttentionLM(pretrained=str(run), device="cpu", batch_size=2),
+                                   tasks=["tiny_mc", "tiny_ppl", "tiny_gen"], bootstrap_iters=0,
+                                   task_manager=TaskManager(include_path=str(tmp_path)))
+    assert ours["config"]["model"] == str(run)
+    for task, metric in (("tiny_mc", "acc,none"), ("tiny_ppl", "bits_per_byte,none"),
+                         ("tiny_ppl", "word_perplexity,none"), ("tiny_gen", "exact_match,none")):
+        assert ours["results"][task][metric] == pytest.approx(stock["results"][task][metric], rel=1e-5), (task, metric)
+
+
+def test_converted_tokenizers_encode_as_the_runs(tmp_path):
+    import tiktoken
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    from data.tokenizer import HFTokenizer, TiktokenTokenizer
+
+    text = "The cat sat on the mat.  It's 2026!\n\nunicode: é 猫 🐈 <|endoftext|>"
+    # a tiktoken encoding (GPT-2's pattern, ranks of a small byte-level BPE), as tiktoken's gpt2 is built
+    ranks = {bytes([b]): b for b in range(256)}
+    for pair in (b"th", b"the", b" t", b"at", b" the", b"an"):
+        ranks[pair] = len(ranks)
+    encoding = tiktoken.Encoding("tiny", mergeable_ranks=ranks, special_tokens={"<|endoftext|>": len(ranks)},
+                                 pat_str=r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+
+    class TinyTiktoken(TiktokenTokenizer):  # GPT-2's tokenizer needs a download: the same class, a local encoding
+        def _load(self):
+            return encoding
+
+    tik = TinyTiktoken("tiny")
+    # a tokenizer.json whose post-processor adds BOS (Llama-style): the run never saw it
+    rust = Tokenizer(models.BPE())
+    rust.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    rust.decoder = decoders.ByteLevel()
+    rust.train_from_iterator([SENTENCES * 3], trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    rust.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    rust.save(str(tmp_path / "tokenizer.json"))
+    for ours in (get_tokenizer("byte"), tik, HFTokenizer(str(tmp_path / "tokenizer.json"))):
+        converted = hf_tokenizer(ours)
+        plain = text.replace("<|endoftext|>", "")  # the run's encoders read it as text, a transformers one as EOS
+        assert converted(plain)["input_ids"] == ours.encode(plain), ours.name
+        assert converted.decode(ours.encode(plain)) == plain
+        assert converted.eos_token_id == converted.bos_token_id == ours.eot_id
+
+
+def test_export_refuses_what_it_cannot_write_and_writes_nothing(tmp_path, capsys):
+    assert main([f"--out_dir={tmp_path / 'none'}"]) == 2
+    assert "no checkpoint" in capsys.readouterr().err
+    _, run = make_run(tmp_path / "run", CASES["llama"][0])
+    (run / "hf").mkdir()
+    (run / "hf" / "notes.txt").write_text("mine")
+    assert main([f"--out_dir={run}"]) == 2
+    assert "exists and is not empty" in capsys.readouterr().err
+    assert os.listdir(run / "hf") == ["notes.txt"]
+    with pytest.raises(SystemExit) as exit_info:
+        main([f"--out_dir={run}", "--format=onnx"])
+    assert exit_info.value.code == 2
+    assert main([f"--out_dir={run}", f"--to={tmp_path / 'exported'}"]) == 0
+    assert "LlamaForCausalLM" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temporary folder left
