@@ -153,6 +153,10 @@ class TrainConfig:
     wandb_project: str = "efficient-attention"
     wandb_run_name: str = ""  # empty: the out_dir's name
     wandb_mode: str = "online"  # online | offline (no network needed) | disabled
+    # empty: the recipe folder, data and model size (bridges-openwebtext_gpt2-12x768): a run's variants and seeds
+    wandb_group: str = ""
+    # comma-separated; empty: the variants of attn_pattern and their papers (swa, paper-001, ...); +a,b adds to those
+    wandb_tags: str = ""
 
 
 @dataclass
@@ -326,6 +330,14 @@ def validate(cfg: Config) -> None:
     choice("gelu", m.gelu, ("exact", "tanh"))
     choice("dtype", t.dtype, ("auto", "float32", "bfloat16", "float16"))
     choice("wandb_mode", t.wandb_mode, ("online", "offline", "disabled"))
+    from wandb_run import MAX_GROUP, tags_problem
+
+    if len(t.wandb_group) > MAX_GROUP or t.wandb_group != t.wandb_group.strip():
+        raise ConfigError(f"wandb_group={t.wandb_group[:40]!r}{'...' if len(t.wandb_group) > 40 else ''}: a group name "
+                          f"has at most {MAX_GROUP} characters and no spaces at its ends (empty: the recipe, data and "
+                          "model size)")
+    if tags_problem(t.wandb_tags):
+        raise ConfigError(f"wandb_tags={t.wandb_tags!r}: {tags_problem(t.wandb_tags)}")
     choice("resume_from", t.resume_from, ("last", "best"))
     choice("window_schedule", t.window_schedule, ("fixed", "stochastic"))
     choice("activation_checkpointing", t.activation_checkpointing, ("none", "full", "selective"))

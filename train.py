@@ -44,6 +44,8 @@ from run_folder import claim as claim_run_folder
 from parallelize import parallelize
 from pretrained import (GPT2_NAMES, PretrainedError, load_hf_model, load_pretrained_weights, pretrained_model_config,
                         pretrained_source)
+from pretrained import tokenizer_identity as pretrained_tokenizer_identity
+from wandb_run import X_AXIS, package_problem, resolved_mode, start_run, wandb_problem
 
 # dense (no sparsity) bf16 tensor-core peak FLOP/s with float32 accumulation by device name, for MFU (float32
 # runs use the TF32 peak: half of it). GeForce cards accumulate in float32 at half their fp16-accumulate rate:
@@ -55,29 +57,6 @@ PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H
               ("GH200", 989e12), ("H800", 989e12), ("B200", 2250e12), ("A100", 312e12), ("A800", 312e12),
               ("L40S", 362e12), ("L40", 181e12), ("L4", 121e12), ("A10G", 125e12), ("RTX 4090", 165e12),
               ("RTX 3090", 71e12), ("V100", 125e12), ("A6000", 155e12))
-
-
-def wandb_problem(mode: str) -> str:
-    """Why an online wandb run cannot start here ("" when it can): no login, or no route to the server."""
-    import netrc
-    import socket
-    from urllib.parse import urlparse
-
-    if mode != "online":
-        return ""
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
-    if not os.environ.get("WANDB_API_KEY"):
-        try:
-            logged_in = netrc.netrc().authenticators(host) is not None
-        except (OSError, netrc.NetrcParseError):
-            logged_in = False
-        if not logged_in:
-            return f"no wandb login (no WANDB_API_KEY, no {host} entry in ~/.netrc)"
-    try:
-        socket.create_connection((host, 443), timeout=5).close()
-    except OSError as e:
-        return f"{host} cannot be reached ({e.strerror or e})"
-    return ""
 
 
 def schedule_warning(t) -> str:
@@ -216,9 +195,11 @@ def format_eta(seconds: float) -> str:
 class MetricsLog:
     """metrics.jsonl (always) and wandb (when enabled); only rank 0 writes."""
 
-    def __init__(self, path: Path, wandb_run=None, on_write_error=None):
-        """on_write_error(file name, OSError): what a failed write does (a full disk ends the run in one line)."""
+    def __init__(self, path: Path, wandb_run=None, on_write_error=None, tokens_at=None):
+        """on_write_error(file name, OSError): what a failed write does (a full disk ends the run in one line);
+        tokens_at(step): the tokens trained on by that step, which every wandb row carries (its x-axis)."""
         self.path, self.wandb_run, self.on_write_error = path, wandb_run, on_write_error
+        self.tokens_at = tokens_at
 
     def truncate_after(self, step: int, reevaluated: bool = False) -> None:
         """On resume, drop records of steps the interrupted run logged after its last checkpoint (and, when the
@@ -251,7 +232,7 @@ class MetricsLog:
                 raise
             self.on_write_error(self.path.name, e)
         if self.wandb_run is not None:
-            self.wandb_run.log(values, step=step)
+            self.wandb_run.log({**values, X_AXIS: self.tokens_at(step)}, step=step)
 
 
 @contextmanager
@@ -303,10 +284,11 @@ def main(argv):
         fail(str(e), status=2)
     # WANDB_MODE=offline in the environment counts as --wandb_mode=offline; an online run needs a login and the
     # network, checked now rather than after the model is built and the run folder written
-    wandb_mode = t.wandb_mode
-    if wandb_mode == "online" and os.environ.get("WANDB_MODE") in ("offline", "disabled", "dryrun"):
-        wandb_mode = "offline" if os.environ["WANDB_MODE"] == "dryrun" else os.environ["WANDB_MODE"]
-    problem = wandb_problem(wandb_mode) if t.wandb_log else ""
+    wandb_mode = resolved_mode(t.wandb_mode)
+    use_wandb = t.wandb_log and wandb_mode != "disabled"
+    if use_wandb and package_problem():
+        fail(f"--wandb_log=True: {package_problem()}; or train without --wandb_log", status=2)
+    problem = wandb_problem(wandb_mode) if use_wandb else ""
     if problem:
         fail(f"--wandb_log=True cannot log online: {problem}. Use --wandb_mode=offline (or WANDB_MODE=offline) to log "
              "to the run folder and `wandb sync` it later, or `wandb login` first", status=2)
@@ -368,7 +350,8 @@ def main(argv):
     if source is not None:  # pretrained weights read the data's token ids as their own tokenizer's
         name = "gpt2" if t.init_from in GPT2_NAMES else source
         try:
-            problem = tokenizer_mismatch(get_tokenizer(name).identity(), meta, data_dir, f"init_from={t.init_from}")
+            identity = pretrained_tokenizer_identity(source) or get_tokenizer(name).identity()
+            problem = tokenizer_mismatch(identity, meta, data_dir, f"init_from={t.init_from}")
         except TokenizerUnavailable:  # a folder of weights without tokenizer files: only the names can be compared
             problem = ""
             if meta["tokenizer"] != name and master:
@@ -457,6 +440,7 @@ def main(argv):
     optimizer = raw_model.configure_optimizer(t.weight_decay, t.learning_rate, (t.beta1, t.beta2), device.type)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     step, best_val_loss, wandb_run_id, ckpt_step = 0, float("inf"), None, None
+    tokens_seen = 0  # by the starting step: a resumed run counts on from what its checkpoint had seen
     if ckpt is not None:
         if fsdp:  # every process reads its own shards, resharded if the run had another number of processes
             load_sharded_training_state(ckpt["path"], raw_model, optimizer)
@@ -466,6 +450,8 @@ def main(argv):
             scaler.load_state_dict(ckpt["scaler"])
         step, best_val_loss, wandb_run_id = ckpt["step"], ckpt["best_val_loss"], ckpt.get("wandb_run_id")
         ckpt_step = step
+        # checkpoints from before tokens were counted: every step of the run had this run's tokens per step
+        tokens_seen = ckpt.get("tokens_seen", step * tokens_per_step)
         if len(ckpt["rng"]) == world_size:
             try:
                 set_rng_state(ckpt["rng"][rank])
@@ -485,6 +471,11 @@ def main(argv):
                 del model  # as at the end: DDP's reducer released before the group (see there)
                 dist.destroy_process_group()
             return
+
+    def tokens_at(at_step: int) -> int:
+        """Tokens trained on by the end of step at_step, over every process and micro-step (the x-axis that lines
+        up runs of different tokens per step)."""
+        return tokens_seen + (at_step - (ckpt_step or 0)) * tokens_per_step
 
     # ---- output folder, logs, signals ---------------------------------------------------------------------
     saved_steps = {t.resume_from: step} if ckpt_step is not None else {}  # the step of each checkpoint written
@@ -523,14 +514,16 @@ def main(argv):
         if device.type == "cpu":
             print(openmp_note())
         wandb_run = None
-        if t.wandb_log:
-            import wandb
-
-            wandb_run = wandb.init(project=t.wandb_project, name=t.wandb_run_name or out_dir.name,
-                                   config={**cfg.to_dict(), "run": info, "n_params": n_params},
-                                   id=wandb_run_id, resume="allow", dir=str(out_dir), mode=wandb_mode)
+        if use_wandb:
+            try:
+                wandb_run = start_run(cfg, out_dir, argv, wandb_mode, wandb_run_id, resuming=ckpt_step is not None,
+                                      run=info, n_params=n_params)
+            except OSError as e:
+                cannot_write("wandb.json", e)
             wandb_run_id = wandb_run.id
-        metrics = MetricsLog(out_dir / "metrics.jsonl", wandb_run, on_write_error=cannot_write)
+            print(f"wandb: run {wandb_run.id} ({wandb_mode}) in group {wandb_run.group!r}, tags "
+                  f"{', '.join(wandb_run.tags) or 'none'}; metrics against {X_AXIS} ({tokens_per_step:,} per step)")
+        metrics = MetricsLog(out_dir / "metrics.jsonl", wandb_run, on_write_error=cannot_write, tokens_at=tokens_at)
         if step > 0:
             try:  # the evaluation at the resumed step runs again (below): its earlier records are dropped
                 metrics.truncate_after(step, reevaluated=step % ev.eval_interval == 0 or step == t.max_iters
@@ -564,6 +557,7 @@ def main(argv):
             states = [rng_state()]
         meta_ = {"config": cfg.to_dict(), "step": step, "best_val_loss": best_val_loss, "rng": states,
                  "data_cursor": train_data.state_dict(step), "wandb_run_id": wandb_run_id,
+                 "tokens_seen": tokens_at(step),
                  "tokenizer": meta["tokenizer"], "tokenizer_identity": data_tokenizer,
                  **({"run": info} if master else {})}
         try:

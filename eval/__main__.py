@@ -19,7 +19,9 @@ Tasks:
     recall  associative recall over a distance (eval/recall.py) for runs trained on --dataset=recall
     diagnostics  paper 004's boundary diagnostics (eval/diagnostics.py): needle by distance, bridge window,
           boundary sweep and tail, semantic exact / paraphrase / distractor / boundary, prompt NLL by position
-Every JSON carries the command, git hash, config hash, checkpoint step and seed that produced it.
+Every JSON carries the command, git hash, config hash, checkpoint step and seed that produced it. A run trained
+with --wandb_log=True also gets each task's headline numbers in its wandb run's summary (eval/<task>/<column>,
+the run resumed by id; wandb_run.py); --wandb=False leaves wandb out.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from attention import simulate_cuda
 from attention.registry import used_settings
 from checkpoint import (CheckpointError, atomic_write, checkpoint_path, checkpoint_tokenizer_identity,
                         describe_checkpoint, git_hash, load_model, run_tokenizer, write_json)
-from config import Config, ConfigError, apply_args, dataclass_fields, exit_on_config_error, resolve_device
+from config import Config, ConfigError, apply_args, coerce, dataclass_fields, exit_on_config_error, resolve_device
 from data.meta import DataError, load_meta, open_tokens, split_fingerprint, tokenizer_identity, tokenizer_mismatch
 from data.tokenizer import TokenizerUnavailable
 from eval import diagnostics as diagnostics_task
@@ -53,6 +55,7 @@ from eval import ppl as ppl_task
 from eval import recall as recall_task
 from eval.results import describe_settings, merged_report
 from run_folder import held, holds_run, writable_folder_problem
+from wandb_run import report_evaluation
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -436,7 +439,10 @@ def load_hf(e: EvalRunConfig, settings: dict, device: str, dtype_name: str):
 def main(argv):
     from pretrained import PretrainedError
 
-    e, settings = exit_on_config_error(parse, argv)
+    # --wandb is where results go, not how they are computed: outside EvalRunConfig, whose fields make the setting
+    wandb_args = [arg for arg in argv if arg.partition("=")[0] == "--wandb"]
+    to_wandb = exit_on_config_error(coerce, "wandb", wandb_args[-1].partition("=")[2], bool) if wandb_args else True
+    e, settings = exit_on_config_error(parse, [arg for arg in argv if arg not in wandb_args])
     device = exit_on_config_error(resolve_device, e.device)
     problem = writable_folder_problem(Path(e.out_dir) / "eval")  # before any work: results go there
     if problem:
@@ -497,6 +503,8 @@ def main(argv):
     atomic_write(eval_dir / "summary.md", lambda f: f.write(summary_markdown(eval_dir).encode()))
     done = [t for t in e.tasks.split(",") if t not in failed]
     print(f"wrote {', '.join(f'{t}.json' for t in done) or 'no task result'}; summary.md in {eval_dir}")
+    if to_wandb and done:  # into the summary of the wandb run the run trained in, if it logged to one
+        report_evaluation(e.out_dir, done)
     if failed:
         sys.exit(2)
 

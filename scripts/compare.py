@@ -40,9 +40,9 @@ from eval.results import (data_label, describe_settings, own_data, reads_validat
 from eval.stats import mean_std, paired_comparison  # noqa: E402
 
 # metrics.jsonl keys with a column of their own (or none); any other numeric key becomes a column (last value)
-STANDARD_METRICS = {"step", "train_loss", "val_loss", "best_val_loss", "lr", "tokens_per_s", "mfu"}
+STANDARD_METRICS = {"step", "train_loss", "val_loss", "best_val_loss", "lr", "tokens_per_s", "mfu", "tokens_seen"}
 # config keys that name or log a run without changing what it computes
-IGNORED_KEYS = {"out_dir", "wandb_run_name", "wandb_project", "wandb_log", "wandb_mode", "init_from", "data.created",
+IGNORED_KEYS = {"out_dir", "wandb_run_name", "wandb_project", "wandb_log", "wandb_mode", "wandb_group", "wandb_tags", "init_from", "data.created",
                 "data_meta.created"}  # data.created: the meta's, in runs written before data_meta
 IGNORED_GROUPS = {"run", "provenance", "n_params"}
 SEED_KEY = "seed"
