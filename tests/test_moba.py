@@ -1,11 +1,11 @@
-"""MoBA (attention/moba.py): the block choice against a direct reading of its definition, the gathered kernel
+"""MoBA (attention/moba.py): the block choice against a direct reading of its definition, the blockwise kernel
 against the dense reference forward and backward, O(n c k) memory, and the layer in a model."""
 
 import pytest
 import torch
 
 from attention import validate_config
-from attention.moba import GATHERED_PER_CALL, moba_choose, moba_dense, moba_gathered
+from attention.moba import moba_blockwise, moba_choose, moba_dense
 from config import ModelConfig
 from tests.test_attention import LargestTensor, fwd_bwd, qkv, tiny
 
@@ -29,35 +29,56 @@ def test_each_query_chooses_its_own_block_and_the_best_earlier_ones(n, block, to
 
 
 @pytest.mark.parametrize("n, block, topk", [(64, 8, 2), (70, 8, 3), (33, 16, 4), (5, 8, 2)])
-def test_gathered_kernel_equals_dense_reference_forward_and_backward(n, block, topk):
+def test_blockwise_kernel_equals_dense_reference_forward_and_backward(n, block, topk):
     tensors = qkv(n)
     chosen = moba_choose(*tensors[:2], torch.arange(n), block, topk)
     reference = fwd_bwd(lambda q, k, v: moba_dense(q, k, v, torch.arange(n), chosen, block), tensors)
-    gathered = fwd_bwd(lambda q, k, v: moba_gathered(q, k, v, torch.arange(n), chosen, block), tensors)
+    gathered = fwd_bwd(lambda q, k, v: moba_blockwise(q, k, v, torch.arange(n), chosen, block), tensors)
     for a, b in zip([reference[0], *reference[1]], [gathered[0], *gathered[1]]):
         torch.testing.assert_close(a, b)
 
 
-def test_enough_blocks_is_full_attention_and_the_gathered_kernel_chunks_queries(monkeypatch):
-    import attention.moba as moba
+@pytest.mark.parametrize("n_keys, n_queries", [(70, 70), (70, 9), (33, 1)])
+def test_blockwise_kernel_over_a_cache_and_with_dropout_equals_dense_reference(n_keys, n_queries):
+    """Queries at the end of a longer key sequence (a prompt continued over a cache: every chosen block,
+    the own one too, through the grouped path and its causal mask), and the dropout path's autograd at p = 0."""
+    from attention.moba import _moba_blockwise
+
+    q, k, v = qkv(n_keys)
+    q = q[:, :, -n_queries:].detach().requires_grad_()
+    pos = torch.arange(n_keys - n_queries, n_keys)
+    chosen = moba_choose(q, k, pos, 8, 3)
+    reference = fwd_bwd(lambda q, k, v: moba_dense(q, k, v, pos, chosen, 8), (q, k, v))
+    for kernel in (moba_blockwise, lambda *args: _moba_blockwise(*args, dropout_p=0.0)):
+        got = fwd_bwd(lambda q, k, v: kernel(q, k, v, pos, chosen, 8), (q, k, v))
+        for a, b in zip([reference[0], *reference[1]], [got[0], *got[1]]):
+            torch.testing.assert_close(a, b)
+    torch.manual_seed(0)
+    dropped = moba_blockwise(q, k, v, pos, chosen, 8, dropout_p=0.5)
+    torch.manual_seed(0)
+    assert torch.equal(dropped, moba_blockwise(q, k, v, pos, chosen, 8, dropout_p=0.5))
+    assert not torch.allclose(dropped, reference[0])
+    dropped.sum().backward()
+
+
+def test_enough_blocks_is_full_attention():
     from attention.edges import Causal
     from attention.kernels import attend
 
     q, k, v = qkv(40)
     chosen = moba_choose(q, k, torch.arange(40), 8, 5)  # 5 blocks of 8: every query takes every earlier block
-    monkeypatch.setattr(moba, "GATHERED_PER_CALL", 2 * 4 * 5 * 8 * 8 * 3)  # three queries per chunk
-    torch.testing.assert_close(moba_gathered(q, k, v, torch.arange(40), chosen, 8), attend(q, k, v, Causal(), "dense"))
+    torch.testing.assert_close(moba_blockwise(q, k, v, torch.arange(40), chosen, 8), attend(q, k, v, Causal(), "dense"))
 
 
-def test_gathered_kernel_never_builds_an_n_by_n_tensor():
+def test_blockwise_kernel_never_builds_an_n_by_n_tensor_nor_a_copy_of_the_keys_per_query():
     n, block, topk, dim = 8192, 64, 2, 8
-    assert n * topk * block * dim <= GATHERED_PER_CALL  # one chunk: the whole gathered tensor is the largest
-    q, k, v = (torch.randn(1, 1, n, dim, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(1, 2, n, dim, requires_grad=True) for _ in range(3))
     with LargestTensor() as largest:
         chosen = moba_choose(q, k, torch.arange(n), block, topk)
-        moba_gathered(q, k, v, torch.arange(n), chosen, block).sum().backward()
-    assert largest.numel <= n * topk * block * dim, largest.shape  # O(n c k) per head dimension, not n x n
-    assert largest.numel < n * n // 4
+        moba_blockwise(q, k, v, torch.arange(n), chosen, block).sum().backward()
+    # the block scores (n x n / c) and the pairs' partial outputs (n k D) are the largest, per head
+    assert largest.numel <= 2 * n * max(n // block, topk * dim), largest.shape
+    assert largest.numel < 2 * n * topk * block * dim // 4  # far below the per-query copies of the keys
 
 
 def test_moba_in_a_model_is_causal_trains_and_generates_from_its_cache():
