@@ -180,6 +180,46 @@ def plan_attention(rule: EdgeRule, backend: str, n: int, n_head: int, head_dim: 
     return plan
 
 
+def computed_scores(plan: AttentionPlan, n_head: int) -> int:
+    """The attention scores a plan's kernel computes over all heads: every tile or block it evaluates, allowed
+    edges and masked ones alike (what it costs), against which a rule's allowed edges (EdgeRule.count_edges)
+    show whether its cost follows them. Query rows past the sequence's end are not counted."""
+    n, keys = plan.n, plan.start + plan.n
+    if plan.kernel == "dense" or (plan.kernel == "sdpa" and plan.data is not None):
+        return n_head * n * keys
+    if plan.kernel == "sdpa":  # causal from position 0: the fused kernels skip the tiles above the diagonal
+        return n_head * n * (n + 1) // 2
+    if plan.kernel == "window":
+        q_index, k_index, mask, rows = plan.data
+        return n_head * len(rows) * mask.shape[-1]
+    if plan.kernel == "chunked":
+        total = 0
+        for heads, _, tiles in plan.data:
+            c = tiles.chunk
+            rows = (n - torch.arange(tiles.key_chunks.shape[0]) * c).clamp(max=c)  # the last chunk's real rows
+            total += len(heads) * int((rows * (tiles.key_chunks.cpu() >= 0).sum(1)).sum()) * c
+        return total
+    if plan.kernel == "flex":
+        mask = plan.data
+        blocks = mask.kv_num_blocks + (mask.full_kv_num_blocks if mask.full_kv_num_blocks is not None else 0)
+        per_head = int(blocks.sum()) * (1 if blocks.shape[1] == n_head else n_head) // max(1, blocks.shape[0])
+        q_block, kv_block = mask.BLOCK_SIZE
+        return per_head * q_block * kv_block
+    raise ValueError(f"no score count for the {plan.kernel} kernel")
+
+
+def layer_scores(mixer, seq_len: int, device="cpu") -> tuple[str, float | None]:
+    """(the kernels a layer's forward runs, the scores they compute per head): computed_scores over the layer's
+    own plan on that device. None for a mixer that plans no attention kernel (the recurrent mixers; moba, whose
+    kernel computes its chosen blocks)."""
+    torch.manual_seed(0)  # sa's permutation: any draw has the same tiles
+    plans = plans_in(mixer.plan(1, seq_len, device))
+    if not plans:
+        return "its own kernel", None
+    heads = getattr(mixer, "n_head", 1)
+    return "+".join(dict.fromkeys(p.kernel for p in plans)), sum(computed_scores(p, heads) for p in plans) / heads
+
+
 def _refuse_while_compiling(what: str) -> None:
     if torch.compiler.is_compiling():
         raise RuntimeError(f"{what} would be built inside a compiled graph (at every forward of every layer): plan "

@@ -18,7 +18,9 @@ model of --heads heads of --head_dim (for MSWA the deepest, whose heads have win
 projections, identical across variants, are left out (sa draws a fresh permutation and gathers / scatters
 inside each step, as its layer does; sa_swa runs both paths; the recurrent mixers run their training forms on
 random gates). Time is the best of --repeats timed runs after one warmup (the least disturbed by other work on
-the machine; the JSON keeps every run). Peak memory is the extra memory a forward + backward takes:
+the machine; the JSON keeps every run). scores/edges is what the kernel evaluates (every tile or block of its
+plan: attention/kernels.py computed_scores) over the edges the rule allows ("-" where a mixer plans no
+attention kernel). Peak memory is the extra memory a forward + backward takes:
 torch.cuda.max_memory_allocated on GPUs; on CPU each case runs in its own process and reports its resident-set
 high-water mark above the inputs.
 """
@@ -35,7 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from attention.kernels import AttentionPlan  # noqa: E402
+from attention.kernels import AttentionPlan, layer_scores  # noqa: E402
 from attention.registry import build_mixer, example_cases  # noqa: E402
 from checkpoint import write_json  # noqa: E402
 from config import (ConfigError, ModelConfig, apply_args, dataclass_fields, exit_on_config_error,  # noqa: E402
@@ -149,8 +151,16 @@ def run_case(name: str, n: int, b: BenchConfig, device: torch.device) -> dict:
     else:
         peak = max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base)
     backend = backend_of(mixer, n, device)  # after the peak: its plan is the step's memory, not the inputs'
+    # what the kernel evaluates against the edges the rule allows: a cost that does not follow the edges shows
+    try:
+        edges = sum(e for _, e in mixer.edge_counts(n)) / m.n_head
+    except NotImplementedError:  # recurrent mixers: no attention edges
+        edges = None
+    scores = layer_scores(mixer, n, device)[1]
     return {"variant": name, "backend": backend, "n": n, "ms": 1000 * min(times),
-            "runs_ms": [round(1000 * t, 1) for t in times], "peak_mib": peak / 2**20}
+            "runs_ms": [round(1000 * t, 1) for t in times], "peak_mib": peak / 2**20,
+            "scores_per_head": scores, "edges_per_head": edges,
+            "scores_vs_edges": scores / edges if scores is not None and edges else None}
 
 
 def parse(argv) -> BenchConfig:
@@ -195,7 +205,9 @@ def main(argv):
             results.append(r)
             full = next((x for x in results if x["variant"] == "full" and x["n"] == n), None)
             r["speedup_vs_full"] = full["ms"] / r["ms"] if full else None
-            print(f"n={n:>6} {name:<14} {r['backend']:<8} {r['ms']:>10.1f} ms {r['peak_mib']:>9.1f} MiB"
+            ratio = f"{r['scores_vs_edges']:5.2f}" if r.get("scores_vs_edges") else "    -"
+            print(f"n={n:>6} {name:<14} {r['backend']:<8} {r['ms']:>10.1f} ms {r['peak_mib']:>9.1f} MiB "
+                  f"scores/edges {ratio}"
                   + (f"  {r['speedup_vs_full']:5.1f}x vs full" if full and name != "full" else ""), flush=True)
     for name in b.variants.split(","):
         rows = {r["n"]: r for r in results if r["variant"] == name}

@@ -5,13 +5,16 @@
 
 Per layer and head: the attention scores the variant computes (branch form: every score of every
 separately normalised branch) and its unique allowed edges (union form), with their ratios to full causal
-attention and to SWA with the config's swa_window. Then the all-depth receptive field (004 Sec. 3.1): which
+attention and to SWA with the config's swa_window; then the scores its kernels evaluate (every tile of the
+CPU's kernel, every block of FlexAttention's block mask on CUDA; --no-flex skips building those) over its
+edges, so a rule whose cost does not follow its edges shows it (swa(256): 1.5x on both). Then the all-depth receptive field (004 Sec. 3.1): which
 source positions can reach each target through the layer stack, residual connections included. Everything is
 counted from the layers' own edge rules; nothing is hard-coded. Extra --key=value arguments override the
 config as in train.py.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -21,11 +24,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from attention.edges import Causal, SlidingWindow  # noqa: E402
+from attention.kernels import layer_scores  # noqa: E402
 from config import exit_on_config_error, load_config  # noqa: E402
 from model import GPT  # noqa: E402
 
 
-def layer_stats(model, seq_len: int, swa_window: int) -> list[dict]:
+def layer_stats(model, seq_len: int, swa_window: int, flex_model=None) -> list[dict]:
     full = Causal().count_edges(seq_len)
     swa = SlidingWindow(swa_window).count_edges(seq_len)
     rows = []
@@ -39,7 +43,14 @@ def layer_stats(model, seq_len: int, swa_window: int) -> list[dict]:
         windows = mixer.head_windows()
         computed = sum(c for c, _ in heads) / len(heads)
         edges = sum(e for _, e in heads) / len(heads)
+        kernel, kernel_computed = layer_scores(mixer, seq_len)
+        flex_kernel, flex_computed = layer_scores(flex_model.blocks[i].mixer, seq_len) if flex_model else ("", None)
         rows.append({
+            # what the kernels evaluate, tiles and blocks whole, against the edges the rule allows
+            "kernel": kernel, "kernel_scores_per_head": kernel_computed,
+            "kernel_vs_edges": kernel_computed / edges if kernel_computed is not None and edges else None,
+            "flex_kernel": flex_kernel, "flex_scores_per_head": flex_computed,
+            "flex_vs_edges": flex_computed / edges if flex_computed is not None and edges else None,
             "layer": i, "mixer": type(mixer).__name__, "rule": repr(mixer.edge_rule()) if hasattr(mixer, "edge_rule")
             else None,
             "heads": [{"head": h, "scores": c, "edges": e} for h, (c, e) in enumerate(heads)],
@@ -79,6 +90,8 @@ def main(argv):
     parser.add_argument("--config", required=True, help="a model config file (configs/*.py)")
     parser.add_argument("--seq_len", type=int, required=True)
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--flex", action=argparse.BooleanOptionalAction, default=True,
+                        help="also count the scores of FlexAttention's block masks (CUDA's kernel; built on the CPU)")
     parser.add_argument("--receptive_field", choices=("auto", "yes", "no"), default="auto",
                         help="compute the all-depth receptive field (auto: when seq_len <= 2048; O(L n^3))")
     args, overrides = parser.parse_known_args(argv)
@@ -87,7 +100,8 @@ def main(argv):
     m.vocab_size = m.vocab_size or 64  # irrelevant to the attention edges
     with torch.device("meta"):  # rules and counts need no weights
         model = GPT(m)
-    layers = layer_stats(model, args.seq_len, m.swa_window)
+        flex_model = GPT(dataclasses.replace(m, attn_backend="flex")) if args.flex else None  # CUDA's kernel
+    layers = layer_stats(model, args.seq_len, m.swa_window, flex_model)
     want_rf = args.receptive_field == "yes" or (args.receptive_field == "auto" and args.seq_len <= 2048)
     rf = receptive_field(model, args.seq_len) if want_rf else None
     reference = {"full": Causal().count_edges(args.seq_len), "swa": SlidingWindow(m.swa_window).count_edges(args.seq_len)}
@@ -107,15 +121,19 @@ def main(argv):
     print(f"{args.config} {' '.join(overrides)}: seq_len {n}, {m.n_layer} layers x {m.n_head} heads, "
           f"pattern {m.attn_pattern!r}")
     print(f"reference per head: full causal {reference['full']:,} scores; swa({m.swa_window}) {reference['swa']:,}")
-    print(f"{'layer':>5} {'mixer':<24} {'scores/head':>12} {'edges/head':>12} {'vs full':>8} {'vs swa':>8}")
+    print(f"{'layer':>5} {'mixer':<24} {'scores/head':>12} {'edges/head':>12} {'vs full':>8} {'vs swa':>8} "
+          f"{'computed by the kernels / edges':>34}")
+    ratio = lambda kernel, value: f"{kernel} {value:.2f}x" if value is not None else kernel  # noqa: E731
     for row in layers:
         if row["heads"] is None:
             print(f"{row['layer']:>5} {row['mixer']:<24} (no attention edges)")
             continue
         per_head = {h["scores"] for h in row["heads"]}
         scores = f"{row['scores_per_head']:,.0f}" if len(per_head) == 1 else f"{row['scores_per_head']:,.1f}*"
+        computed = ratio(row["kernel"], row["kernel_vs_edges"]) + (
+            f", {ratio(row['flex_kernel'], row['flex_vs_edges'])}" if row["flex_kernel"] and row["flex_vs_edges"] else "")
         print(f"{row['layer']:>5} {row['mixer']:<24} {scores:>12} {row['edges_per_head']:>12,.0f} "
-              f"{row['scores_vs_full']:>8.4f} {row['scores_vs_swa']:>8.4f}")
+              f"{row['scores_vs_full']:>8.4f} {row['scores_vs_swa']:>8.4f} {computed:>34}")
         if len(per_head) > 1:
             print("      * mean over heads; per head: " + ", ".join(f"{h['scores']:,}" for h in row["heads"]))
         if row["describe"]:

@@ -1,5 +1,6 @@
 """The attention core: edge rules, every backend against the dense reference, caches, structural properties."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -337,6 +338,43 @@ def test_mask_stats_reproduces_the_score_counts_of_004_table_2():
             growth = [r["sources_of_last"] for r in report["receptive_field"]]
             assert growth == [128, 255]  # w, then w - 1 more per layer
     assert counts == {"full": 524_800, "swa": 122_944, "block": 66_048}
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedPattern(EdgeRule):
+    """Sparse Transformer's "fixed" pattern written as allowed() alone: the query's own block and the last key
+    of every earlier block (a summary column)."""
+    block: int = 128
+
+    def allowed(self, q, k, h=None):
+        return (k <= q) & ((k // self.block == q // self.block) | (k % self.block == self.block - 1))
+
+
+def test_the_kernels_scores_are_counted_against_the_edges_so_a_costly_rule_shows():
+    """computed_scores counts every tile the chunked kernel and every block FlexAttention's mask evaluates:
+    swa's band costs 1.5x its edges, plain causal attention 1.0x, and a rule written as allowed() alone whose
+    far keys the block layout cannot skip (a summary column in every earlier block) costs many times its edges;
+    scripts/mask_stats.py prints the same ratios for a config's layers."""
+    from attention.kernels import computed_scores, plan_attention
+
+    n, heads = 4096, 2
+    ratios = {}
+    for name, rule in (("swa", SlidingWindow(256)), ("causal", Causal()), ("fixed", FixedPattern(128))):
+        for backend in ("auto", "flex"):
+            plan = plan_attention(rule, backend, n, heads, 64, "cpu")
+            ratios[name, plan.kernel] = computed_scores(plan, heads) / (heads * rule.count_edges(n))
+    assert ratios["swa", "chunked"] == pytest.approx(1.5, abs=0.01)
+    assert ratios["swa", "flex"] == pytest.approx(1.5, abs=0.01)
+    assert ratios["causal", "sdpa"] == 1.0
+    assert ratios["fixed", "chunked"] > 10 and ratios["fixed", "flex"] > 10  # every key block holds an edge
+    dense = plan_attention(SlidingWindow(256), "dense", n, heads, 64, "cpu")
+    assert computed_scores(dense, heads) == heads * n * n
+    proc = subprocess.run([sys.executable, "scripts/mask_stats.py", "--config", "configs/quickstart.py", "--seq_len",
+                           "1024", "--json", "--attn_pattern=swa", "--swa_window=128", "--n_layer=1",
+                           "--receptive_field=no"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    layer = json.loads(proc.stdout)["layers"][0]
+    assert layer["kernel"] == "chunked" and 1.0 < layer["kernel_vs_edges"] < 2.0 and layer["flex_vs_edges"] > 1.0
 
 
 def test_auto_never_picks_flex_below_its_smallest_head_dimension():
