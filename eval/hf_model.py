@@ -88,11 +88,16 @@ def load_pretrained_lm(source: str, settings: dict, dtype: str = "float32", devi
         from transformers import AutoModelForCausalLM
     except ImportError:
         raise PretrainedError("--hf needs transformers: pip install -r requirements.txt") from None
+    import hf_gpt
+
     try:
         hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype))
     except (OSError, ValueError) as e:
         raise PretrainedError(f"cannot load {source!r} ({str(e).splitlines()[0][:200]}): give a hub name (downloads "
                               "need the network once) or a folder written by save_pretrained") from None
+    if isinstance(hf_model, hf_gpt.EfficientAttentionForCausalLM):  # its layers are this project's already
+        raise PretrainedError(f"{source} is a run exported by export.py (this project's model class): evaluate the "
+                              "run's folder with --out_dir, or load it with init_from=hf: to train on")
     try:
         model = VariantLM(hf_model.to(device), settings, hf_decode, context)
     except ValueError as e:

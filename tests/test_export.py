@@ -48,6 +48,12 @@ def test_an_export_is_the_run_in_transformers(case, tmp_path, offline):
     assert os.path.exists(folder / "modeling_efficient_attention_gpt.py") == project
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=project).eval()
     assert type(hf).__name__ == expected_class
+    if project:  # its layers are this project's already: python -m eval --hf= says to evaluate the run itself
+        from eval.hf_model import load_pretrained_lm
+        from pretrained import PretrainedError
+
+        with pytest.raises(PretrainedError, match="evaluate the run's folder"):
+            load_pretrained_lm(str(folder), {"attn_pattern": "full"})
 
     ids = torch.randint(0, 257, (2, BLOCK), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
