@@ -173,8 +173,6 @@ def native_state_dict(gpt, family: str) -> dict:
                 out[f"model.layers.{index}.{renamed[module]}.{leaf}"] = value
             else:
                 raise ExportError(f"{name} has no counterpart in {family}'s class")
-    if family == "qwen2" and f"model.layers.0.self_attn.q_proj.bias" not in out:
-        raise ExportError("qwen2 export without q/k/v biases")
     return out
 
 

@@ -159,7 +159,6 @@ def generate_rows(generate, input_ids, attention_mask, kwargs: dict, pad_token_i
     layout: each row's padded prompt, then its new tokens, right-padded with pad_token_id to one length."""
     pad = kwargs.get("pad_token_id", pad_token_id)
     pad = 0 if pad is None else pad
-    width = input_ids.size(1)
     rows = []
     for ids, mask in zip(input_ids, attention_mask):
         n_pad = int((mask == 0).sum())
@@ -174,7 +173,6 @@ def generate_rows(generate, input_ids, attention_mask, kwargs: dict, pad_token_i
     out = torch.full((len(rows), length), pad, dtype=input_ids.dtype, device=input_ids.device)
     for i, row in enumerate(rows):
         out[i, :len(row)] = row
-    assert out.size(1) >= width
     return out
 
 

@@ -436,5 +436,5 @@ def chosen_block_edges(q_pos, k_pos, chosen, block):
     """The MoBA edge: the key lies in one of the blocks of `block` positions that the query chose (block
     indices broadcast against k_pos // block; -1 chooses none) and is not after the query. The choice is
     data-dependent (attention/moba.py: moba_choose), so MoBA has no static rule: its dense reference and its
-    gathered-block kernel both evaluate this predicate."""
+    blockwise kernel both evaluate this predicate."""
     return (k_pos <= q_pos) & (k_pos // block == chosen)

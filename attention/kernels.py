@@ -212,8 +212,8 @@ def layer_scores(mixer, seq_len: int, device="cpu") -> tuple[str, float | None]:
     """(the kernels a layer's forward runs, the scores they compute per head): computed_scores over the layer's
     own plan on that device. None for a mixer that plans no attention kernel (the recurrent mixers; moba, whose
     kernel computes its chosen blocks)."""
-    torch.manual_seed(0)  # sa's permutation: any draw has the same tiles
-    plans = plans_in(mixer.plan(1, seq_len, device))
+    with torch.random.fork_rng(devices=[]):  # sa draws a permutation: any draw has the same tiles, and the
+        plans = plans_in(mixer.plan(1, seq_len, device))  # caller's random stream is left as it was
     if not plans:
         return "its own kernel", None
     heads = getattr(mixer, "n_head", 1)

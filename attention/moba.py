@@ -119,10 +119,15 @@ class _Groups:
         return out.index_put_((self.bh[part], self.rows[part]), values)
 
     def allowed(self, j, part):
-        """Block j's keys each of its pairs may read: all of an earlier block, up to the query in its own."""
+        """Block j's keys each of its pairs may read, by MoBA's edge (padding rows, at position -1: none)."""
         positions = self.padded(j, part, self.q_pos[self.query[part]], fill=-1)
         key_pos = j * self.block + torch.arange(self.block, device=positions.device)
-        return (key_pos <= positions[..., None]) & (key_pos < self.Tk)
+        return chosen_block_edges(positions[..., None], key_pos, j, self.block)
+
+    def own_block_edges(self, device):
+        """MoBA's edge within a query's own block, at offsets inside it (the same for every block)."""
+        offsets = torch.arange(self.block, device=device)
+        return chosen_block_edges(offsets[:, None], offsets, 0, self.block)
 
     def own_chunks(self):
         step = max(1, OWN_SCORES_PER_CALL // (self.BH * self.block * self.block))
@@ -174,7 +179,7 @@ class MobaBlockwise(torch.autograd.Function):
 
         if groups.own:
             n, block = groups.n_blocks, groups.block
-            causal = torch.ones(block, block, dtype=torch.bool, device=grad.device).tril()
+            causal = groups.own_block_edges(grad.device)
             query_blocks, grad_blocks = _padded_blocks(flat_q, n, block), _padded_blocks(grad, n, block)
             # padding rows: an infinite log-sum-exp gives them zero probability
             lse_blocks = F.pad(lse, (0, n * block - Tq), value=math.inf).view(-1, n, block)
@@ -225,7 +230,7 @@ def _attend_groups(q, k, v, q_pos, chosen, block, dropout_p):
     value_blocks = _padded_blocks(flat_v, groups.n_blocks, block)
     lse_parts, out_parts = [], []
     if groups.own:
-        causal = torch.ones(block, block, dtype=torch.bool, device=q.device).tril()
+        causal = groups.own_block_edges(q.device)
         query_blocks = _padded_blocks(flat_q, groups.n_blocks, block)
         own = [_softmax(query_blocks[:, c], key_blocks[:, c], value_blocks[:, c], causal, dropout_p)
                for c in groups.own_chunks()]

@@ -101,7 +101,7 @@ class EfficientAttentionLM(HFLM):
             super().__init__(pretrained=model, tokenizer=tokenizer, **{"backend": "causal", **kwargs})
             self.pretrained = str(pretrained)  # the model's name in results, as a hub name or folder is
             self._run_info = {"run": str(pretrained), "ckpt": raw.get("path"), "step": raw.get("step")}
-            self._one_at_a_time_if_length_dependent(model.model.blocks[i].mixer for i in range(len(model.model.blocks)))
+            self._one_at_a_time_if_length_dependent(block.mixer for block in model.model.blocks)
         else:
             super().__init__(pretrained=pretrained, device=device, **kwargs)
             if settings:
