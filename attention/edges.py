@@ -14,9 +14,9 @@ Besides the predicate a rule states `lookback`, the largest q - k it allows (Non
 `lookahead`, the largest k - q (0 for causal rules), and `key_ranges(q_lo, q_hi)`, the key positions where
 the queries of a block may have edges (by default the band the lookback and lookahead give, or every earlier
 key when the lookback is unbounded; a rule with a few far keys, such as global tokens, names them). They only
-size things (which key blocks the kernels look at, the rolling KV cache) and tests check them against the
-predicate; the kernels then keep only the key blocks that hold an allowed edge, so a rule costs what its edges
-cost.
+size things (where the kernels look for edges, the rolling KV cache) and tests check them against the
+predicate; the kernels then keep only the keys that hold an allowed edge, in the layout the edges call for
+(attention/layouts.py), so a rule costs what its edges cost, written with these or as allowed() alone.
 Rules are frozen dataclasses, so they are hashable: block masks and edge counts are cached per rule. Rules
 drawn afresh at every forward (stochastic attention's permutations) are `static = False`: kernels build
 their masks per call instead of caching them.
@@ -59,6 +59,17 @@ class EdgeRule:
         """The window of each head, for rules that are sliding windows (summed-window cost accounting)."""
         return None
 
+    def key_count(self, n: int) -> int:
+        """The keys of a sequence of n queries: n, except for rules over a key sequence of their own (FlexAttention's
+        key prefix, attention/layouts.py: KeyPrefixRule)."""
+        return n
+
+    def residue_classes(self, n_head: int) -> list[int] | None:
+        """Per head, a d dividing every allowed offset q - k (a dilated window's dilation), when the rule
+        states its layout: the kernels then run each residue class mod d as a sequence of its own
+        (attention/layouts.py). None (the default): found from allowed() by a scan of the edges."""
+        return None
+
     def window_tiles(self, n: int):
         """For rules whose edges fall into disjoint windows, each a run of query rows over a run of keys:
         (first row of each window, first key of each window, rows per window, keys per window), for the
@@ -69,10 +80,11 @@ class EdgeRule:
     def chunk_size(self) -> int:
         """The query chunk of the chunked kernel: small enough to waste little on masked-out tile entries,
         large enough for efficient matmuls (128 measured best for w=256 on CPU, see docs/benchmarks.md). A rule
-        with far keys (unbounded lookback: global tokens, sinks) spends a whole key chunk on each far block, so
-        it takes chunks of 64 (a window of 256 plus 4 global keys: 1.2x faster than with 128)."""
+        with far keys (unbounded lookback: global tokens, sinks, summary columns) runs compacted tiles, where a
+        far key costs itself rather than a key chunk: 128 (a window of 256 plus 4 sinks: 418 ms against 437 ms
+        with 64, n = 8K, one thread)."""
         if self.lookback is None:
-            return 64
+            return 128
         return max(16, min(128, _pow2_floor(max(1, (self.lookback + 1) // 2))))
 
     # ---- derived from allowed() -------------------------------------------------------------------------

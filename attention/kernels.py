@@ -2,9 +2,10 @@
 
     dense    reference: explicit (B, H, Tq, Tk) scores in float32 or better, any device, O(n^2)
     chunked  block-sparse, O(edges) time and memory with autograd on any device (the CPU training path): queries
-             in chunks of c, each attending to the key chunks that hold its allowed edges (block_structure,
-             from the rule's key_ranges: a sliding window's band, plus the first chunk for global keys, any set
-             for other rules). Plain softmax on CPU runs groups of tiles through
+             in chunks of c, each attending to the keys that hold its allowed edges (ChunkTiles, from a scan of
+             the rule's edges over its key_ranges): a sliding window's band of key chunks, else the chunk's
+             keys compacted (own block, summary columns, sinks, global tokens), gathered by index. Plain
+             softmax on CPU runs groups of tiles through
              PyTorch's fused CPU flash kernel, forward and backward (ChunkedFlashCPU), sigmoid attention runs
              ChunkedSigmoid on any device (both take a ScoreBias); elsewhere all tiles go through one batched
              SDPA call, or explicit math for other score_mods
@@ -18,6 +19,12 @@
 
 auto picks sdpa for plain causal attention only; every other static rule runs block-sparse (flex on CUDA and on
 the CPU standing in for it, chunked elsewhere), whatever its lookback.
+
+Layouts (attention/layouts.py): heads whose allowed offsets all share a divisor d > 1 (dilated, strided rules)
+run each residue class mod d as a sequence of its own, found from the rule (or its residue_classes); the
+chunked kernel reads such a layout's rows as strided views, FlexAttention runs on the rows gathered. Keys a
+query block attends only sparsely (a summary column) are read by FlexAttention from a prefix of copies
+(key_prefix). A rule with a score_mod, or a call from a position offset, keeps the tokens' order.
 
 Every kernel takes the same optional `score_mod(score, b, h, q_idx, kv_idx)` (FlexAttention's signature, over
 absolute positions, so one definition serves all backends) and `activation` ("softmax" or "sigmoid": no
@@ -40,6 +47,7 @@ import torch.nn.functional as F
 
 from attention import simulate_cuda
 from attention.edges import Causal, EdgeRule
+from attention.layouts import KeyPrefixRule, Layout, from_layout, layout_groups, to_layout, write_rows
 
 BACKENDS = ("auto", "dense", "chunked", "flex", "sdpa")
 TILE_ROWS_PER_CALL = 16384  # chunked kernel on CPU: batch x heads x query positions per fused call
@@ -121,23 +129,47 @@ def plans_in(plan) -> list[AttentionPlan]:
 
 @dataclass(eq=False)
 class ChunkTiles:
-    """The block-sparse kernel's tiles over n positions: chunks of `chunk` queries, each over the key chunks
-    key_chunks[i] (S of them, -1 for an unused slot) that hold an allowed edge of some query of the chunk, laid
-    out slot by slot: a band of neighbouring chunks for a sliding window, plus the first chunk for global keys,
-    any set for other rules. `mask` (nc, c, S c) or per head (H, nc, c, S c) are the allowed pairs of every
-    tile; `band`: the number of earlier chunks when every chunk's slots are its own band (i - band ..), so
-    that relative position biases have the same tile everywhere (None otherwise); `keep` is None when every
-    query has an allowed key, else a 0/1 factor (n, 1) or (H, n, 1) that zeroes the rows without one."""
+    """The block-sparse kernel's tiles over n positions: chunks of `chunk` queries, each over the keys that
+    hold an allowed edge of some query of the chunk, in one of two layouts:
+
+        band       (a sliding window's) key_chunks[i] (S of them, -1 outside the sequence) are chunks
+                   i - band .. i - band + S - 1: each tile is a slice of the keys, and relative position biases
+                   have the same tile everywhere
+        compacted  (every other rule) key_index[i] are the positions of the keys chunk i's queries attend, the
+                   union of their edges (own block, summary columns, sinks, global tokens), padded with n (a
+                   zero row) to the widest chunk; widths[i] how many are real. Tiles are gathered by index,
+                   each group of chunks as wide as its widest chunk
+
+    `mask` (nc, c, K) or per head (H, nc, c, K) are the allowed pairs of every tile (K = S c or the widest
+    chunk); `keep` is None when every query has an allowed key, else a 0/1 factor (n, 1) or (H, n, 1) that
+    zeroes the rows without one."""
 
     mask: torch.Tensor
     chunk: int
-    key_chunks: torch.Tensor
+    key_chunks: torch.Tensor | None
     band: int | None
     keep: torch.Tensor | None
+    key_index: torch.Tensor | None = None
+    widths: tuple = ()
+    closed: torch.Tensor | None = None  # the pairs the fused softmax kernel masks out: outside the edges, except
+    #                                     in rows without any (opened everywhere; their outputs are zeroed)
+
+    def __post_init__(self):
+        if self.closed is None:
+            self.closed = ~(self.mask | ~self.mask.any(-1, keepdim=True))
 
     @property
     def slots(self) -> int:
         return self.key_chunks.shape[1]
+
+    def scores(self, n: int) -> int:
+        """Scores the kernel evaluates per head over n queries (query rows past the end not counted)."""
+        c, nc = self.chunk, self.mask.shape[-3]
+        rows = [min(c, n - i * c) for i in range(nc)]
+        if self.band is not None:
+            slots = (self.key_chunks.cpu() >= 0).sum(1).tolist()
+            return sum(r * s * c for r, s in zip(rows, slots))
+        return sum(sum(rows[g.i0:g.i1]) * g.width for g in ChunkedFlashCPU._groups(n, self, 1))
 
 
 def plan_attention(rule: EdgeRule, backend: str, n: int, n_head: int, head_dim: int, device, start: int = 0,
@@ -165,19 +197,111 @@ def plan_attention(rule: EdgeRule, backend: str, n: int, n_head: int, head_dim: 
     if _windowed(rule) and start == 0 and score_mod is None and activation == "softmax":
         plan.kernel, plan.data = "window", _window_plan(rule, n, device)
     elif kernel == "chunked":
-        groups = rule.head_groups()
-        if not groups or len(groups) == 1:
-            groups = [(list(range(n_head)), rule)]
         tiles_of = _cached_chunk_tiles if rule.static else _chunk_tiles  # a permutation's tiles are its own
-        plan.data = tuple((tuple(heads), sub_rule, tiles_of(sub_rule, n, start, chunk or sub_rule.chunk_size(),
-                                                            len(heads), device))
-                          for heads, sub_rule in groups)
+        plan.data = tuple(HeadGroup(tuple(heads), sub_rule, tiles_of(sub_rule, n, start, chunk or sub_rule.chunk_size(),
+                                                                     len(heads), device), layout)
+                          for heads, sub_rule, layout in _head_groups(rule, n, n_head, device, start, score_mod))
     else:  # flex
         if simulate_cuda.simulated(device):  # before any block that calls flex_attention is traced
             simulate_cuda.allow_flex_cpu_backward()
-        plan.data = flex_block_mask(rule, n, n_head, device, start)
+        in_order = not _may_reorder(rule, start, score_mod)
+        groups = [(heads, sub_rule, layout, None if in_order or layout is not None else
+                   key_prefix(sub_rule, n, len(heads)))
+                  for heads, sub_rule, layout in _head_groups(rule, n, n_head, device, start, score_mod)]
+        if all(layout is None and keys is None for _, _, layout, keys in groups):
+            plan.data = flex_block_mask(rule, n, n_head, device, start)
+        else:  # each group in its own layout or key order, under its block mask there
+            plan.data = tuple(_flex_group(heads, sub_rule, layout, keys, n, device)
+                              for heads, sub_rule, layout, keys in groups)
         plan.score_mod = _flex_score_mod(score_mod, start, activation)
     return plan
+
+
+@dataclass(eq=False)
+class HeadGroup:
+    """Heads a kernel runs together at their own cost: their rule (over their layout's rows when they have
+    one), the kernel's data for it (ChunkTiles, or a BlockMask for flex), their layout (None: the tokens' own
+    order) and, for flex, the gather index of their keys (key_prefix; None: the keys as they are)."""
+
+    heads: tuple
+    rule: EdgeRule
+    data: object
+    layout: Layout | None = None
+    key_index: torch.Tensor | None = None
+
+
+def _flex_group(heads, rule, layout, keys, n, device) -> HeadGroup:
+    if keys is not None:
+        rule = KeyPrefixRule(rule, keys.prefix_keys.to(device), keys.from_prefix.to(device), FLEX_BLOCK)
+        return HeadGroup(tuple(heads), rule, flex_block_mask(rule, n, len(heads), device), None,
+                         keys.index.to(device))
+    return HeadGroup(tuple(heads), rule, flex_block_mask(rule, n, len(heads), device), layout)
+
+
+@dataclass(eq=False)
+class KeyPrefix:
+    """FlexAttention's compacted key order (KeyPrefixRule): the keys gathered by `index` (the prefix copies,
+    -1 padding read as key 0, then every key in order)."""
+
+    prefix_keys: torch.Tensor
+    from_prefix: torch.Tensor
+    index: torch.Tensor
+
+
+SPARSE_KEYS = 16  # a key block of which a query block attends at most this many keys is read from the prefix
+
+
+@functools.lru_cache(maxsize=64)
+def key_prefix(rule: EdgeRule, n: int, n_head: int) -> KeyPrefix | None:
+    """FlexAttention's compacted order for a static rule: copies of the keys that query blocks attend only
+    sparsely in a key block (a summary column's key in every earlier block, sinks) in a prefix of whole
+    blocks, when that leaves fewer blocks to compute (a block mask pays for every key block that holds one
+    edge); None otherwise. The chunked kernel compacts every chunk's keys exactly instead (ChunkTiles)."""
+    if not rule.static:
+        return None
+    size = FLEX_BLOCK
+    nb = -(-n // size)
+    copied = torch.zeros(nb, nb, dtype=torch.bool)
+    keys = torch.zeros(n, dtype=torch.bool)
+    blocks_before = 0
+    for first, slots, used in _used_keys(rule, n, size, n_head):
+        per_block = used.view(len(slots), -1, size)  # (g, S, size)
+        counts = per_block.sum(-1)
+        blocks_before += int((counts > 0).sum())
+        sparse = (counts > 0) & (counts <= SPARSE_KEYS)
+        rows = (first + torch.arange(len(slots)))[:, None].expand_as(slots)
+        copied[rows[sparse], slots[sparse]] = True
+        positions = (slots[:, :, None] * size + torch.arange(size)).clamp(0, n - 1)
+        keys[positions[sparse[:, :, None] & per_block]] = True
+    count = int(keys.sum())
+    if count == 0:
+        return None
+    padded = -(-count // size) * size
+    prefix_keys = torch.full((padded,), -1, dtype=torch.long)
+    prefix_keys[:count] = torch.nonzero(keys).flatten()
+    blocks_after = blocks_before - int(copied.sum()) + int(copied.any(1).sum()) * (padded // size)
+    if blocks_after >= 0.9 * blocks_before:
+        return None
+    index = torch.cat([prefix_keys.clamp(min=0), torch.arange(n)])
+    return KeyPrefix(prefix_keys, copied, index)
+
+
+def _may_reorder(rule: EdgeRule, start: int, score_mod) -> bool:
+    """Whether a plan may run in another order of queries or keys: a static rule from position 0 (a cached
+    prefill's offset keeps the tokens' order), without a score_mod (it sees positions)."""
+    return rule.static and start == 0 and score_mod is None
+
+
+def _head_groups(rule: EdgeRule, n: int, n_head: int, device: str, start: int, score_mod) -> tuple:
+    """(heads, rule, layout) per group of heads: the rule's head groups, each static rule's heads split by the
+    residue-class layout their edges have (attention/layouts.py). A score_mod sees positions, so rules with one
+    and calls from a position offset (cached prefill) run in the tokens' order."""
+    if _may_reorder(rule, start, score_mod):
+        return layout_groups(rule, n, n_head, device)
+    groups = rule.head_groups()
+    if not groups or len(groups) == 1:
+        groups = [(list(range(n_head)), rule)]
+    return tuple((heads, sub_rule, None) for heads, sub_rule in groups)
 
 
 def computed_scores(plan: AttentionPlan, n_head: int) -> int:
@@ -193,19 +317,19 @@ def computed_scores(plan: AttentionPlan, n_head: int) -> int:
         q_index, k_index, mask, rows = plan.data
         return n_head * len(rows) * mask.shape[-1]
     if plan.kernel == "chunked":
-        total = 0
-        for heads, _, tiles in plan.data:
-            c = tiles.chunk
-            rows = (n - torch.arange(tiles.key_chunks.shape[0]) * c).clamp(max=c)  # the last chunk's real rows
-            total += len(heads) * int((rows * (tiles.key_chunks.cpu() >= 0).sum(1)).sum()) * c
-        return total
+        return sum(len(group.heads) * group.data.scores(n) for group in plan.data)
     if plan.kernel == "flex":
-        mask = plan.data
-        blocks = mask.kv_num_blocks + (mask.full_kv_num_blocks if mask.full_kv_num_blocks is not None else 0)
-        per_head = int(blocks.sum()) * (1 if blocks.shape[1] == n_head else n_head) // max(1, blocks.shape[0])
-        q_block, kv_block = mask.BLOCK_SIZE
-        return per_head * q_block * kv_block
+        if isinstance(plan.data, tuple):
+            return sum(_flex_scores(group.data, len(group.heads)) for group in plan.data)
+        return _flex_scores(plan.data, n_head)
     raise ValueError(f"no score count for the {plan.kernel} kernel")
+
+
+def _flex_scores(mask, n_head: int) -> int:
+    blocks = mask.kv_num_blocks + (mask.full_kv_num_blocks if mask.full_kv_num_blocks is not None else 0)
+    per_head = int(blocks.sum()) * (1 if blocks.shape[1] == n_head else n_head) // max(1, blocks.shape[0])
+    q_block, kv_block = mask.BLOCK_SIZE
+    return per_head * q_block * kv_block
 
 
 def layer_scores(mixer, seq_len: int, device="cpu") -> tuple[str, float | None]:
@@ -258,31 +382,31 @@ def attend_planned(q, k, v, plan: AttentionPlan, dropout_p: float = 0.0):
         return dense_attention(q, k, v, rule, pos, score_mod=score_mod, activation=activation, dropout_p=dropout_p)
     if plan.kernel == "chunked":
         groups = plan.data
-        if len(groups) == 1:
-            return chunked_attention(q, k, v, rule, start, 0, score_mod, activation, dropout_p, tiles=groups[0][2],
+        if len(groups) == 1 and groups[0].layout is None:
+            return chunked_attention(q, k, v, rule, start, 0, score_mod, activation, dropout_p, tiles=groups[0].data,
                                      cpu_flash=plan.cpu_flash)
-        # each head group at its own window's cost, not the largest one's
-        order = [i for heads, _, _ in groups for i in heads]
+        # each head group at its own cost (its window, its layout), not the largest one's
+        order = [i for group in groups for i in group.heads]
         in_order = order == list(range(q.shape[1]))
         if in_order and _fusable(score_mod) and activation == "softmax" and dropout_p == 0.0 \
-                and q.device.type == "cpu" and plan.cpu_flash:  # one fused call writing every group into the output
+                and q.device.type == "cpu" and plan.cpu_flash:
+            # one fused call writing every group into the output, each group's tiles read through its layout
             bounds, first = [], 0
-            for heads, _, tiles in groups:
-                bounds.append((first, first + len(heads), tiles))
-                first += len(heads)
+            for group in groups:
+                bounds.append((first, first + len(group.heads), group.data, group.layout))
+                first += len(group.heads)
             return ChunkedFlashCPU.apply(q, k, v, tuple(bounds), score_mod, start)
-        if in_order:  # consecutive groups: split, whose backward is one concatenation (no zero-filled
-            sizes = [len(heads) for heads, _, _ in groups]  # full-size gradient per group, as indexing has)
-            pieces = zip(q.split(sizes, 1), k.split(sizes, 1), v.split(sizes, 1))
-        else:
-            index = [torch.tensor(heads, device=q.device) for heads, _, _ in groups]
-            pieces = ((q[:, h], k[:, h], v[:, h]) for h in index)
-        parts = [chunked_attention(q_g, k_g, v_g, sub_rule, start, 0, _head_subset(score_mod, heads, q.device),
-                                   activation, dropout_p, tiles=tiles, cpu_flash=plan.cpu_flash)
-                 for (q_g, k_g, v_g), (heads, sub_rule, tiles) in zip(pieces, groups)]
-        y = torch.cat(parts, dim=1)
-        return y if in_order else y[:, torch.argsort(torch.tensor(order, device=q.device))]
+
+        def run(q_g, k_g, v_g, group):
+            return chunked_attention(q_g, k_g, v_g, group.rule, start, 0,
+                                     _head_subset(score_mod, group.heads, q.device), activation, dropout_p,
+                                     tiles=group.data, cpu_flash=plan.cpu_flash)
+        return _per_group(q, k, v, groups, run)
     if plan.kernel == "flex":
+        if isinstance(plan.data, tuple):  # head groups in layouts or key orders of their own
+            k, v = repeat_kv(q, k, v)
+            return _per_group(q, k, v, plan.data, lambda q_g, k_g, v_g, group: flex(  # score_mod: flex's form
+                q_g, k_g, v_g, group.rule, 0, score_mod, activation, dropout_p, block_mask=group.data))
         return flex(q, k, v, rule, start, score_mod, activation, dropout_p, block_mask=plan.data)
     if plan.kernel == "sdpa":
         if plan.data is None:
@@ -290,6 +414,29 @@ def attend_planned(q, k, v, plan: AttentionPlan, dropout_p: float = 0.0):
                                                   enable_gqa=k.shape[1] != q.shape[1])
         return _fused_softmax(q, k, v, plan.data, dropout_p)
     raise ValueError(f"unknown attention kernel {plan.kernel!r}")
+
+
+def _per_group(q, k, v, groups, run):
+    """run(q, k, v, group) over every HeadGroup's heads, in its layout, joined in head order."""
+    order = [i for group in groups for i in group.heads]
+    in_order = order == list(range(q.shape[1]))
+    if in_order:  # consecutive groups: split, whose backward is one concatenation (no zero-filled
+        sizes = [len(group.heads) for group in groups]  # full-size gradient per group, as indexing has)
+        pieces = zip(q.split(sizes, 1), k.split(sizes, 1), v.split(sizes, 1))
+    else:
+        index = [torch.tensor(group.heads, device=q.device) for group in groups]
+        pieces = ((q[:, h], k[:, h], v[:, h]) for h in index)
+    parts = []
+    for (q_g, k_g, v_g), group in zip(pieces, groups):
+        if group.key_index is not None:  # keys with a prefix of copies, queries as they are
+            k_g, v_g = k_g.index_select(2, group.key_index), v_g.index_select(2, group.key_index)
+        if group.layout is None:
+            parts.append(run(q_g, k_g, v_g, group))
+        else:
+            parts.append(from_layout(run(*(to_layout(t, group.layout) for t in (q_g, k_g, v_g)), group),
+                                     group.layout))
+    y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    return y if in_order else y[:, torch.argsort(torch.tensor(order, device=q.device))]
 
 
 def _fusable(score_mod) -> bool:
@@ -414,29 +561,18 @@ class KeyTiles(torch.autograd.Function):
         return key_grad(grad, ctx.group.tiles, B, n), None
 
 
-def as_chunks(x, tiles: ChunkTiles):
-    """(B, H, n, D) -> (B * H, n_chunks + 1, c, D): the sequence in chunks of c, zero-padded, plus one zero chunk
-    that unused tile slots point at (copied once per call; only the padding is zeroed)."""
-    B, H, n, D = x.shape
-    c, nc = tiles.chunk, tiles.mask.shape[-3]
-    out = x.new_empty(B, H, (nc + 1) * c, D)
-    out[:, :, n:].zero_()
-    out[:, :, :n] = x
-    return out.view(B * H, nc + 1, c, D)
-
-
-def from_chunks(chunks, tiles: ChunkTiles, B: int, n: int):
-    """as_chunks' inverse for gradients accumulated per chunk: (B * H, n_chunks + 1, c, D) -> (B, H, n, D), a
-    view."""
-    BH, _, c, D = chunks.shape
-    return chunks[:, :-1].reshape(B, BH // B, -1, D)[:, :, :n]
-
-
 def key_source(x, tiles: ChunkTiles):
     """What _TileGroup.key_tiles reads for keys or values x (B, H, n, D): x itself for a band (each group of chunks
     pads and copies its own band right before the kernel reads it, while it is in cache: 15% faster on CPU than
-    a whole chunked copy made first), else as_chunks(x, tiles), gathered by index."""
-    return x if tiles.band is not None else as_chunks(x, tiles)
+    a whole chunked copy made first), else x with one zero row after the end (B * H, n + 1, D), which padded
+    key slots read, gathered by index."""
+    if tiles.band is not None:
+        return x
+    B, H, n, D = x.shape
+    out = x.new_empty(B, H, n + 1, D)
+    out[:, :, n].zero_()
+    out[:, :, :n] = x
+    return out.view(B * H, n + 1, D)
 
 
 def key_grad_buffer(source, tiles: ChunkTiles, dtype=None):
@@ -446,7 +582,10 @@ def key_grad_buffer(source, tiles: ChunkTiles, dtype=None):
 
 def key_grad(buffer, tiles: ChunkTiles, B: int, n: int):
     """The (B, H, n, D) gradient from key_grad_buffer's accumulated buffer."""
-    return buffer if tiles.band is not None else from_chunks(buffer, tiles, B, n)
+    if tiles.band is not None:
+        return buffer
+    BH, _, D = buffer.shape
+    return buffer.view(B, BH // B, n + 1, D)[:, :, :n]
 
 
 def _per_batch_head(mask, B):
@@ -457,12 +596,12 @@ def _per_batch_head(mask, B):
 def candidate_key_blocks(rule: EdgeRule, n: int, size: int, start: int = 0) -> list[list[int]]:
     """For each query block of `size` positions (from position start), the key blocks inside the sequence where
     rule.key_ranges says its queries may have edges."""
-    candidates = []
+    candidates, keys = [], rule.key_count(n)
     for i in range(-(-n // size)):
         q_lo, q_hi = start + i * size, start + min(n, (i + 1) * size)
         blocks = set()
         for lo, hi in rule.key_ranges(q_lo, q_hi):
-            lo, hi = max(lo, start) - start, min(hi, start + n) - start
+            lo, hi = max(lo, start) - start, min(hi, start + keys) - start
             if lo < hi:
                 blocks.update(range(lo // size, (hi - 1) // size + 1))
         candidates.append(sorted(blocks))
@@ -480,24 +619,22 @@ def _block_grid(rule: EdgeRule, n: int, start: int, size: int, key_blocks: torch
     q = (first + torch.arange(nb, device=device))[:, None] * size + torch.arange(size, device=device)  # (nb, size)
     offsets = torch.arange(size, device=device)
     k = (key_blocks.to(device)[:, :, None] * size + offsets).flatten(1)  # (nb, S size)
-    inside = (key_blocks.to(device) >= 0).repeat_interleave(size, 1) & (k >= 0) & (k < real)
+    keys = rule.key_count(real)
+    inside = (key_blocks.to(device) >= 0).repeat_interleave(size, 1) & (k >= 0) & (k < keys)
     h = torch.arange(n_head, device=device)[:, None, None, None] if rule.per_head else None
-    last = real - 1
-    allowed = rule.allowed(q.clamp(max=last)[:, :, None] + start, k.clamp(0, last)[:, None, :] + start, h)
+    allowed = rule.allowed(q.clamp(max=real - 1)[:, :, None] + start, k.clamp(0, keys - 1)[:, None, :] + start, h)
     return allowed & inside[:, None, :]
 
 
-def block_structure(rule: EdgeRule, n: int, size: int, n_head: int, device, start: int = 0,
-                    valid: int | None = None) -> torch.Tensor:
-    """(nb, S) key blocks per query block of `size` positions that hold at least one allowed edge (in any head),
-    -1 for unused slots: the block-sparse layout of the chunked kernel and of FlexAttention's block masks, O(n S
-    size) memory. Candidates come from rule.key_ranges and are checked a group of query blocks at a time (a
-    rule whose ranges are every earlier key costs O(n^2) time here, once per length, never n x n memory)."""
+def _used_keys(rule: EdgeRule, n: int, size: int, n_head: int, start: int = 0, valid: int | None = None):
+    """Yields (first query block, their candidate key blocks (g, S), which candidate keys hold an allowed edge
+    of some query of the block in any head (g, S size)) over the query blocks of `size` positions, a group of
+    blocks at a time. Candidates come from rule.key_ranges (a rule whose ranges are every earlier key costs
+    O(n^2) time here, once per length, never n x n memory)."""
     candidates = candidate_key_blocks(rule, n, size, start)
     widest = max(map(len, candidates), default=1) or 1
     heads = n_head if rule.per_head else 1
     per_group = max(1, (1 << 24) // (heads * size * widest * size))
-    kept = []
     for first in range(0, len(candidates), per_group):
         group = candidates[first:first + per_group]
         slots = torch.full((len(group), widest), -1, dtype=torch.long)
@@ -507,48 +644,100 @@ def block_structure(rule: EdgeRule, n: int, size: int, n_head: int, device, star
         grid = grid.any(0) if rule.per_head else grid  # (g, size, widest size)
         rows = torch.arange(first, first + len(group))[:, None] * size + torch.arange(size)
         grid = grid & (rows < n)[:, :, None]  # padded query rows hold no edge
-        used = grid.reshape(len(group), size, widest, size).any(-1).any(1)  # (g, widest)
-        kept += [slots[i][used[i]].tolist() for i in range(len(group))]
-    width = max(map(len, kept), default=1) or 1
-    out = torch.full((len(kept), width), -1, dtype=torch.long)
-    for i, blocks in enumerate(kept):
-        out[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-    return out.to(device)
+        yield first, slots, grid.any(1)
 
 
-def _as_band(key_chunks: torch.Tensor) -> tuple[torch.Tensor, int | None]:
-    """key_chunks laid out as a band when they are one: every chunk i's key chunks exactly i - back .. i + ahead
-    (those inside the sequence), slot j holding chunk i - back + j (-1 outside), so that relative position biases
-    have the same tile for every chunk. Returns (the layout, back), or (key_chunks, None) for other sets."""
-    nc = key_chunks.shape[0]
-    rows = [sorted(c for c in row.tolist() if c >= 0) for row in key_chunks]
-    back = max((i - row[0] for i, row in enumerate(rows) if row), default=0)
-    ahead = max((row[-1] - i for i, row in enumerate(rows) if row), default=0)
+def _padded_rows(rows: list[list[int]], fill: int) -> torch.Tensor:
+    width = max(map(len, rows), default=1) or 1
+    out = torch.full((len(rows), width), fill, dtype=torch.long)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+    return out
+
+
+def block_structure(rule: EdgeRule, n: int, size: int, n_head: int, device, start: int = 0,
+                    valid: int | None = None) -> torch.Tensor:
+    """(nb, S) key blocks per query block of `size` positions that hold at least one allowed edge (in any head),
+    -1 for unused slots: FlexAttention's block masks and the chunked kernel's band, O(n S size) memory."""
+    kept = []
+    for _, slots, used in _used_keys(rule, n, size, n_head, start, valid):
+        used = used.view(len(slots), -1, size).any(-1)  # (g, S)
+        kept += [slots[i][used[i]].tolist() for i in range(len(slots))]
+    return _padded_rows(kept, -1).to(device)
+
+
+def edge_keys(rule: EdgeRule, n: int, size: int, n_head: int, start: int = 0) -> list[list[int]]:
+    """For each query block of `size` positions, the sorted key positions (from start, inside the sequence)
+    with an allowed edge of some query of the block in any head: the compacted tiles' keys."""
+    keys = []
+    for _, slots, used in _used_keys(rule, n, size, n_head, start):
+        positions = (slots[:, :, None] * size + torch.arange(size)).flatten(1)
+        keys += [positions[i][used[i]].tolist() for i in range(len(slots))]
+    return keys
+
+
+BAND_SLACK = 1.1  # a band whose tiles hold at most this much more than the compacted keys runs as a band
+
+
+def _as_band(key_chunks: list[list[int]], nc: int, keys: int, chunk: int) -> tuple[torch.Tensor | None, int | None]:
+    """The key chunks as a band when they fit one: every chunk i's key chunks inside i - back .. i + ahead,
+    slot j holding chunk i - back + j (-1 outside the sequence), so that tiles are slices of the keys and
+    relative position biases have the same tile for every chunk, while the band's keys stay within
+    BAND_SLACK of the `keys` compacted tiles would hold (a dilated window's residue classes in their layout:
+    the first chunks of a class have no edge in the band's earlier chunks). (None, None) otherwise."""
+    back = max((i - row[0] for i, row in enumerate(key_chunks) if row), default=0)
+    ahead = max((row[-1] - i for i, row in enumerate(key_chunks) if row), default=0)
     band = torch.arange(nc)[:, None] - back + torch.arange(back + 1 + ahead)
     band = torch.where((band >= 0) & (band < nc), band, -1)
-    if all(row == [c for c in band[i].tolist() if c >= 0] for i, row in enumerate(rows)):
-        return band, back
-    return key_chunks, None
+    if int((band >= 0).sum()) * chunk > BAND_SLACK * max(keys, 1):
+        return None, None
+    return band, back
 
 
 def _chunk_tiles(rule: EdgeRule, n: int, start: int, chunk: int, n_head: int, device) -> ChunkTiles:
     """The block-sparse kernel's tiles of a rule over n positions (uncached: rules drawn per forward use it
-    directly). A sliding window's are its band; a rule drawn per forward (sa's permutation) keeps its
-    lookback band without the check for empty blocks (it is planned at every forward)."""
+    directly). A static rule's are a band when its edges make one, else compacted; a rule drawn per forward
+    (sa's permutation) keeps its lookback band without the check for empty blocks (it is planned at every
+    forward)."""
+    nc = -(-n // chunk)
+    index, widths = None, ()
     if rule.static:
-        key_chunks, band = _as_band(block_structure(rule, n, chunk, n_head, "cpu", start))
+        keys = edge_keys(rule, n, chunk, n_head, start)
+        chunks_of = [sorted({k // chunk for k in row}) for row in keys]
+        key_chunks, band = _as_band(chunks_of, nc, sum(map(len, keys)), chunk)
+        if band is None:
+            widths = tuple(map(len, keys))
+            index = _padded_rows(keys, n)
     else:
-        nc, band, ahead = -(-n // chunk), -(-rule.lookback // chunk), -(-rule.lookahead // chunk)
+        band, ahead = -(-rule.lookback // chunk), -(-rule.lookahead // chunk)
         key_chunks = torch.arange(nc)[:, None] - band + torch.arange(band + 1 + ahead)
         key_chunks = torch.where((key_chunks >= 0) & (key_chunks < nc), key_chunks, -1)
-    mask = _block_grid(rule, n, start, chunk, key_chunks, n_head, device)
+    if index is None:
+        mask = _block_grid(rule, n, start, chunk, key_chunks, n_head, device)
+    else:
+        mask = _key_grid(rule, n, start, chunk, index, n_head, device)
+    if mask.dim() == 4 and bool((mask == mask[:1]).all()):  # per-head rule, the same edges in every head here
+        mask = mask[0]
     # padded queries past the end attend to every key of their tile: their outputs are dropped, and a full row
     # keeps the fused kernels free of empty rows
-    q_pos = torch.arange(key_chunks.shape[0], device=device)[:, None] * chunk + torch.arange(chunk, device=device)
+    q_pos = torch.arange(nc, device=device)[:, None] * chunk + torch.arange(chunk, device=device)
     mask = mask | (q_pos >= n)[:, :, None]
     has_key = mask.any(-1).reshape(*mask.shape[:-3], -1)[..., :n, None]  # (n, 1) or (H, n, 1)
     keep = None if bool(has_key.all()) else has_key.to(torch.float32)
-    return ChunkTiles(mask, chunk, key_chunks.to(device), band, keep)
+    return ChunkTiles(mask, chunk, None if key_chunks is None else key_chunks.to(device), band, keep,
+                      None if index is None else index.to(device), widths)
+
+
+def _key_grid(rule: EdgeRule, n: int, start: int, chunk: int, index: torch.Tensor, n_head: int, device):
+    """allowed() of every query chunk's rows against its compacted keys index (nc, K), n for padding:
+    (nc, c, K), or per head (H, nc, c, K)."""
+    nc = index.shape[0]
+    q = torch.arange(nc, device=device)[:, None] * chunk + torch.arange(chunk, device=device)
+    k = index.to(device)
+    h = torch.arange(n_head, device=device)[:, None, None, None] if rule.per_head else None
+    last = n - 1
+    allowed = rule.allowed(q.clamp(max=last)[:, :, None] + start, k.clamp(max=last)[:, None, :] + start, h)
+    return allowed & (k < n)[:, None, :]
 
 
 _cached_chunk_tiles = functools.lru_cache(maxsize=64)(_chunk_tiles)
@@ -577,7 +766,7 @@ def chunked_attention(q, k, v, rule: EdgeRule, start: int = 0, chunk: int = 128,
         if cpu_flash is None:  # not planned: CUDA's branch on CUDA and on the CPU standing in for it
             cpu_flash = not simulate_cuda.gpu_path(q.device)
         if activation == "softmax" and q.device.type == "cpu" and cpu_flash:
-            return ChunkedFlashCPU.apply(q, k, v, ((0, H, tiles),), score_mod, start)
+            return ChunkedFlashCPU.apply(q, k, v, ((0, H, tiles, None),), score_mod, start)
         if activation == "sigmoid":
             return ChunkedSigmoid.apply(q, k, v, tiles, score_mod, start)
 
@@ -609,20 +798,20 @@ class ChunkedFlashCPU(torch.autograd.Function):
         B, _, n, _ = q.shape
         out = torch.empty_like(q)
         lses, chunked = [], []
-        for h0, h1, tiles in plans:
+        for h0, h1, tiles, layout in plans:
             mask, c = tiles.mask, tiles.chunk
             nc = mask.shape[-3]
             q_h, out_h = q[:, h0:h1], out[:, h0:h1]
             k_chunks, v_chunks = key_source(k[:, h0:h1], tiles), key_source(v[:, h0:h1], tiles)
             chunked += [k_chunks, v_chunks]  # kept for backward (instead of k and v: no more memory, no new copy)
             lse = q.new_empty(B * (h1 - h0), nc, c, dtype=torch.promote_types(q.dtype, torch.float32))
-            for g in ChunkedFlashCPU._groups(n, tiles, B * (h1 - h0)):
+            for g in ChunkedFlashCPU._groups(n, tiles, B * (h1 - h0), layout):
                 y, lse[:, g.i0:g.i1] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                     g.query_tiles(q_h), g.key_tiles(k_chunks), g.key_tiles(v_chunks), 0.0, False,
                     attn_mask=g.bias(mask, q.dtype, B, score_bias, range(h0, h1), start))
                 g.scatter_queries(out_h, y)
             if tiles.keep is not None:  # rows without a key attended everywhere inside the kernel: zero them
-                out_h.mul_(tiles.keep.to(out_h.dtype))
+                out_h.mul_(_in_token_order(tiles.keep, layout).to(out_h.dtype))
             lses.append(lse)
         ctx.plans, ctx.score_bias, ctx.start, ctx.k_shape = plans, score_bias, start, k.shape
         ctx.save_for_backward(q, out, *lses, *chunked)
@@ -634,14 +823,14 @@ class ChunkedFlashCPU(torch.autograd.Function):
         lses, chunked = saved[:len(ctx.plans)], saved[len(ctx.plans):]
         B, _, n, D = q.shape
         grad_q, grad_k, grad_v = torch.empty_like(q), [], []
-        for i, ((h0, h1, tiles), lse) in enumerate(zip(ctx.plans, lses)):
+        for i, ((h0, h1, tiles, layout), lse) in enumerate(zip(ctx.plans, lses)):
             mask = tiles.mask
             q_h, out_h, grad_y_h = (t[:, h0:h1] for t in (q, out, grad_y))
             k_chunks, v_chunks = chunked[2 * i], chunked[2 * i + 1]
             grad_k_chunks, grad_v_chunks = key_grad_buffer(k_chunks, tiles), key_grad_buffer(v_chunks, tiles)
             if tiles.keep is not None:
-                grad_y_h = grad_y_h * tiles.keep.to(grad_y_h.dtype)
-            for g in ChunkedFlashCPU._groups(n, tiles, B * (h1 - h0)):
+                grad_y_h = grad_y_h * _in_token_order(tiles.keep, layout).to(grad_y_h.dtype)
+            for g in ChunkedFlashCPU._groups(n, tiles, B * (h1 - h0), layout):
                 g_q, g_k, g_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                     g.query_tiles(grad_y_h), g.query_tiles(q_h), g.key_tiles(k_chunks), g.key_tiles(v_chunks),
                     g.query_tiles(out_h), lse[:, g.i0:g.i1].contiguous(), 0.0, False,
@@ -655,11 +844,16 @@ class ChunkedFlashCPU(torch.autograd.Function):
         return grad_q, join(grad_k), join(grad_v), None, None, None
 
     @staticmethod
-    def _groups(n, tiles, batch_heads):
+    def _groups(n, tiles, batch_heads, layout=None):
         n_chunks, c = tiles.mask.shape[-3], tiles.chunk
         per_call = max(1, TILE_ROWS_PER_CALL // (batch_heads * c))  # narrow head groups take more chunks
         for i0 in range(0, n_chunks, per_call):
-            yield _TileGroup(i0, min(n_chunks, i0 + per_call), n, tiles)
+            yield _TileGroup(i0, min(n_chunks, i0 + per_call), n, tiles, layout)
+
+
+def _in_token_order(keep, layout):
+    """A per-row factor (n, 1) or (H, n, 1) over layout rows, in the tokens' order."""
+    return keep if layout is None else keep.index_select(-2, layout.slot_of.to(keep.device) + layout.halo)
 
 
 class ChunkedSigmoid(torch.autograd.Function):
@@ -729,45 +923,90 @@ class ChunkedSigmoid(torch.autograd.Function):
         scores = (q_t * (1 / math.sqrt(D))) @ k_t.transpose(-1, -2)  # (B, H, chunks, c, S c)
         if score_bias is not None:
             scores.add_(g.score_bias(score_bias, range(H), start, mask.device))
-        return scores.masked_fill_(~mask[..., g.i0:g.i1, :, :], float("-inf")).sigmoid_()
+        return scores.masked_fill_(~g.tile_mask(mask), float("-inf")).sigmoid_()
 
 
 class _TileGroup:
-    """Chunks i0..i1 of a block-sparse attention call: their query rows, padded locally, and the key chunks of
-    their slots: for a band (slot j of chunk i is chunk i - band + j) shifted slices of the group's keys, padded
-    locally; for other layouts a gather by index from as_chunks' layout (unused slots read its zero chunk)."""
+    """Chunks i0..i1 of a block-sparse attention call: their query rows, padded locally, and their keys: for a
+    band (slot j of chunk i is chunk i - band + j) shifted slices of the group's keys, padded locally; for
+    compacted tiles a gather by index from key_source's layout, as wide as the group's widest chunk (padded
+    slots read its zero row)."""
 
-    def __init__(self, i0, i1, n, tiles: ChunkTiles):
+    def __init__(self, i0, i1, n, tiles: ChunkTiles, layout: Layout | None = None):
         self.i0, self.i1, self.n, self.c, self.tiles = i0, i1, n, tiles.chunk, tiles
-        self.n_chunks, self.slots, self.band = tiles.mask.shape[-3], tiles.slots, tiles.band
-        self.key_chunks = tiles.key_chunks[i0:i1]  # (g, S), -1: unused
-        if self.band is None:  # as_chunks' layout: chunk i at index i, the zero chunk at n_chunks
-            self.index = torch.where(self.key_chunks >= 0, self.key_chunks, self.n_chunks).flatten()
+        self.n_chunks, self.band = tiles.mask.shape[-3], tiles.band
+        self.q_lo, self.q_hi = i0 * self.c, min(n, i1 * self.c)
+        # tiles over a layout's rows read and write the tokens' tensors through its gather index (a permutation:
+        # no halo), instead of whole copies of q, k, v and the output in layout order
+        token = None if layout is None else layout.token.to(tiles.mask.device)
+        self.layout = layout
+        self.q_rows = self._layout_rows(token, self.q_lo, self.q_hi)
+        if self.band is None:
+            self.width = max(tiles.widths[i0:i1]) or 1
+            self.keys = tiles.key_index[i0:i1, :self.width]  # (g, width) rows, n: padding
+            self.index = self.keys.flatten()
+            if token is not None:
+                self.index = torch.cat([token, token.new_full((1,), n)])[self.index]
         else:  # the group's band of key positions, possibly reaching outside the sequence, padded locally
+            self.slots = tiles.slots
+            self.width = self.slots * self.c
+            self.key_chunks = tiles.key_chunks[i0:i1]  # (g, S), -1: outside the sequence
             first, last = (i0 - self.band) * self.c, (i1 - self.band + self.slots - 1) * self.c
             self.k_lo, self.k_hi = max(0, first), min(n, last)
             self.k_pad = (self.k_lo - first, last - self.k_hi)
-        self.q_lo, self.q_hi = i0 * self.c, min(n, i1 * self.c)
+            self.k_rows = self._layout_rows(token, self.k_lo, self.k_hi)
+
+    def _layout_rows(self, token, lo, hi):
+        """How rows lo..hi of the layout are read: None (no layout: a slice), strided pieces (a residue class's
+        run: views), or the gather index."""
+        if token is None:
+            return None
+        pieces = self.layout.pieces(lo, hi)
+        return pieces if pieces is not None else token[lo:hi]
+
+    @staticmethod
+    def _padded_rows(x, lo, hi, rows, before, after):
+        """x's layout rows lo..hi along dim 2 (a slice, strided views, or a gather through the layout), with
+        `before` and `after` zero rows around them: one copy."""
+        if rows is None:
+            return F.pad(x[:, :, lo:hi], (0, 0, before, after))
+        B, H, _, D = x.shape
+        out = x.new_empty(B, H, before + (hi - lo) + after, D)
+        out[:, :, :before].zero_()
+        out[:, :, before + hi - lo:].zero_()
+        if isinstance(rows, list):
+            first = before
+            for start, stop, step, count in rows:
+                out[:, :, first:first + count] = x[:, :, start:stop:step]
+                first += count
+        else:
+            out[:, :, before:before + hi - lo] = x.index_select(2, rows)
+        return out
+
+    def tile_mask(self, mask):
+        """The group's part of a tiles' mask: (..., g, c, width)."""
+        return mask[..., self.i0:self.i1, :, :self.width]
 
     def query_tiles(self, x):
         B, H, _, D = x.shape
-        part = F.pad(x[:, :, self.q_lo:self.q_hi], (0, 0, 0, (self.i1 - self.i0) * self.c - (self.q_hi - self.q_lo)))
+        part = self._padded_rows(x, self.q_lo, self.q_hi, self.q_rows, 0,
+                                 (self.i1 - self.i0) * self.c - (self.q_hi - self.q_lo))
         return part.reshape(B * H, self.i1 - self.i0, self.c, D)
 
     def key_tiles(self, source):
-        """key_source's result -> (B * H, g, S c, D): every chunk's slots side by side. A band: the group's key
-        positions padded locally, each slot a shifted slice; other layouts: a gather of chunks by index."""
+        """key_source's result -> (B * H, g, width, D): every chunk's keys side by side. A band: the group's key
+        positions padded locally, each slot a shifted slice; compacted tiles: a gather by index."""
         g, c = self.i1 - self.i0, self.c
         if self.band is not None:
             B, H, _, D = source.shape
-            part = F.pad(source[:, :, self.k_lo:self.k_hi], (0, 0, *self.k_pad)).reshape(B * H, -1, c, D)
+            part = self._padded_rows(source, self.k_lo, self.k_hi, self.k_rows, *self.k_pad).reshape(B * H, -1, c, D)
             return torch.cat([part[:, j:j + g] for j in range(self.slots)], dim=2)
-        BH, _, _, D = source.shape
-        return source.index_select(1, self.index).view(BH, g, self.slots * c, D)
+        BH, _, D = source.shape
+        return source.index_select(1, self.index).view(BH, g, self.width, D)
 
     def accumulate_keys(self, grad, tile_grads):
         """Add the gradients of every tile slot back onto the keys they came from, in key_grad_buffer's layout
-        (unused slots onto zero chunks, which are dropped)."""
+        (padded slots onto the zero row, which is dropped)."""
         g, c = self.i1 - self.i0, self.c
         if self.band is not None:
             B, H, _, D = grad.shape
@@ -775,23 +1014,32 @@ class _TileGroup:
             for j in range(self.slots):  # slot j of chunk i holds band chunk i - i0 + j
                 local[:, j:j + g] += tile_grads[:, :, j * c:(j + 1) * c]
             local = local.reshape(B, H, -1, D)
-            grad[:, :, self.k_lo:self.k_hi] += local[:, :, self.k_pad[0]:local.shape[2] - self.k_pad[1]]
+            local = local[:, :, self.k_pad[0]:local.shape[2] - self.k_pad[1]]
+            if self.k_rows is None:
+                grad[:, :, self.k_lo:self.k_hi] += local
+            elif isinstance(self.k_rows, list):
+                write_rows(grad, self.k_rows, local, add=True)
+            else:
+                grad.index_add_(2, self.k_rows, local)
             return
-        BH, _, _, D = grad.shape
-        grad.index_add_(1, self.index, tile_grads.reshape(BH, g * self.slots, c, D).to(grad.dtype))
+        BH, _, D = grad.shape
+        grad.index_add_(1, self.index, tile_grads.reshape(BH, g * self.width, D).to(grad.dtype))
 
     def bias(self, mask, dtype, B, score_bias=None, heads=None, start=0, open_empty_rows=True):
         """Additive mask of the group: -inf outside the rule's edges, plus score_bias (a ScoreBias) of the given
         heads inside them. For the fused softmax kernel, rows without any allowed key are opened everywhere
         (their outputs are zeroed by the caller). B: laid out as (B * H, ...) tiles; None: (H or 1, ...)."""
-        allowed = mask[..., self.i0:self.i1, :, :]
-        if open_empty_rows:
-            allowed = allowed | ~allowed.any(-1, keepdim=True)
-        if score_bias is None:
-            bias = torch.zeros(allowed.shape, dtype=dtype, device=mask.device)
+        if open_empty_rows and mask is self.tiles.mask:
+            closed = self.tile_mask(self.tiles.closed)
         else:
-            bias = self.score_bias(score_bias, heads, start, mask.device).to(dtype).expand(-1, allowed.shape[-3], -1, -1)
-        bias = bias.masked_fill(~allowed, float("-inf"))
+            allowed = self.tile_mask(mask)
+            closed = ~(allowed | ~allowed.any(-1, keepdim=True)) if open_empty_rows else ~allowed
+        if score_bias is None:  # one pass
+            bias = torch.where(closed, torch.tensor(float("-inf"), dtype=dtype, device=mask.device),
+                               torch.tensor(0.0, dtype=dtype, device=mask.device))
+        else:
+            bias = self.score_bias(score_bias, heads, start, mask.device).to(dtype).expand(-1, closed.shape[-3], -1, -1)
+            bias = bias.masked_fill(closed, float("-inf"))
         return bias if B is None else _per_batch_head(bias, B)
 
     def score_bias(self, score_bias, heads, start, device):
@@ -807,16 +1055,25 @@ class _TileGroup:
         return score_bias.bias(h, q_pos[:, :, None], k_pos[:, None, :])
 
     def positions(self, start, device):
-        """Absolute positions of the group's query rows (chunks, c) and tile keys (chunks, S c); unused slots
-        get the positions past the end, which no rule's mask allows here."""
+        """Absolute positions of the group's query rows (chunks, c) and tile keys (chunks, width); padded slots
+        get positions past the end, which no rule's mask allows here."""
         first = start + self.c * torch.arange(self.i0, self.i1, device=device)[:, None]
-        chunks = torch.where(self.key_chunks >= 0, self.key_chunks, self.n_chunks).to(device)
-        keys = (chunks[:, :, None] * self.c + torch.arange(self.c, device=device)).flatten(1)
+        if self.band is None:
+            keys = self.keys.to(device)
+        else:
+            chunks = torch.where(self.key_chunks >= 0, self.key_chunks, self.n_chunks).to(device)
+            keys = (chunks[:, :, None] * self.c + torch.arange(self.c, device=device)).flatten(1)
         return first + torch.arange(self.c, device=device), start + keys
 
     def scatter_queries(self, full, tiles):
         B, H, _, D = full.shape
-        full[:, :, self.q_lo:self.q_hi] = tiles.reshape(B, H, -1, D)[:, :, :self.q_hi - self.q_lo]
+        rows = tiles.reshape(B, H, -1, D)[:, :, :self.q_hi - self.q_lo]
+        if self.q_rows is None:
+            full[:, :, self.q_lo:self.q_hi] = rows
+        elif isinstance(self.q_rows, list):
+            write_rows(full, self.q_rows, rows)
+        else:
+            full.index_copy_(2, self.q_rows, rows)
 
 
 # ---- FlexAttention ---------------------------------------------------------------------------------------
@@ -882,7 +1139,7 @@ def _static_block_mask(rule, n, n_head, device, start, valid=None):
     from torch.nn.attention.flex_attention import BlockMask
 
     size = FLEX_BLOCK
-    n_blocks = -(-n // size)
+    n_blocks, kv_blocks = -(-n // size), -(-rule.key_count(n) // size)
     key_blocks = block_structure(rule, n, size, n_head or 1, "cpu", start, valid)  # (nb, S), -1: none
     heads = n_head if rule.per_head else 1
     per_group = max(1, (1 << 24) // (heads * size * key_blocks.shape[1] * size))
@@ -897,12 +1154,12 @@ def _static_block_mask(rule, n, n_head, device, start, valid=None):
         partial.append(grid.any(-1).any(-2) & ~grid.all(-1).all(-2) & present)
         full.append(grid.all(-1).all(-2) & present)
 
-    def as_kv_blocks(present):  # (heads, nb, S) -> counts (1, heads, nb), indices (1, heads, nb, nb)
+    def as_kv_blocks(present):  # (heads, nb, S) -> counts (1, heads, nb), indices (1, heads, nb, kv blocks)
         index = key_blocks.expand_as(present)
-        order = torch.where(present, index, 3 * n_blocks + index).argsort(dim=-1, stable=True)  # present first
-        indices = index.gather(-1, order).clamp(0, n_blocks - 1)
-        pad = indices.new_zeros(*indices.shape[:-1], max(0, n_blocks - indices.shape[-1]))
-        indices = torch.cat([indices, pad], -1)[..., :n_blocks]
+        order = torch.where(present, index, 3 * kv_blocks + index).argsort(dim=-1, stable=True)  # present first
+        indices = index.gather(-1, order).clamp(0, kv_blocks - 1)
+        pad = indices.new_zeros(*indices.shape[:-1], max(0, kv_blocks - indices.shape[-1]))
+        indices = torch.cat([indices, pad], -1)[..., :kv_blocks]
         to = lambda t: t.to(device=device, dtype=torch.int32)[None].contiguous()  # noqa: E731
         return to(present.sum(-1)), to(indices)
 
@@ -912,7 +1169,7 @@ def _static_block_mask(rule, n, n_head, device, start, valid=None):
     if valid is not None:
         mask_mod = _padded_mask_mod(mask_mod, torch.tensor(valid, device=device))
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=size, mask_mod=mask_mod,
-                                    seq_lengths=(n, n))
+                                    seq_lengths=(n, rule.key_count(n)))
 
 
 @functools.lru_cache(maxsize=64)
@@ -977,7 +1234,8 @@ def flex(q, k, v, rule: EdgeRule, start: int = 0, score_mod=None, activation="so
     if not (on_cuda if COMPILE_EAGER_FLEX is None else COMPILE_EAGER_FLEX):  # eager flex: CPU mask checks
         block_mask = block_mask if block_mask is not None else flex_block_mask(rule, n, H, device, start)
         return finish(flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, **kwargs))
-    padded = flex_length_bucket(n) if rule.static else n  # a permutation's band is planned at its own length
+    # a permutation's band, and keys with a prefix of copies, are planned at their own length
+    padded = flex_length_bucket(n) if rule.static and rule.key_count(n) == n else n
     if padded != n:
         block_mask = flex_block_mask(rule, padded, H, device, start, valid=n)
         q, k, v = (F.pad(t, (0, 0, 0, padded - n)) for t in (q, k, v))

@@ -30,6 +30,7 @@ from torch import nn
 
 from attention.edges import PermutedWindow, SlidingWindow, StochasticWindow, stochastic_halo
 from attention.kernels import AttentionPlan, attend_planned, plan_attention, resolve_backend
+from attention.layouts import Layout, from_layout, inverse_permutation, to_layout
 from attention.layer import MaskedAttention, merge_heads
 from attention.local import SWA_WINDOW
 from attention.memory import F32, kernel_saved, linear_inputs, rope_tables
@@ -45,78 +46,28 @@ SA_SEED = Setting("sa_seed", int, 0, "sa_mode=deterministic: the fixed permutati
 SA_MODES = ("stochastic", "deterministic")
 
 
-def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
-    """slot_of[t] = s where order[s] = t."""
-    return torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device)
-                                            .expand_as(order).contiguous())
-
-
-class ToSlots(torch.autograd.Function):
-    """Tokens (B, H, n, D) -> the circularly extended slot sequence (B, H, n + 2 halo, D): index_select by
-    order[extended slots]. The backward folds the halo copies back onto their slots and gathers by the
-    inverse permutation (indexing's generic backward would scatter-add into a zero-filled buffer)."""
-
-    @staticmethod
-    def forward(ctx, x, gather, slot_of, halo):
-        ctx.save_for_backward(gather, slot_of)
-        ctx.halo = halo
-        return x.index_select(2, gather)
-
-    @staticmethod
-    def backward(ctx, grad):
-        gather, slot_of = ctx.saved_tensors
-        h, n = ctx.halo, slot_of.shape[0]
-        grad_x = grad.index_select(2, slot_of + h)  # each token's main copy
-        if h:  # plus its halo copies: the first slots repeated after the end, the last ones before the start
-            rows = torch.arange(h, device=grad.device)
-            halo_rows = torch.cat([rows, rows + n + h])
-            grad_x.index_add_(2, gather[halo_rows], grad.index_select(2, halo_rows))
-        return grad_x, None, None, None
-
-
-class FromSlots(torch.autograd.Function):
-    """The extended slot sequence's outputs -> tokens: token t's output is at extended slot halo + slot_of[t]."""
-
-    @staticmethod
-    def forward(ctx, y, slot_of, order, halo):
-        ctx.save_for_backward(order)
-        ctx.halo, ctx.length = halo, y.shape[2]
-        return y.index_select(2, slot_of + halo)
-
-    @staticmethod
-    def backward(ctx, grad):
-        order, = ctx.saved_tensors
-        h, n = ctx.halo, order.shape[0]
-        grad_slots = grad.new_zeros(*grad.shape[:2], ctx.length, grad.shape[3])
-        grad_slots[:, :, h:h + n] = grad.index_select(2, order)  # the halo queries' outputs are unused
-        return grad_slots, None, None, None
-
-
 @dataclass(eq=False)
 class StochasticPlan:
     """One permutation's layout, drawn and planned outside compiled code (see Mixer.plan): slot s holds token
-    order[s]; `token` is the token at every extended slot (None when sa runs unpermuted: the dense reference,
-    or a length at which every slot is inside every window) and `attention` the kernel plan over them."""
+    order[s], extended circularly by the window's halo (attention/layouts.py: Layout); `layout` is None when sa
+    runs unpermuted (the dense reference, or a length at which every slot is inside every window), and
+    `attention` is the kernel plan over the layout's rows."""
 
     order: torch.Tensor
-    slot_of: torch.Tensor
-    token: torch.Tensor | None
-    halo: int
+    layout: Layout | None
     attention: AttentionPlan
 
 
 def plan_stochastic(order, window: int, backend: str, n_head: int, head_dim: int, device) -> StochasticPlan:
     n = order.shape[0]
-    slot_of = inverse_permutation(order)
     if backend == "dense":  # the reference: every pair, in original positions
-        return StochasticPlan(order, slot_of, None, 0,
-                              plan_attention(StochasticWindow(slot_of, window), "dense", n, n_head, head_dim, device))
+        return StochasticPlan(order, None, plan_attention(StochasticWindow(inverse_permutation(order), window),
+                                                          "dense", n, n_head, head_dim, device))
     if n // 2 <= stochastic_halo(window):  # every slot is inside every window: plain causal attention
-        return StochasticPlan(order, slot_of, None, 0,
-                              plan_attention(SlidingWindow(n), backend, n, n_head, head_dim, device))
-    rule = PermutedWindow(order, window)
-    return StochasticPlan(order, slot_of, rule.token, rule.halo,
-                          plan_attention(rule, backend, n + 2 * rule.halo, n_head, head_dim, device))
+        return StochasticPlan(order, None, plan_attention(SlidingWindow(n), backend, n, n_head, head_dim, device))
+    layout = Layout(order, stochastic_halo(window))
+    rule = PermutedWindow(order, window)  # its token at every row is the layout's
+    return StochasticPlan(order, layout, plan_attention(rule, backend, layout.rows, n_head, head_dim, device))
 
 
 def stochastic_attention(q, k, v, order, window: int, backend: str, dropout_p: float = 0.0,
@@ -125,11 +76,10 @@ def stochastic_attention(q, k, v, order, window: int, backend: str, dropout_p: f
     order[s], shared by the batch and the heads (plan: plan_stochastic's for these arguments)."""
     if plan is None:
         plan = plan_stochastic(order, window, backend, q.shape[1], q.shape[3], q.device)
-    if plan.token is None:
+    if plan.layout is None:
         return attend_planned(q, k, v, plan.attention, dropout_p)
-    q, k, v = (ToSlots.apply(t, plan.token, plan.slot_of, plan.halo) for t in (q, k, v))
-    y = attend_planned(q, k, v, plan.attention, dropout_p)
-    return FromSlots.apply(y, plan.slot_of, plan.order, plan.halo)
+    q, k, v = (to_layout(t, plan.layout) for t in (q, k, v))
+    return from_layout(attend_planned(q, k, v, plan.attention, dropout_p), plan.layout)
 
 
 def stochastic_edge_count(n: int, window: int) -> int:
@@ -231,8 +181,8 @@ class StochasticAttention(MaskedAttention):
         return StochasticWindow(slot_of, self.window).dense_mask(torch.arange(seq_len, device=device))
 
     def saved_activations(self, m, k, B: int, T: int):
-        """sa: q, k, v are gathered into the circularly extended slot sequence of n + 2 halo positions (ToSlots,
-        which keeps only the permutation), attended there as a band, and scattered back (FromSlots). So the
+        """sa: q, k, v are gathered into the circularly extended slot sequence of n + 2 halo positions (ToLayout,
+        which keeps only the permutation), attended there as a band, and scattered back (FromLayout). So the
         kernel keeps the extended q, k, v, output and lse (ext = (n + 2 halo) / n of the plain sizes) and neither
         qkv nor the rotated q, k survive the forward; the scattered output is merged into (B, T, C) (a C).
         sa_swa adds the swa path over the shared q, k, v (which then keeps qkv and the rotated q, k), its merged

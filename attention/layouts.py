@@ -1,0 +1,326 @@
+"""Layouts: the token order in which a rule's edges are cheap, found from the rule itself.
+
+A block-sparse kernel pays for every key block that holds an edge. Some rules are only sparse in another
+order: a dilated window (offsets 0, d, 2d, ...) touches every block of its span d w, yet each residue class
+mod d is a plain sliding window of w keys. A layout is a permutation of the tokens, optionally extended
+circularly by `halo` copies at both ends (stochastic attention's unrolled ring), in which the kernels run:
+
+    to_layout(x)      (B, H, n, D) tokens -> (B, H, n + 2 halo, D) layout rows (a gather; its backward is the
+                      inverse gather, plus the halo copies added back onto their tokens)
+    from_layout(y)    layout rows -> tokens (each token's main copy; backward: the inverse gather into zeros)
+    LaidOutRule       the rule over layout rows: allowed(i, j) is the rule's allowed() at their tokens' positions
+
+`layout_groups` finds the layout of a static rule (attention/kernels.py plans with it): per head, the largest
+d dividing every allowed offset q - k (`edge_divisors`, a scan of the rule's edges, stopped for a head as soon
+as its offsets share no divisor), unless the rule states it (`EdgeRule.residue_classes`). Heads with d > 1 run
+their residue classes as sequences of their own (`residue_layout`); heads are grouped by d, each group at its
+own cost. Stochastic attention's per-forward permutation (attention/stochastic.py) is a Layout drawn at every
+forward. Caches and cached decoding stay in the original order: a layout lives only inside one kernel call.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from attention.edges import EdgeRule, head_values
+
+
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """slot_of[t] = s where order[s] = t."""
+    return torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device)
+                                            .expand_as(order).contiguous())
+
+
+@dataclass(eq=False)
+class Layout:
+    """Slot s holds token order[s]; the slots are extended circularly by `halo` copies at both ends (layout row
+    e holds slot (e - halo) mod n), so a layout has n + 2 halo rows and token t's main copy is row
+    halo + slot_of[t]."""
+
+    order: torch.Tensor
+    halo: int = 0
+    # [(first row, end row, first token, step)]: runs of rows holding evenly spaced tokens (a residue class),
+    # which kernels read as strided views instead of gathers; None: gather by index
+    runs: tuple | None = None
+
+    def __post_init__(self):
+        n = self.order.shape[0]
+        self.slot_of = inverse_permutation(self.order)
+        self.slot = (torch.arange(n + 2 * self.halo, device=self.order.device) - self.halo) % n
+        self.token = self.order[self.slot]  # the token at every layout row: the gather index
+
+    @property
+    def rows(self) -> int:
+        return self.token.shape[0]
+
+    def to(self, device) -> Layout:
+        if self.order.device == torch.device(device):
+            return self
+        return Layout(self.order.to(device), self.halo, self.runs)
+
+    def pieces(self, lo: int, hi: int) -> list[tuple[int, int, int, int]] | None:
+        """Rows lo..hi - 1 as strided runs of tokens [(first token, end, step, rows)], or None without runs."""
+        if self.runs is None:
+            return None
+        out = []
+        for first, end, token, step in self.runs:
+            a, b = max(lo, first), min(hi, end)
+            if a < b:
+                start = token + step * (a - first)
+                out.append((start, start + step * (b - a - 1) + 1, step, b - a))
+        return out
+
+
+def write_rows(x, pieces, rows, add: bool = False):
+    """rows (B, H, r, D) in layout order into (or added onto, add=True) x's tokens of pieces."""
+    first = 0
+    for lo, hi, step, count in pieces:
+        part = rows[:, :, first:first + count]
+        if add:
+            x[:, :, lo:hi:step] += part
+        else:
+            x[:, :, lo:hi:step] = part
+        first += count
+
+
+class ToLayout(torch.autograd.Function):
+    """Tokens (B, H, n, D) -> layout rows (B, H, n + 2 halo, D). Backward gathers each token's main copy by the
+    inverse permutation and adds the halo copies (indexing's generic backward would scatter-add everything
+    into a zero-filled buffer)."""
+
+    @staticmethod
+    def forward(ctx, x, layout):
+        ctx.layout = layout
+        return x.index_select(2, layout.token)
+
+    @staticmethod
+    def backward(ctx, grad):
+        layout = ctx.layout
+        h, n = layout.halo, layout.order.shape[0]
+        grad_x = grad.index_select(2, layout.slot_of + h)
+        if h:  # the first slots repeated after the end, the last ones before the start
+            rows = torch.arange(h, device=grad.device)
+            halo_rows = torch.cat([rows, rows + n + h])
+            grad_x.index_add_(2, layout.token[halo_rows], grad.index_select(2, halo_rows))
+        return grad_x, None
+
+
+class FromLayout(torch.autograd.Function):
+    """Layout rows' outputs -> tokens: token t's output is its main copy's (the halo rows' are unused)."""
+
+    @staticmethod
+    def forward(ctx, y, layout):
+        ctx.layout, ctx.length = layout, y.shape[2]
+        return y.index_select(2, layout.slot_of + layout.halo)
+
+    @staticmethod
+    def backward(ctx, grad):
+        layout = ctx.layout
+        h, n = layout.halo, layout.order.shape[0]
+        grad_rows = grad.new_zeros(*grad.shape[:2], ctx.length, grad.shape[3])
+        grad_rows[:, :, h:h + n] = grad.index_select(2, layout.order)
+        return grad_rows, None
+
+
+def to_layout(x, layout: Layout):
+    return ToLayout.apply(x, layout)
+
+
+def from_layout(y, layout: Layout):
+    return FromLayout.apply(y, layout)
+
+
+def residue_layout(n: int, d: int) -> Layout:
+    """The tokens in residue classes mod d, each class in order: r, r + d, r + 2d, ... for r = 0 .. d - 1."""
+    classes = [torch.arange(r, n, d) for r in range(min(d, n))]
+    runs, first = [], 0
+    for r, tokens in enumerate(classes):
+        runs.append((first, first + len(tokens), r, d))
+        first += len(tokens)
+    return Layout(torch.cat(classes), runs=tuple(runs))
+
+
+@dataclass(frozen=True, eq=False)
+class LaidOutRule(EdgeRule):
+    """`rule` over the rows of a layout: rows i and j are an edge when the rule allows their tokens. lookback
+    and lookahead are over layout rows (for a residue layout, the rule's bounds divided by d: within a class,
+    rows are d positions apart, and no edge crosses classes). layout None: the tokens' own order, with the
+    bounds a scan of the edges found (a rule written without them)."""
+
+    rule: EdgeRule = None
+    layout: Layout | None = None
+    lookback: int | None = None
+    lookahead: int = 0
+
+    # one object per layout_groups entry (cached): kernels cache its tiles by identity, never by its fields
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+    @property
+    def per_head(self):
+        return self.rule.per_head
+
+    def allowed(self, q, k, h=None):
+        if self.layout is None:
+            return self.rule.allowed(q, k, h)
+        token = self.layout.token
+        if token.device != q.device:
+            token = token.to(q.device)
+        return self.rule.allowed(token[q], token[k], h)
+
+    def chunk_size(self):
+        return EdgeRule.chunk_size(self)
+
+
+@dataclass(frozen=True, eq=False)
+class KeyPrefixRule(EdgeRule):
+    """`rule` over a key sequence with a prefix: key slots 0 .. P - 1 hold copies of the keys `prefix_keys` (P a
+    multiple of `block`, padded with -1), slots P .. P + n - 1 every key in order. A (query block, key block)
+    pair marked in `from_prefix` (nb x nb) reads its edges from the prefix copies, every other pair from the
+    keys in place, so each edge is attended once. FlexAttention's compacted order (attention/kernels.py:
+    key_prefix): the few keys far queries attend (summary columns, sinks) cost each query block one block of
+    copies instead of every key block that holds one."""
+
+    rule: EdgeRule = None
+    prefix_keys: torch.Tensor = None
+    from_prefix: torch.Tensor = None
+    block: int = 128
+
+    __eq__ = object.__eq__  # one object per (rule, length): kernels cache its block mask by identity
+    __hash__ = object.__hash__
+
+    @property
+    def per_head(self):
+        return self.rule.per_head
+
+    @property
+    def lookahead(self):
+        return self.rule.lookahead + self.prefix_keys.shape[0]
+
+    def allowed(self, q, k, h=None):
+        prefix, table = self.prefix_keys, self.from_prefix
+        if prefix.device != k.device:
+            prefix, table = prefix.to(k.device), table.to(k.device)
+        P = prefix.shape[0]
+        in_prefix = k < P
+        key = torch.where(in_prefix, prefix[k.clamp(max=P - 1)], k - P)
+        copied = table[q // self.block, key.clamp(min=0) // self.block]
+        return torch.where(in_prefix, copied & (key >= 0), ~copied) & self.rule.allowed(q, key.clamp(min=0), h)
+
+    def key_count(self, n):
+        return n + self.prefix_keys.shape[0]
+
+    def key_ranges(self, q_lo, q_hi):
+        P = self.prefix_keys.shape[0]
+        return [(0, P)] + [(lo + P, hi + P) for lo, hi in self.rule.key_ranges(q_lo, q_hi)]
+
+
+@dataclass(frozen=True)
+class HeadSubset(EdgeRule):
+    """A per-head rule restricted to some of its heads: local head i is the rule's head heads[i] (kernels
+    that run a group of heads at its own cost index heads from 0)."""
+
+    rule: EdgeRule = None
+    heads: tuple = ()
+    per_head = True
+
+    @property
+    def lookback(self):
+        return self.rule.lookback
+
+    @property
+    def lookahead(self):
+        return self.rule.lookahead
+
+    def allowed(self, q, k, h=None):
+        heads = head_values(self.heads, h)
+        return self.rule.allowed(q, k, heads if isinstance(heads, torch.Tensor) else torch.full_like(h, heads))
+
+    def key_ranges(self, q_lo, q_hi):
+        return self.rule.key_ranges(q_lo, q_hi)
+
+    def chunk_size(self):
+        return self.rule.chunk_size()
+
+
+@dataclass(frozen=True)
+class HeadSurvey:
+    """What a scan of one head's edges found: the largest d dividing every allowed offset q - k (0: no edge
+    at a nonzero offset), and the largest q - k and k - q with an edge."""
+
+    divisor: int
+    lookback: int
+    lookahead: int
+
+
+SURVEY_BLOCK = 128
+
+
+@functools.lru_cache(maxsize=64)
+def edge_divisors(rule: EdgeRule, n: int, n_head: int) -> tuple[HeadSurvey, ...]:
+    """Per head (one entry for rules that do not vary by head): the offsets' common divisor and bounds over
+    n positions, from a scan of query blocks against their key_ranges, as the kernels' own block scan (O(edges)
+    for a rule with bounded key ranges; a rule without them costs O(n^2) time once per length, never an n x n
+    tensor). Offsets are marked in a (heads, 2n) table; the divisor is their gcd."""
+    heads = n_head if rule.per_head else 1
+    present = torch.zeros(heads, 2 * n, dtype=torch.bool)  # offset q - k + n
+    h = torch.arange(heads)[:, None, None] if rule.per_head else None
+    for q_lo in range(0, n, SURVEY_BLOCK):
+        q_hi = min(n, q_lo + SURVEY_BLOCK)
+        keys = torch.zeros(n, dtype=torch.bool)
+        for lo, hi in rule.key_ranges(q_lo, q_hi):
+            keys[max(0, lo):max(0, min(n, hi))] = True
+        k = torch.nonzero(keys).flatten()
+        q = torch.arange(q_lo, q_hi)
+        head, row, col = rule.allowed(q[:, None], k[None, :], h).expand(heads, len(q), len(k)).nonzero().unbind(1)
+        present[head, q[row] - k[col] + n] = True
+    surveys = []
+    for head in range(heads):
+        offsets = (torch.nonzero(present[head]).flatten() - n).tolist()
+        if not offsets:
+            surveys.append(HeadSurvey(0, 0, 0))
+            continue
+        surveys.append(HeadSurvey(math.gcd(*map(abs, offsets)), max(0, max(offsets)), max(0, -min(offsets))))
+    return tuple(surveys)
+
+
+@functools.lru_cache(maxsize=64)
+def layout_groups(rule: EdgeRule, n: int, n_head: int, device: str = "cpu") -> tuple:
+    """((heads, the rule the kernel runs over them, their layout or None), ...) for a static rule over n
+    positions: the rule's head groups (each at its own cost), split further by residue-class divisor; a group
+    with d > 1 runs in residue_layout(n, d) under a LaidOutRule. Cached, so every layer with the rule shares
+    one LaidOutRule and with it one set of tiles."""
+    groups = rule.head_groups() or [(list(range(n_head)), rule)]
+    out = []
+    for heads, sub_rule in groups:
+        stated = sub_rule.residue_classes(len(heads))
+        if stated is not None:
+            surveys = [HeadSurvey(d, sub_rule.lookback, sub_rule.lookahead) for d in stated]
+        else:
+            surveys = list(edge_divisors(sub_rule, n, len(heads)))
+            if not sub_rule.per_head:
+                surveys *= len(heads)
+        by_divisor = {}
+        for local, survey in enumerate(surveys):
+            by_divisor.setdefault(max(1, survey.divisor), []).append(local)
+        for d, local in sorted(by_divisor.items()):
+            rule_d = sub_rule if len(by_divisor) == 1 else HeadSubset(sub_rule, tuple(local))
+            group_heads = [heads[i] for i in local]
+            if d == 1 or n <= d:
+                backs = [surveys[i].lookback for i in local]
+                if stated is None and sub_rule.lookback is None and max(backs) < n // 2:
+                    # unbounded as written, a window at this length: its band and chunk (the scan saw every edge)
+                    ahead = max(surveys[i].lookahead for i in local)
+                    rule_d = LaidOutRule(rule_d, None, max(backs), ahead)
+                out.append((group_heads, rule_d, None))
+                continue
+            backs = [surveys[i].lookback for i in local]
+            lookback = None if None in backs else -(-max(backs) // d)
+            lookahead = -(-max(surveys[i].lookahead or 0 for i in local) // d)
+            layout = residue_layout(n, d).to(device)
+            out.append((group_heads, LaidOutRule(rule_d, layout, lookback, lookahead), layout))
+    return tuple(out)
