@@ -295,8 +295,94 @@ def apply_file(target, path: str, fields=None) -> None:
             raise ConfigError(f"{path}: {e}") from None
 
 
+HELP_FLAGS = ("--help", "-h")
+
+
+def field_help(cls) -> dict[str, str]:
+    """The comment written after each field of a config dataclass (or, without one, the comment lines right above
+    it), read from its source: the typed config documents itself, and --help prints it. Variant settings carry theirs
+    (attention/registry.py: Setting.help)."""
+    import inspect
+    import io
+    import tokenize
+
+    helps: dict[str, str] = {}
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        source = ""
+    above: list[str] = []
+    tokens = list(tokenize.generate_tokens(io.StringIO(source).readline)) if source else []
+    line_comments: dict[int, str] = {}
+    names: dict[int, str] = {}
+    for i, tok in enumerate(tokens):
+        if tok.type == tokenize.COMMENT:
+            line_comments[tok.start[0]] = tok.string.lstrip("#").strip()
+        elif tok.type == tokenize.NAME and tok.start[1] == 4 and i + 1 < len(tokens) \
+                and tokens[i + 1].string == ":" and tok.start[0] not in names:
+            names[tok.start[0]] = tok.string
+    for line in range(1, source.count("\n") + 2):
+        if line in names:
+            # its own comment; else the comment lines right above it (above a commented field they head a section)
+            text = line_comments.get(line) or " ".join(above)
+            if text:
+                helps[names[line]] = text
+            above = []
+        elif line in line_comments:
+            above.append(line_comments[line])
+        else:
+            above = []
+    try:
+        from attention.registry import SETTINGS
+
+        helps.update({name: setting.help for name, setting in SETTINGS.items() if name in typing.get_type_hints(cls)})
+    except ImportError:
+        pass
+    return helps
+
+
+def options_text(target, fields=None) -> str:
+    """Every option of an entry point: --name=TYPE (its default) and its help, by config group."""
+    fields = _FIELDS if fields is None else fields
+    lines, helps, last_group = [], {}, None
+    for key, (group, typ) in fields.items():
+        obj = getattr(target, group) if group else target
+        if type(obj) not in helps:
+            helps[type(obj)] = field_help(type(obj))
+        if group != last_group and group:
+            lines.append(f"\n{group}:")
+            last_group = group
+        default = getattr(obj, key)
+        lines.append(f"  --{key}={getattr(typ, '__name__', typ)} (default {default!r})")
+        if helps[type(obj)].get(key):
+            lines.append(f"      {helps[type(obj)][key]}")
+    return "\n".join(lines)
+
+
+def print_help(target, fields=None, more: str = "") -> None:
+    """The entry point's usage (its module's docstring), options_text and `more`."""
+    main = sys.modules.get("__main__")
+    doc = (getattr(main, "__doc__", None) or "").strip()
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name:  # python -m eval
+        prog = "-m " + spec.name.removesuffix(".__main__")
+    else:
+        prog = os.path.relpath(sys.argv[0]) if sys.argv and sys.argv[0] not in ("", "-c") else "PROGRAM"
+    print(f"usage: python {prog} [CONFIG.py ...] [--key=value ...]")
+    if doc:
+        print("\n" + doc)
+    print("\nConfig files (python assigning fields) apply in order, then --key=value overrides; options:")
+    print(options_text(target, fields))
+    if more:
+        print("\n" + more)
+
+
 def apply_args(target, argv: list[str], fields=None) -> None:
-    """Apply config files (positional) and --key=value overrides, in order."""
+    """Apply config files (positional) and --key=value overrides, in order. --help (-h) prints the options and
+    exits."""
+    if any(arg in HELP_FLAGS for arg in argv):
+        print_help(target, fields)
+        raise SystemExit(0)
     for arg in argv:
         if arg.startswith("--"):
             key, sep, value = arg[2:].partition("=")

@@ -38,7 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from attention.memory import F32, Kernels, linear_inputs  # noqa: E402
 from checkpoint import write_json  # noqa: E402
-from config import ConfigError, ModelConfig, apply_args, dataclass_fields, exit_on_config_error, load_config  # noqa: E402
+from config import (HELP_FLAGS, ConfigError, ModelConfig, apply_args, dataclass_fields, exit_on_config_error,  # noqa: E402
+                    load_config, print_help)
 from model import GPT  # noqa: E402
 
 GIB = 2 ** 30
@@ -346,6 +347,9 @@ def parse(argv) -> tuple[PlanOptions, list[str]]:
     """Split the plan's own --key=value options from the config file and its overrides."""
     options, rest = PlanOptions(), []
     own = dataclass_fields(PlanOptions)
+    if any(arg in HELP_FLAGS for arg in argv):
+        print_help(options, own, "Every other --key=value is a training config's (python train.py --help).")
+        raise SystemExit(0)
     for arg in argv:
         key = arg[2:].partition("=")[0].replace("-", "_") if arg.startswith("--") else None
         (apply_args(options, [arg], own) if key in own else rest.append(arg))

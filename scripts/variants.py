@@ -33,4 +33,8 @@ def variants_table() -> str:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:]:  # no options: --help says so, anything else is refused
+        print(__doc__.strip())
+        raise SystemExit(0 if sys.argv[1:] in (["--help"], ["-h"]) else f"unexpected arguments {sys.argv[1:]}: "
+                         "this script takes none")
     print(variants_table())

@@ -1,0 +1,63 @@
+"""Every entry point answers --help with its options and exits 0: the typed-config ones (config.apply_args)
+list every field as --name=TYPE with its default and the comment the config writes for it."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from config import Config, HELP_FLAGS, dataclass_fields, field_help, options_text
+from conftest import REPO
+
+SCRIPTS = sorted(str(p.relative_to(REPO)) for p in Path(REPO, "scripts").glob("*.py"))
+ENTRY_POINTS = [["train.py"], ["sample.py"], ["export.py"], ["-m", "eval"], ["-m", "eval.coverage"],
+                ["data/prepare.py"], *([script] for script in SCRIPTS)]
+
+
+def test_the_options_list_every_field_with_its_default_and_its_comment():
+    text = options_text(Config())
+    for line in ("  --arch=str (default 'gpt2')", "  --swa_window=int (default 256)", "\ntrain:", "\neval:"):
+        assert line in text
+    helps = field_help(type(Config().train))
+    assert helps["grad_clip"] == "0 disables clipping"  # its own comment
+    assert helps["init_from"].startswith("scratch | resume | gpt2")  # the comment lines above it
+    assert "key/value heads" in field_help(type(Config().model))["n_kv_head"]  # a section's heading is not its help
+    assert not field_help(type(Config().model))["n_kv_head"].startswith("attention shapes")
+    assert field_help(type(Config().model))["swa_window"].startswith("swa(w)")  # a variant Setting's help
+
+
+# every entry point run with --help in one process (torch imported once), as `python SCRIPT --help` or
+# `python -m MODULE --help` runs it: runpy with that argv, its stdout and exit status recorded
+DRIVER = """
+import contextlib, io, json, runpy, sys
+results = {}
+for entry in json.loads(sys.argv[1]):
+    out = io.StringIO()
+    sys.argv = [entry[-1], "--help"]
+    code = None
+    with contextlib.redirect_stdout(out):
+        try:
+            if entry[0] == "-m":
+                runpy.run_module(entry[1], run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(entry[0], run_name="__main__")
+        except SystemExit as e:
+            code = e.code
+    results[" ".join(entry)] = [code, out.getvalue()]
+print(json.dumps(results))
+"""
+
+
+def test_every_entry_point_prints_its_options_on_help():
+    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(ENTRY_POINTS)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(results) == {" ".join(entry) for entry in ENTRY_POINTS}
+    for entry, (code, text) in results.items():
+        assert code in (0, None) and text.strip(), (entry, code, text[:500])
+        assert entry == "scripts/variants.py" or "usage" in text.lower(), entry
+    for key in dataclass_fields(type(Config().train)):
+        assert f"--{key}=" in results["train.py"][1]
+    assert "--temperature=float (default 0.8)" in results["sample.py"][1] and "0: greedy" in results["sample.py"][1]
+    assert results["-m eval"][1].startswith("usage: python -m eval")
