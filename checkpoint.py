@@ -1,8 +1,8 @@
-"""Checkpoints and run records: atomic writes, loading with clear errors, the provenance of a run."""
+"""Checkpoints and run records: atomic checkpoint writes (outputs.py), loading with clear errors, the provenance of
+a run."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from config import Config
+from outputs import atomic_write, write_json  # noqa: F401  (the run records' writers; imported from here too)
 
 REPO = Path(__file__).resolve().parent
 
@@ -22,30 +23,8 @@ class CheckpointError(Exception):
     pass
 
 
-def atomic_write(path: str | os.PathLike, write) -> None:
-    """Call write(file_object) on a temporary file beside path, fsync it, then rename it over path.
-
-    A crash at any moment leaves either the old file or the new one, never a partial file.
-    """
-    path = Path(path)
-    tmp = path.with_name(f".tmp.{path.name}.{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
 def save_checkpoint(obj: dict, path) -> None:
     atomic_write(path, lambda f: torch.save(obj, f))
-
-
-def write_json(obj, path) -> None:
-    atomic_write(path, lambda f: f.write((json.dumps(obj, indent=2) + "\n").encode()))
 
 
 def remove_stale_temp_files(out_dir) -> None:

@@ -69,6 +69,7 @@ import numpy as np
 
 from data.meta import FORMAT_VERSION, DataError
 from data.tokenizer import TokenizerUnavailable, get_tokenizer, vocab_dtype
+from outputs import write_json
 from progress import progress_bar
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -364,7 +365,7 @@ class TokenFiles:
             os.remove(meta_path)
         for split in ("train", "val"):
             os.replace(self.paths[split], os.path.join(self.out_dir, f"{split}.bin"))
-        write_json_atomic(meta_path, meta)
+        write_json(meta, meta_path)
 
     def discard(self):
         for split, f in self.files.items():
@@ -376,21 +377,6 @@ class TokenFiles:
 def temp_path(out_dir, name):
     # not tempfile.mkstemp: its files are private (0600), these become the shared data files
     return os.path.join(out_dir, f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}-{name}")
-
-
-def write_json_atomic(path, obj):
-    tmp = temp_path(os.path.dirname(path), os.path.basename(path))
-    try:
-        with open(tmp, "x") as f:
-            json.dump(obj, f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 # ----------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from checkpoint import write_json  # noqa: E402
+from outputs import save_figure, write_json  # noqa: E402
 from eval.results import setting_items, setting_results, standing_setting  # noqa: E402
 from eval.stats import paired_comparison  # noqa: E402
 from run_folder import read_metrics  # noqa: E402
@@ -228,8 +228,6 @@ def figures(runs: dict[str, dict[int, dict]], out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from checkpoint import atomic_write
-
     families = [f for f in FAMILIES if runs.get(f)]
     colors = dict(zip(FAMILIES, ["black", "tab:blue", "tab:red", "tab:orange", "tab:green", "tab:gray"]))
     written = []
@@ -237,8 +235,7 @@ def figures(runs: dict[str, dict[int, dict]], out: Path) -> list[Path]:
     def save(fig, name):
         path = out / name
         fig.tight_layout()
-        atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120))
-        plt.close(fig)
+        save_figure(fig, path)
         written.append(path)
 
     def curves(ax, probes, key, title, xlabel):

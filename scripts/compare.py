@@ -34,6 +34,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import outputs  # noqa: E402
+from outputs import save_figure  # noqa: E402
 from run_folder import read_metrics  # noqa: E402
 from eval.results import (data_label, describe_settings, own_data, reads_validation_text,  # noqa: E402
                           setting_items, setting_options, standing_setting)
@@ -543,19 +545,7 @@ def fmt_value(column: str, value) -> str:
 
 
 def markdown_table(headers: list[str], rows: list[list[str]], right: set[int] = frozenset()) -> str:
-    def esc(s):
-        return str(s).replace("|", "\\|")
-
-    cells = [[esc(h) for h in headers]] + [[esc(c) for c in row] for row in rows]
-    widths = [max(3, *(len(r[i]) for r in cells)) for i in range(len(headers))]
-    lines = []
-    for n, row in enumerate(cells):
-        padded = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
-        lines.append("| " + " | ".join(padded) + " |")
-        if n == 0:
-            lines.append("|" + "|".join((("-" * (w + 1) + ":") if i in right else (":" + "-" * (w + 1)))
-                                        for i, w in enumerate(widths)) + "|")
-    return "\n".join(lines)
+    return outputs.markdown_table(headers, rows, right, aligned=True)
 
 
 FEW = " †"  # a cell scored on too little text (eval/ppl.py MIN_WINDOWS)
@@ -637,15 +627,11 @@ def _pyplot():
 
 def _save(fig, axes, path):
     """Grid, legend, layout, then write the figure as a PNG and close it; returns the path."""
-    import matplotlib.pyplot as plt
-
     for ax in axes:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def _colors(plt, n):

@@ -28,7 +28,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from checkpoint import atomic_write, git_hash, write_json  # noqa: E402
+from checkpoint import git_hash  # noqa: E402
+from outputs import atomic_write, markdown_table, save_figure, write_json  # noqa: E402
 
 # the score of each task in the paper's tables: accuracy for multiple choice and LAMBADA, pass@1 for HumanEval
 METRICS = ("acc,none", "pass@1,create_test", "pass_at_1,none", "exact_match,none", "exact_match,strict-match")
@@ -83,11 +84,9 @@ def task_score(task: str, results: dict) -> tuple[str, float]:
 
 
 def table(rows: list[dict], tasks: list[str]) -> str:
-    lines = ["| mode | window | " + " | ".join(tasks) + " | average |", "|---|---|" + "---|" * (len(tasks) + 1)]
-    for row in rows:
-        cells = [f"{100 * row['scores'][t]:.1f}" for t in tasks] + [f"{100 * row['average']:.1f}"]
-        lines.append(f"| {row['mode']} | {row['window'] or '-'} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return markdown_table(["mode", "window", *tasks, "average"],
+                          [[row["mode"], row["window"] or "-", *(f"{100 * row['scores'][t]:.1f}" for t in tasks),
+                            f"{100 * row['average']:.1f}"] for row in rows]) + "\n"
 
 
 def plot(rows: list[dict], tasks: list[str], out: str, title: str) -> list[str]:
@@ -125,9 +124,7 @@ def plot(rows: list[dict], tasks: list[str], out: str, title: str) -> list[str]:
         axes.flat[0].legend()
         fig.tight_layout()
         path = os.path.join(out, f"{name}.png")
-        atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120))
-        plt.close(fig)
-        paths.append(path)
+        paths.append(save_figure(fig, path))
     return paths
 
 

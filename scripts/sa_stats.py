@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from attention.edges import in_circular_window, stochastic_halo, stochastic_window_edges, window_edges  # noqa: E402
 from attention.stochastic import inverse_permutation  # noqa: E402
+from outputs import save_figure  # noqa: E402
 
 
 def connection_probability(n: int, window: int, samples: int, pairs: int = 256, causal: bool = False,
@@ -106,11 +107,7 @@ def plot(curves: dict, n: int, window: int, path: str) -> None:
     ax.set_ylim(0, 1.02)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=150)
-    os.replace(tmp, path)
-    plt.close(fig)
+    save_figure(fig, path, dpi=150)
 
 
 def main(argv):

@@ -10,6 +10,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from attention.registry import MIXERS, PATTERN_ALIASES, Setting  # noqa: E402
+from outputs import markdown_table  # noqa: E402
 
 
 def variants_table() -> str:
@@ -22,14 +23,14 @@ def variants_table() -> str:
         for setting in cls.settings:
             if isinstance(setting, Setting):
                 row["settings"].setdefault(setting.name, setting.default)
-    lines = ["| name | paper | query i attends to key j when | settings (default) |", "|---|---|---|---|"]
+    table = []
     for (paper, summary), row in rows.items():
         names = ", ".join(f"`{n}`" for n in row["names"])
         settings = ", ".join(f"`{key}` ({value!r})" if isinstance(value, str) else f"`{key}` ({value})"
                              for key, value in row["settings"].items())
-        lines.append(f"| {names} | {paper} | {summary or '(no summary)'} | {settings} |")
-    lines += [f"| `{alias}` | | the pattern `{pattern}` | |" for alias, pattern in PATTERN_ALIASES.items()]
-    return "\n".join(lines)
+        table.append([names, paper, summary or "(no summary)", settings])
+    table += [[f"`{alias}`", "", f"the pattern `{pattern}`", ""] for alias, pattern in PATTERN_ALIASES.items()]
+    return markdown_table(["name", "paper", "query i attends to key j when", "settings (default)"], table)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from config import Config, HELP_FLAGS, dataclass_fields, field_help, options_text
+from config import Config, dataclass_fields, field_help, options_text
 from conftest import REPO
 
 SCRIPTS = sorted(str(p.relative_to(REPO)) for p in Path(REPO, "scripts").glob("*.py"))
