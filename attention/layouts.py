@@ -11,8 +11,8 @@ circularly by `halo` copies at both ends (stochastic attention's unrolled ring),
     LaidOutRule       the rule over layout rows: allowed(i, j) is the rule's allowed() at their tokens' positions
 
 `layout_groups` finds the layout of a static rule (attention/kernels.py plans with it): per head, the largest
-d dividing every allowed offset q - k (`edge_divisors`, a scan of the rule's edges, stopped for a head as soon
-as its offsets share no divisor), unless the rule states it (`EdgeRule.residue_classes`). Heads with d > 1 run
+d dividing every allowed offset q - k (`edge_divisors`, one scan of the rule's edges over its key_ranges, once
+per length), unless the rule states it (`EdgeRule.residue_classes`). Heads with d > 1 run
 their residue classes as sequences of their own (`residue_layout`); heads are grouped by d, each group at its
 own cost. Stochastic attention's per-forward permutation (attention/stochastic.py) is a Layout drawn at every
 forward. Caches and cached decoding stay in the original order: a layout lives only inside one kernel call.
