@@ -115,12 +115,16 @@ def _count_edges(rule: EdgeRule, n: int, head: int) -> int:
     h = torch.tensor(head) if rule.per_head else None
     for start in range(0, n, rows):
         q = torch.arange(start, min(n, start + rows))
-        keys = torch.zeros(n, dtype=torch.bool)
-        for lo, hi in rule.key_ranges(start, start + len(q)):
-            keys[max(0, lo):max(0, min(n, hi))] = True
-        k = torch.nonzero(keys).flatten()
-        total += int(rule.allowed(q[:, None], k[None, :], h).sum())
+        total += int(rule.allowed(q[:, None], candidate_keys(rule, start, start + len(q), n)[None, :], h).sum())
     return total
+
+
+def candidate_keys(rule: EdgeRule, q_lo: int, q_hi: int, n: int) -> torch.Tensor:
+    """The key positions inside [0, n) that rule.key_ranges names for queries q_lo .. q_hi - 1, each once."""
+    keys = torch.zeros(n, dtype=torch.bool)
+    for lo, hi in rule.key_ranges(q_lo, q_hi):
+        keys[max(0, lo):max(0, min(n, hi))] = True
+    return torch.nonzero(keys).flatten()
 
 
 def _pow2_floor(x: int) -> int:

@@ -162,14 +162,15 @@ class ChunkTiles:
     def slots(self) -> int:
         return self.key_chunks.shape[1]
 
-    def scores(self, n: int) -> int:
-        """Scores the kernel evaluates per head over n queries (query rows past the end not counted)."""
+    def scores(self, n: int, heads: int = 1) -> int:
+        """Scores the kernel evaluates per head over n queries of a batch of one with `heads` heads (query rows
+        past the end not counted; compacted tiles are as wide as each call's widest chunk)."""
         c, nc = self.chunk, self.mask.shape[-3]
         rows = [min(c, n - i * c) for i in range(nc)]
         if self.band is not None:
             slots = (self.key_chunks.cpu() >= 0).sum(1).tolist()
             return sum(r * s * c for r, s in zip(rows, slots))
-        return sum(sum(rows[g.i0:g.i1]) * g.width for g in ChunkedFlashCPU._groups(n, self, 1))
+        return sum(sum(rows[g.i0:g.i1]) * g.width for g in ChunkedFlashCPU._groups(n, self, heads))
 
 
 def plan_attention(rule: EdgeRule, backend: str, n: int, n_head: int, head_dim: int, device, start: int = 0,
@@ -317,7 +318,7 @@ def computed_scores(plan: AttentionPlan, n_head: int) -> int:
         q_index, k_index, mask, rows = plan.data
         return n_head * len(rows) * mask.shape[-1]
     if plan.kernel == "chunked":
-        return sum(len(group.heads) * group.data.scores(n) for group in plan.data)
+        return sum(len(group.heads) * group.data.scores(n, len(group.heads)) for group in plan.data)
     if plan.kernel == "flex":
         if isinstance(plan.data, tuple):
             return sum(_flex_scores(group.data, len(group.heads)) for group in plan.data)

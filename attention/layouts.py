@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attention.edges import EdgeRule, head_values
+from attention.edges import EdgeRule, candidate_keys, head_values
 
 
 def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
@@ -172,9 +172,6 @@ class LaidOutRule(EdgeRule):
             token = token.to(q.device)
         return self.rule.allowed(token[q], token[k], h)
 
-    def chunk_size(self):
-        return EdgeRule.chunk_size(self)
-
 
 @dataclass(frozen=True, eq=False)
 class KeyPrefixRule(EdgeRule):
@@ -271,10 +268,7 @@ def edge_divisors(rule: EdgeRule, n: int, n_head: int) -> tuple[HeadSurvey, ...]
     h = torch.arange(heads)[:, None, None] if rule.per_head else None
     for q_lo in range(0, n, SURVEY_BLOCK):
         q_hi = min(n, q_lo + SURVEY_BLOCK)
-        keys = torch.zeros(n, dtype=torch.bool)
-        for lo, hi in rule.key_ranges(q_lo, q_hi):
-            keys[max(0, lo):max(0, min(n, hi))] = True
-        k = torch.nonzero(keys).flatten()
+        k = candidate_keys(rule, q_lo, q_hi, n)
         q = torch.arange(q_lo, q_hi)
         head, row, col = rule.allowed(q[:, None], k[None, :], h).expand(heads, len(q), len(k)).nonzero().unbind(1)
         present[head, q[row] - k[col] + n] = True

@@ -238,6 +238,8 @@ def test_cuda_path_flex_runs_layouts_compiled_forward_and_backward(rule):
         # as inside a compiled block: the gathers, the layout's autograd functions and flex in one graph
         compiled = torch.compile(lambda a, b, c: attend_planned(a, b, c, plan), backend="aot_eager", fullgraph=True)
         out, grads = fwd_bwd(compiled, tensors)
+        eager = attend_planned(*(t.detach() for t in tensors), plan)  # an eager call: flex compiled on its own
+    torch.testing.assert_close(eager, ref, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, atol=2e-5, rtol=1e-4)
