@@ -480,6 +480,16 @@ def validate(cfg: Config) -> None:
                           "window_schedule=fixed")
 
 
+def process_device(name: str, local_rank: int = 0):
+    """The torch.device one training process runs on, for a resolved --device name: a bare "cuda" becomes the
+    process's own GPU (its local rank's, 0 without torchrun), since torch.cuda.set_device refuses a device
+    without an index."""
+    import torch
+
+    device = torch.device(name)
+    return torch.device("cuda", local_rank) if device.type == "cuda" and device.index is None else device
+
+
 def resolve_device(name: str) -> str:
     """The device a --device setting names here: auto picks cuda when there is one; a device this machine does
     not have is a ConfigError naming the fix (a traceback from deep inside torch otherwise)."""

@@ -31,7 +31,7 @@ from attention import simulate_cuda
 from checkpoint import (CheckpointError, atomic_write, checkpoint_tokenizer_identity, load_checkpoint, load_sharded_meta,
                         load_sharded_training_state, remove_stale_temp_files, run_info, save_checkpoint,
                         save_sharded_checkpoint, sharded_training_state, write_json)
-from config import Config, ConfigError, exit_on_config_error, load_config, resolve_device, validate
+from config import Config, ConfigError, exit_on_config_error, load_config, process_device, resolve_device, validate
 from data.loader import WindowSampler
 from data.meta import (DataError, check_vocabulary, load_meta, open_tokens, prepare_generated_if_missing,
                        split_fingerprint, tokenizer_mismatch, unigram_entropy)
@@ -292,9 +292,8 @@ def main(argv):
     if problem:
         fail(f"--wandb_log=True cannot log online: {problem}. Use --wandb_mode=offline (or WANDB_MODE=offline) to log "
              "to the run folder and `wandb sync` it later, or `wandb login` first", status=2)
-    if distributed and device_name == "cuda":
-        device_name = f"cuda:{local_rank}"
-    device = torch.device(device_name)
+    device = process_device(device_name, local_rank)
+    device_name = str(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"

@@ -411,8 +411,7 @@ def attend_planned(q, k, v, plan: AttentionPlan, dropout_p: float = 0.0):
         return flex(q, k, v, rule, start, score_mod, activation, dropout_p, block_mask=plan.data)
     if plan.kernel == "sdpa":
         if plan.data is None:
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
-                                                  enable_gqa=k.shape[1] != q.shape[1])
+            return _sdpa(q, k, v, dropout_p=dropout_p, is_causal=True)
         return _fused_softmax(q, k, v, plan.data, dropout_p)
     raise ValueError(f"unknown attention kernel {plan.kernel!r}")
 
@@ -489,14 +488,20 @@ def masked_attention(q, k, v, mask, q_pos=None, k_pos=None, score_mod=None, acti
     return (probs @ v.to(compute)).to(q.dtype)
 
 
+def _sdpa(q, k, v, **options):
+    """F.scaled_dot_product_attention (grouped keys as needed); its output is laid out as CUDA's kernels lay it
+    out (not contiguous) on CUDA and on the CPU standing in for it."""
+    y = F.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[1] != q.shape[1], **options)
+    return simulate_cuda.sdpa_output_layout(y) if simulate_cuda.simulated(q.device) else y
+
+
 def _fused_softmax(q, k, v, mask, dropout_p=0.0):
     """SDPA under a boolean mask; a query with no allowed key gets a zero output, as in the explicit path.
 
     (SDPA alone returns NaN for such rows: here they attend to every key and their output is zeroed.)
     """
     has_key = mask.any(-1, keepdim=True)  # applied unconditionally: a data-dependent branch would sync GPUs
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~has_key, dropout_p=dropout_p,
-                                       enable_gqa=k.shape[1] != q.shape[1])
+    y = _sdpa(q, k, v, attn_mask=mask | ~has_key, dropout_p=dropout_p)
     return y * has_key
 
 
@@ -522,7 +527,7 @@ def window_attention(q, k, v, rule: EdgeRule, dropout_p: float = 0.0, tiles=None
     tiles = lambda x, index, size: x.index_select(2, index).view(B, H * J, size, D)  # noqa: E731
     y = _fused_softmax(tiles(q, q_index, R), tiles(k, k_index, K), tiles(v, k_index, K),
                        mask.expand(H, J, R, K).reshape(H * J, R, K), dropout_p)
-    y = y.view(B, H, J * R, D).index_select(2, rows)  # the tiles' rows inside the sequence, in order
+    y = y.reshape(B, H, J * R, D).index_select(2, rows)  # the tiles' rows inside the sequence, in order
     return q.new_zeros(B, H, n, D).index_copy(2, q_index.view(J * R).index_select(0, rows), y)
 
 
@@ -1271,5 +1276,12 @@ def _flex_score_mod(score_mod, start, activation):
         mod = lambda s, b, h, qi, ki: score_mod(s, b, h, qi + start, ki + start)
     if activation == "sigmoid":
         inner = mod
-        mod = lambda s, b, h, qi, ki: F.logsigmoid(s if inner is None else inner(s, b, h, qi, ki))
+        mod = lambda s, b, h, qi, ki: _log_sigmoid(s if inner is None else inner(s, b, h, qi, ki))
     return mod
+
+
+def _log_sigmoid(x):
+    """log(sigmoid(x)) from pointwise ops. Not F.logsigmoid: its op (log_sigmoid_forward) returns an empty buffer
+    on CUDA, which FlexAttention's eager form (vmap over the score_mod: aot_eager, uncompiled calls) cannot
+    batch ("SmallVector unable to grow" on an H200, torch 2.11)."""
+    return x.clamp(max=0) - torch.log1p(torch.exp(-x.abs()))

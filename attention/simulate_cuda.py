@@ -20,6 +20,7 @@ with the same output contract (shapes, dtypes, contiguity):
                          (attention/mlstm.py), and Gated DeltaNet's fla kernel runs its stand-in
                          (attention/gated_deltanet.py): the built-in forms, returning what the real kernels return
     dtype=auto           bfloat16 in train.py, sample.py and python -m eval; AdamW fused, as on CUDA
+    SDPA outputs         laid out as CUDA's fused kernels lay them out ((B, L, H, D) in memory, not contiguous)
 
 What only a GPU shows: speed and memory, the code inductor and Triton generate for CUDA (and their compile
 times), the real kernels' numerics, NCCL, and CUDA's own errors (illegal memory access, launch limits).
@@ -81,6 +82,13 @@ def auto_dtype(device, older_gpu: str = "float32") -> str:
     if kind != "cuda":
         return "float32"
     return "bfloat16" if torch.cuda.is_bf16_supported() else older_gpu
+
+
+def sdpa_output_layout(y: torch.Tensor) -> torch.Tensor:
+    """SDPA's output with the memory layout CUDA's fused kernels (flash, memory-efficient, cuDNN) give it:
+    (B, L, H, D) in memory, seen as (B, H, L, D), so not contiguous. The CPU's is contiguous; while simulating,
+    code reading an SDPA output meets CUDA's layout (a .view() that only the CPU layout allows fails here too)."""
+    return y.transpose(1, 2).contiguous().transpose(1, 2) if y.dim() == 4 else y
 
 
 def compile_backend(device) -> str:

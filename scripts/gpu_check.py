@@ -456,7 +456,24 @@ def gpu_kernel_problems(device: str, env: dict) -> list[str]:
         problems.append(f"Triton {versions.get('triton')} has no tl.make_block_ptr, which mlstm_kernels and fla build "
                         f"their kernels with (Triton 3.9 removed it): pip install triton=={pin}, the version torch "
                         f"{env['torch']} pins, and keep it there (requirements-gpu.txt)")
+    elif (env.get("capability") or [0])[0] == 9 and \
+            HOPPER_WRONG_TRITON[0] <= version_tuple(versions["triton"]) < HOPPER_WRONG_TRITON[1]:
+        problems.append(f"Triton {versions['triton']} on a Hopper GPU ({env['device_name']}): Triton 3.4.0 to 3.7.0 "
+                        "compile gated chunked backward kernels wrongly on Hopper (fla issue #640: fla's Gated "
+                        "DeltaNet refuses to run its backward there; mlstm_kernels' backward differed from the "
+                        "reference in up to 1.4% of the gradients' elements on an H200 with Triton 3.6.0): install "
+                        "torch==2.13.0, which brings Triton 3.7.1, as requirements.txt pins")
     return problems
+
+
+# Triton versions that compile fla's gated chunked backward wrongly on Hopper (fla/ops/common/chunk_o.py refuses
+# them, citing fla issue #640): [from, to)
+HOPPER_WRONG_TRITON = ((3, 4, 0), (3, 7, 1))
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """(3, 6, 0) for "3.6.0" or "3.6.0+git1234": the release's numbers, for comparisons."""
+    return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3])
 
 
 def step_preflight(ctx: StepContext) -> dict:
@@ -1441,7 +1458,8 @@ def environment(device: str) -> dict:
     return {"device": device, "device_name": name, "device_memory": memory, "torch": str(torch.__version__),
             "cuda": torch.version.cuda or "", "python": platform.python_version(), "optional_kernels": optional,
             "triton_pin": torch_triton_pin(), "triton_block_ptr": block_ptr,
-            "gpus": torch.cuda.device_count() if device == "cuda" else 0, "git_hash": git_hash()}
+            "gpus": torch.cuda.device_count() if device == "cuda" else 0, "git_hash": git_hash(),
+            "capability": list(torch.cuda.get_device_capability(0)) if device == "cuda" else []}
 
 
 def _read(path: str) -> str:

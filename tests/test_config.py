@@ -2,6 +2,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from config import Config, ConfigError, load_config
 from conftest import REPO
@@ -182,3 +183,18 @@ def test_the_readme_names_the_libraries_its_install_command_installs():
         name = re.split(r"[<>=\s#]", line.strip(), maxsplit=1)[0]
         if name and name not in ("torch", "pytest-xdist"):
             assert name in install, f"README's install paragraph does not name {name}"
+
+
+def test_a_training_process_gets_a_cuda_device_with_an_index():
+    # torch.cuda.set_device refuses a bare "cuda" (a first GPU run of train.py met it): each process's own GPU.
+    # torch's own check (the one set_device runs) takes the device on the CPU too
+    from torch.cuda._utils import _get_device_index
+
+    from config import process_device
+
+    assert _get_device_index(process_device("cuda")) == 0
+    assert _get_device_index(process_device("cuda", local_rank=3)) == 3
+    assert process_device("cuda:1", local_rank=3) == torch.device("cuda", 1)  # an index given stays
+    assert process_device("cpu", local_rank=3) == torch.device("cpu")
+    with pytest.raises(ValueError, match="specified index"):  # what train.py passed before
+        _get_device_index(torch.device("cuda"))

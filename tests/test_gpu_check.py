@@ -242,6 +242,14 @@ def test_a_missing_gpu_kernel_fails_on_cuda_with_its_fix():
     # a Triton without tl.make_block_ptr (3.9 removed it): the fix names torch's pin
     [problem] = check.gpu_kernel_problems("cuda", cuda_environment(triton="3.9.0", triton_block_ptr=False))
     assert "Triton 3.9.0 has no tl.make_block_ptr" in problem and "pip install triton==3.7.1" in problem
+    # Triton 3.4.0-3.7.0 on Hopper (torch 2.11's 3.6.0 on an H200, as a GPU run met it): fla refuses its gated
+    # backward there; other GPUs and Triton 3.7.1 pass
+    hopper = {"capability": [9, 0], "device_name": "NVIDIA H200"}
+    [problem] = check.gpu_kernel_problems("cuda", cuda_environment(triton="3.6.0", **hopper))
+    assert "Triton 3.6.0 on a Hopper GPU (NVIDIA H200)" in problem and "torch==2.13.0" in problem
+    assert check.gpu_kernel_problems("cuda", cuda_environment(triton="3.6.0", capability=[8, 0])) == []
+    assert check.gpu_kernel_problems("cuda", cuda_environment(triton="3.7.1", **hopper)) == []
+    assert check.gpu_kernel_problems("cuda", cuda_environment(triton="3.3.1+git9c1d", **hopper)) == []
 
 
 def test_the_kernel_tests_must_pass_on_cuda():

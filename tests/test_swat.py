@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from attention.edges import SlidingWindow
 from attention.kernels import ScoreBias, attend, chunked_attention
@@ -315,3 +316,20 @@ def test_gpu_swat_bf16_stays_close_to_float32(device):
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     rel = (out.float() - ref).norm() / ref.norm()
     assert rel < 2e-2, rel
+
+
+def test_flex_sigmoid_score_mod_is_logsigmoid_without_its_cuda_buffer_op():
+    # FlexAttention's eager form vmaps the score_mod; on CUDA, F.logsigmoid's op returns an empty buffer that vmap
+    # cannot batch (swat failed so under aot_eager on an H200). The score_mod is log(sigmoid) from pointwise ops
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from attention.kernels import _flex_score_mod
+
+    mod = _flex_score_mod(None, 0, "sigmoid")
+    s = torch.cat([torch.linspace(-120, 120, 2001), torch.tensor([0.0, -1e-8, 1e-8, 88.0, -88.0])])
+    index = torch.tensor(0)
+    torch.testing.assert_close(mod(s, index, index, index, index), F.logsigmoid(s), rtol=1e-6, atol=1e-7)
+    low = mod(s.bfloat16(), index, index, index, index)
+    torch.testing.assert_close(low.float(), F.logsigmoid(s.bfloat16()).float(), rtol=1e-2, atol=1e-2)
+    ops = {str(node.target) for node in make_fx(mod)(s, index, index, index, index).graph.nodes}
+    assert not any("log_sigmoid" in op for op in ops), ops
