@@ -359,7 +359,7 @@ def options_text(target, fields=None) -> str:
     return "\n".join(lines)
 
 
-def print_help(target, fields=None, more: str = "") -> None:
+def print_help(target, fields=None, more: str = "", positional: str = "") -> None:
     """The entry point's usage (its module's docstring), options_text and `more`."""
     main = sys.modules.get("__main__")
     doc = (getattr(main, "__doc__", None) or "").strip()
@@ -368,31 +368,70 @@ def print_help(target, fields=None, more: str = "") -> None:
         prog = "-m " + spec.name.removesuffix(".__main__")
     else:
         prog = os.path.relpath(sys.argv[0]) if sys.argv and sys.argv[0] not in ("", "-c") else "PROGRAM"
-    print(f"usage: python {prog} [CONFIG.py ...] [--key=value ...]")
+    items = f"[{positional.upper()} ...]" if positional else "[CONFIG.py ...]"
+    print(f"usage: python {prog} {items} [--key=value ...]  (or --key value; a boolean's --key alone: True)")
     if doc:
         print("\n" + doc)
-    print("\nConfig files (python assigning fields) apply in order, then --key=value overrides; options:")
+    print(f"\n{'Each positional argument is one of --' + positional if positional else 'Config files (python assigning fields) apply in order'}, "
+          "then --key=value overrides; options:")
     print(options_text(target, fields))
     if more:
         print("\n" + more)
 
 
-def apply_args(target, argv: list[str], fields=None) -> None:
-    """Apply config files (positional) and --key=value overrides, in order. --help (-h) prints the options and
-    exits."""
+def apply_args(target, argv: list[str], fields=None, positional: str = "") -> None:
+    """Apply config files (positional) and overrides, in order: --key=value, --key value, and a boolean's bare
+    --key (True). With `positional` (a comma-separated string field, such as a list of run folders) the
+    positional arguments are appended to that field instead of applied as config files. --help (-h) prints the
+    options and exits."""
     if any(arg in HELP_FLAGS for arg in argv):
-        print_help(target, fields)
+        print_help(target, fields, positional=positional)
         raise SystemExit(0)
-    for arg in argv:
+    known = _FIELDS if fields is None else fields
+    i = 0
+    while i < len(argv):
+        arg, following = argv[i], argv[i + 1] if i + 1 < len(argv) else None
+        i += 1
         if arg.startswith("--"):
             key, sep, value = arg[2:].partition("=")
+            key = key.replace("-", "_")
             if not sep:
-                raise ConfigError(f"'{arg}': overrides are written --key=value")
-            set_value(target, key.replace("-", "_"), value, fields)
+                if key not in known:
+                    raise ConfigError(f"unknown config key '{key}': {_closest(key, known)}")
+                boolean = known[key][1] is bool
+                if boolean and (following or "").lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    value = "True"  # a bare flag
+                elif following is None:
+                    raise ConfigError(f"'{arg}' needs a value: --{key}=VALUE")
+                else:
+                    value, i = following, i + 1
+            set_value(target, key, value, fields)
+        elif positional and not arg.startswith("-"):
+            items = [item for item in (getattr(target, positional), arg) if item]
+            set_value(target, positional, ",".join(items), fields)
         elif arg.endswith(".py") or not arg.startswith("-"):
             apply_file(target, arg, fields)
         else:
             raise ConfigError(f"'{arg}': expected a config file or --key=value")
+
+
+def split_args(argv: list[str], fields) -> tuple[list[str], list[str]]:
+    """argv split into the arguments of `fields` (a tool's own options, in apply_args' dialect: --key=value,
+    --key value, a boolean's bare --key) and the rest (config files and train.py's --key=value overrides)."""
+    own, rest, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        key, sep, _ = arg[2:].partition("=")
+        key = key.replace("-", "_")
+        if not arg.startswith("--") or key not in fields:
+            rest.append(arg)
+            i += 1
+            continue
+        takes_next = not sep and i + 1 < len(argv) and (
+            fields[key][1] is not bool or argv[i + 1].lower() in ("true", "false", "1", "0", "yes", "no"))
+        own.extend(argv[i:i + 1 + takes_next])
+        i += 1 + takes_next
+    return own, rest
 
 
 def validate(cfg: Config) -> None:

@@ -220,6 +220,7 @@ def _compare():
     """scripts/compare.py: its summaries of eval/<task>.json are the numbers written (the columns of its tables)."""
     spec = importlib.util.spec_from_file_location("compare_for_wandb", REPO / "scripts" / "compare.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses (its typed config) look their module up there
     spec.loader.exec_module(module)
     return module
 

@@ -51,7 +51,6 @@ if __name__ == "__main__" and not __package__:
     # run as `python data/prepare.py`: import from the repo root, not from data/
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-import argparse
 import glob
 import hashlib
 import json
@@ -63,10 +62,12 @@ import signal
 import uuid
 from collections import Counter, deque
 from contextlib import closing, contextmanager
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 
 import numpy as np
 
+from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error
 from data.meta import FORMAT_VERSION, DataError
 from data.tokenizer import TokenizerUnavailable, get_tokenizer, vocab_dtype
 from outputs import write_json
@@ -679,44 +680,51 @@ def default_num_proc():
     return max(1, min(8, (os.cpu_count() or 1) - 1))
 
 
-def count(text):
-    """2_000_000, 2000000 or 2e6."""
-    try:
-        return int(text)
-    except ValueError:
-        return int(float(text))
+@dataclass
+class PrepareConfig:
+    dataset: str = ""  # embedded, openwebtext, slimpajama, wikitext2/103, enwik8, or a local file/folder/glob (required)
+    tokenizer: str = "byte"  # byte, gpt2, or a Hugging Face tokenizer name or tokenizer.json path
+    out_dir: str = ""  # empty: data/<dataset>_<tokenizer>
+    max_tokens: int = 0  # stop after this many tokens (2_000_000 or 2e6; 0: all)
+    val_fraction: float = 0.0  # the share that becomes val.bin (0: 0.005 of the documents, the last 0.1 of one document)
+    num_proc: int = 0  # tokeniser processes (0: one fewer than the cores, at most 8)
+    seed: int = 0  # seed of the train/val split
+    slimpajama_sets: str = ""  # comma-separated meta.redpajama_set_name values to keep (empty: all)
+    split_articles: bool = False  # local .txt files: one document per WikiText article (from each ' = Title = ' line)
+    wikitext_val: str = "validation"  # validation | test: wikitext2/103 from the hub, the split that becomes val.bin
+    enwik8_val: str = "val"  # val | test: the 5M bytes of enwik8 that become val.bin
+
+
+def parse(argv) -> dict:
+    """prepare()'s keyword arguments from the command line."""
+    args = PrepareConfig()
+    apply_args(args, argv, dataclass_fields(PrepareConfig))
+    if not args.dataset:
+        raise ConfigError("--dataset is required: embedded, openwebtext, slimpajama, wikitext2, enwik8 or a local "
+                          "file/folder/glob")
+    if args.max_tokens < 0 or args.num_proc < 0 or args.val_fraction < 0:
+        raise ConfigError("need max_tokens >= 0, num_proc >= 0 and val_fraction >= 0")
+    if args.wikitext_val not in ("validation", "test") or args.enwik8_val not in ("val", "test"):
+        raise ConfigError(f"wikitext_val={args.wikitext_val!r}, enwik8_val={args.enwik8_val!r}: expected validation or "
+                          "test, and val or test")
+    kwargs = asdict(args)
+    kwargs.update(out_dir=args.out_dir or None, max_tokens=args.max_tokens or None,
+                  val_fraction=args.val_fraction or None, num_proc=args.num_proc or default_num_proc(),
+                  slimpajama_sets=args.slimpajama_sets or None)
+    return kwargs
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dataset", required=True, help="embedded, openwebtext, slimpajama, or local file/folder/glob")
-    parser.add_argument("--tokenizer", default="byte",
-                        help="byte, gpt2, or a Hugging Face tokenizer name or tokenizer.json path")
-    parser.add_argument("--out_dir", default=None, help="default: data/<dataset>_<tokenizer>")
-    parser.add_argument("--max_tokens", type=count, default=None, help="stop after this many tokens")
-    parser.add_argument("--val_fraction", type=float, default=None,
-                        help=f"default: {VAL_FRACTION} of the documents, {SINGLE_DOCUMENT_VAL_FRACTION} of a single one")
-    parser.add_argument("--num_proc", type=int, default=default_num_proc(), help="tokeniser processes")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
-    parser.add_argument("--slimpajama_sets", default=None,
-                        help="comma-separated meta.redpajama_set_name values to keep")
-    parser.add_argument("--split_articles", action="store_true",
-                        help="local .txt files: one document per WikiText article (from each ' = Title = ' line)")
-    parser.add_argument("--wikitext_val", default="validation", choices=("validation", "test"),
-                        help="wikitext2/103 from the hub: the split that becomes val.bin")
-    parser.add_argument("--enwik8_val", default="val", choices=("val", "test"),
-                        help="enwik8: the 5M bytes that become val.bin (the standard validation or test split)")
-    args = parser.parse_args(argv)
+    kwargs = exit_on_config_error(parse, sys.argv[1:] if argv is None else argv)
     # a plain `kill` should clean up temp files like Ctrl-C does
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        prepare(**vars(args))
+        prepare(**kwargs)
     except (DataError, TokenizerUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # the temporary files are removed on the way out; the folder is as it was
-        out_dir = args.out_dir or default_out_dir(args.dataset, args.tokenizer)
+        out_dir = kwargs["out_dir"] or default_out_dir(kwargs["dataset"], kwargs["tokenizer"])
         print(f"interrupted: nothing was written to {display_path(out_dir)} (its earlier data, if any, is intact)",
               file=sys.stderr)
         return 130

@@ -18,12 +18,13 @@ Proposition 4 (SWA's and SE-Bridge's coverage sets are not nested) are checked b
 
 from __future__ import annotations
 
-import argparse
 import sys
+from dataclasses import dataclass
 
 import torch
 
 from attention.edges import BoundaryWindows, EdgeRule, FixedBlock
+from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error
 
 VARIANTS = ("block", "swa", "bridge", "pbb", "se_bridge")
 
@@ -129,14 +130,25 @@ def report(block: int, width: int, extension: int, depth: int = 3) -> dict:
     }
 
 
+@dataclass
+class CoverageConfig:
+    block: int = 128  # b: the block length
+    width: int = 128  # w: swa window and bridge / pbb width
+    extension: int = 64  # e: se_bridge source extension
+    depth: int = 3  # layers for block's all-depth coverage
+    json: str = ""  # also write the report here
+
+
+def parse(argv) -> CoverageConfig:
+    args = CoverageConfig()
+    apply_args(args, argv, dataclass_fields(CoverageConfig))
+    if min(args.block, args.width, args.depth) < 1 or args.extension < 0:
+        raise ConfigError("need block, width and depth >= 1 and extension >= 0")
+    return args
+
+
 def main(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--block", type=int, default=128)
-    parser.add_argument("--width", type=int, default=128, help="w: swa window and bridge / pbb width")
-    parser.add_argument("--extension", type=int, default=64, help="e: se_bridge source extension")
-    parser.add_argument("--depth", type=int, default=3, help="layers for block's all-depth coverage")
-    parser.add_argument("--json", default="", help="also write the report here")
-    args = parser.parse_args(argv)
+    args = exit_on_config_error(parse, argv)
     out = report(args.block, args.width, args.extension, args.depth)
     print(f"coverage C(d, r) at b={args.block}, w={args.width} (h={args.width // 2}), e={args.extension}, "
           f"d = 0..{out['max_distance']} (block: through {args.depth} layers; others: one layer's edges)")

@@ -10,16 +10,21 @@ settings run interleaved, --repeats times, and the median is reported. Compare i
 from elsewhere moves every number.
 """
 
-import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
+from outputs import write_json  # noqa: E402
+from run_folder import read_metrics  # noqa: E402
+
 CORES = os.cpu_count() or 1
 SETTINGS = {  # the environment each setting adds (the default adds nothing: what train.py does by itself)
     "default (passive wait)": {},
@@ -36,19 +41,32 @@ def tokens_per_s(env: dict, steps: int) -> float:
                               cwd=REPO, env={**os.environ, **env}, capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"training failed:\n{proc.stderr[-2000:]}")
-        records = [json.loads(line) for line in open(f"{out}/run/metrics.jsonl")]
+        records = read_metrics(Path(out) / "run" / "metrics.jsonl")
         rates = [r["tokens_per_s"] for r in records if "tokens_per_s" in r and r["step"] > 10]
         return sum(rates) / len(rates)
 
 
+@dataclass
+class BusyConfig:
+    steps: int = 60  # training steps per measurement
+    repeats: int = 2  # each setting's measurements (the median is reported)
+    busy: int = 1  # spinning processes beside the busy runs
+    settings: str = ""  # comma-separated indices into the settings (empty: all)
+    json: str = ""  # also write the results here
+
+
+def parse(argv) -> BusyConfig:
+    args = BusyConfig()
+    apply_args(args, argv, dataclass_fields(BusyConfig))
+    if args.steps < 12 or args.repeats < 1 or args.busy < 0:
+        raise ConfigError("need steps >= 12 (tokens/s is read after step 10), repeats >= 1 and busy >= 0")
+    if any(not i.strip().isdigit() or int(i) >= len(SETTINGS) for i in args.settings.split(",") if args.settings):
+        raise ConfigError(f"settings={args.settings!r}: comma-separated indices below {len(SETTINGS)}")
+    return args
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--busy", type=int, default=1, help="spinning processes beside the busy runs")
-    parser.add_argument("--settings", default="", help="comma-separated indices into the settings (default: all)")
-    parser.add_argument("--json", default="")
-    args = parser.parse_args(argv)
+    args = exit_on_config_error(parse, sys.argv[1:] if argv is None else argv)
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     os.environ.clear()
     os.environ.update(env)
@@ -79,8 +97,7 @@ def main(argv=None):
         print(f"| {name} | {quiet / 1e3:.1f}k | {busy / 1e3:.1f}k | {quiet / busy:.2f}x | {quiet / reference:.2f} |")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"cores": CORES, "steps": args.steps, "busy": args.busy,
-                                               "rows": rows}, indent=2) + "\n")
+        write_json({"cores": CORES, "steps": args.steps, "busy": args.busy, "rows": rows}, args.json)
 
 
 if __name__ == "__main__":

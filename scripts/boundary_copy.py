@@ -18,16 +18,16 @@ logits at p across labels (Lemma 1) is reported.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
+from dataclasses import asdict, dataclass
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from config import ModelConfig  # noqa: E402
+from config import ConfigError, ModelConfig, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
 from model import GPT  # noqa: E402
 
 
@@ -79,17 +79,27 @@ def run(pattern: str, K: int = 8, block: int = 16, steps: int = 300, batch: int 
             "max_logit_change_across_labels": (per_context - per_context[:, :1]).abs().max().item()}
 
 
+@dataclass
+class CopyConfig:
+    patterns: str = "block,bridge,pbb,se_bridge,swa"  # comma-separated attention patterns to train
+    K: int = 8  # label symbols (a fixed-block model reaches at most 1/K accuracy)
+    block: int = 16  # block length (even); the boundary is at position block
+    steps: int = 300
+    seed: int = 0
+    json: str = ""  # also write the results here
+
+
+def parse(argv) -> CopyConfig:
+    args = CopyConfig()
+    apply_args(args, argv, dataclass_fields(CopyConfig))
+    if args.K < 2 or args.block < 4 or args.block % 2 or args.steps < 1:
+        raise ConfigError(f"K={args.K}, block={args.block}, steps={args.steps}: need K >= 2, an even block >= 4 "
+                          "and steps >= 1")
+    return args
+
+
 def main(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--patterns", default="block,bridge,pbb,se_bridge,swa")
-    parser.add_argument("--K", type=int, default=8)
-    parser.add_argument("--block", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default="")
-    args = parser.parse_args(argv)
-    if args.K < 2 or args.block < 4 or args.block % 2:
-        parser.error("need K >= 2 and an even block >= 4")
+    args = exit_on_config_error(parse, argv)
     print(f"K-way boundary copy: K={args.K}, block {args.block}, boundary at p={args.block}, {args.steps} steps; "
           f"bound for fixed blocks: accuracy <= {1 / args.K:.3f}, loss >= log K = {math.log(args.K):.3f}")
     print(f"{'pattern':<10} {'accuracy':>9} {'loss':>8} {'max logit change across labels':>32}")
@@ -102,7 +112,7 @@ def main(argv):
     if args.json:
         from checkpoint import write_json
 
-        write_json({"args": vars(args), "results": results}, args.json)
+        write_json({"args": asdict(args), "results": results}, args.json)
 
 
 if __name__ == "__main__":

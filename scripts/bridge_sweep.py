@@ -22,17 +22,18 @@ boundaries dashed).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import shlex
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from outputs import save_figure, write_json  # noqa: E402
+from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
+from outputs import atomic_write, save_figure, write_json  # noqa: E402
 from eval.results import setting_items, setting_results, standing_setting  # noqa: E402
 from eval.stats import paired_comparison  # noqa: E402
 from run_folder import read_metrics  # noqa: E402
@@ -315,21 +316,33 @@ def figures(runs: dict[str, dict[int, dict]], out: Path) -> list[Path]:
     return written
 
 
-def main(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--scale", choices=sorted(CONFIGS), default="cpu")
-    parser.add_argument("--seeds", default="1337", help="comma-separated (the paper: 1337,2025,3047)")
-    parser.add_argument("--families", default=",".join(FAMILIES))
-    parser.add_argument("--out", default="", help="default: out/sweeps/bridges_<scale>")
-    parser.add_argument("--eval", default="", help="arguments of python -m eval for every run (diagnostics are "
-                        "required); default: the scale's (EVAL)")
-    parser.add_argument("--extra", default="", help="--key=value overrides added to every training run")
-    parser.add_argument("--tables_only", action="store_true", help="tabulate the finished runs in --out")
-    args = parser.parse_args(argv)
-    families = args.families.split(",")
-    unknown = set(families) - set(FAMILIES)
+@dataclass
+class BridgeSweepConfig:
+    scale: str = "cpu"  # cpu, cpu_recall or 124m: which configs (configs/bridges/)
+    seeds: str = "1337"  # comma-separated (the paper: 1337,2025,3047)
+    families: str = ",".join(FAMILIES)  # comma-separated attention families
+    out: str = ""  # the sweep's folder (empty: out/sweeps/bridges_<scale>)
+    eval: str = ""  # arguments of python -m eval for every run (diagnostics are required; empty: the scale's)
+    extra: str = ""  # --key=value overrides added to every training run
+    tables_only: bool = False  # tabulate the finished runs in --out, train nothing
+
+
+def parse(argv) -> BridgeSweepConfig:
+    args = BridgeSweepConfig()
+    apply_args(args, argv, dataclass_fields(BridgeSweepConfig))
+    if args.scale not in CONFIGS:
+        raise ConfigError(f"scale={args.scale!r}: expected one of {', '.join(sorted(CONFIGS))}")
+    unknown = set(args.families.split(",")) - set(FAMILIES)
     if unknown:
-        parser.error(f"unknown families {', '.join(sorted(unknown))}: expected some of {', '.join(FAMILIES)}")
+        raise ConfigError(f"unknown families {', '.join(sorted(unknown))}: expected some of {', '.join(FAMILIES)}")
+    if not all(s.strip().lstrip("-").isdigit() for s in args.seeds.split(",")):
+        raise ConfigError(f"seeds={args.seeds!r}: comma-separated integers")
+    return args
+
+
+def main(argv):
+    args = exit_on_config_error(parse, argv)
+    families = args.families.split(",")
     seeds = [int(s) for s in args.seeds.split(",")]
     out = Path(args.out or f"out/sweeps/bridges_{args.scale}")
     configs = [CONFIGS[args.scale].format(f) for f in families]
@@ -350,7 +363,7 @@ def main(argv):
         sys.exit(f"no finished runs in {out}")
     text, data = tables(runs)
     command = "python scripts/bridge_sweep.py " + " ".join(shlex.quote(a) for a in argv)
-    (out / "tables.md").write_text(f"# Paper 004 comparison\n\nCommand: `{command}`\n\n{text}")
+    atomic_write(out / "tables.md", lambda f: f.write(f"# Paper 004 comparison\n\nCommand: `{command}`\n\n{text}".encode()))
     write_json({"command": command, **data}, out / "tables.json")
     pngs = figures(runs, out)
     print(text)

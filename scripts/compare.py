@@ -20,7 +20,6 @@ Local folders and wandb runs are both turned into the same plain record (see `lo
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import json
@@ -28,6 +27,7 @@ import math
 import os
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +35,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import outputs  # noqa: E402
-from outputs import save_figure  # noqa: E402
+from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
+from outputs import atomic_write, save_figure, write_json  # noqa: E402
 from run_folder import read_metrics  # noqa: E402
 from eval.results import (data_label, describe_settings, own_data, reads_validation_text,  # noqa: E402
                           setting_items, setting_options, standing_setting)
@@ -994,63 +995,76 @@ def plot_position_gain(result: dict, out_dir: Path) -> Path:
 
 # ---- command line -----------------------------------------------------------------------------------------
 
-def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python scripts/compare.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dirs", nargs="*", metavar="RUN_DIR", help="run folders (train.py out_dirs)")
-    p.add_argument("--plot", action="store_true", help="write loss/ppl/retrieval PNGs and compare.md into --out")
-    p.add_argument("--out", default=None, help="folder for compare.md, the PNGs and the paired JSON (default: "
-                                               "the first run's parent/compare, or ./compare_out for --wandb)")
-    p.add_argument("--wandb", metavar="ENTITY/PROJECT", help="read the runs from wandb instead of folders")
-    p.add_argument("--runs", default="", help="comma-separated run names to keep")
-    p.add_argument("--columns", default="", help="comma-separated substrings: keep only the eval columns "
-                                                 "containing one (e.g. ppl@L=4096,niah)")
-    p.add_argument("--paired", nargs=2, metavar=("RUN_A", "RUN_B"),
-                   help="paired statistics of two runs' per-example results (folders, or names of given runs)")
-    p.add_argument("--task", help="the eval task for --paired (eval/TASK.json)")
-    p.add_argument("--key", default="correct", help="the per_example field to pair (default: correct)")
-    p.add_argument("--by", default=None, help="also pair within each value of this per_example field (e.g. length)")
-    p.add_argument("--n_boot", type=int, default=10000, help="bootstrap replicates (default 10000)")
-    p.add_argument("--boot_seed", type=int, default=0, help="bootstrap seed (default 0)")
-    p.add_argument("--position_gain", metavar="RUN", help="each seed group's NLL gain over RUN's group by window "
-                   "position and by offset from the block boundaries (ppl evals; paper 004's Fig. 5)")
-    p.add_argument("--position_length", type=int, default=None, help="the ppl length for --position_gain "
-                   "(default: RUN's block_size)")
-    p.add_argument("--position_block", type=int, default=None, help="block length for --position_gain "
-                   "(default: RUN's block_len)")
-    p.add_argument("--position_bin", type=int, default=16, help="positions per bin for --position_gain (default "
-                   "16, paper 004's Fig. 5)")
-    args = p.parse_args(argv)
+@dataclass
+class CompareConfig:
+    run_dirs: str = ""  # comma-separated run folders (train.py out_dirs; or given as positional arguments)
+    plot: bool = False  # write loss/ppl/retrieval PNGs and compare.md into --out
+    # folder for compare.md, the PNGs and the paired JSON (empty: the first run's parent/compare, or ./compare_out
+    # for --wandb)
+    out: str = ""
+    wandb: str = ""  # ENTITY/PROJECT: read the runs from wandb instead of folders
+    runs: str = ""  # comma-separated run names to keep
+    columns: str = ""  # comma-separated substrings: keep only the eval columns containing one (e.g. ppl@L=4096,niah)
+    # RUN_A,RUN_B (or --paired RUN_A RUN_B): paired statistics of two runs' per-example results (folders, or
+    # names of given runs)
+    paired: str = ""
+    task: str = ""  # the eval task for --paired (eval/TASK.json)
+    key: str = "correct"  # the per_example field to pair
+    by: str = ""  # also pair within each value of this per_example field (e.g. length)
+    n_boot: int = 10000  # bootstrap replicates
+    boot_seed: int = 0  # bootstrap seed
+    # RUN: each seed group's NLL gain over RUN's group by window position and by offset from the block boundaries
+    # (ppl evals; paper 004's Fig. 5)
+    position_gain: str = ""
+    position_length: int = 0  # the ppl length for --position_gain (0: RUN's block_size)
+    position_block: int = 0  # block length for --position_gain (0: RUN's block_len)
+    position_bin: int = 16  # positions per bin for --position_gain (paper 004's Fig. 5)
+
+
+def parse_args(argv) -> CompareConfig:
+    argv = list(argv)
+    if "--paired" in argv:  # the two-run form --paired RUN_A RUN_B
+        i = argv.index("--paired")
+        if len(argv) > i + 2 and not argv[i + 1].startswith("-") and not argv[i + 2].startswith("-"):
+            argv[i:i + 3] = [f"--paired={argv[i + 1]},{argv[i + 2]}"]
+    args = CompareConfig()
+    apply_args(args, argv, dataclass_fields(CompareConfig), positional="run_dirs")
+    if args.paired and len(args.paired.split(",")) != 2:
+        raise ConfigError(f"--paired={args.paired!r}: two runs, --paired=RUN_A,RUN_B (or --paired RUN_A RUN_B)")
     if args.paired and not args.task:
-        p.error("--paired needs --task (e.g. --task niah)")
+        raise ConfigError("--paired needs --task (e.g. --task niah)")
     if args.task and not args.paired:
-        p.error("--task is used with --paired RUN_A RUN_B")
+        raise ConfigError("--task is used with --paired RUN_A RUN_B")
     if not (args.run_dirs or args.wandb or args.paired):
-        p.error("give run folders, --wandb ENTITY/PROJECT, or --paired RUN_A RUN_B --task TASK")
+        raise ConfigError("give run folders, --wandb ENTITY/PROJECT, or --paired RUN_A RUN_B --task TASK")
     if args.wandb and args.run_dirs:
-        p.error("give run folders or --wandb, not both")
+        raise ConfigError("give run folders or --wandb, not both")
+    if min(args.n_boot, args.position_bin) < 1 or min(args.position_length, args.position_block) < 0:
+        raise ConfigError("need n_boot >= 1, position_bin >= 1, position_length >= 0 and position_block >= 0")
     return args
 
 
 def main(argv=None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    args = exit_on_config_error(parse_args, sys.argv[1:] if argv is None else argv)
     names = [n for n in args.runs.split(",") if n]
+    run_dirs = [d for d in args.run_dirs.split(",") if d]
+    pair_names = [p for p in args.paired.split(",") if p]
     if args.wandb:
         records = load_wandb_runs(args.wandb, names)
     else:
         records = []
-        for path in args.run_dirs:
+        for path in run_dirs:
             if (Path(path) / "compare.md").is_file() and not (Path(path) / "config.json").exists():
                 warn(f"{path} is a compare output folder; skipped")  # `out/*` after a --plot into out/compare
                 continue
             try:
                 records.append(load_local_run(path))
             except CompareError as e:
-                if len(args.run_dirs) == 1:
+                if len(run_dirs) == 1:
                     raise
                 warn(f"{e}; skipped")  # e.g. `out/*/` also matching a folder that is not a run
-        if args.run_dirs and not records:
-            raise CompareError(f"none of {', '.join(args.run_dirs)} is a run folder (config.json and metrics.jsonl)")
+        if run_dirs and not records:
+            raise CompareError(f"none of {', '.join(run_dirs)} is a run folder (config.json and metrics.jsonl)")
     if names:
         found = {r["name"] for r in records}
         missing = [n for n in names if n not in found]
@@ -1066,10 +1080,10 @@ def main(argv=None) -> int:
 
     if args.out:
         out_dir = Path(args.out)
-    elif args.run_dirs:
-        out_dir = Path(args.run_dirs[0]).resolve().parent / "compare"
+    elif run_dirs:
+        out_dir = Path(run_dirs[0]).resolve().parent / "compare"
     elif args.paired:
-        out_dir = Path(args.paired[0]).resolve().parent / "compare"
+        out_dir = Path(pair_names[0]).resolve().parent / "compare"
     else:
         out_dir = Path("compare_out")
 
@@ -1078,14 +1092,14 @@ def main(argv=None) -> int:
         text = render(tables)
         gain = None
         if args.position_gain:
-            gain = position_gain(tables, records, args.position_gain, args.position_length, args.position_block,
-                                 args.position_bin)
+            gain = position_gain(tables, records, args.position_gain, args.position_length or None,
+                                 args.position_block or None, args.position_bin)
             text += "\n## NLL by window position\n\n" + render_position_gain(gain) + "\n"
 
         print(text, end="")
         if args.plot or args.out:
             out_dir.mkdir(parents=True, exist_ok=True)
-            (out_dir / "compare.md").write_text(text)
+            atomic_write(out_dir / "compare.md", lambda f: f.write(text.encode()))
             print(f"wrote {out_dir / 'compare.md'}", file=sys.stderr)
         if args.plot:
             plotted = plot_all(seed_group_records(records, tables), out_dir)
@@ -1094,8 +1108,9 @@ def main(argv=None) -> int:
 
     if args.paired:
         by_name = {r["name"]: r for r in records}
-        pair = [by_name[p] if p in by_name and not Path(p).is_dir() else load_local_run(p) for p in args.paired]
-        result = paired(*pair, task=args.task, key=args.key, by=args.by, n_boot=args.n_boot, seed=args.boot_seed)
+        pair = [by_name[p] if p in by_name and not Path(p).is_dir() else load_local_run(p) for p in pair_names]
+        result = paired(*pair, task=args.task, key=args.key, by=args.by or None, n_boot=args.n_boot,
+                        seed=args.boot_seed)
         if records:
             print()
         test = "exact McNemar" if result["all"]["binary"] else "exact sign test"
@@ -1105,7 +1120,7 @@ def main(argv=None) -> int:
         out_dir.mkdir(parents=True, exist_ok=True)
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{pair[0]['name']}_vs_{pair[1]['name']}")
         path = out_dir / f"paired_{args.task}_{safe}.json"
-        path.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(result, path)
         print(f"\nwrote {path}", file=sys.stderr)
     return 0
 

@@ -20,15 +20,16 @@ same --out under the same settings adds and replaces cells (the others are kept)
 (model, tasks, --limit, ...) it is refused.
 """
 
-import argparse
 import json
 import os
 import sys
 import time
+from dataclasses import asdict, dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from checkpoint import git_hash  # noqa: E402
+from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error, resolve_device  # noqa: E402
 from outputs import atomic_write, markdown_table, save_figure, write_json  # noqa: E402
 
 # the score of each task in the paper's tables: accuracy for multiple choice and LAMBADA, pass@1 for HumanEval
@@ -60,10 +61,11 @@ def earlier_rows(path: str, args, cells: list[dict]) -> list[dict]:
     with open(path) as f:
         previous = json.load(f)
     before = previous.get("args", {})
-    differ = [key for key in SCORE_ARGUMENTS if before.get(key) != getattr(args, key)]
+    now = recorded(args)
+    differ = [key for key in SCORE_ARGUMENTS if before.get(key) != now[key]]
     if differ:
         print(f"error: {os.path.dirname(path)} holds a sweep under other settings ("
-              + ", ".join(f"--{key}={before.get(key)!r} there, {getattr(args, key)!r} here" for key in differ)
+              + ", ".join(f"--{key}={before.get(key)!r} there, {now[key]!r} here" for key in differ)
               + "): give --out another folder, or rerun with its settings to add cells to it", file=sys.stderr)
         sys.exit(2)
     recomputed = {cell_key(cell) for cell in cells}
@@ -128,36 +130,60 @@ def plot(rows: list[dict], tasks: list[str], out: str, title: str) -> list[str]:
     return paths
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hf", required=True, help="hub name or save_pretrained folder of a causal LM")
-    parser.add_argument("--tasks", required=True, help="comma-separated lm-eval tasks")
-    parser.add_argument("--windows", default="16,32,64,128,256,512", help="swa and sa windows")
-    parser.add_argument("--moba_blocks", default="32,64,128,256", help="moba block sizes c (empty: no moba)")
-    parser.add_argument("--moba_topk", type=int, default=2)
-    parser.add_argument("--modes", default="full,swa,sa,moba", help="which modes to run")
-    parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--hf_dtype", default="float32")
-    parser.add_argument("--hf_decode", default="full", choices=("full", "variant"))
-    parser.add_argument("--hf_context", type=int, default=4096, help="longest input (lm-eval's max_length)")
-    parser.add_argument("--sa_mode", default="stochastic", choices=("stochastic", "deterministic"))
-    parser.add_argument("--sa_seed", type=int, default=0)
-    parser.add_argument("--device", default="auto", help="auto (cuda when available) | cpu | cuda | cuda:N")
-    parser.add_argument("--batch_size", type=int, default=8)
-    parser.add_argument("--limit", type=int, default=None, help="examples per task (quick checks)")
-    parser.add_argument("--num_fewshot", type=int, default=None)
-    parser.add_argument("--include_path", default=None, help="folder of extra task YAMLs")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--confirm_run_unsafe_code", action="store_true", help="needed by code tasks (HumanEval)")
-    args = parser.parse_args(argv)
-    try:
-        windows = [int(x) for x in args.windows.split(",") if x]
-        moba_blocks = [int(x) for x in args.moba_blocks.split(",") if x]
-    except ValueError:
-        parser.error("--windows and --moba_blocks take comma-separated integers, e.g. 16,32,64")
+@dataclass
+class WindowSweepConfig:
+    hf: str = ""  # hub name or save_pretrained folder of a causal LM (required)
+    tasks: str = ""  # comma-separated lm-eval tasks (required)
+    out: str = ""  # output folder (required)
+    windows: str = "16,32,64,128,256,512"  # swa and sa windows
+    moba_blocks: str = "32,64,128,256"  # moba block sizes c (empty: no moba)
+    moba_topk: int = 2
+    modes: str = "full,swa,sa,moba"  # which modes to run
+    hf_dtype: str = "float32"
+    hf_decode: str = "full"  # full | variant: how generation decodes past the prompt
+    hf_context: int = 4096  # longest input (lm-eval's max_length)
+    sa_mode: str = "stochastic"  # stochastic | deterministic
+    sa_seed: int = 0
+    device: str = "auto"  # auto (cuda when available) | cpu | cuda | cuda:N
+    batch_size: int = 8
+    limit: int = 0  # examples per task, for quick checks (0: all)
+    num_fewshot: int = -1  # few-shot examples (-1: each task's own)
+    include_path: str = ""  # folder of extra task YAMLs
+    seed: int = 0
+    confirm_run_unsafe_code: bool = False  # needed by code tasks (HumanEval)
+
+
+def parse(argv) -> WindowSweepConfig:
+    args = WindowSweepConfig()
+    apply_args(args, argv, dataclass_fields(WindowSweepConfig))
+    missing = [f"--{key}" for key in ("hf", "tasks", "out") if not getattr(args, key)]
+    if missing:
+        raise ConfigError(f"{', '.join(missing)} required (--help lists the options)")
+    for key in ("windows", "moba_blocks"):
+        if not all(x.strip().isdigit() for x in getattr(args, key).split(",") if x):
+            raise ConfigError(f"{key}={getattr(args, key)!r}: comma-separated integers, e.g. 16,32,64")
     wanted = set(args.modes.split(","))
     if wanted - {"full", "swa", "sa", "moba"} or not wanted:
-        parser.error(f"--modes={args.modes}: expected some of full, swa, sa, moba")
+        raise ConfigError(f"modes={args.modes!r}: expected some of full, swa, sa, moba")
+    if args.hf_decode not in ("full", "variant") or args.sa_mode not in ("stochastic", "deterministic"):
+        raise ConfigError(f"hf_decode={args.hf_decode!r}, sa_mode={args.sa_mode!r}: expected full or variant, and "
+                          "stochastic or deterministic")
+    if args.limit < 0 or args.batch_size < 1 or args.hf_context < 1:
+        raise ConfigError("need limit >= 0, batch_size >= 1 and hf_context >= 1")
+    return args
+
+
+def recorded(args: WindowSweepConfig) -> dict:
+    """The settings as results.json records them: None where lm-eval takes its own default."""
+    return {**asdict(args), "limit": args.limit or None, "include_path": args.include_path or None,
+            "num_fewshot": None if args.num_fewshot < 0 else args.num_fewshot}
+
+
+def main(argv=None):
+    args = exit_on_config_error(parse, sys.argv[1:] if argv is None else argv)
+    windows = [int(x) for x in args.windows.split(",") if x]
+    moba_blocks = [int(x) for x in args.moba_blocks.split(",") if x]
+    wanted = set(args.modes.split(","))
     tasks = [t for t in args.tasks.split(",") if t]
     cells = [cell for cell in modes(windows, moba_blocks, args.moba_topk) if cell["mode"] in wanted]
     rows = earlier_rows(os.path.join(args.out, "results.json"), args, cells)  # before any work: refusals first
@@ -170,13 +196,10 @@ def main(argv=None):
               "requirements-eval.txt", file=sys.stderr)
         sys.exit(2)
 
-    from config import ConfigError, resolve_device
     from eval.lm_eval_adapter import EfficientAttentionLM
 
-    try:  # a GPU asked for and missing is an error, never a silent hours-long CPU run
-        device = resolve_device(args.device)
-    except ConfigError as e:
-        parser.error(str(e))
+    # a GPU asked for and missing is an error, never a silent hours-long CPU run
+    device = exit_on_config_error(resolve_device, args.device)
     try:  # lm_eval's own HFLM loads the model and its tokenizer once; each cell puts its variant in the layers
         lm = EfficientAttentionLM(pretrained=args.hf, device=device, dtype=args.hf_dtype, batch_size=args.batch_size,
                                   max_length=args.hf_context)
@@ -188,8 +211,9 @@ def main(argv=None):
     for i, cell in enumerate(cells):
         lm.use_variant(hf_decode=args.hf_decode, **cell["settings"], sa_mode=args.sa_mode, sa_seed=args.sa_seed)
         started = time.time()  # simple_evaluate seeds torch: sa draws the same permutations in every run
-        results = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=task_manager, limit=args.limit,
-                                          num_fewshot=args.num_fewshot, bootstrap_iters=0, random_seed=args.seed,
+        results = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=task_manager,
+                                          limit=recorded(args)["limit"], num_fewshot=recorded(args)["num_fewshot"],
+                                          bootstrap_iters=0, random_seed=args.seed,
                                           numpy_random_seed=args.seed, torch_random_seed=args.seed,
                                           fewshot_random_seed=args.seed,
                                           confirm_run_unsafe_code=args.confirm_run_unsafe_code)["results"]
@@ -202,7 +226,7 @@ def main(argv=None):
               + "  ".join(f"{t} {100 * s:.1f}" for t, s in scores.items()), flush=True)
         # written after every cell: an interrupted sweep keeps what it has measured
         write_json({"model": args.hf, "tasks": tasks, "rows": rows, "command": " ".join(sys.argv),
-                    "git_hash": git_hash(), "args": vars(args)}, os.path.join(args.out, "results.json"))
+                    "git_hash": git_hash(), "args": recorded(args)}, os.path.join(args.out, "results.json"))
     atomic_write(os.path.join(args.out, "table.md"), lambda f: f.write(table(rows, tasks).encode()))
     paths = plot(rows, tasks, args.out, os.path.basename(args.hf.rstrip("/")))
     print(table(rows, tasks))

@@ -1,23 +1,23 @@
 """Score accounting and receptive fields of a model config's attention layers (paper 004, Table 2 style).
 
-    python scripts/mask_stats.py --config configs/quickstart.py --seq_len 1024 --attn_pattern=swa --swa_window=128
-    python scripts/mask_stats.py --config configs/quickstart.py --seq_len 1024 --attn_pattern=block --json
+    python scripts/mask_stats.py configs/quickstart.py --seq_len=1024 --attn_pattern=swa --swa_window=128
+    python scripts/mask_stats.py configs/quickstart.py --seq_len=1024 --attn_pattern=block --json
 
 Per layer and head: the attention scores the variant computes (branch form: every score of every
 separately normalised branch) and its unique allowed edges (union form), with their ratios to full causal
 attention and to SWA with the config's swa_window; then the scores its kernels evaluate (every tile of the
-CPU's kernel, every block of FlexAttention's block mask on CUDA; --no-flex skips building those) over its
+CPU's kernel, every block of FlexAttention's block mask on CUDA; --flex=False skips building those) over its
 edges, so a rule whose cost does not follow its edges shows it (swa(256): 1.5x on both). Then the all-depth receptive field (004 Sec. 3.1): which
 source positions can reach each target through the layer stack, residual connections included. Everything is
 counted from the layers' own edge rules; nothing is hard-coded. Extra --key=value arguments override the
 config as in train.py.
 """
 
-import argparse
 import dataclasses
 import json
 import os
 import sys
+from dataclasses import dataclass
 
 import torch
 
@@ -25,7 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from attention.edges import Causal, SlidingWindow  # noqa: E402
 from attention.kernels import layer_scores  # noqa: E402
-from config import exit_on_config_error, load_config  # noqa: E402
+from config import (HELP_FLAGS, ConfigError, apply_args, dataclass_fields, exit_on_config_error, load_config,  # noqa: E402
+                    print_help, split_args)
 from model import GPT  # noqa: E402
 
 
@@ -85,16 +86,40 @@ def receptive_field(model, seq_len: int) -> list[dict]:
     return rows
 
 
+@dataclass
+class MaskStatsConfig:
+    config: str = ""  # a model config file (configs/*.py; or given as a positional argument)
+    seq_len: int = 0  # the sequence length counted (required)
+    json: bool = False  # print JSON instead of tables
+    flex: bool = True  # also count the scores of FlexAttention's block masks (CUDA's kernel; built on the CPU)
+    receptive_field: str = "auto"  # auto | yes | no: the all-depth receptive field (auto: seq_len <= 2048; O(L n^3))
+
+
+def parse(argv) -> tuple[MaskStatsConfig, list[str]]:
+    """The tool's options, and the rest: config files and train.py's --key=value overrides of the model."""
+    fields = dataclass_fields(MaskStatsConfig)
+    if any(arg in HELP_FLAGS for arg in argv):
+        print_help(MaskStatsConfig(), fields, more="Any other --key=value is a model setting, as in train.py "
+                                                   "(python train.py --help lists them).")
+        raise SystemExit(0)
+    own, overrides = split_args(argv, fields)
+    args = MaskStatsConfig()
+    apply_args(args, own, fields)
+    if args.seq_len < 1:
+        raise ConfigError("--seq_len=N is required (N >= 1)")
+    if args.receptive_field not in ("auto", "yes", "no"):
+        raise ConfigError(f"receptive_field={args.receptive_field!r}: expected auto, yes or no")
+    files = [a for a in overrides if not a.startswith("-")]
+    if not args.config and not files:
+        raise ConfigError("no model config: python scripts/mask_stats.py CONFIG.py --seq_len=N [--key=value ...]")
+    if not args.config:  # the first config file given positionally is the one reported
+        args.config = files[0]
+        overrides.remove(files[0])
+    return args, overrides
+
+
 def main(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True, help="a model config file (configs/*.py)")
-    parser.add_argument("--seq_len", type=int, required=True)
-    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    parser.add_argument("--flex", action=argparse.BooleanOptionalAction, default=True,
-                        help="also count the scores of FlexAttention's block masks (CUDA's kernel; built on the CPU)")
-    parser.add_argument("--receptive_field", choices=("auto", "yes", "no"), default="auto",
-                        help="compute the all-depth receptive field (auto: when seq_len <= 2048; O(L n^3))")
-    args, overrides = parser.parse_known_args(argv)
+    args, overrides = exit_on_config_error(parse, argv)
     cfg = exit_on_config_error(load_config, [args.config, *overrides])
     m = cfg.model
     m.vocab_size = m.vocab_size or 64  # irrelevant to the attention edges

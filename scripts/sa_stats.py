@@ -15,11 +15,11 @@
 Every edge comes from attention/edges.py (in_circular_window, stochastic_window_edges), nothing else.
 """
 
-import argparse
 import json
 import math
 import os
 import sys
+from dataclasses import dataclass
 
 import torch
 
@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from attention.edges import in_circular_window, stochastic_halo, stochastic_window_edges, window_edges  # noqa: E402
 from attention.stochastic import inverse_permutation  # noqa: E402
+from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
 from outputs import save_figure  # noqa: E402
 
 
@@ -110,21 +111,31 @@ def plot(curves: dict, n: int, window: int, path: str) -> None:
     save_figure(fig, path, dpi=150)
 
 
-def main(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--n", type=int, default=2048, help="sequence length")
-    parser.add_argument("--window", type=int, default=32)
-    parser.add_argument("--samples", type=int, default=4000, help="permutations for the connection probability")
-    parser.add_argument("--pairs", type=int, default=256, help="pairs scored per permutation")
-    parser.add_argument("--max_depth", type=int, default=0, help="layers to follow (default: enough for swa)")
-    parser.add_argument("--targets", type=int, default=256, help="non-causal receptive field: tokens averaged "
-                                                                 "over (0: all)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot", default="out/sa_stats/receptive_field.png", help="figure path ('' for none)")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
+@dataclass
+class StatsConfig:
+    n: int = 2048  # sequence length
+    window: int = 32
+    samples: int = 4000  # permutations for the connection probability
+    pairs: int = 256  # pairs scored per permutation
+    max_depth: int = 0  # layers to follow (0: enough for swa)
+    targets: int = 256  # non-causal receptive field: tokens averaged over (0: all)
+    seed: int = 0
+    plot: str = "out/sa_stats/receptive_field.png"  # figure path ('' for none)
+    json: bool = False  # print JSON instead of the tables
+
+
+def parse(argv) -> StatsConfig:
+    args = StatsConfig()
+    apply_args(args, argv, dataclass_fields(StatsConfig))
     if args.window < 2 or args.n < 2:
-        parser.error("--window and --n must be at least 2")
+        raise ConfigError(f"n={args.n}, window={args.window}: both must be at least 2")
+    if min(args.samples, args.pairs) < 1 or min(args.max_depth, args.targets) < 0:
+        raise ConfigError("need samples >= 1, pairs >= 1, max_depth >= 0 and targets >= 0")
+    return args
+
+
+def main(argv):
+    args = exit_on_config_error(parse, argv)
     n, w = args.n, args.window
     max_depth = args.max_depth or (2 * n) // max(1, w - 1) + 2  # a causal swa stack covers n in ~n/(w-1)
 

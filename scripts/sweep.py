@@ -9,17 +9,18 @@ folder moved aside to <name>.replaced-TIME), so an interrupted sweep picks up wh
 sweep are written to OUT/results.md.
 """
 
-import argparse
 import json
 import shlex
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
 from run_folder import holds_run, read_metrics  # noqa: E402
 
 
@@ -37,19 +38,35 @@ def finished(run_dir: Path) -> bool:
     return bool(steps) and max(steps) >= max_iters
 
 
+@dataclass
+class SweepConfig:
+    configs: str = ""  # comma-separated config files to train (or given as positional arguments)
+    out: str = "out/sweep"  # folder for the runs and results.md
+    seeds: str = ""  # comma-separated seeds (empty: each config's own)
+    extra: str = ""  # --key=value overrides added to every run
+    eval: str = ""  # arguments of `python -m eval` run on every finished run
+
+
+def parse(argv) -> SweepConfig:
+    args = SweepConfig()
+    apply_args(args, argv, dataclass_fields(SweepConfig), positional="configs")
+    if not args.configs:
+        raise ConfigError("no configs: python scripts/sweep.py CONFIG.py [CONFIG.py ...] [--out=...]")
+    missing = [c for c in args.configs.split(",") if not (REPO / c).exists() and not Path(c).exists()]
+    if missing:
+        raise ConfigError(f"config file(s) not found: {', '.join(missing)}")
+    if not all(s.strip().isdigit() for s in args.seeds.split(",") if s):
+        raise ConfigError(f"seeds={args.seeds!r}: comma-separated integers")
+    return args
+
+
 def main(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("configs", nargs="+")
-    parser.add_argument("--out", default="out/sweep", help="folder for the runs and results.md")
-    parser.add_argument("--seeds", default="", help="comma-separated seeds (default: each config's own)")
-    parser.add_argument("--extra", default="", help="--key=value overrides added to every run")
-    parser.add_argument("--eval", default="", help="arguments of `python -m eval` run on every finished run")
-    args = parser.parse_args(argv)
+    args = exit_on_config_error(parse, argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     seeds = [s for s in args.seeds.split(",") if s] or [None]
     runs = []
-    for config in args.configs:
+    for config in args.configs.split(","):
         for seed in seeds:
             name = Path(config).stem + (f"_s{seed}" if seed else "")
             run_dir = out / name

@@ -151,6 +151,7 @@ def load_script(name: str):
 
     spec = importlib.util.spec_from_file_location(f"script_{name}", REPO / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses (the scripts' typed configs) look their module up there
     spec.loader.exec_module(module)
     return module
 

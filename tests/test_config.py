@@ -198,3 +198,34 @@ def test_a_training_process_gets_a_cuda_device_with_an_index():
     assert process_device("cpu", local_rank=3) == torch.device("cpu")
     with pytest.raises(ValueError, match="specified index"):  # what train.py passed before
         _get_device_index(torch.device("cuda"))
+
+
+def test_one_command_line_dialect_for_every_entry_point():
+    # --key=value, --key value, a boolean's bare --key, and (for tools taking a list) positional items
+    from dataclasses import dataclass
+
+    from config import apply_args, dataclass_fields, split_args
+
+    @dataclass
+    class Tool:
+        runs: str = ""
+        n: int = 1
+        plot: bool = False
+        out: str = ""
+
+    fields = dataclass_fields(Tool)
+    tool = Tool()
+    apply_args(tool, ["a", "--n", "5", "--plot", "b", "--out=x"], fields, positional="runs")
+    assert tool == Tool(runs="a,b", n=5, plot=True, out="x")
+    tool = Tool()
+    apply_args(tool, ["--plot", "false", "--n=2"], fields)
+    assert tool == Tool(n=2, plot=False)
+    with pytest.raises(ConfigError, match="needs a value"):
+        apply_args(Tool(), ["--n"], fields)
+    with pytest.raises(ConfigError, match="did you mean 'plot'"):
+        apply_args(Tool(), ["--plott"], fields)
+    # a tool that also takes train.py's settings: its own options out, the rest (files, overrides) for load_config
+    own, rest = split_args(["configs/quickstart.py", "--n", "3", "--swa_window=8", "--plot", "--out", "o"], fields)
+    assert own == ["--n", "3", "--plot", "--out", "o"] and rest == ["configs/quickstart.py", "--swa_window=8"]
+    cfg = load_config(["configs/quickstart.py", "--swa_window", "8", "--compile"])  # train.py's dialect is the same
+    assert cfg.model.swa_window == 8 and cfg.train.compile is True
