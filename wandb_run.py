@@ -216,21 +216,13 @@ def start_run(cfg, out_dir: Path, argv, mode: str, run_id: str | None = None, re
 
 # ---- evaluation results ------------------------------------------------------------------------------------------
 
-def _compare():
-    """scripts/compare.py: its summaries of eval/<task>.json are the numbers written (the columns of its tables)."""
-    spec = importlib.util.spec_from_file_location("compare_for_wandb", REPO / "scripts" / "compare.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses (its typed config) look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 def evaluation_summary(out_dir, tasks) -> dict:
-    """{"eval/<task>/<column>": value}: each task's headline numbers as scripts/compare.py summarises them (ppl per
+    """{"eval/<task>/<column>": value}: each task's headline numbers as eval/compare.py summarises them (ppl per
     length and window, niah's RULER score and rank accuracy per length, other tasks' metrics per length or overall).
     Results on other data than the run's own validation split, or on --limit'ed examples, carry the label compare
     gives them in the key ("ppl@L=1024 (data essay)"): never the run's own numbers."""
-    compare = _compare()
+    from eval import compare  # its summaries of eval/<task>.json are the numbers written (its tables' columns)
+
     evals = compare.load_evals(Path(out_dir))
     values = {}
     for task in tasks:

@@ -172,7 +172,7 @@ class Mixer(nn.Module):
     def saved_activations(self, config, kernels, B: int, T: int) -> tuple[dict[str, int], int]:
         """What this layer's mixer keeps for backward over a micro-batch of B x T tokens, in bytes, on the kernels
         of `kernels` (attention/memory.py: Kernels): (saved tensors by name, the part selective checkpointing
-        keeps: its matmul and kernel outputs). scripts/plan_memory.py adds the norms, MLP and head."""
+        keeps: its matmul and kernel outputs). memory_plan.py adds the norms, MLP and head."""
         raise NotImplementedError(f"{type(self).__name__} has no activation memory model: define saved_activations "
                                   "in its module (attention/memory.py has the helpers)")
 

@@ -987,7 +987,7 @@ def read_losses(out_dir: Path) -> dict:
 
 def step_memory(ctx: StepContext) -> dict:
     """One forward and backward of the 1.4B SWAX recipe's blocks at 16K tokens (one sequence, bf16, eager, no
-    activation checkpointing), its peak memory against scripts/plan_memory.py's estimate for the same shapes:
+    activation checkpointing), its peak memory against memory_plan.py's estimate for the same shapes:
     building the model and one step, about 30 s. On CPU only the estimate (nothing measures the peak)."""
     path = ctx.out / "memory.json"
     path.unlink(missing_ok=True)
@@ -1003,7 +1003,7 @@ def step_memory(ctx: StepContext) -> dict:
         return outcome("failed", f"{shape}: out of memory above {r['more_than_gib']:.1f} GiB, planned "
                        f"{r['estimated_gib']:.2f} GiB: measured / planned > {bound:.2f}",
                        r, f"the model was sized so that a peak of {MEMORY_HEADROOM:.2f} x the plan fits: "
-                       f"scripts/plan_memory.py's estimate is off by more than its stated accuracy ({low}-{high} x the "
+                       f"memory_plan.py's estimate is off by more than its stated accuracy ({low}-{high} x the "
                        "measured peak): its per-layer saved-activation counts need fixing")
     if r["measured_gib"] is None:
         return outcome("passed", f"{shape}: planned {r['estimated_gib']:.2f} GiB (not measured on CPU)", r)
@@ -1011,7 +1011,7 @@ def step_memory(ctx: StepContext) -> dict:
                f"{r['ratio']:.2f}")
     low, high = MEMORY_RATIO
     if not low <= r["ratio"] <= high:
-        return outcome("failed", summary, r, f"scripts/plan_memory.py's estimate is off by more than its stated "
+        return outcome("failed", summary, r, f"memory_plan.py's estimate is off by more than its stated "
                        f"accuracy ({low}-{high} x the measured peak): its per-layer saved-activation counts need fixing")
     return outcome("passed", summary, r)
 
@@ -1021,22 +1021,21 @@ def memory_worker(cfg: CheckConfig, device: str) -> None:
     from config import load_config
     from model import GPT
 
-    sys.path.insert(0, str(REPO / "scripts"))
-    import plan_memory
+    import memory_plan
 
     size = (FULL if device == "cuda" and not cfg.quick else REDUCED)["memory"]
     overrides = [f"--{key}={value}" for key, value in size.items() if key not in ("config", "n_layer") and value]
     run_cfg = load_config([size["config"], *overrides, "--batch_size=1", "--activation_checkpointing=none",
                            "--loss_chunk=0", "--dropout=0.0"])
     m = run_cfg.model
-    m.vocab_size = m.vocab_size or plan_memory.DEFAULT_VOCAB
-    kernels = plan_memory.Kernels(device, 2 if device == "cuda" else plan_memory.F32)
+    m.vocab_size = m.vocab_size or memory_plan.DEFAULT_VOCAB
+    kernels = memory_plan.Kernels(device, 2 if device == "cuda" else memory_plan.F32)
 
     def planned(n_layer: int):
         m.n_layer = n_layer
         with torch.device("meta"):
             model = GPT(m)
-        e = plan_memory.estimate(model, kernels, 1, "none", 0, plan_memory.Layout(1, "ddp"))
+        e = memory_plan.estimate(model, kernels, 1, "none", 0, memory_plan.Layout(1, "ddp"))
         # no optimizer step and no DDP: the parameters and their gradients are there before it starts (below)
         autocast = e.static.get("autocast bf16 weight copies", 0)
         return e, e.activations_peak + autocast
@@ -1049,7 +1048,7 @@ def memory_worker(cfg: CheckConfig, device: str) -> None:
 
         def needed(layers: int) -> float:  # the float32 weights and gradients, and the planned peak with headroom
             step = planned(layers)[1]
-            return 2 * plan_memory.F32 * _param_count(m) + MEMORY_HEADROOM * step
+            return 2 * memory_plan.F32 * _param_count(m) + MEMORY_HEADROOM * step
         n_layer = memory_layers(n_layer, period, 0.9 * torch.cuda.mem_get_info()[0], needed)
     estimate, estimated = planned(n_layer)
     result = {"config": size["config"], "n_layer": n_layer, "recipe_n_layer": load_config([size["config"]]).model.n_layer,
@@ -1655,7 +1654,7 @@ def render_memory(results: dict) -> list[str]:
              else _num(results["measured_gib"], "{:.2f} GiB"),
              f"{results['estimated_gib']:.2f} GiB", _num(results["ratio"], "{:.2f}")]]
     return ["Peak memory of one forward and backward (eager, no checkpointing, batch 1) above the float32 weights "
-            "and gradients, against `scripts/plan_memory.py`'s activations at their peak "
+            "and gradients, against `memory_plan.py`'s activations at their peak "
             f"({results['peak_moment']}) plus autocast's weight copies.", ""] + \
         _table(["config", "layers", "pattern", "tokens", "dtype", "measured", "planned", "measured / planned"], rows)
 

@@ -97,7 +97,10 @@ def table_rows(text, section="## Runs"):
 
 
 def load_compare():
-    return load_script("compare")
+    """The comparison library (eval/compare.py); scripts/compare.py is its command line."""
+    from eval import compare
+
+    return compare
 
 
 # ---- stats ------------------------------------------------------------------------------------------------
@@ -291,7 +294,7 @@ def test_wandb_path_with_fake_api(monkeypatch, capsys, tmp_path):
             return iter(fake_runs)
 
     monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(Api=FakeApi))
-    compare = load_compare()
+    compare = load_script("compare")
     rc = compare.main(["--wandb", "ent/proj", "--runs", "w_full_1,w_full_2,w_swa", "--out", str(tmp_path / "w"),
                        "--plot"])
     assert rc == 0 and paths == ["ent/proj"]
@@ -311,7 +314,7 @@ def test_wandb_path_with_fake_api(monkeypatch, capsys, tmp_path):
     assert groups["full"]["best val loss"] == "2.1000 ± 0.1414"
     assert (tmp_path / "w" / "loss_curves.png").read_bytes()[:8] == PNG_SIGNATURE
     # the record is the same shape as a local run's: the table code takes plain dicts
-    record = compare.wandb_record(fake_runs[2])
+    record = load_compare().wandb_record(fake_runs[2])
     assert record["train"] == [(10, 3.0), (20, 2.8), (30, 2.7)] and record["best_val_loss"] == 2.6
     with pytest.raises(compare.CompareError, match="no wandb runs"):
         compare.main(["--wandb", "ent/proj", "--runs", "missing"])

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from checkpoint import load_model
 from config import ModelConfig
-from conftest import REPO, load_script
+from conftest import REPO
 from data.meta import load_meta, open_tokens
 from data.tokenizer import get_tokenizer
 from eval import niah
@@ -268,7 +268,8 @@ def other_data(tmp_path_factory):
 def test_evaluations_on_other_data_are_labelled_and_never_the_runs_own(tiny_run, other_data, tmp_path):
     """Perplexity on other data than the run's own validation split never sits in the plain column, in the
     summary, in the plots or in a paired test: it is named by its data, however recently it was computed."""
-    compare = load_script("compare")
+    from eval import compare
+
     run = copy_run(tiny_run, tmp_path / "run")
     run_eval(run, "--tasks=ppl", "--ppl_lengths=32")
     proc = run_eval(run, "--tasks=ppl", "--ppl_lengths=32", f"--data_dir={other_data}")  # the most recent
@@ -298,7 +299,8 @@ def test_evaluations_on_other_data_are_labelled_and_never_the_runs_own(tiny_run,
 def test_every_perplexity_cell_says_how_much_text_it_scored(tiny_run, tmp_path):
     """Tokens, windows and the standard error of each cell, printed and saved; a cell of fewer than MIN_WINDOWS
     windows is a warning on screen, a flag in the results and a mark in compare's table."""
-    compare = load_script("compare")
+    from eval import compare
+
     run = copy_run(tiny_run, tmp_path / "run")
     proc = run_eval(run, "--tasks=ppl", "--ppl_lengths=64", "--ppl_max_tokens=700")
     report = json.load(open(run / "eval" / "ppl.json"))

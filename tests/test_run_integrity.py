@@ -201,7 +201,8 @@ def test_paired_runs_are_paired_under_one_setting_both_were_evaluated_under(tmp_
 
     clock = itertools.count(1000)
     monkeypatch.setattr(eval.results.time, "time", lambda: next(clock))
-    compare = load_script("compare")
+    from eval import compare
+
     # A evaluated with seed 1 then 2, B with seed 2 then 1: each file's newest setting differs, the pair must not
     a, b = tmp_path / "a", tmp_path / "b"
     evaluate(a, "recall", recall_result([True] * 8), seed=1)
@@ -254,7 +255,9 @@ def test_another_checkpoint_moves_the_earlier_results_aside_and_hf_attention_is_
 
 
 def test_the_standing_setting_has_the_plain_column_and_the_bridge_sweep_reads_it(tmp_path):
-    compare, sweep = load_script("compare"), load_script("bridge_sweep")
+    from eval import compare
+
+    sweep = load_script("bridge_sweep")
     evaluate(tmp_path, "recall", recall_result([True] * 4), seed=1)
     evaluate(tmp_path, "recall", recall_result([False] * 4), seed=2)
     columns = compare.eval_summaries(compare.load_evals(tmp_path))
@@ -578,7 +581,8 @@ def test_a_prompt_beyond_the_training_length_is_said(byte_run):
 
 
 def test_compare_says_repeated_seeds_and_marks_the_training_length(byte_run, tmp_path):
-    compare = load_script("compare")
+    from eval import compare
+
     runs = [tmp_path / name for name in ("a", "b")]
     for run_dir in runs:
         shutil.copytree(byte_run, run_dir)

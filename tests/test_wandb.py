@@ -14,7 +14,7 @@ from wandb.proto import wandb_internal_pb2
 
 import wandb_run
 from config import ConfigError, load_config
-from conftest import REPO, load_script, train_subprocess
+from conftest import REPO, train_subprocess
 
 TOKENS_PER_STEP = 4 * 2 * 32  # batch_size x gradient_accumulation_steps x block_size
 TINY = ["configs/quickstart.py", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
@@ -189,7 +189,8 @@ def test_evaluation_results_go_into_the_training_runs_summary(swa_run, tmp_path)
     assert len(segments(run, run_id)) == 3
 
     # scripts/compare.py reads the run back from wandb: its config, curves and these results
-    compare = load_script("compare")
+    from eval import compare
+
     parts = segments(run, run_id)
 
     class Run:
