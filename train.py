@@ -18,6 +18,7 @@ import signal
 import sys
 import time
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import machine  # first: OpenMP's wait policy is read once, when torch loads it
@@ -267,16 +268,32 @@ def evaluate(model, val_data: WindowSampler, eval_iters: int, rank: int, world_s
     return (total[0] / total[1]).item()
 
 
-def main(argv):
-    # ---- configuration: any error here exits 2 before anything is written -------------------------------
-    cfg: Config = exit_on_config_error(load_config, argv)
-    m, t, ev = cfg.model, cfg.train, cfg.eval
+# ---- set-up: each step in its own function, in the order main() calls them --------------------------------
 
-    # ---- processes and devices ---------------------------------------------------------------------------
-    distributed = "RANK" in os.environ  # set by torchrun: several processes (DDP, or FSDP with parallelism=fsdp)
+@dataclass
+class Runtime:
+    """The processes of this run (torchrun's environment), its device and its precision."""
+    rank: int  # global, over every node
+    local_rank: int  # this node's GPU
+    world_size: int
+    distributed: bool  # several processes (DDP, or FSDP with parallelism=fsdp)
+    fsdp: bool
+    device: torch.device
+    dtype: torch.dtype
+    autocast: object  # the forward's autocast context (nullcontext in float32 and under FSDP's own policy)
+    wandb_mode: str  # the mode to log to wandb in; "" without wandb
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+
+def start_runtime(t) -> Runtime:
+    """Resolve the device, check wandb, start the process group and fix the precision: a bad setting exits 2
+    before anything is built or written."""
+    distributed = "RANK" in os.environ  # set by torchrun
     fsdp = t.parallelism == "fsdp"
-    rank = int(os.environ.get("RANK", 0))  # global, over every node; LOCAL_RANK picks this node's GPU
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     try:
         device_name = resolve_device(t.device)
@@ -293,7 +310,6 @@ def main(argv):
         fail(f"--wandb_log=True cannot log online: {problem}. Use --wandb_mode=offline (or WANDB_MODE=offline) to log "
              "to the run folder and `wandb sync` it later, or `wandb login` first", status=2)
     device = process_device(device_name, local_rank)
-    device_name = str(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -301,7 +317,6 @@ def main(argv):
         dist.init_process_group(backend=backend)
     elif fsdp:  # FSDP shards over a process group, even one of a single process
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
-    master = rank == 0
     if t.dtype == "auto":  # the CPU standing in for CUDA (attention/simulate_cuda.py) trains as a bf16 GPU does
         dtype_name = simulate_cuda.auto_dtype(device, older_gpu="float16")
     else:
@@ -316,25 +331,46 @@ def main(argv):
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+    return Runtime(rank, local_rank, world_size, distributed, fsdp, device, dtype, autocast,
+                   wandb_mode if use_wandb else "")
 
-    # ---- pretrained weights (init_from=gpt2...): their architecture replaces the config's -------------------
-    source, hf_model = pretrained_source(t.init_from), None
-    if source is not None:
-        try:
-            hf_model = load_hf_model(source)
-            changed = pretrained_model_config(hf_model.config, m)
-            validate(cfg)  # e.g. mswa's head groups against the checkpoint's head count
-        except (PretrainedError, ConfigError) as e:
-            fail(f"init_from={t.init_from}: {e}", status=2)
-        if master:
-            print(f"init_from={t.init_from}: the architecture of {source}: " + (", ".join(changed) or "as configured"))
 
-    # ---- data --------------------------------------------------------------------------------------------
+def pretrained_model(cfg: Config, rt: Runtime):
+    """init_from=gpt2 / hf:...: (the checkpoint's name, its transformers model), whose architecture replaces the
+    config's; (None, None) for a model trained from scratch or resumed."""
+    t, source = cfg.train, pretrained_source(cfg.train.init_from)
+    if source is None:
+        return None, None
+    try:
+        hf_model = load_hf_model(source)
+        changed = pretrained_model_config(hf_model.config, cfg.model)
+        validate(cfg)  # e.g. mswa's head groups against the checkpoint's head count
+    except (PretrainedError, ConfigError) as e:
+        fail(f"init_from={t.init_from}: {e}", status=2)
+    if rt.master:
+        print(f"init_from={t.init_from}: the architecture of {source}: " + (", ".join(changed) or "as configured"))
+    return source, hf_model
+
+
+@dataclass
+class RunData:
+    """The prepared data a run trains and validates on."""
+    data_dir: str
+    meta: dict
+    tokenizer_identity: dict  # the data's tokenizer, as checkpoints record it
+    train: WindowSampler
+    val: WindowSampler
+
+
+def open_data(cfg: Config, rt: Runtime, source) -> RunData:
+    """The data folder (the generated corpora prepared on first use), checked against the model's vocabulary, a
+    pretrained model's tokenizer and the loss_after marker; then the train and validation samplers."""
+    m, t = cfg.model, cfg.train
     data_dir = cfg.data.data_dir or str(Path(__file__).resolve().parent / "data" / cfg.data.dataset)
     try:
-        if master:
+        if rt.master:
             prepare_generated_if_missing(data_dir)
-        if distributed:
+        if rt.distributed:
             dist.barrier()
         meta = load_meta(data_dir)
         data_tokenizer = check_vocabulary(data_dir, meta)  # the identity checkpoints record
@@ -353,7 +389,7 @@ def main(argv):
             problem = tokenizer_mismatch(identity, meta, data_dir, f"init_from={t.init_from}")
         except TokenizerUnavailable:  # a folder of weights without tokenizer files: only the names can be compared
             problem = ""
-            if meta["tokenizer"] != name and master:
+            if meta["tokenizer"] != name and rt.master:
                 print(f"warning: {data_dir} was tokenized with {meta['tokenizer']!r} and {source} has no tokenizer "
                       f"here to compare its vocabulary with: prepare the data with --tokenizer={name} if they differ")
         if problem:
@@ -374,326 +410,463 @@ def main(argv):
                  status=2)
     try:
         train_data = WindowSampler(data_dir, "train", m.block_size, t.batch_size, t.gradient_accumulation_steps,
-                                   rank, world_size, seed=t.seed, device=device_name, loss_after=loss_after)
-        val_data = WindowSampler(data_dir, "val", m.block_size, t.batch_size, ev.eval_iters, device=device_name,
-                                 loss_after=loss_after)
+                                   rt.rank, rt.world_size, seed=t.seed, device=str(rt.device), loss_after=loss_after)
+        val_data = WindowSampler(data_dir, "val", m.block_size, t.batch_size, cfg.eval.eval_iters,
+                                 device=str(rt.device), loss_after=loss_after)
     except ValueError as e:
         fail(str(e), status=2)
-    local_micro_steps = train_data.local_micro_steps
-    tokens_per_step = t.batch_size * t.gradient_accumulation_steps * m.block_size
+    return RunData(data_dir, meta, data_tokenizer, train_data, val_data)
 
-    # ---- the run folder: this run's alone from here on (a lock, held until the process ends) ----------------
-    out_dir = Path(t.out_dir)
-    refused = [""]  # rank 0 claims it; every rank exits with its refusal rather than wait at a barrier
-    if master:
+
+def claim_folder(out_dir: Path, t, rt: Runtime) -> None:
+    """The run folder is this run's alone from here on (a lock, held until the process ends): rank 0 claims it,
+    and every rank exits with its refusal rather than wait at a barrier."""
+    refused = [""]
+    if rt.master:
         try:
             claim_run_folder(out_dir, fresh=t.init_from != "resume", replace=t.replace_run)
         except RunFolderError as e:
             refused = [str(e)]
-    if distributed:
+    if rt.distributed:
         dist.broadcast_object_list(refused, src=0)
     if refused[0]:
         fail(refused[0], status=2)
 
-    # ---- model, its layout, optimizer, and (on resume) their saved state -----------------------------------
-    ckpt = None
-    if t.init_from == "resume":
-        try:
-            if fsdp:  # a sharded folder: its meta here, the model and optimizer shards once they exist below
-                ckpt = load_sharded_meta(out_dir / f"ckpt_{t.resume_from}")
-            else:  # on the CPU: RNG states must stay CPU ByteTensors; load_state_dict moves the rest
-                ckpt = load_checkpoint(out_dir / f"ckpt_{t.resume_from}.pt", map_location="cpu")
-        except CheckpointError as e:
-            other = out_dir / (f"ckpt_{t.resume_from}.pt" if fsdp else f"ckpt_{t.resume_from}")
-            hint = (f"; {other} exists: resume with --parallelism={'ddp' if fsdp else 'fsdp'}, the run's own setting"
-                    if other.exists() else "")
-            fail(f"cannot resume: {e}{hint}", status=2)
-        problem = tokenizer_mismatch(checkpoint_tokenizer_identity(ckpt), meta, data_dir, f"the run in {out_dir}")
-        if problem:  # training on would relabel the run's checkpoints and compare losses of other token streams
-            fail(f"cannot resume: {problem}", status=2)
-        saved = Config.from_dict(ckpt["config"]).model
-        changed = [k for k in vars(m) if getattr(saved, k) != getattr(m, k)]
-        if changed:
-            fail("the model config differs from the checkpoint's in " + ", ".join(
-                f"{k} ({getattr(saved, k)!r} saved, {getattr(m, k)!r} now)" for k in changed)
-                + f": resume with the run's own config: python train.py {out_dir / 'config.json'} --init_from=resume",
-                status=2)
-    torch.manual_seed(t.seed)  # the same initial weights in every process (FSDP shards them without a broadcast)
-    raw_model = GPT(m).to(device)
+
+def read_resume_checkpoint(cfg: Config, rt: Runtime, data: RunData, out_dir: Path) -> dict:
+    """init_from=resume: the checkpoint's metadata and state (under FSDP its metadata; the shards are read once
+    the model and optimizer exist), refused when its tokenizer or model config differs from this run's."""
+    m, t = cfg.model, cfg.train
+    try:
+        if rt.fsdp:
+            ckpt = load_sharded_meta(out_dir / f"ckpt_{t.resume_from}")
+        else:  # on the CPU: RNG states must stay CPU ByteTensors; load_state_dict moves the rest
+            ckpt = load_checkpoint(out_dir / f"ckpt_{t.resume_from}.pt", map_location="cpu")
+    except CheckpointError as e:
+        other = out_dir / (f"ckpt_{t.resume_from}.pt" if rt.fsdp else f"ckpt_{t.resume_from}")
+        hint = (f"; {other} exists: resume with --parallelism={'ddp' if rt.fsdp else 'fsdp'}, the run's own setting"
+                if other.exists() else "")
+        fail(f"cannot resume: {e}{hint}", status=2)
+    problem = tokenizer_mismatch(checkpoint_tokenizer_identity(ckpt), data.meta, data.data_dir,
+                                 f"the run in {out_dir}")
+    if problem:  # training on would relabel the run's checkpoints and compare losses of other token streams
+        fail(f"cannot resume: {problem}", status=2)
+    saved = Config.from_dict(ckpt["config"]).model
+    changed = [k for k in vars(m) if getattr(saved, k) != getattr(m, k)]
+    if changed:
+        fail("the model config differs from the checkpoint's in " + ", ".join(
+            f"{k} ({getattr(saved, k)!r} saved, {getattr(m, k)!r} now)" for k in changed)
+            + f": resume with the run's own config: python train.py {out_dir / 'config.json'} --init_from=resume",
+            status=2)
+    return ckpt
+
+
+def build_model(cfg: Config, rt: Runtime, source, hf_model):
+    """(the model, its parallelized form, the optimizer, the gradient scaler): the same initial weights in every
+    process (FSDP shards them without a broadcast), a pretrained model's weights loaded into them, activation
+    checkpointing and torch.compile per block, then DDP around the model or FSDP2 in place (parallelize.py); the
+    optimizer is built after sharding, over the shards."""
+    t = cfg.train
+    torch.manual_seed(t.seed)
+    raw_model = GPT(cfg.model).to(rt.device)
     if hf_model is not None:
         try:
             fresh = load_pretrained_weights(raw_model, hf_model)
         except PretrainedError as e:
             fail(f"init_from={t.init_from}: {e}", status=2)
-        if master:
+        if rt.master:
             print(f"loaded {source}" + (f"; newly initialised: {', '.join(fresh)}" if fresh else ""))
-        del hf_model
-    if rank:
-        torch.manual_seed(t.seed + rank)  # dropout differs per rank
-    # activation checkpointing and torch.compile per block, then DDP around the model or FSDP2 in place
-    # (parallelize.py); the optimizer is built after sharding, over the shards
+    if rt.rank:
+        torch.manual_seed(t.seed + rt.rank)  # dropout differs per rank
     try:
-        model = parallelize(raw_model, t, device, dtype, distributed, local_rank)
+        model = parallelize(raw_model, t, rt.device, rt.dtype, rt.distributed, rt.local_rank)
     except ValueError as e:
         fail(f"cannot compile: {e}", status=2)
-    optimizer = raw_model.configure_optimizer(t.weight_decay, t.learning_rate, (t.beta1, t.beta2), device.type)
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    step, best_val_loss, wandb_run_id, ckpt_step = 0, float("inf"), None, None
-    tokens_seen = 0  # by the starting step: a resumed run counts on from what its checkpoint had seen
-    if ckpt is not None:
-        if fsdp:  # every process reads its own shards, resharded if the run had another number of processes
-            load_sharded_training_state(ckpt["path"], raw_model, optimizer)
-        else:
-            raw_model.load_state_dict(ckpt["model"])
-            optimizer.load_state_dict(ckpt["optimizer"])
-            scaler.load_state_dict(ckpt["scaler"])
-        step, best_val_loss, wandb_run_id = ckpt["step"], ckpt["best_val_loss"], ckpt.get("wandb_run_id")
-        ckpt_step = step
-        # checkpoints from before tokens were counted: every step of the run had this run's tokens per step
-        tokens_seen = ckpt.get("tokens_seen", step * tokens_per_step)
-        if len(ckpt["rng"]) == world_size:
-            try:
-                set_rng_state(ckpt["rng"][rank])
-            except CheckpointError as e:
-                fail(f"cannot resume: {e}", status=2)
-        elif master:
-            print(f"warning: checkpoint has RNG states for {len(ckpt['rng'])} processes, not {world_size}: "
-                  "dropout noise will differ from the interrupted run")
-        del ckpt
-        if distributed:  # every process has read the checkpoint before rank 0 tidies the folder below
-            dist.barrier()
-        if step >= t.max_iters and not ev.eval_only:  # nothing to train: leave the finished run's logs as they are
-            if master:
-                print(f"{out_dir} already finished at step {step} (max_iters={t.max_iters}): nothing to do; raise "
-                      "--max_iters to train further")
-            if dist.is_initialized():
-                del model  # as at the end: DDP's reducer released before the group (see there)
-                dist.destroy_process_group()
-            return
+    optimizer = raw_model.configure_optimizer(t.weight_decay, t.learning_rate, (t.beta1, t.beta2), rt.device.type)
+    scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.dtype == torch.float16)
+    return raw_model, model, optimizer, scaler
 
-    def tokens_at(at_step: int) -> int:
+
+@dataclass
+class Progress:
+    """Where training stands: the step, the best validation loss, and the tokens trained on."""
+    tokens_per_step: int
+    step: int = 0
+    best_val_loss: float = float("inf")
+    wandb_run_id: str | None = None
+    ckpt_step: int | None = None  # the step of the checkpoint this run resumed from
+    tokens_seen: int = 0  # by ckpt_step: a resumed run counts on from what its checkpoint had seen
+
+    def tokens_at(self, at_step: int) -> int:
         """Tokens trained on by the end of step at_step, over every process and micro-step (the x-axis that lines
         up runs of different tokens per step)."""
-        return tokens_seen + (at_step - (ckpt_step or 0)) * tokens_per_step
+        return self.tokens_seen + (at_step - (self.ckpt_step or 0)) * self.tokens_per_step
 
-    # ---- output folder, logs, signals ---------------------------------------------------------------------
-    saved_steps = {t.resume_from: step} if ckpt_step is not None else {}  # the step of each checkpoint written
 
-    def cannot_write(name: str, error: OSError):
-        fail(write_failure(error, out_dir, name, fsdp, saved_steps))
-
-    if master:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        remove_stale_temp_files(out_dir)
-        info = run_info(world_size)
-        # the resolved config (its data section included), the run, and the prepared data's meta beside it
-        unigram = unigram_entropy(open_tokens(data_dir, "val")[:10_000_000], meta["vocab_size"])
+def restore(ckpt: dict | None, rt: Runtime, raw_model, optimizer, scaler, tokens_per_step: int) -> Progress:
+    """The progress of a new run, or a resumed one's: its model, optimizer, scaler and RNG states restored (under
+    FSDP every process reads its own shards, resharded if the run had another number of processes)."""
+    progress = Progress(tokens_per_step)
+    if ckpt is None:
+        return progress
+    if rt.fsdp:
+        load_sharded_training_state(ckpt["path"], raw_model, optimizer)
+    else:
+        raw_model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scaler.load_state_dict(ckpt["scaler"])
+    progress.step, progress.best_val_loss = ckpt["step"], ckpt["best_val_loss"]
+    progress.wandb_run_id, progress.ckpt_step = ckpt.get("wandb_run_id"), ckpt["step"]
+    # checkpoints from before tokens were counted: every step of the run had this run's tokens per step
+    progress.tokens_seen = ckpt.get("tokens_seen", ckpt["step"] * tokens_per_step)
+    if len(ckpt["rng"]) == rt.world_size:
         try:
-            write_json({**cfg.to_dict(), "run": info, "data_meta": {**meta, "unigram_entropy": unigram,
-                                                                   "val_sha256": split_fingerprint(data_dir)}},
-                       out_dir / "config.json")
-        except OSError as e:
-            cannot_write("config.json", e)
-        n_params = raw_model.num_params()
-        print(f"model: {m.arch}, {m.n_layer} layers x {m.n_head} heads x {m.n_embd}, mixers {m.attn_pattern!r}: "
-              f"{n_params / 1e6:.2f}M parameters ({raw_model.num_params(exclude_embeddings=True) / 1e6:.2f}M "
-              "without embeddings)")
-        layers_of = {}  # e.g. per-head windows of multi-scale variants; layers alike are said once
-        for i, block in enumerate(raw_model.blocks):
-            if block.mixer.describe():
-                layers_of.setdefault(block.mixer.describe(), []).append(str(i))
-        for description, layers in layers_of.items():
-            print(f"  layer{'s' if len(layers) > 1 else ''} {', '.join(layers)}: {description}")
-        print(f"data: {data_dir} ({meta['tokenizer']} tokenizer, {meta['train_tokens']:,} train / "
-              f"{meta['val_tokens']:,} val tokens); {tokens_per_step:,} tokens per step; "
-              f"{world_size} process(es) on {device_name}, {dtype_name}")
-        print(f"unigram baseline (val token entropy): {unigram:.4f} nats")
-        if schedule_warning(t):
-            print(schedule_warning(t))
-        if device.type == "cpu":
-            print(openmp_note())
-        wandb_run = None
-        if use_wandb:
-            try:
-                wandb_run = start_run(cfg, out_dir, argv, wandb_mode, wandb_run_id, resuming=ckpt_step is not None,
-                                      run=info, n_params=n_params)
-            except OSError as e:
-                cannot_write("wandb.json", e)
-            wandb_run_id = wandb_run.id
-            print(f"wandb: run {wandb_run.id} ({wandb_mode}) in group {wandb_run.group!r}, tags "
-                  f"{', '.join(wandb_run.tags) or 'none'}; metrics against {X_AXIS} ({tokens_per_step:,} per step)")
-        metrics = MetricsLog(out_dir / "metrics.jsonl", wandb_run, on_write_error=cannot_write, tokens_at=tokens_at)
-        if step > 0:
-            try:  # the evaluation at the resumed step runs again (below): its earlier records are dropped
-                metrics.truncate_after(step, reevaluated=step % ev.eval_interval == 0 or step == t.max_iters
-                                       or ev.eval_only)
-            except ValueError as e:
-                fail(str(e))
-            except OSError as e:
-                cannot_write("metrics.jsonl", e)
-            print(f"resumed from {out_dir / (f'ckpt_{t.resume_from}' + ('' if fsdp else '.pt'))} at step {step} "
-                  f"(best val loss {best_val_loss:.4f})")
-        elif (out_dir / "metrics.jsonl").exists():
-            (out_dir / "metrics.jsonl").unlink()  # a resume from step 0: its log starts again
+            set_rng_state(ckpt["rng"][rt.rank])
+        except CheckpointError as e:
+            fail(f"cannot resume: {e}", status=2)
+    elif rt.master:
+        print(f"warning: checkpoint has RNG states for {len(ckpt['rng'])} processes, not {rt.world_size}: "
+              "dropout noise will differ from the interrupted run")
+    if rt.distributed:  # every process has read the checkpoint before rank 0 tidies the folder
+        dist.barrier()
+    return progress
 
-    stop_signal = []  # set by the handler; acted on only once all ranks agree (the all-reduce below)
-    stopping = False
+
+class RunFolder:
+    """The run folder's files: config.json, metrics.jsonl (and wandb), the checkpoints written so far. Rank 0
+    writes them; a failed write ends the run with one line saying what is intact."""
+
+    def __init__(self, out_dir: Path, fsdp: bool, saved_steps: dict):
+        self.out_dir, self.fsdp, self.saved_steps = out_dir, fsdp, saved_steps  # saved: checkpoint -> its step
+        self.metrics, self.info, self.unigram = None, None, None
+
+    def cannot_write(self, name: str, error: OSError):
+        fail(write_failure(error, self.out_dir, name, self.fsdp, self.saved_steps))
+
+
+def open_run_folder(cfg: Config, rt: Runtime, data: RunData, raw_model, progress: Progress, argv) -> RunFolder:
+    """Rank 0 writes the resolved config (with the data's meta) and says what is trained on what, starts the
+    wandb run and opens metrics.jsonl (on resume, dropping what was logged after the checkpoint)."""
+    m, t, ev = cfg.model, cfg.train, cfg.eval
+    folder = RunFolder(Path(t.out_dir), rt.fsdp, {t.resume_from: progress.step} if progress.ckpt_step is not None
+                       else {})
+    if not rt.master:
+        return folder
+    out_dir, meta = folder.out_dir, data.meta
+    out_dir.mkdir(parents=True, exist_ok=True)
+    remove_stale_temp_files(out_dir)
+    folder.info = info = run_info(rt.world_size)
+    folder.unigram = unigram = unigram_entropy(open_tokens(data.data_dir, "val")[:10_000_000], meta["vocab_size"])
+    try:
+        write_json({**cfg.to_dict(), "run": info, "data_meta": {**meta, "unigram_entropy": unigram,
+                                                               "val_sha256": split_fingerprint(data.data_dir)}},
+                   out_dir / "config.json")
+    except OSError as e:
+        folder.cannot_write("config.json", e)
+    n_params = raw_model.num_params()
+    print(f"model: {m.arch}, {m.n_layer} layers x {m.n_head} heads x {m.n_embd}, mixers {m.attn_pattern!r}: "
+          f"{n_params / 1e6:.2f}M parameters ({raw_model.num_params(exclude_embeddings=True) / 1e6:.2f}M "
+          "without embeddings)")
+    layers_of = {}  # e.g. per-head windows of multi-scale variants; layers alike are said once
+    for i, block in enumerate(raw_model.blocks):
+        if block.mixer.describe():
+            layers_of.setdefault(block.mixer.describe(), []).append(str(i))
+    for description, layers in layers_of.items():
+        print(f"  layer{'s' if len(layers) > 1 else ''} {', '.join(layers)}: {description}")
+    print(f"data: {data.data_dir} ({meta['tokenizer']} tokenizer, {meta['train_tokens']:,} train / "
+          f"{meta['val_tokens']:,} val tokens); {progress.tokens_per_step:,} tokens per step; "
+          f"{rt.world_size} process(es) on {rt.device}, {str(rt.dtype).removeprefix('torch.')}")
+    print(f"unigram baseline (val token entropy): {unigram:.4f} nats")
+    if schedule_warning(t):
+        print(schedule_warning(t))
+    if rt.device.type == "cpu":
+        print(openmp_note())
+    wandb_run = None
+    if rt.wandb_mode:
+        try:
+            wandb_run = start_run(cfg, out_dir, argv, rt.wandb_mode, progress.wandb_run_id,
+                                  resuming=progress.ckpt_step is not None, run=info, n_params=n_params)
+        except OSError as e:
+            folder.cannot_write("wandb.json", e)
+        progress.wandb_run_id = wandb_run.id
+        print(f"wandb: run {wandb_run.id} ({rt.wandb_mode}) in group {wandb_run.group!r}, tags "
+              f"{', '.join(wandb_run.tags) or 'none'}; metrics against {X_AXIS} ({progress.tokens_per_step:,} per "
+              "step)")
+    folder.metrics = MetricsLog(out_dir / "metrics.jsonl", wandb_run, on_write_error=folder.cannot_write,
+                                tokens_at=progress.tokens_at)
+    step = progress.step
+    if step > 0:
+        try:  # the evaluation at the resumed step runs again (in the loop): its earlier records are dropped
+            folder.metrics.truncate_after(step, reevaluated=step % ev.eval_interval == 0 or step == t.max_iters
+                                          or ev.eval_only)
+        except ValueError as e:
+            fail(str(e))
+        except OSError as e:
+            folder.cannot_write("metrics.jsonl", e)
+        print(f"resumed from {out_dir / (f'ckpt_{t.resume_from}' + ('' if rt.fsdp else '.pt'))} at step {step} "
+              f"(best val loss {progress.best_val_loss:.4f})")
+    elif (out_dir / "metrics.jsonl").exists():
+        (out_dir / "metrics.jsonl").unlink()  # a resume from step 0: its log starts again
+    return folder
+
+
+def catch_stop_signals() -> list:
+    """SIGTERM and SIGINT ask the run to stop: their numbers are collected here and acted on once all ranks agree
+    (the all-reduce of each step), after a checkpoint. A second signal stops at once."""
+    received = []
 
     def request_stop(signum, frame):
-        stop_signal.append(signum)
-        signal.signal(signum, signal.SIG_DFL)  # a second signal stops at once
+        received.append(signum)
+        signal.signal(signum, signal.SIG_DFL)
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
-
-    def save(which: str) -> None:
-        """Checkpoint ckpt_{which} (every rank takes part: RNG states are gathered): one file written by rank 0
-        under DDP, a folder of every rank's shards under FSDP."""
-        states = [None] * world_size
-        if distributed:
-            dist.all_gather_object(states, rng_state())
-        else:
-            states = [rng_state()]
-        meta_ = {"config": cfg.to_dict(), "step": step, "best_val_loss": best_val_loss, "rng": states,
-                 "data_cursor": train_data.state_dict(step), "wandb_run_id": wandb_run_id,
-                 "tokens_seen": tokens_at(step),
-                 "tokenizer": meta["tokenizer"], "tokenizer_identity": data_tokenizer,
-                 **({"run": info} if master else {})}
-        try:
-            if fsdp:
-                save_sharded_checkpoint(out_dir / f"ckpt_{which}", sharded_training_state(raw_model, optimizer),
-                                        meta_, rank)
-            elif master:
-                save_checkpoint({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
-                                 "scaler": scaler.state_dict(), **meta_}, out_dir / f"ckpt_{which}.pt")
-        except (OSError, RuntimeError) as e:  # a full disk, a quota: the writes are atomic, nothing is half-written
-            fail(write_failure(e, out_dir, f"ckpt_{which}" + ("" if fsdp else ".pt"), fsdp, saved_steps))
-        saved_steps[which] = step
+    return received
 
 
-    # ---- the training loop --------------------------------------------------------------------------------
-    flops_per_token = raw_model.flops_per_token(m.block_size)
-    task_lengths = [int(x) for x in ev.eval_task_lengths.split(",") if x.strip()] or [m.block_size]
-    peak = peak_flops(device, dtype)
-    ckpt_interval = t.ckpt_interval or ev.eval_interval
-    start_step, t_start, t_last = step, time.time(), time.time()
+def save(which: str, cfg: Config, rt: Runtime, data: RunData, folder: RunFolder, progress: Progress, raw_model,
+         optimizer, scaler) -> None:
+    """Checkpoint ckpt_{which} (every rank takes part: RNG states are gathered): one file written by rank 0 under
+    DDP, a folder of every rank's shards under FSDP."""
+    states = [None] * rt.world_size
+    if rt.distributed:
+        dist.all_gather_object(states, rng_state())
+    else:
+        states = [rng_state()]
+    step = progress.step
+    meta = {"config": cfg.to_dict(), "step": step, "best_val_loss": progress.best_val_loss, "rng": states,
+            "data_cursor": data.train.state_dict(step), "wandb_run_id": progress.wandb_run_id,
+            "tokens_seen": progress.tokens_at(step),
+            "tokenizer": data.meta["tokenizer"], "tokenizer_identity": data.tokenizer_identity,
+            **({"run": folder.info} if rt.master else {})}
+    out_dir = folder.out_dir
+    try:
+        if rt.fsdp:
+            save_sharded_checkpoint(out_dir / f"ckpt_{which}", sharded_training_state(raw_model, optimizer),
+                                    meta, rt.rank)
+        elif rt.master:
+            save_checkpoint({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
+                             "scaler": scaler.state_dict(), **meta}, out_dir / f"ckpt_{which}.pt")
+    except (OSError, RuntimeError) as e:  # a full disk, a quota: the writes are atomic, nothing is half-written
+        fail(write_failure(e, out_dir, f"ckpt_{which}" + ("" if rt.fsdp else ".pt"), rt.fsdp, folder.saved_steps))
+    folder.saved_steps[which] = step
+
+
+class WindowSchedule:
+    """Paper 003's stochastic window training, as a per-step hook of the loop: each step trains with the window
+    window_for_step draws (a function of seed and step), evaluation uses the long (test-time) window, and every
+    step's window is logged. Only the layers' edge rule changes (attention/local.py)."""
+
+    def __init__(self, t, long_window: int):
+        self.t, self.long_window = t, long_window
+
+    def before_eval(self, model) -> None:
+        model.set_window(self.long_window)
+
+    def before_step(self, step: int, model) -> dict:
+        window = window_for_step(step, self.t, self.long_window)
+        model.set_window(window)
+        return {"window": window}
+
+
+def step_hooks(cfg: Config) -> list:
+    """What changes the model from step to step (before_eval(model), before_step(step, model) -> values logged
+    with the step): the window schedule."""
+    return [WindowSchedule(cfg.train, cfg.model.swa_window)] if cfg.train.window_schedule != "fixed" else []
+
+
+def evaluate_and_log(cfg: Config, rt: Runtime, data: RunData, folder: RunFolder, progress: Progress, model,
+                     raw_model, hooks: list) -> bool:
+    """The validation loss (and the training probes when due) at this step, logged by rank 0; whether it improved
+    on the best so far."""
+    t, ev, step = cfg.train, cfg.eval, progress.step
+    for hook in hooks:
+        hook.before_eval(raw_model)
+    with isolated_rng(t.seed + rt.rank, rt.device):
+        val_loss = evaluate(model, data.val, ev.eval_iters, rt.rank, rt.world_size, rt.autocast, rt.device,
+                            t.loss_chunk, sharded=rt.fsdp)
+        improved = val_loss < progress.best_val_loss
+        progress.best_val_loss = min(progress.best_val_loss, val_loss)
+        if rt.master:
+            print(f"step {step}: val loss {val_loss:.4f} (unigram baseline {folder.unigram:.4f}, best "
+                  f"{progress.best_val_loss:.4f})")
+            folder.metrics.log(step, val_loss=val_loss, best_val_loss=progress.best_val_loss)
+        if ev.eval_tasks and step % (ev.eval_tasks_interval or ev.eval_interval) == 0:
+            # retrieval / perplexity probes at several lengths (eval/probes.py) on rank 0, or on every rank of a
+            # sharded model (its forwards are collectives; they draw the same probes). Run eagerly: compiled
+            # blocks would recompile for every length and batch width (attention itself still runs compiled
+            # FlexAttention on GPUs, one kernel per padded length)
+            lengths = [int(x) for x in ev.eval_task_lengths.split(",") if x.strip()] or [cfg.model.block_size]
+            if rt.master or rt.fsdp:
+                with rt.autocast, torch.compiler.set_stance("force_eager"):
+                    probes = training_probes(raw_model, ev.eval_tasks.split(","), lengths,
+                                             open_tokens(data.data_dir, "val"), data.meta["eot_id"],
+                                             data.meta["tokenizer"], t.seed, rt.device)
+            if rt.master:
+                print(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in probes.items()))
+                folder.metrics.log(step, **probes)
+            if rt.distributed:
+                dist.barrier()
+    return improved
+
+
+def train_step(cfg: Config, rt: Runtime, data: RunData, folder: RunFolder, progress: Progress, model, raw_model,
+               optimizer, scaler, stop_signals: list) -> tuple[float, bool]:
+    """One optimizer step over the local micro-batches (gradients synchronised on the last one only); returns the
+    mean training loss over ranks and whether any rank was asked to stop. A loss that is not finite ends the run
+    without saving."""
+    t, step = cfg.train, progress.step
+    micro_steps = data.train.local_micro_steps
+    loss_sum = torch.zeros((), device=rt.device)
+    for micro_step in range(micro_steps):
+        x, y = data.train.get(step, micro_step)
+        if rt.fsdp:  # gradients are reduce-scattered only on the last micro-step
+            raw_model.set_requires_gradient_sync(micro_step == micro_steps - 1)
+        elif rt.distributed:  # gradients are all-reduced only on the last micro-step
+            model.require_backward_grad_sync = micro_step == micro_steps - 1
+        with rt.autocast:
+            _, loss = model(x, y, loss_chunk=t.loss_chunk)
+        loss_sum += loss.detach()
+        scaler.scale(loss / micro_steps).backward()
+    # one small collective per step: the mean loss over ranks, and whether any rank was told to stop
+    status = torch.stack([loss_sum / micro_steps, torch.tensor(float(bool(stop_signals)), device=rt.device)])
+    if rt.distributed:
+        dist.all_reduce(status)
+    train_loss, stopping = status[0].item() / rt.world_size, status[1].item() > 0
+    if not math.isfinite(train_loss):
+        saved = [p.name for p in sorted(folder.out_dir.glob("ckpt_*")) if not p.name.startswith(".")]
+        kept = (f"the checkpoints in {folder.out_dir} ({', '.join(saved)}) are from the last good step" if saved
+                else "no checkpoint was written before it")
+        fix = "use --dtype=bfloat16 or float32 instead of float16, " if rt.dtype == torch.float16 else ""
+        fail(f"the training loss is {train_loss} at step {step}: stopping without saving; {kept}. Lower "
+             f"learning_rate, {fix}or check the data")
+    if t.grad_clip > 0:
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return train_loss, stopping
+
+
+class StepLog:
+    """The log line and metrics of every log_interval-th step: loss, learning rate, tokens/s, the hooks'
+    values, MFU against the device's peak, peak GPU memory, time per step and the time left."""
+
+    def __init__(self, cfg: Config, rt: Runtime, raw_model, progress: Progress):
+        self.t, self.rt, self.tokens_per_step = cfg.train, rt, progress.tokens_per_step
+        self.flops_per_token = raw_model.flops_per_token(cfg.model.block_size)
+        self.peak = peak_flops(rt.device, rt.dtype)
+        self.start_step, self.t_start, self.t_last = progress.step, time.time(), time.time()
+
+    def __call__(self, folder: RunFolder, step: int, train_loss: float, lr: float, hooked: dict) -> None:
+        t, rt = self.t, self.rt
+        now = time.time()
+        dt = (now - self.t_last) / (step - max(self.start_step, step - t.log_interval) or 1)
+        self.t_last = now
+        tokens_per_s = self.tokens_per_step / dt
+        values = {"train_loss": train_loss, "lr": lr, "tokens_per_s": tokens_per_s}
+        line = f"step {step}/{t.max_iters} | loss {train_loss:.4f} | lr {lr:.2e} | {tokens_per_s / 1e3:.1f}k tok/s"
+        line += "".join(f" | {key} {value}" for key, value in hooked.items())
+        if self.peak is not None:
+            values["mfu"] = self.flops_per_token * tokens_per_s / (self.peak * rt.world_size)
+            line += f" | mfu {100 * values['mfu']:.1f}%"
+        if rt.device.type == "cuda":  # the most this process's tensors have held so far (rank 0's GPU)
+            values["max_memory_gib"] = torch.cuda.max_memory_allocated(rt.device) / 2**30
+            line += f" | {values['max_memory_gib']:.1f} GiB"
+        elapsed_per_step = (now - self.t_start) / (step - self.start_step)
+        line += f" | {1000 * dt:.0f} ms/step | eta {format_eta(elapsed_per_step * (t.max_iters - step))}"
+        print(line, flush=True)
+        folder.metrics.log(step, **values)
+
+
+def finish(rt: Runtime, folder: RunFolder, progress: Progress, t, stopping: bool, signum: int) -> None:
+    """Say how the run ended (stopped by a signal, done with its checkpoints, or nothing trained) and close wandb."""
+    if not rt.master:
+        return
+    step, saved_steps = progress.step, folder.saved_steps
+    if stopping and step < t.max_iters:
+        print(f"stopped by signal {signum} at step {step}; {'ckpt_last' if rt.fsdp else 'ckpt_last.pt'} saved. "
+              "Resume with the same command plus --init_from=resume")
+    elif saved_steps:
+        print(f"done: best val loss {progress.best_val_loss:.4f} vs unigram baseline {folder.unigram:.4f}; checkpoints "
+              f"in {folder.out_dir}: " + ", ".join(f"ckpt_{w} (step {saved_steps[w]})" for w in sorted(saved_steps)))
+    else:  # max_iters=0, or an evaluation-only pass: nothing trained, nothing saved
+        print(f"done: val loss {progress.best_val_loss:.4f} vs unigram baseline {folder.unigram:.4f} at step {step}; "
+              f"no checkpoint written (nothing was trained: max_iters={t.max_iters})")
+    if folder.metrics.wandb_run is not None:
+        folder.metrics.wandb_run.finish()
+
+
+def close_process_group() -> None:
+    """The process group's end. Its caller first drops the DDP model, whose reducer holds the group: the group is
+    then destroyed here, inside destroy_process_group (which releases the GIL), and not when main's locals are
+    freed (with the GIL held, while gloo's worker thread may need it to free a finished collective's tensors: a
+    deadlock)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ---- the run ------------------------------------------------------------------------------------------------
+
+def main(argv):
+    cfg: Config = exit_on_config_error(load_config, argv)  # any error here exits 2 before anything is written
+    t, ev = cfg.train, cfg.eval
+    rt = start_runtime(t)
+    source, hf_model = pretrained_model(cfg, rt)  # init_from=gpt2 / hf:...: its architecture replaces the config's
+    data = open_data(cfg, rt, source)
+    claim_folder(Path(t.out_dir), t, rt)
+    ckpt = read_resume_checkpoint(cfg, rt, data, Path(t.out_dir)) if t.init_from == "resume" else None
+    raw_model, model, optimizer, scaler = build_model(cfg, rt, source, hf_model)
+    del hf_model
+    progress = restore(ckpt, rt, raw_model, optimizer, scaler,
+                       t.batch_size * t.gradient_accumulation_steps * cfg.model.block_size)
+    del ckpt
+    if progress.step >= t.max_iters and not ev.eval_only and progress.ckpt_step is not None:
+        if rt.master:  # nothing to train: the finished run's logs stay as they are
+            print(f"{Path(t.out_dir)} already finished at step {progress.step} (max_iters={t.max_iters}): nothing to "
+                  "do; raise --max_iters to train further")
+        del model  # DDP's reducer first (close_process_group)
+        return close_process_group()
+    folder = open_run_folder(cfg, rt, data, raw_model, progress, argv)
+    stop_signals, stopping = catch_stop_signals(), False
+    hooks = step_hooks(cfg)  # e.g. paper 003's window schedule
+    log_step = StepLog(cfg, rt, raw_model, progress)
+    checkpoint = lambda which: save(which, cfg, rt, data, folder, progress, raw_model, optimizer, scaler)  # noqa: E731
+    start_step, ckpt_interval = progress.step, t.ckpt_interval or ev.eval_interval
+
+    # ---- the training loop ----------------------------------------------------------------------------------
     while True:
+        step = progress.step
         lr = get_lr(step, t)
         for group in optimizer.param_groups:
             group["lr"] = lr
-
         if step % ev.eval_interval == 0 or step == t.max_iters or ev.eval_only:
-            if t.window_schedule != "fixed":
-                raw_model.set_window(m.swa_window)  # validation and probes use the long (test-time) window
-            with isolated_rng(t.seed + rank, device):
-                val_loss = evaluate(model, val_data, ev.eval_iters, rank, world_size, autocast, device, t.loss_chunk,
-                                    sharded=fsdp)
-                improved = val_loss < best_val_loss
-                best_val_loss = min(best_val_loss, val_loss)
-                if master:
-                    print(f"step {step}: val loss {val_loss:.4f} (unigram baseline {unigram:.4f}, best {best_val_loss:.4f})")
-                    metrics.log(step, val_loss=val_loss, best_val_loss=best_val_loss)
-                if ev.eval_tasks and step % (ev.eval_tasks_interval or ev.eval_interval) == 0:
-                    # retrieval / perplexity probes at several lengths (eval/probes.py) on rank 0, or on every
-                    # rank of a sharded model (its forwards are collectives; they draw the same probes). Run
-                    # eagerly: compiled blocks would recompile for every length and batch width (attention
-                    # itself still runs compiled FlexAttention on GPUs, one kernel per padded length)
-                    if master or fsdp:
-                        with autocast, torch.compiler.set_stance("force_eager"):
-                            probes = training_probes(raw_model, ev.eval_tasks.split(","), task_lengths,
-                                                     open_tokens(data_dir, "val"), meta["eot_id"], meta["tokenizer"],
-                                                     t.seed, device)
-                    if master:
-                        print(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in probes.items()))
-                        metrics.log(step, **probes)
-                    if distributed:
-                        dist.barrier()
+            improved = evaluate_and_log(cfg, rt, data, folder, progress, model, raw_model, hooks)
             if ev.eval_only:
                 break
             if improved and step > start_step:
-                save("best")
+                checkpoint("best")
         if step > start_step and (step % ckpt_interval == 0 or step == t.max_iters or stopping):
-            save("last")
+            checkpoint("last")
         if step >= t.max_iters or stopping:
             break
+        hooked = {}  # what the hooks set for this step (the window), logged with it
+        for hook in hooks:
+            hooked.update(hook.before_step(step, raw_model))
+        train_loss, stopping = train_step(cfg, rt, data, folder, progress, model, raw_model, optimizer, scaler,
+                                          stop_signals)
+        progress.step = step = step + 1
+        if rt.master and hooked:
+            folder.metrics.log(step, **hooked)  # every step's values, under the step number its loss is logged with
+        if rt.master and (step % t.log_interval == 0 or step == t.max_iters):
+            log_step(folder, step, train_loss, lr, hooked)
 
-        window = window_for_step(step, t, m.swa_window)
-        if t.window_schedule != "fixed":
-            raw_model.set_window(window)  # only the layers' edge rule changes (see attention/local.py)
-        loss_sum = torch.zeros((), device=device)
-        for micro_step in range(local_micro_steps):
-            x, y = train_data.get(step, micro_step)
-            if fsdp:  # gradients are reduce-scattered only on the last micro-step
-                raw_model.set_requires_gradient_sync(micro_step == local_micro_steps - 1)
-            elif distributed:  # gradients are all-reduced only on the last micro-step
-                model.require_backward_grad_sync = micro_step == local_micro_steps - 1
-            with autocast:
-                _, loss = model(x, y, loss_chunk=t.loss_chunk)
-            loss_sum += loss.detach()
-            scaler.scale(loss / local_micro_steps).backward()
-        # one small collective per step: the mean loss over ranks, and whether any rank was told to stop
-        status = torch.stack([loss_sum / local_micro_steps, torch.tensor(float(bool(stop_signal)), device=device)])
-        if distributed:
-            dist.all_reduce(status)
-        train_loss, stopping = status[0].item() / world_size, status[1].item() > 0
-        if not math.isfinite(train_loss):
-            saved = [p.name for p in sorted(out_dir.glob("ckpt_*")) if not p.name.startswith(".")]
-            kept = (f"the checkpoints in {out_dir} ({', '.join(saved)}) are from the last good step" if saved
-                    else "no checkpoint was written before it")
-            fix = "use --dtype=bfloat16 or float32 instead of float16, " if dtype == torch.float16 else ""
-            fail(f"the training loss is {train_loss} at step {step}: stopping without saving; {kept}. Lower "
-                 f"learning_rate, {fix}or check the data")
-        if t.grad_clip > 0:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        if master and t.window_schedule != "fixed":
-            metrics.log(step, window=window)  # every step's window, under the step number its loss is logged with
-
-        if master and (step % t.log_interval == 0 or step == t.max_iters):
-            now = time.time()
-            dt = (now - t_last) / (step - max(start_step, step - t.log_interval) or 1)
-            t_last = now
-            tokens_per_s = tokens_per_step / dt
-            values = {"train_loss": train_loss, "lr": lr, "tokens_per_s": tokens_per_s}
-            line = f"step {step}/{t.max_iters} | loss {train_loss:.4f} | lr {lr:.2e} | {tokens_per_s / 1e3:.1f}k tok/s"
-            if t.window_schedule != "fixed":
-                line += f" | window {window}"
-            if peak is not None:
-                values["mfu"] = flops_per_token * tokens_per_s / (peak * world_size)
-                line += f" | mfu {100 * values['mfu']:.1f}%"
-            if device.type == "cuda":  # the most this process's tensors have held so far (rank 0's GPU)
-                values["max_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-                line += f" | {values['max_memory_gib']:.1f} GiB"
-            elapsed_per_step = (now - t_start) / (step - start_step)
-            line += f" | {1000 * dt:.0f} ms/step | eta {format_eta(elapsed_per_step * (t.max_iters - step))}"
-            print(line, flush=True)
-            metrics.log(step, **values)
-
-    signum = stop_signal[0] if stop_signal else signal.SIGTERM  # another rank may have received it
-    if master:
-        if stopping and step < t.max_iters:
-            print(f"stopped by signal {signum} at step {step}; {'ckpt_last' if fsdp else 'ckpt_last.pt'} saved. "
-                  "Resume with the same "
-                  "command plus --init_from=resume")
-        elif saved_steps:
-            print(f"done: best val loss {best_val_loss:.4f} vs unigram baseline {unigram:.4f}; checkpoints in "
-                  f"{out_dir}: " + ", ".join(f"ckpt_{w} (step {saved_steps[w]})" for w in sorted(saved_steps)))
-        else:  # max_iters=0, or an evaluation-only pass: nothing trained, nothing saved
-            print(f"done: val loss {best_val_loss:.4f} vs unigram baseline {unigram:.4f} at step {step}; no "
-                  f"checkpoint written (nothing was trained: max_iters={t.max_iters})")
-        if metrics.wandb_run is not None:
-            metrics.wandb_run.finish()
-    if dist.is_initialized():
-        # DDP's reducer holds the process group: drop it first, so that the group is destroyed inside
-        # destroy_process_group (which releases the GIL) and not when main's locals are freed (with the GIL
-        # held, while gloo's worker thread may need it to free a finished collective's tensors: a deadlock)
-        del model
-        dist.destroy_process_group()
-    if stopping and step < t.max_iters:
+    signum = stop_signals[0] if stop_signals else signal.SIGTERM  # another rank may have received it
+    finish(rt, folder, progress, t, stopping, signum)
+    del model  # DDP's reducer first (close_process_group)
+    close_process_group()
+    if stopping and progress.step < t.max_iters:
         sys.exit(128 + signum)
 
 
