@@ -7,15 +7,11 @@
     python scripts/compare.py out/block_s* out/bridge_s* --position_gain block_s1    # NLL gain by position
     python scripts/compare.py --wandb ENTITY/PROJECT --runs full_s1,swa_s1       # the same table from wandb
 
-The comparison itself is eval/compare.py. A run folder is a train.py out_dir: config.json and metrics.jsonl, plus eval/<task>.json from `python -m
-eval`. The table shows the config keys that differ across the runs, parameters, tokens seen (last training
-step x batch_size x gradient_accumulation_steps x block_size), best validation loss, final training loss and
-one summary column per evaluation result (ppl per length and window, NIAH rank accuracy per length averaged
-over depth and kind, other tasks per length or overall). Runs whose configs differ only in `seed` form a
-group; a second table gives each group's mean +- sample std over its seeds.
-
-Local folders and wandb runs are both turned into the same plain record (see `load_local_run` and
-`wandb_record`), and everything after that (tables, groups, plots) works on those records only.
+A run folder is a train.py out_dir (config.json, metrics.jsonl, eval/<task>.json). The table shows the config
+keys that differ across the runs, parameters, tokens seen, the best validation and final training losses and one
+column per evaluation result; runs that differ only in `seed` form a group (mean +- std). What each column
+means, and how local folders and wandb runs become the same record: eval/compare.py, the library this is the
+command line of.
 """
 
 import sys

@@ -5,23 +5,17 @@
     python scripts/plan_memory.py configs/swax/swax_7b_stochastic.py --world_size=8       # parallelism=fsdp: sharded
     python scripts/plan_memory.py configs/bridges/owt_124m_pbb.py --batch_size=16 --activation_checkpointing=full
 
-Under DDP every GPU holds the whole model, so its memory is the same on every GPU: fp32 weights, fp32
-gradients, DDP's gradient buckets, AdamW's two moments, autocast's bf16 copies of the weights it casts; under
-FSDP (the config's parallelism, or --parallelism=fsdp) each GPU holds 1/world_size of the weights, gradients and
-AdamW state plus the bf16 weights and gradients of the units gathered at the moment (see static_memory); then the
-activations of one micro-batch (batch_size sequences of block_size tokens), which are counted from the model's
-own shapes (built on the meta device) and each mixer's own estimate (Mixer.saved_activations, in its module under
-attention/; derived from the rules for attention under edge rules): what every layer keeps for backward with
-activation_checkpointing none, full and selective, plus the logits and loss. Then, for each checkpointing mode,
-the largest micro-batch that fits gpu_mem_gb less the headroom, and the gradient_accumulation_steps (global,
-as in the configs) that keeps the config's global batch of batch_size x gradient_accumulation_steps sequences.
+Weights, gradients, AdamW state and autocast copies under DDP or FSDP, then one micro-batch's activations
+under each activation checkpointing mode, and the largest micro-batch (with the gradient_accumulation_steps
+that keeps the config's global batch) that fits gpu_mem_gb less the headroom: how each is counted is in
+memory_plan.py, the library this is the command line of.
 
 The estimate is of eager PyTorch (torch.compile's partitioner usually keeps less: it fuses the casts and
 recomputes cheap elementwise work) on the kernels of `--kernels`: cuda (default: FlexAttention for windowed
 attention, SDPA's flash kernel for full attention, mlstm_kernels' and fla's Triton kernels for the recurrent
 mixers when their *_kernel setting allows it, as requirements-gpu.txt installs them) or cpu (the chunked CPU
 kernels and the built-in chunked recurrent forms: what the tests measure). Sizes are in GiB (2^30 bytes), as
-torch.cuda reports them; --gpu_mem_gb is in the same unit. The plan itself is memory_plan.py. Extra
+torch.cuda reports them; --gpu_mem_gb is in the same unit. Extra
 --key=value arguments override the config as in train.py; vocab_size=0 (from the data) is planned with 50304
 (GPT-2's padded vocabulary) and says so.
 """
