@@ -45,12 +45,51 @@ class DeviceGuard(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+# ---- the two tiers: `-m "not e2e"` (unit: no process started) and the rest (end-to-end) ---------------------
+
+_current_item = {"item": None}
+
+
+def _refuse_processes_outside_e2e() -> None:
+    """In the unit tier, starting a process (subprocess or multiprocessing, in a test or a fixture it sets up)
+    fails the test that did it: the tier stays fast and stays what it says. torch.compile's own C++ compiler calls
+    are not the test's (and depend on inductor's cache)."""
+    import multiprocessing.process
+    import subprocess
+    import traceback
+
+    def guarded(start):
+        def start_process(self, *args, **kwargs):
+            item = _current_item["item"]
+            if item is not None and item.get_closest_marker("e2e") is None and \
+                    not any("torch/_inductor/" in frame.filename for frame in traceback.extract_stack()):
+                raise RuntimeError(f"{item.nodeid} starts a process: mark it @pytest.mark.e2e (the unit tier, -m "
+                                   "'not e2e', starts none)")
+            return start(self, *args, **kwargs)
+        return start_process
+
+    subprocess.Popen.__init__ = guarded(subprocess.Popen.__init__)
+    multiprocessing.process.BaseProcess.start = guarded(multiprocessing.process.BaseProcess.start)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _current_item["item"] = item
+    yield
+    _current_item["item"] = None
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: a test of a GPU path (scripts/gpu_check.py runs them with -m gpu); it "
                                        "takes the device fixture: cuda where CUDA exists, else cpu under the "
                                        "device guard (tests/conftest.py)")
     config.addinivalue_line("markers", "gpu_sim: the CUDA path executed on the CPU (attention/simulate_cuda.py); "
                                        "part of every run of the suite, -m gpu_sim alone")
+    config.addinivalue_line("markers", "e2e: starts processes (training runs, command lines, torchrun, worker "
+                                       "pools): the end-to-end tier. -m 'not e2e' is the unit tier, where a test "
+                                       "that starts a process fails, naming this marker")
+    if "not e2e" in (config.getoption("markexpr") or ""):
+        _refuse_processes_outside_e2e()
     if config.getoption("results_log") and not hasattr(config, "workerinput"):  # the controller writes
         _results_log["path"] = config.getoption("results_log")
 

@@ -323,6 +323,7 @@ def test_attention_config_errors(args, message):
         load_config(["configs/quickstart.py", *args])
 
 
+@pytest.mark.e2e
 def test_mask_stats_reproduces_the_score_counts_of_004_table_2():
     counts = {}
     for pattern in ("full", "swa", "block"):
@@ -350,6 +351,7 @@ class FixedPattern(EdgeRule):
         return (k <= q) & ((k // self.block == q // self.block) | (k % self.block == self.block - 1))
 
 
+@pytest.mark.e2e
 def test_the_kernels_scores_are_counted_against_the_edges_so_a_costly_rule_shows():
     """computed_scores counts every tile the chunked kernel and every block FlexAttention's mask evaluates:
     swa's band costs 1.5x its edges, plain causal attention 1.0x, and a rule written as allowed() alone whose
@@ -457,6 +459,7 @@ def test_grouped_query_model_caches_kv_heads_and_generates_as_uncached(pattern):
                        model.generate(prompt, 20, temperature=0, use_cache=False))
 
 
+@pytest.mark.e2e
 def test_eager_flex_runs_compiled_even_where_the_caller_forces_eager(monkeypatch):
     # train.py's probes run the model under torch.compiler.set_stance("force_eager") (its compiled blocks would
     # recompile for every probe length); the flex call inside must still run compiled, or on a GPU it would
@@ -508,6 +511,7 @@ def test_a_union_with_far_keys_takes_its_local_rules_chunk():
     assert AnyOf((SlidingWindow(256), GlobalKeys(4))).chunk_size() == 64
 
 
+@pytest.mark.e2e
 def test_bench_attention_runs_cases_with_settings_on_the_cpu(tmp_path):
     """The documented CASE:KEY=VALUE form, for a built-in case: measured in its own process like any other."""
     proc = subprocess.run([sys.executable, "scripts/bench_attention.py", "--variants=swa:swa_window=32,block",

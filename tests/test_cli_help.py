@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from config import Config, dataclass_fields, field_help, options_text
 from conftest import REPO
 
@@ -48,6 +50,7 @@ print(json.dumps(results))
 """
 
 
+@pytest.mark.e2e
 def test_every_entry_point_prints_its_options_on_help():
     proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(ENTRY_POINTS)], cwd=REPO, capture_output=True,
                           text=True, timeout=300)

@@ -177,6 +177,7 @@ def test_paired_comparison_of_losses_uses_the_sign_test():
 
 # ---- the command line -------------------------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_table_groups_and_plots(runs, tmp_path):
     out = tmp_path / "cmp"
     proc = run_cli(*runs, "--plot", "--out", out)
@@ -226,6 +227,7 @@ def test_table_groups_and_plots(runs, tmp_path):
         assert len(data) > 5000, f"{name} is only {len(data)} bytes"
 
 
+@pytest.mark.e2e
 def test_not_a_run_folder(runs, tmp_path):
     (runs[0] / "metrics.jsonl").unlink()
     proc = run_cli(runs[0], runs[1])  # e.g. out/*/ matching a folder that is not a run: skipped, said so
@@ -237,6 +239,7 @@ def test_not_a_run_folder(runs, tmp_path):
     assert proc.returncode == 2 and "nowhere" in proc.stderr
 
 
+@pytest.mark.e2e
 def test_paired_cli(runs, tmp_path):
     out = tmp_path / "paired"
     proc = run_cli("--paired", runs[0], runs[2], "--task", "niah", "--out", out)
@@ -372,6 +375,7 @@ def test_what_a_new_user_should_not_be_misled_by(runs, tmp_path, capsys):
     assert "no training or validation losses to plot" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_position_gain_over_a_reference_by_offset_from_block_boundaries(runs, tmp_path):
     """NLL by window position (the ppl eval's profiles): swa_s1 is 0.5 nats better than the full group just
     after each block boundary (offsets [0, 8) of 16) and equal elsewhere; the first block is left out."""
@@ -410,6 +414,7 @@ def test_position_gain_over_a_reference_by_offset_from_block_boundaries(runs, tm
     assert proc.returncode == 2 and "no such run" in proc.stderr
 
 
+@pytest.mark.e2e
 def test_paired_cli_on_per_window_losses(runs, tmp_path):
     # the ppl eval's per-window losses: full_s1 lower on windows 0-7, swa_s1 lower on 8-9
     for run, offset in ((runs[0], 0.0), (runs[2], 0.1)):

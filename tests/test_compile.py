@@ -28,6 +28,7 @@ def run_compile_check(*args):
     return proc, proc.stdout
 
 
+@pytest.mark.e2e
 def test_every_mixer_compiles_without_graph_breaks_or_unexpected_recompiles():
     # Dynamo's graph capture (breaks, guards, recompiles) is the same whatever backend generates the code;
     # the eager backend checks it for every mixer in about a minute
@@ -42,6 +43,7 @@ def test_every_mixer_compiles_without_graph_breaks_or_unexpected_recompiles():
     assert swax[1] == swax[2] == "5"  # swa at two windows + mlstm in training, swa + mlstm in evaluation
 
 
+@pytest.mark.e2e
 def test_the_recurrent_mixers_backward_compiles_through_aot_autograd():
     # the GPU check compiles every mixer with aot_eager (AOTAutograd's traced backward, no code generation): a
     # strided gate once made its backward view a gradient whose strides eager gives otherwise
@@ -49,6 +51,7 @@ def test_the_recurrent_mixers_backward_compiles_through_aot_autograd():
     assert proc.returncode == 0 and "2/2 clean" in out, out + proc.stderr[-3000:]
 
 
+@pytest.mark.e2e
 def test_inductor_compiles_the_cpu_training_path():
     # inductor's code generation on the chunked kernel (custom autograd functions) and the stochastic layout
     proc, out = run_compile_check("--mixers=swa,sa")
@@ -132,6 +135,7 @@ def test_plans_are_shared_by_layers_and_redrawn_only_for_permutations():
     assert not torch.equal(first[0][0].order, second[0][0].order)  # sa: a fresh permutation per forward
 
 
+@pytest.mark.e2e
 def test_python_chunk_loops_are_not_compiled_at_long_lengths(tmp_path):
     cfg = ModelConfig(arch="llama", n_layer=2, n_head=2, n_embd=32, block_size=16384, vocab_size=64, bias=False,
                       attn_pattern="swax_gdn", swa_window=64)

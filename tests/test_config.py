@@ -50,6 +50,7 @@ def test_roundtrip_through_dict():
     assert again == cfg
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("override", ["--no_such_key=1", "--max_iters=abc"])
 def test_train_exits_2_and_writes_nothing(tmp_path, override):
     out = tmp_path / "run"

@@ -61,6 +61,7 @@ def test_the_boundary_copy_bound_holds_for_block_and_the_repairs_learn_it():
         assert repaired["accuracy"] > 0.9 and repaired["loss"] < 0.5 * math.log(K), repaired
 
 
+@pytest.mark.e2e
 def test_coverage_command_runs():
     proc = subprocess.run([sys.executable, "-m", "eval.coverage", "--block", "32", "--width", "32", "--extension",
                            "16"], cwd=REPO, capture_output=True, text=True, timeout=120)

@@ -125,6 +125,7 @@ def test_prepare_single_txt_round_trips(tmp_path):
     assert bytes(tokens[:-1].astype(np.uint8)).decode("utf-8") == text  # exact, not just after replacement
 
 
+@pytest.mark.e2e
 def test_prepare_slimpajama_jsonl_round_trips_and_counts_sets(tmp_path):
     docs = make_docs(40)
     rows = [{"text": d, "meta": {"redpajama_set_name": SETS[i % len(SETS)]}} for i, d in enumerate(docs)]
@@ -424,6 +425,7 @@ def test_unreachable_hub_gives_plain_error_and_writes_nothing(tmp_path, monkeypa
     assert not out.exists()
 
 
+@pytest.mark.e2e
 def test_cli_runs_as_a_script_and_as_a_module(tmp_path):
     source = tmp_path / "tiny.txt"
     source.write_text(TEXT * 20, encoding="utf-8")
@@ -667,6 +669,7 @@ def test_prepare_says_what_became_validation_and_warns_when_chance_made_it_one_d
     assert "validation:" in out and "warning" not in err and meta["val_documents"] > 20
 
 
+@pytest.mark.e2e
 def test_ctrl_c_during_prepare_is_one_line_and_keeps_the_data(prepared, tmp_path):
     """An interrupted prepare says so in one line (no traceback), exits 130 and leaves the earlier data whole."""
     big = write_jsonl(tmp_path / "big.jsonl", [{"text": f"document {i} of a long corpus to tokenise. " * 8}

@@ -100,6 +100,7 @@ def train(out, pattern, config="configs/bridges/bridges_cpu_base.py"):
                           cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.e2e
 def test_one_command_runs_every_diagnostic_and_one_compares_two_checkpoints(tmp_path):
     runs = {}
     for pattern in ("block", "pbb"):
@@ -124,6 +125,7 @@ def test_one_command_runs_every_diagnostic_and_one_compares_two_checkpoints(tmp_
     assert "probe=bridge_window" in proc.stdout and "McNemar" in proc.stdout
 
 
+@pytest.mark.e2e
 def test_a_run_trained_on_recall_is_asked_in_the_recall_format(tmp_path):
     assert train(tmp_path, "pbb", "configs/bridges/bridges_cpu_recall_base.py").returncode == 0
     evaluate = lambda *extra: subprocess.run([sys.executable, "-m", "eval", f"--out_dir={tmp_path}",  # noqa: E731

@@ -45,6 +45,7 @@ def run_eval(out, *args, check=True):
     return proc
 
 
+@pytest.mark.e2e
 def test_ppl_is_exp_of_mean_nll_counted_independently(tiny_run):
     run_eval(tiny_run, "--tasks=ppl", "--ppl_lengths=16,50", "--ppl_max_tokens=3000")
     report = json.load(open(tiny_run / "eval" / "ppl.json"))
@@ -87,6 +88,7 @@ def test_ppl_is_exp_of_mean_nll_counted_independently(tiny_run):
         assert positions[L] == pytest.approx(list(position_sum / position_count), rel=1e-5)
 
 
+@pytest.mark.e2e
 def test_every_result_carries_a_command_that_reproduces_it(tiny_run):
     run_eval(tiny_run, "--tasks=ppl,niah", "--ppl_lengths=32", "--niah_lengths=512",
              "--niah_kinds=niah_single_1,niah_multikey_2", "--niah_samples=3", "--niah_gen_tokens=8", "--niah_depths=0,1")
@@ -105,6 +107,7 @@ def test_every_result_carries_a_command_that_reproduces_it(tiny_run):
     assert "| as trained | " in summary  # scored without --ppl_windows: no window is claimed for the model
 
 
+@pytest.mark.e2e
 def test_training_probes_are_logged(tiny_run):
     records = [json.loads(line) for line in open(tiny_run / "metrics.jsonl")]
     probes = [r for r in records if "ppl@32" in r]
@@ -112,6 +115,7 @@ def test_training_probes_are_logged(tiny_run):
     assert all(r["ppl@32"] > 1 and "ppl@512" in r and 0 <= r["niah@512"] <= 1 for r in probes)
 
 
+@pytest.mark.e2e
 def test_limit_caps_the_work(tiny_run):
     proc = run_eval(tiny_run, "--tasks=ppl,niah", "--ppl_lengths=16", "--limit=3", "--niah_lengths=64,512",
                     "--niah_kinds=niah_single_1", "--niah_gen_tokens=8", "--niah_samples=10")
@@ -124,6 +128,7 @@ def test_limit_caps_the_work(tiny_run):
         assert len(limited) == 1 and count(report, limited[0]) == 3
 
 
+@pytest.mark.e2e
 def test_eval_cli_errors(tiny_run, tmp_path):
     proc = run_eval(tiny_run, "--tasks=ppl,mmlu", check=False)
     assert proc.returncode == 2 and "unknown task(s) mmlu" in proc.stderr
@@ -265,6 +270,7 @@ def other_data(tmp_path_factory):
     return folder / "essay"
 
 
+@pytest.mark.e2e
 def test_evaluations_on_other_data_are_labelled_and_never_the_runs_own(tiny_run, other_data, tmp_path):
     """Perplexity on other data than the run's own validation split never sits in the plain column, in the
     summary, in the plots or in a paired test: it is named by its data, however recently it was computed."""
@@ -296,6 +302,7 @@ def test_evaluations_on_other_data_are_labelled_and_never_the_runs_own(tiny_run,
         compare.paired(compare.load_local_run(own), compare.load_local_run(other), "ppl", key="nll")
 
 
+@pytest.mark.e2e
 def test_every_perplexity_cell_says_how_much_text_it_scored(tiny_run, tmp_path):
     """Tokens, windows and the standard error of each cell, printed and saved; a cell of fewer than MIN_WINDOWS
     windows is a warning on screen, a flag in the results and a mark in compare's table."""
@@ -324,6 +331,7 @@ def test_every_perplexity_cell_says_how_much_text_it_scored(tiny_run, tmp_path):
     assert not next(r for r in report["results"]["rows"] if r["length"] == 16)["few_windows"]
 
 
+@pytest.mark.e2e
 def test_sample_refuses_a_generation_that_cannot_fit_before_allocating_it(tiny_run):
     """A llama-arch run's caches for a billion new tokens: refused up front, with the limit and the fix."""
     proc = subprocess.run([sys.executable, "sample.py", f"--out_dir={tiny_run}", "--max_new_tokens=1000000000"],

@@ -37,6 +37,7 @@ def make_run(folder, settings, seed=0):
     return gpt, save_run(gpt, folder)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_an_export_is_the_run_in_transformers(case, tmp_path, offline):
     settings, expected_class = CASES[case]
@@ -85,6 +86,7 @@ def test_an_export_is_the_run_in_transformers(case, tmp_path, offline):
         assert (back(ids)[0] - ours).abs().max() <= 1e-5
 
 
+@pytest.mark.e2e
 def test_stock_lm_eval_on_an_export_equals_the_adapter_on_the_run(tmp_path, offline):
     """`lm_eval --model hf --model_args pretrained=FOLDER,trust_remote_code=True`, the harness's own command in
     a fresh process where this project is importable only through PYTHONPATH, against this project's adapter on
@@ -154,6 +156,7 @@ def test_converted_tokenizers_encode_as_the_runs(tmp_path):
         assert converted.eos_token_id == converted.bos_token_id == ours.eot_id
 
 
+@pytest.mark.e2e
 def test_export_refuses_what_it_cannot_write_and_writes_nothing(tmp_path, capsys):
     assert main([f"--out_dir={tmp_path / 'none'}"]) == 2
     assert "no checkpoint" in capsys.readouterr().err

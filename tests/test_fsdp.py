@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from checkpoint import load_model, load_sharded_meta, remove_stale_temp_files, sharded_checkpoint_path
@@ -32,6 +33,7 @@ def assert_losses_close(a, b, tolerance, what):
     assert worst <= tolerance, f"{what}: losses differ by {worst:.3g}"
 
 
+@pytest.mark.e2e
 def test_two_sharded_processes_match_one_process(tmp_path):
     train(tmp_path / "single", "--max_iters=20")  # parallelism=ddp, one process: the plain run
     train(tmp_path / "fsdp", "--max_iters=20", "--parallelism=fsdp", processes=2)
@@ -64,6 +66,7 @@ def test_two_sharded_processes_match_one_process(tmp_path):
     assert lm.get_model_info()["step"] == 20
 
 
+@pytest.mark.e2e
 def test_resume_on_another_number_of_processes(tmp_path):
     train(tmp_path / "uninterrupted", "--max_iters=12", "--parallelism=fsdp")
     reference = metrics(tmp_path / "uninterrupted")
@@ -76,6 +79,7 @@ def test_resume_on_another_number_of_processes(tmp_path):
         assert_losses_close(metrics(out), reference, 1e-6, f"written by {first}, resumed on {then}")
 
 
+@pytest.mark.e2e
 def test_sigterm_then_resume_is_exact_under_fsdp(tmp_path):
     # two processes under torchrun, which passes SIGTERM on: both finish the step and save their shards
     args = ["--max_iters=12", "--parallelism=fsdp", "--n_embd=256", "--n_layer=4"]  # slow enough to interrupt
@@ -89,6 +93,7 @@ def test_sigterm_then_resume_is_exact_under_fsdp(tmp_path):
     assert metrics(out) == metrics(tmp_path / "ref")  # exact
 
 
+@pytest.mark.e2e
 def test_sigkill_while_saving_shards_keeps_the_last_checkpoint(tmp_path):
     cmd = [sys.executable, "train.py", *SWAX, f"--out_dir={tmp_path}", "--max_iters=1000", "--ckpt_interval=1",
            "--parallelism=fsdp", "--n_embd=256", "--n_layer=4"]  # shards of ~40 MB with AdamW, after every step
@@ -123,12 +128,14 @@ def test_a_kill_between_the_renames_leaves_the_previous_checkpoint_in_use(tmp_pa
     assert sharded_checkpoint_path(folder) == folder
 
 
+@pytest.mark.e2e
 def test_fsdp_refuses_float16_before_writing_anything(tmp_path):
     proc = train(tmp_path / "run", "--parallelism=fsdp", "--dtype=float16", "--max_iters=2", check=False)
     assert proc.returncode == 2 and "bfloat16" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.e2e
 def test_sharding_composes_with_compiled_blocks_and_activation_checkpointing(tmp_path):
     # parallelize.py: checkpoint wrapper, then each block compiled, then fully_shard per block and the root
     train(tmp_path / "plain", "--max_iters=4")
@@ -138,6 +145,7 @@ def test_sharding_composes_with_compiled_blocks_and_activation_checkpointing(tmp
         assert_losses_close(metrics(tmp_path / "plain", key), metrics(tmp_path / "fsdp", key), 1e-5, key)
 
 
+@pytest.mark.e2e
 def test_two_nodes_of_one_process_each(tmp_path):
     # torchrun's multi-node rendezvous on this machine: two agents, each a "node" whose one process has
     # LOCAL_RANK 0; only global rank 0 may print and write the run's files

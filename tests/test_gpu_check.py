@@ -23,6 +23,7 @@ def gpu_check(out, *args, timeout=600) -> subprocess.CompletedProcess:
                           cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.e2e
 def test_quick_cpu_check_runs_every_step_and_writes_the_report(tmp_path):
     proc = gpu_check(tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -95,6 +96,7 @@ def test_the_resume_check_passes_only_when_a_run_resumed(tmp_path, monkeypatch, 
     assert expected == "passed" or expected in result["summary"], result
 
 
+@pytest.mark.e2e
 def test_a_failing_step_is_recorded_and_the_next_one_still_runs(tmp_path):
     proc = gpu_check(tmp_path, "--steps=preflight,backends,generate", "--fail_steps=backends")
     assert proc.returncode == 1
@@ -115,6 +117,7 @@ def test_a_failing_step_is_recorded_and_the_next_one_still_runs(tmp_path):
                                            (["--device=cuda"], "CUDA is not available"),
                                            (["--budget_scale=0"], "budget_scale"),
                                            (["--steps=memory", "--only=resume"], "not both")])
+@pytest.mark.e2e
 def test_bad_options_exit_with_status_2(tmp_path, args, message):
     proc = subprocess.run([sys.executable, "scripts/gpu_check.py", f"--out={tmp_path}", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
@@ -122,6 +125,7 @@ def test_bad_options_exit_with_status_2(tmp_path, args, message):
     assert not (tmp_path / "report.json").exists()
 
 
+@pytest.mark.e2e
 def test_plan_fits_20_minutes_on_one_h100_with_budgets_from_counted_compilations(tmp_path):
     proc = subprocess.run([sys.executable, "scripts/gpu_check.py", "--plan", f"--out={tmp_path}"], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
@@ -195,6 +199,7 @@ def test_riskiest_steps_and_runs_come_first():
     assert list(check.train_runs(64))[:3] == ["swax", "swax_gdn", "swax_fsdp"]  # the Triton mLSTM, fla, FSDP
 
 
+@pytest.mark.e2e
 def test_gpu_tests_are_selected_by_marker_never_by_name():
     # `-k cuda` ignored case and picked this file's "CUDA is not available" case, a whole GPU check inside the
     # check; the marker selects exactly the tests of GPU paths
@@ -208,6 +213,7 @@ def test_gpu_tests_are_selected_by_marker_never_by_name():
                                                         "tests/test_mlstm.py"}
 
 
+@pytest.mark.e2e
 def test_a_timeout_kills_every_process_the_command_started(tmp_path):
     # the child starts a grandchild in a session of its own (as the nested pytest did), out of the child's
     # process group: the timeout must still end it
@@ -287,6 +293,7 @@ def test_a_gpu_tests_step_cut_off_by_its_budget_reports_what_finished_and_what_d
     assert "Did not finish (1 of 3 collected)" in markdown and "boom" in markdown
 
 
+@pytest.mark.e2e
 def test_the_results_log_records_each_test_as_it_finishes(tmp_path):
     log = tmp_path / "results.jsonl"
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",

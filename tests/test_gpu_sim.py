@@ -230,6 +230,7 @@ def test_every_custom_op_passes_opcheck_with_its_cpu_stand_in():
             torch.library.opcheck(op, args)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("gpu_kernel", [True, False], ids=["gpu_kernel", "built_in"])
 @pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
 @pytest.mark.parametrize("name", GPU_KERNEL_MIXERS)
@@ -244,6 +245,7 @@ def test_gpu_kernel_stand_ins_compile_forward_and_backward(name, backend, gpu_ke
 
 # ---- the GPU tests, the GPU check's settings and its resume, on the simulated CUDA path ------------------------
 
+@pytest.mark.e2e
 def test_the_gpu_tests_pass_on_the_simulated_cuda_path():
     # the tests marked gpu (every backend against dense for every rule kind, sa, swat, the bridges' windows, the
     # mLSTM's forms), with FlexAttention's backward too: what gpu_check's gpu_tests step runs on a GPU
@@ -253,6 +255,7 @@ def test_the_gpu_tests_pass_on_the_simulated_cuda_path():
     assert proc.returncode == 0 and " passed" in proc.stdout and "failed" not in proc.stdout, proc.stdout[-3000:]
 
 
+@pytest.mark.e2e
 def test_the_gpu_checks_setting_runs_and_resume_on_the_simulated_cuda_path(tmp_path):
     # scripts/gpu_check.py with the switch on: its runs compile (aot_eager), demand the GPU kernels (their
     # stand-ins) and train in bf16; the riskiest case (swa + mLSTM) under every setting a GPU run depends on

@@ -32,6 +32,7 @@ def run_eval(*args):
     return subprocess.run([sys.executable, "-m", "eval", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.e2e
 def test_tasks_run_on_the_model_with_its_tokenizer_and_full_pattern_scores_as_the_model_itself(local_model, tmp_path):
     folder, data_dir = local_model
     out = tmp_path / "sa"
@@ -165,6 +166,7 @@ def test_cached_decoding_on_a_sliding_window_checkpoint_follows_the_attention_us
                            model.generate(ids[:, :5], 30, temperature=0, use_cache=False))
 
 
+@pytest.mark.e2e
 def test_window_sweep_writes_the_table_and_the_plots(local_model, tmp_path, offline):
     from scripts.hf_window_sweep import main
     from tests.test_lm_eval import MC_ITEMS, write_tasks

@@ -190,6 +190,7 @@ def test_cached_generation_past_the_context_stays_in_the_tokens_order(rule):
     assert torch.equal(fast, slow)
 
 
+@pytest.mark.e2e
 def test_the_example_variants_run_as_written():
     """examples/: the three rules of the layout benchmarks, each a variant in one file of allowed() alone,
     imported as a user drops them in: their models equal the dense backend's and generate with a cache."""

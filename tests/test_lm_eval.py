@@ -338,6 +338,7 @@ def write_tasks(folder):
         "metric_list:\n  - metric: exact_match\n")
 
 
+@pytest.mark.e2e
 def test_simple_evaluate_on_local_tasks(model, tok, run, tmp_path, offline):
     from lm_eval.tasks import TaskManager
 

@@ -107,6 +107,7 @@ def train_losses(tmp_path, name, args):
     ["--arch=llama", "--bias=False", "--attn_pattern=swax", "--swa_window=32", "--window_schedule=stochastic",
      "--swax_short_window=8"],
 ], ids=["gpt2-full", "llama-sa_swa", "swax-stochastic"])
+@pytest.mark.e2e
 def test_checkpointed_chunked_loss_training_equals_plain_training(tmp_path, model_args):
     plain = train_losses(tmp_path, "plain", model_args)
     for mode in ("full", "selective"):

@@ -117,6 +117,7 @@ def test_model_is_causal_and_cached_generation_matches():
     assert [c.k.shape[2] for c in model.init_caches(1, 10_000)] == [8, 16, 32, 64]  # largest window per layer
 
 
+@pytest.mark.e2e
 def test_mask_stats_relative_cost_of_table_2():
     proc = subprocess.run([sys.executable, "scripts/mask_stats.py", "--config", "configs/quickstart.py", "--seq_len",
                            "512", "--json", "--receptive_field=no", "--n_layer=12", "--n_head=8", "--n_embd=64",

@@ -113,6 +113,7 @@ def run(copy, *args, timeout=600):
     return proc
 
 
+@pytest.mark.e2e
 def test_a_variant_in_one_new_file_reaches_every_tool(repo_with_variant, tmp_path):
     copy = repo_with_variant
     tiny = ["configs/quickstart.py", "--attn_pattern=sinkwin", "--n_layer=2", "--n_head=2", "--n_embd=32",

@@ -125,6 +125,7 @@ def run_plan(*args) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
+@pytest.mark.e2e
 def test_command_line_breakdown_adds_up_and_fits_keep_the_global_batch(tmp_path):
     out = tmp_path / "plan.json"
     # the recipe under DDP with selective checkpointing (it ships sharded, without checkpointing)
@@ -154,6 +155,7 @@ def test_command_line_breakdown_adds_up_and_fits_keep_the_global_batch(tmp_path)
     assert "--activation_checkpointing=selective" in proc.stdout
 
 
+@pytest.mark.e2e
 def test_the_7b_recipe_cannot_train_under_ddp_and_fits_8_gpus_sharded():
     proc = run_plan("configs/swax/swax_7b_stochastic.py", "--parallelism=ddp", "--gpu_mem_gb=80", "--world_size=8")
     assert proc.returncode == 0, proc.stderr
@@ -202,6 +204,7 @@ def test_paper_recipes_fit_80gb_gpus_with_headroom_and_keep_their_global_batch()
                                   ["configs/bridges/owt_124m_full.py", "--kernels=tpu"],
                                   ["configs/bridges/owt_124m_full.py", "--batch_sise=4"],
                                   ["--world_size=8"]])
+@pytest.mark.e2e
 def test_bad_options_exit_with_status_2(args):
     proc = run_plan(*args)
     assert proc.returncode == 2 and "config error" in proc.stderr, proc.stderr

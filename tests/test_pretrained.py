@@ -130,6 +130,7 @@ def test_what_the_llama_arch_cannot_express_is_refused(tmp_path):
         validate_config(ModelConfig(block_size=64, attn_pattern="gated_deltanet", n_kv_head=2, n_head=4))
 
 
+@pytest.mark.e2e
 def test_training_continues_from_a_qwen3_checkpoint_with_its_own_tokenizer(tmp_path):
     """The checkpoint's tokenizer.json tokenizes the data (prepare.py --tokenizer=FOLDER); step 0's validation
     loss is the transformers model's on the same batches; training continues under another pattern."""
@@ -162,6 +163,7 @@ def test_training_continues_from_a_qwen3_checkpoint_with_its_own_tokenizer(tmp_p
     assert "loaded" in proc.stdout and "done" in proc.stdout
 
 
+@pytest.mark.e2e
 def test_training_starts_from_the_pretrained_weights(gpt2_dir, tmp_path):
     from data.loader import WindowSampler
 
@@ -186,6 +188,7 @@ def test_training_starts_from_the_pretrained_weights(gpt2_dir, tmp_path):
     assert "loaded" in proc.stdout and "done" in proc.stdout
 
 
+@pytest.mark.e2e
 def test_bad_pretrained_settings_exit_with_status_2(gpt2_dir, tmp_path):
     env_offline = {**os.environ, "HF_HUB_OFFLINE": "1"}
     for extra, message in ((["--attn_pattern=mlstm"], "no counterpart"), (["--block_size=128"], "is longer"),

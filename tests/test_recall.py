@@ -52,6 +52,7 @@ def final_val_loss(out):
             if "val_loss" in line][-1]
 
 
+@pytest.mark.e2e
 def test_training_on_answers_only_and_a_marker_that_is_not_one_token(tmp_path):
     steps = ["--max_iters=100", "--warmup_iters=10", "--eval_interval=100"]
     for name, marker in (("answers", ">"), ("all", "")):
@@ -76,6 +77,7 @@ def test_recall_contexts_have_the_length_and_end_at_the_marker():
     np.testing.assert_equal(examples[0][0], contexts(tok, tok.eot_id, 128, 20, seed=0)[0][0])  # seeded
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("pattern", ["swa"])
 def test_recall_eval_task_runs_on_a_trained_checkpoint(tmp_path, pattern):
     out = tmp_path / "run"
@@ -91,6 +93,7 @@ def test_recall_eval_task_runs_on_a_trained_checkpoint(tmp_path, pattern):
     assert [x["correct"] for x in report["per_example"]] == rows[0]["correct"]
 
 
+@pytest.mark.e2e
 def test_recall_at_longer_distances_and_another_test_window(tmp_path):
     out = tmp_path / "run"
     assert train(out, "--attn_pattern=swa", "--swa_window=16").returncode == 0

@@ -46,6 +46,7 @@ def byte_run(tmp_path_factory):
     return out
 
 
+@pytest.mark.e2e
 def test_eval_on_another_tokenizers_data_refuses_and_writes_nothing(byte_run, bpe):
     before = (byte_run / "eval").exists()
     proc = run(["-m", "eval"], f"--out_dir={byte_run}", f"--data_dir={bpe / 'data_a'}", "--limit=2", "--progress=False")
@@ -55,6 +56,7 @@ def test_eval_on_another_tokenizers_data_refuses_and_writes_nothing(byte_run, bp
     assert (byte_run / "eval").exists() == before and not (byte_run / "eval" / "ppl.json").exists()
 
 
+@pytest.mark.e2e
 def test_resume_on_another_tokenizers_data_refuses(byte_run, bpe, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(byte_run, run_dir)
@@ -66,6 +68,7 @@ def test_resume_on_another_tokenizers_data_refuses(byte_run, bpe, tmp_path):
     assert max(read_metrics(run_dir)) == 8
 
 
+@pytest.mark.e2e
 def test_sample_and_lm_eval_refuse_a_tokenizer_file_that_changed_under_its_name(bpe, tmp_path):
     tokenizer = tmp_path / "tok" / "tokenizer.json"
     tokenizer.parent.mkdir()
@@ -86,6 +89,7 @@ def test_sample_and_lm_eval_refuse_a_tokenizer_file_that_changed_under_its_name(
         EfficientAttentionLM(pretrained=str(out), device="cpu")
 
 
+@pytest.mark.e2e
 def test_compare_refuses_an_evaluation_of_another_tokenizers_data(byte_run, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(byte_run, run_dir)
@@ -138,11 +142,13 @@ def test_the_learning_rate_decays_over_max_iters_unless_told_otherwise():
     assert "before min_lr" in schedule_warning(load_config(["configs/quickstart.py", "--lr_decay_iters=4000"]).train)
 
 
+@pytest.mark.e2e
 def test_ppl_windows_on_a_model_without_windows_is_refused(byte_run):
     proc = run(["-m", "eval"], f"--out_dir={byte_run}", "--ppl_windows=8,16", "--limit=1", "--progress=False")
     assert proc.returncode == 2 and "no layer of this model (full) reads swa_window" in proc.stderr, proc.stderr
 
 
+@pytest.mark.e2e
 def test_eval_results_keep_every_setting_and_compare_marks_limited_ones(byte_run, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(byte_run, run_dir)
@@ -276,6 +282,7 @@ def test_the_standing_setting_has_the_plain_column_and_the_bridge_sweep_reads_it
 
 # ---- one run per folder ---------------------------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_two_trainings_started_on_one_folder_leave_exactly_one_running(tmp_path):
     out = tmp_path / "run"
     args = [sys.executable, "train.py", *TINY, f"--out_dir={out}", "--max_iters=30", "--eval_interval=10"]
@@ -297,6 +304,7 @@ def test_two_trainings_started_on_one_folder_leave_exactly_one_running(tmp_path)
     assert load_checkpoint(out / "ckpt_last.pt")["step"] == 30 and load_checkpoint(out / "ckpt_best.pt")
 
 
+@pytest.mark.e2e
 def test_a_killed_run_leaves_no_lock_behind(tmp_path):
     import signal
     import time
@@ -317,6 +325,7 @@ def test_a_killed_run_leaves_no_lock_behind(tmp_path):
     assert resumed.returncode == 0, resumed.stderr
 
 
+@pytest.mark.e2e
 def test_a_fresh_run_never_starts_over_an_old_one_unless_asked(byte_run, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(byte_run, run_dir)
@@ -356,12 +365,14 @@ def test_replacing_twice_in_one_second_keeps_both_old_runs_and_an_unused_folder_
     assert (tmp_path / "used" / "config.json").exists()
 
 
+@pytest.mark.e2e
 def test_sample_and_eval_say_which_checkpoint_they_loaded(byte_run):
     proc = run(["sample.py"], f"--out_dir={byte_run}", "--max_new_tokens=4", "--num_samples=1")
     assert proc.returncode == 0 and f"loaded {byte_run / 'ckpt_best.pt'} (step " in proc.stderr
     assert "val loss" in proc.stderr and "loaded" not in proc.stdout  # stdout: the samples alone
 
 
+@pytest.mark.e2e
 def test_a_moved_run_folder_resumes_where_its_config_lies(byte_run, tmp_path):
     moved = tmp_path / "elsewhere" / "moved_run"
     moved.parent.mkdir()
@@ -371,6 +382,7 @@ def test_a_moved_run_folder_resumes_where_its_config_lies(byte_run, tmp_path):
     assert "resumed from " + str(moved / "ckpt_last.pt") in proc.stdout
 
 
+@pytest.mark.e2e
 def test_resume_tolerates_a_torn_last_log_line_and_logs_each_validation_once(byte_run, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(byte_run, run_dir)
@@ -385,6 +397,7 @@ def test_resume_tolerates_a_torn_last_log_line_and_logs_each_validation_once(byt
     assert [r["step"] for r in records if "train_loss" in r] == list(range(1, 13))
 
 
+@pytest.mark.e2e
 def test_max_iters_zero_claims_no_checkpoint(tmp_path):
     proc = train_subprocess([*TINY, f"--out_dir={tmp_path / 'run'}", "--max_iters=0"])
     assert "no checkpoint written" in proc.stdout and "checkpoints in" not in proc.stdout
@@ -393,6 +406,7 @@ def test_max_iters_zero_claims_no_checkpoint(tmp_path):
 
 # ---- faults: one line, a non-zero exit, nothing lost ------------------------------------------------------------
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("where", ["file", "under_file", "read_only"])
 def test_an_out_dir_that_cannot_be_written_is_one_line_before_the_run_starts(tmp_path, where, byte_run):
     (tmp_path / "a_file").write_text("x")
@@ -408,6 +422,7 @@ def test_an_out_dir_that_cannot_be_written_is_one_line_before_the_run_starts(tmp
     assert (tmp_path / "a_file").read_text() == "x"
 
 
+@pytest.mark.e2e
 def test_a_full_disk_during_a_checkpoint_is_one_line_naming_what_is_intact(tmp_path, monkeypatch, capsys):
     import errno
 
@@ -438,6 +453,7 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_naming_what_is_intact(tmp_p
     assert load_checkpoint(out / "ckpt_last.pt")["step"] == 4  # the previous checkpoint, whole
 
 
+@pytest.mark.e2e
 def test_a_full_disk_outside_a_checkpoint_is_one_line_and_the_advice_works(tmp_path):
     out = tmp_path / "run"
     # in a process of its own (its run folder stays locked until it exits): the disk fills when the log first grows
@@ -488,6 +504,7 @@ def test_a_folder_that_cannot_take_the_old_run_aside_is_one_line(tmp_path, monke
 
 # ---- smaller ones ----------------------------------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_a_pretrained_model_is_not_evaluated_into_a_training_runs_folder(byte_run, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(byte_run, run_dir)
@@ -498,6 +515,7 @@ def test_a_pretrained_model_is_not_evaluated_into_a_training_runs_folder(byte_ru
     assert (run_dir / "config.json").read_bytes() == before
 
 
+@pytest.mark.e2e
 def test_a_tokenizer_file_that_changed_under_its_data_is_refused(bpe, tmp_path):
     # the data was prepared with a/tokenizer.json; that path now holds another vocabulary of the same size
     shutil.copytree(bpe / "a", tmp_path / "a")
@@ -512,6 +530,7 @@ def test_a_tokenizer_file_that_changed_under_its_data_is_refused(bpe, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.e2e
 def test_pretrained_weights_refuse_data_of_another_tokenizer(tmp_path):
     folder, _ = load_script("gpu_check").build_tiny_hf_model(tmp_path / "hf")
     proc = train_subprocess(["configs/quickstart.py", f"--init_from=hf:{folder}", "--data_dir=data/embedded_byte",
@@ -520,6 +539,7 @@ def test_pretrained_weights_refuse_data_of_another_tokenizer(tmp_path):
     assert f"init_from=hf:{folder}" in proc.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+@pytest.mark.e2e
 def test_recurrent_mixers_inside_a_pretrained_model_are_refused_with_the_reason(tmp_path):
     folder, data_dir = load_script("gpu_check").build_tiny_hf_model(tmp_path / "hf")
     for pattern in ("mlstm", "gated_deltanet", "linear", "swax"):
@@ -535,11 +555,13 @@ def test_recurrent_mixers_inside_a_pretrained_model_are_refused_with_the_reason(
 
 @pytest.mark.parametrize("command", [["train.py", "configs/quickstart.py", "--max_iters=1"], ["sample.py"],
                                      ["-m", "eval"]])
+@pytest.mark.e2e
 def test_a_device_this_machine_lacks_is_one_line(command, tmp_path):
     proc = run(command, "--device=mps", f"--out_dir={tmp_path / 'run'}")
     assert proc.returncode == 2 and "mps" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
+@pytest.mark.e2e
 def test_an_unknown_tokenizer_fails_at_once_offline(tmp_path):
     import time
 
@@ -569,17 +591,20 @@ def test_the_hub_probe_leaves_proxied_connections_to_the_hub_client(monkeypatch)
     assert tokenizer._hub_unreachable() == "huggingface.co: Connection refused"
 
 
+@pytest.mark.e2e
 def test_prepare_says_where_a_single_documents_validation_comes_from(tmp_path):
     (tmp_path / "book.txt").write_text("Once upon a time. " * 500)
     proc = run(["data/prepare.py"], f"--dataset={tmp_path / 'book.txt'}", f"--out_dir={tmp_path / 'data'}")
     assert proc.returncode == 0 and "in 0 documents" not in proc.stdout and "from the end of the document" in proc.stdout
 
 
+@pytest.mark.e2e
 def test_a_prompt_beyond_the_training_length_is_said(byte_run):
     proc = run(["sample.py"], f"--out_dir={byte_run}", "--start=" + "a" * 40, "--max_new_tokens=4", "--num_samples=1")
     assert proc.returncode == 0 and "beyond block_size=32" in proc.stderr
 
 
+@pytest.mark.e2e
 def test_compare_says_repeated_seeds_and_marks_the_training_length(byte_run, tmp_path):
     from eval import compare
 
@@ -604,6 +629,7 @@ def test_compare_says_repeated_seeds_and_marks_the_training_length(byte_run, tmp
     assert "training length (32)" in labels["ppl_vs_length.png"]
 
 
+@pytest.mark.e2e
 def test_the_window_sweep_says_what_it_needs_instead_of_falling_back(tmp_path):
     import os
 

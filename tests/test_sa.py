@@ -284,6 +284,7 @@ def test_receptive_field_sa_in_log_depth_swa_in_linear_depth():
     assert swa_causal[-1] < 0.4 < 0.9 < sa_causal[-1]  # the last token after 12 layers
 
 
+@pytest.mark.e2e
 def test_sa_stats_script_prints_and_plots(tmp_path):
     plot = tmp_path / "rf.png"
     proc = subprocess.run([sys.executable, "scripts/sa_stats.py", "--n", "256", "--window", "16", "--samples",
@@ -295,6 +296,7 @@ def test_sa_stats_script_prints_and_plots(tmp_path):
     assert report["summary"]["sa non-causal"]["full_coverage_at"] <= 5
 
 
+@pytest.mark.e2e
 def test_training_draws_reproducible_permutations_and_resumes_exactly(tmp_path):
     args = [sys.executable, "train.py", "configs/sa/sa_small_sa_swa.py", "--n_layer=2", "--n_embd=32",
             "--block_size=64", "--batch_size=4", "--eval_iters=2", "--log_interval=1", "--warmup_iters=2",

@@ -231,6 +231,7 @@ def test_config_errors_name_the_problem(args, message):
         load_config(["configs/quickstart.py", "--attn_pattern=swat", "--n_head=4", "--swa_window=8", *args])
 
 
+@pytest.mark.e2e
 def test_sliding_window_training_and_one_eval_command_for_lengths_and_windows(tmp_path):
     """Train at length T = 4w, then score one checkpoint at several lengths (beyond T and beyond every
     document, as one stream) and windows in one command: the layout of paper 001's Table 2."""

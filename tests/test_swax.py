@@ -96,6 +96,7 @@ def test_switching_windows_under_torch_compile_traces_each_window_once():
     assert counts[1] == counts[-1]  # after both windows were seen, switching never traces again
 
 
+@pytest.mark.e2e
 def test_stochastic_training_logs_its_windows_and_resumes_exactly(tmp_path):
     args = ["--attn_pattern=swax", "--arch=llama", "--swa_window=16", "--window_schedule=stochastic",
             "--swax_short_window=4", "--swax_short_prob=0.5", "--eval_interval=4"]
@@ -146,6 +147,7 @@ def test_stochastic_training_logs_its_windows_and_resumes_exactly(tmp_path):
      "must be smaller than swa_window"),
     (["--swax_short_prob=1.5"], "must be in"),
 ])
+@pytest.mark.e2e
 def test_schedule_errors_exit_2(tmp_path, bad, message):
     proc = run(["--arch=llama", "--max_iters=1", *bad], tmp_path / "out", check=False)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]

@@ -2,9 +2,12 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 
 
+@pytest.mark.e2e
 def test_sweep_trains_compares_and_resumes(tmp_path):
     configs = []
     for pattern in ("full", "swa"):

@@ -35,6 +35,7 @@ def reference_run(tmp_path_factory):
     return out
 
 
+@pytest.mark.e2e
 def test_run_writes_its_outputs(reference_run):
     for name in ("ckpt_best.pt", "ckpt_last.pt", "config.json", "metrics.jsonl"):
         assert (reference_run / name).exists(), name
@@ -49,6 +50,7 @@ def test_run_writes_its_outputs(reference_run):
     assert len(metrics(reference_run)) == 12
 
 
+@pytest.mark.e2e
 def test_resume_reproduces_the_uninterrupted_run(reference_run, tmp_path):
     run(["--max_iters=6", "--eval_interval=4", "--ckpt_interval=3"], tmp_path)
     run(["--max_iters=12", "--eval_interval=4", "--init_from=resume"], tmp_path)
@@ -58,6 +60,7 @@ def test_resume_reproduces_the_uninterrupted_run(reference_run, tmp_path):
     assert resumed_val == metrics(reference_run, "val_loss")
 
 
+@pytest.mark.e2e
 def test_sigterm_saves_and_resume_is_exact(reference_run, tmp_path):
     args = ["--max_iters=12", "--eval_interval=4", "--n_embd=256", "--n_layer=4"]  # slow enough to interrupt
     ref = tmp_path / "ref"
@@ -70,6 +73,7 @@ def test_sigterm_saves_and_resume_is_exact(reference_run, tmp_path):
     assert metrics(tmp_path) == metrics(ref)
 
 
+@pytest.mark.e2e
 def test_sigkill_while_checkpointing_keeps_the_last_checkpoint(tmp_path):
     cmd = [sys.executable, "train.py", *TINY, f"--out_dir={tmp_path}", "--max_iters=1000", "--ckpt_interval=1",
            "--n_embd=256", "--n_layer=4"]  # a ~13 MB checkpoint written after every step
@@ -103,6 +107,7 @@ def test_atomic_write_keeps_the_old_file_when_writing_fails(tmp_path):
     assert os.listdir(tmp_path) == ["ckpt_last.pt"]
 
 
+@pytest.mark.e2e
 def test_ddp_two_processes_match_one(tmp_path):
     args = ["--max_iters=4", "--eval_interval=4", "--gradient_accumulation_steps=2", "--dropout=0.0"]
     run(args, tmp_path / "single")
@@ -116,6 +121,7 @@ def test_ddp_two_processes_match_one(tmp_path):
     assert json.load(open(tmp_path / "ddp" / "config.json"))["run"]["world_size"] == 2
 
 
+@pytest.mark.e2e
 def test_non_finite_loss_stops_and_keeps_checkpoints(tmp_path):
     run(["--max_iters=4", "--eval_interval=2"], tmp_path)
     before = (tmp_path / "ckpt_last.pt").read_bytes()
@@ -135,12 +141,14 @@ def test_non_finite_loss_stops_and_keeps_checkpoints(tmp_path):
                                            (["--max_new_tokens=-1"], "max_new_tokens=-1: must be >= 0"),
                                            (["--top_p=0"], "top_p=0.0: must be in (0, 1]"),
                                            (["--ckpt=middle"], "ckpt=middle: must be best or last")])
+@pytest.mark.e2e
 def test_sample_rejects_bad_options_in_one_line(reference_run, args, message):
     proc = subprocess.run([sys.executable, "sample.py", f"--out_dir={reference_run}", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
+@pytest.mark.e2e
 def test_sample_generates_from_a_checkpoint(reference_run, tmp_path):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("Once upon a time")
@@ -155,6 +163,7 @@ def test_sample_generates_from_a_checkpoint(reference_run, tmp_path):
     assert again.stdout == proc.stdout  # seeded
 
 
+@pytest.mark.e2e
 def test_sample_reports_a_missing_checkpoint(tmp_path):
     proc = subprocess.run([sys.executable, "sample.py", f"--out_dir={tmp_path}"], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
@@ -162,6 +171,7 @@ def test_sample_reports_a_missing_checkpoint(tmp_path):
     assert "pick the other one" not in proc.stderr  # there is no other one
 
 
+@pytest.mark.e2e
 def test_wandb_offline_logs_and_resume_keeps_the_run_id(tmp_path):
     args = ["--eval_interval=2", "--wandb_log=True", "--wandb_mode=offline"]
     run(["--max_iters=2", *args], tmp_path)
@@ -209,6 +219,7 @@ def test_rng_restore_refuses_states_that_are_not_cpu_byte_tensors():
             set_rng_state({**state, "torch": bad})
 
 
+@pytest.mark.e2e
 def test_cuda_requested_where_there_is_none_is_one_line_and_writes_nothing(tmp_path):
     proc = subprocess.run([sys.executable, "train.py", *TINY, "--device=cuda", f"--out_dir={tmp_path / 'run'}"],
                           cwd=REPO, capture_output=True, text=True, timeout=120,
@@ -217,6 +228,7 @@ def test_cuda_requested_where_there_is_none_is_one_line_and_writes_nothing(tmp_p
     assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
 
 
+@pytest.mark.e2e
 def test_accumulation_that_does_not_divide_among_processes_is_reported_once(tmp_path):
     proc = run(["--gradient_accumulation_steps=3"], tmp_path / "run", check=False, torchrun=True)
     assert proc.returncode != 0
@@ -226,6 +238,7 @@ def test_accumulation_that_does_not_divide_among_processes_is_reported_once(tmp_
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.e2e
 def test_a_folder_that_holds_a_run_is_refused_once_under_torchrun(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text("")
@@ -236,6 +249,7 @@ def test_a_folder_that_holds_a_run_is_refused_once_under_torchrun(tmp_path):
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == "" and not (tmp_path / "run" / "config.json").exists()
 
 
+@pytest.mark.e2e
 def test_a_runs_saved_config_json_trains_the_same_run(reference_run, tmp_path):
     train_subprocess([str(reference_run / "config.json"), f"--out_dir={tmp_path}"])
     assert metrics(tmp_path) == metrics(reference_run)
@@ -245,6 +259,7 @@ def test_a_runs_saved_config_json_trains_the_same_run(reference_run, tmp_path):
 
 @pytest.mark.parametrize("vocab_size, message", [(100, "says vocab_size 100 and eot_id 256, but its tokenizer 'byte' has 257"),
                                                  (50257, "says vocab_size 50257")])
+@pytest.mark.e2e
 def test_a_meta_that_does_not_describe_its_data_is_refused_before_anything_is_written(tmp_path, vocab_size, message):
     import shutil
 
@@ -263,6 +278,7 @@ def test_a_meta_that_does_not_describe_its_data_is_refused_before_anything_is_wr
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.e2e
 def test_online_wandb_without_a_login_says_to_log_offline_before_the_run_starts(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("WANDB_MODE", "WANDB_API_KEY")}
     env["HOME"] = str(tmp_path)  # no ~/.netrc: no login
@@ -277,6 +293,7 @@ def test_online_wandb_without_a_login_says_to_log_offline_before_the_run_starts(
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.e2e
 def test_resume_from_best_a_finished_run_and_the_last_checkpoint_when_there_is_no_best(reference_run, tmp_path):
     import shutil
 

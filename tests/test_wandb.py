@@ -91,6 +91,7 @@ def swa_run(tmp_path_factory):
     return out
 
 
+@pytest.mark.e2e
 def test_a_run_is_grouped_tagged_and_plotted_against_the_tokens_it_has_seen(swa_run):
     record = json.loads((swa_run / "wandb.json").read_text())
     [run] = segments(swa_run, record["id"])
@@ -115,6 +116,7 @@ def test_a_run_is_grouped_tagged_and_plotted_against_the_tokens_it_has_seen(swa_
     assert "moba_block" in json.loads((swa_run / "config.json").read_text())["model"]
 
 
+@pytest.mark.e2e
 def test_a_resumed_run_continues_its_wandb_run_its_tags_and_its_token_count(swa_run, tmp_path):
     run = shutil.copytree(swa_run, tmp_path / "run")
     run_id = json.loads((run / "wandb.json").read_text())["id"]
@@ -164,6 +166,7 @@ def ppl_of(run, data_name) -> float:
     return next(row["ppl"] for row in report["results"]["rows"] if row["setting"] == sid)
 
 
+@pytest.mark.e2e
 def test_evaluation_results_go_into_the_training_runs_summary(swa_run, tmp_path):
     run = shutil.copytree(swa_run, tmp_path / "run")
     run_id = json.loads((run / "wandb.json").read_text())["id"]
@@ -207,6 +210,7 @@ def test_evaluation_results_go_into_the_training_runs_summary(swa_run, tmp_path)
     assert row["cells"]["tokens"] == 3 * TOKENS_PER_STEP and row["flat"]["swa_window"] == 16
 
 
+@pytest.mark.e2e
 def test_an_unreachable_or_missing_wandb_is_a_note_and_the_results_stay_local(swa_run, tmp_path, capsys,
                                                                                monkeypatch):
     run = shutil.copytree(swa_run, tmp_path / "run")
