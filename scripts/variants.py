@@ -14,10 +14,13 @@ from outputs import markdown_table  # noqa: E402
 
 
 def variants_table() -> str:
-    """One row per registered variant (mixers that share their paper and summary, such as the MSWA family, share
-    a row), then the pattern aliases."""
+    """One row per documented variant (a mixer with a summary; mixers that share their paper and summary, such as
+    the MSWA family, share a row), then the pattern aliases. A variant without a summary (one being written, such
+    as docs/adding_a_variant.md's) is left out: adding it edits nothing else."""
     rows = {}
     for name, cls in MIXERS.items():
+        if not cls.summary:
+            continue
         row = rows.setdefault((cls.paper, cls.summary), {"names": [], "settings": {}})
         row["names"].append(name)
         for setting in cls.settings:
@@ -28,7 +31,7 @@ def variants_table() -> str:
         names = ", ".join(f"`{n}`" for n in row["names"])
         settings = ", ".join(f"`{key}` ({value!r})" if isinstance(value, str) else f"`{key}` ({value})"
                              for key, value in row["settings"].items())
-        table.append([names, paper, summary or "(no summary)", settings])
+        table.append([names, paper, summary, settings])
     table += [[f"`{alias}`", "", f"the pattern `{pattern}`", ""] for alias, pattern in PATTERN_ALIASES.items()]
     return markdown_table(["name", "paper", "query i attends to key j when", "settings (default)"], table)
 

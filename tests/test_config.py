@@ -127,8 +127,9 @@ def test_the_readme_variant_table_is_the_registrys():
     assert table in readme, "README.md's variant table differs from the registry's: paste python scripts/variants.py"
     from attention.registry import MIXERS
 
-    assert all(f"`{name}`" in table for name in MIXERS) and all(cls.summary and cls.paper is not None
-                                                                 for cls in MIXERS.values())
+    # every documented variant (one with a summary) is in the table; one being written, without, is left out (a
+    # new variant edits no other file: tests/test_new_variant.py runs this test with one added)
+    assert all(f"`{name}`" in table for name, cls in MIXERS.items() if cls.summary)
 
 
 def test_the_readme_is_short_and_every_path_and_command_in_the_docs_exists():

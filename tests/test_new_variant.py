@@ -13,48 +13,11 @@ import pytest
 
 from conftest import REPO
 
-# the whole variant: a rule with unbounded lookback (a window plus a few global keys, which its key_ranges name),
-# a registered mixer, and one setting of its own with a check
-VARIANT = '''"""sinkwin: a sliding window plus the first sink_keys positions (attention sinks)."""
-
-from dataclasses import dataclass
-
-from attention.edges import EdgeRule, window_edges
-from attention.layer import MaskedAttention
-from attention.local import SWA_WINDOW
-from attention.registry import Setting, at_least, refuse_whole_context, register
-
-SINK_KEYS = Setting("sink_keys", int, 4, "sinkwin: the first positions every query sees", check=at_least(1))
-
-
-@dataclass(frozen=True)
-class WindowAndSinks(EdgeRule):
-    window: int = 256
-    sinks: int = 4
-
-    def allowed(self, q, k, h=None):
-        return window_edges(q, k, self.window) | ((k <= q) & (k < self.sinks))
-
-    def key_ranges(self, q_lo, q_hi):
-        return [(0, self.sinks), (q_lo - self.window + 1, q_hi)]
-
-
-@register("sinkwin")
-class SinkWindowAttention(MaskedAttention):
-    settings = MaskedAttention.settings + (SWA_WINDOW, SINK_KEYS)
-
-    @classmethod
-    def check_config(cls, config):
-        super().check_config(config)
-        refuse_whole_context(config, "swa_window", config.swa_window, "the window reaches back over")
-
-    @classmethod
-    def example_settings(cls, window):
-        return {"swa_window": window, "sink_keys": 4}
-
-    def __init__(self, config, layer_idx):
-        super().__init__(config, layer_idx, WindowAndSinks(config.swa_window, config.sink_keys))
-'''
+# the whole variant, as docs/adding_a_variant.md shows it (its first python block, under "## One file"): a rule
+# with unbounded lookback (a window plus a few global keys, which its key_ranges name), a registered mixer, and
+# one setting of its own with a check. The test runs the doc's code, so the doc stays true.
+DOC = REPO / "docs" / "adding_a_variant.md"
+VARIANT = DOC.read_text().split("## One file", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
 
 # run inside the copy: the kernels against dense (forward and backward), cached generation, no n x n tensor
 CHECKS = '''
@@ -157,5 +120,7 @@ def test_a_variant_in_one_new_file_reaches_every_tool(repo_with_variant, tmp_pat
         "--sink_keys=2", "--tasks=ppl", "--ppl_lengths=64", "--limit=2", "--progress=False",
         f"--out_dir={tmp_path / 'hf_eval'}")
     assert (tmp_path / "hf_eval" / "eval" / "ppl.json").exists()
+    # nothing else to edit: the README's variant table lists the documented variants, and this one has no summary
+    run(copy, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_config.py", "-k", "variant_table")
     # the project itself does not know it
     assert not (REPO / "attention" / "sinkwin.py").exists()
