@@ -75,6 +75,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import psutil
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -296,22 +297,12 @@ _stopping = threading.Event()  # set by SIGTERM / SIGINT: no new subprocess star
 
 
 def descendants(pid: int) -> list[int]:
-    """Every process started by pid, and by those, at any depth (from /proc: Linux), whatever session or
-    process group they moved to."""
-    children = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:  # stat: "pid (comm) state ppid ...", comm may hold spaces and parentheses
-                ppid = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue  # exited meanwhile
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
+    """Every process started by pid, and by those, at any depth, whatever session or process group they moved
+    to (psutil: by parent pid)."""
+    try:
+        return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:  # exited meanwhile
+        return []
 
 
 def kill_tree(proc: subprocess.Popen, reap: bool = True) -> None:
