@@ -83,6 +83,7 @@ sys.path.insert(0, str(REPO))
 
 from attention import simulate_cuda  # noqa: E402
 from checkpoint import atomic_write, git_hash, write_json  # noqa: E402
+from outputs import markdown_table  # noqa: E402
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
 from run_folder import read_metrics  # noqa: E402
 
@@ -1478,13 +1479,10 @@ def render_markdown(report: dict) -> str:
                   f"- command: `{run['command']}`",
                   f"- sizes: {run['reduced'] or 'full'}" + (" (numbers check the script, not the hardware)"
                                                              if run["reduced"] else ""), ""]
-    lines += ["| step | status | seconds | budget (s) | sizes | summary |", "|---|---|---|---|---|---|"]
-    for name in STEPS:
-        step = report["steps"].get(name)
-        if step is None:
-            continue
-        lines.append(f"| {name} | **{step['status']}** | {step['seconds']:.0f} | {step['budget_s']:.0f} | "
-                     f"{step['reduced'] or 'full'} | {_cell(step['summary'])} |")
+    lines += _table(["step", "status", "seconds", "budget (s)", "sizes", "summary"],
+                    [[name, f"**{step['status']}**", f"{step['seconds']:.0f}", f"{step['budget_s']:.0f}",
+                      step["reduced"] or "full", _cell(step["summary"])]
+                     for name, step in ((name, report["steps"].get(name)) for name in STEPS) if step is not None])
     lines.append("")
     for number, name in enumerate(STEPS, 1):
         step = report["steps"].get(name)
@@ -1518,14 +1516,12 @@ def render_gpu_tests(results: dict) -> list[str]:
         counts = by_file.setdefault(t["test"].split("::")[0], {})
         counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
         counts["seconds"] = counts.get("seconds", 0) + t["seconds"]
-    lines = ["| test module | passed | failed | errors | skipped | seconds |", "|---|---|---|---|---|---|"]
-    for module, c in sorted(by_file.items()):
-        lines.append(f"| {module} | {c.get('passed', 0)} | {c.get('failed', 0)} | {c.get('error', 0)} | "
-                     f"{c.get('skipped', 0)} | {c['seconds']:.1f} |")
+    lines = _table(["test module", "passed", "failed", "errors", "skipped", "seconds"],
+                   [[module, c.get("passed", 0), c.get("failed", 0), c.get("error", 0), c.get("skipped", 0),
+                     f"{c['seconds']:.1f}"] for module, c in sorted(by_file.items())])
     bad = [t for t in results["tests"] if t["outcome"] in ("failed", "error")]
     if bad:
-        lines += ["", "| failed test | message |", "|---|---|"]
-        lines += [f"| {t['test']} | {_cell(t['message'][:200])} |" for t in bad]
+        lines += [""] + _table(["failed test", "message"], [[t["test"], _cell(t["message"][:200])] for t in bad])
     if results.get("unfinished"):
         lines += ["", f"Did not finish ({len(results['unfinished'])} of {results['collected']} collected): "
                       + ", ".join(f"`{t}`" for t in results["unfinished"])]
@@ -1541,19 +1537,19 @@ def render_backends(results: dict) -> list[str]:
     lines = [f"Every backend against `dense` in float32 (B=2, H={'/'.join(map(str, heads))}; "
              f"w = b = {results.get('window')}); "
              f"errors are the largest over the lengths. Tolerance: float32 {tolerance['float32']}; bfloat16 "
-             f"{tolerance['bfloat16']} (max abs error shown).", "",
-             "| rule | backend | dtype | lengths | fwd max abs err | bwd max abs err | fwd / bwd rel err | ok |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"{tolerance['bfloat16']} (max abs error shown).", ""]
+    table = []
     for (family, backend, dtype), cases in rows.items():
         worst = lambda key: max((c[key] for c in cases if c.get(key) is not None), default=None)  # noqa: E731
         bwd = "fwd only" if all(c.get("bwd_max_abs") is None and "error" not in c for c in cases) \
             else _num(worst("bwd_max_abs"), "{:.2e}")
         ok = "yes" if all(c["passed"] for c in cases) else "**NO**: " + "; ".join(
             _cell(c.get("error", "outside tolerance"))[:160] for c in cases if not c["passed"])
-        lines.append(f"| {family} | {backend} | {dtype} | {', '.join(str(c['n']) for c in cases)} | "
-                     f"{_num(worst('fwd_max_abs'), '{:.2e}')} | {bwd} | {_num(worst('fwd_rel'), '{:.1e}')} / "
-                     f"{_num(worst('bwd_rel'), '{:.1e}')} | {ok} |")
-    return lines
+        table.append([family, backend, dtype, ", ".join(str(c["n"]) for c in cases),
+                      _num(worst("fwd_max_abs"), "{:.2e}"), bwd,
+                      f"{_num(worst('fwd_rel'), '{:.1e}')} / {_num(worst('bwd_rel'), '{:.1e}')}", ok])
+    return lines + _table(["rule", "backend", "dtype", "lengths", "fwd max abs err", "bwd max abs err",
+                           "fwd / bwd rel err", "ok"], table)
 
 
 def render_bench_attention(results: dict) -> list[str]:
@@ -1562,9 +1558,8 @@ def render_bench_attention(results: dict) -> list[str]:
     lines = [f"`{results['command']}` on {results['device']}: forward + backward of the attention op, best of the "
              "timed runs; speed-up over full in brackets."
              + (" Paper 000's Table 2 (A100 80GB, same shapes): SA with compiled FlexAttention against full "
-                "attention." if paper else ""), "",
-             "| n | " + " | ".join(variants) + (" | paper 000: SA / full (A100) |" if paper else " |"),
-             "|---|" + "---|" * (len(variants) + paper)]
+                "attention." if paper else ""), ""]
+    table = []
     for row in results["rows"]:
         cells = []
         for v in variants:
@@ -1574,14 +1569,13 @@ def render_bench_attention(results: dict) -> list[str]:
         if paper:
             p = row.get("paper_000")
             cells.append(f"{p['sa_ms']} / {p['full_ms']:,} ms ({p['speedup']}x)" if p else "")
-        lines.append(f"| {row['n']:,} | " + " | ".join(cells) + " |")
-    return lines
+        table.append([f"{row['n']:,}", *cells])
+    return lines + _table(["n", *variants, *(["paper 000: SA / full (A100)"] if paper else [])], table)
 
 
 def _table(columns: list[str], rows: list[list]) -> list[str]:
-    """A markdown table."""
-    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)] + \
-        ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    """A markdown table, as report lines (outputs.markdown_table)."""
+    return markdown_table(columns, rows).split("\n")
 
 
 def render_bench_train(results: dict) -> list[str]:
@@ -1609,26 +1603,24 @@ def render_train_runs(results: dict) -> list[str]:
 
 
 def render_compile_check(results: dict) -> list[str]:
-    lines = [f"`{results['command']}`", "", "| mixer | graphs (expected) | graph breaks | unexpected recompiles | "
-             "seconds | status |", "|---|---|---|---|---|---|"]
+    rows = []
     for c in results.get("results", []):
         if "graphs" not in c:
-            lines.append(f"| {c['mixer']} | | | | | {c.get('status')}: {_cell(c.get('error', ''))[:200]} |")
+            rows.append([c["mixer"], "", "", "", "", f"{c.get('status')}: {_cell(c.get('error', ''))[:200]}"])
             continue
         note = f" ({c['expected_breaks']})" if c.get("expected_breaks") else ""
-        lines.append(f"| {c['mixer']} | {c['graphs']} ({c['expected_graphs']}) | {c['graph_breaks']}{note} | "
-                     f"{c['unexpected_recompiles']} | {c.get('seconds', '')} | {c['status']} |")
-    return lines
+        rows.append([c["mixer"], f"{c['graphs']} ({c['expected_graphs']})", f"{c['graph_breaks']}{note}",
+                     c["unexpected_recompiles"], c.get("seconds", ""), c["status"]])
+    return [f"`{results['command']}`", ""] + _table(["mixer", "graphs (expected)", "graph breaks",
+                                                     "unexpected recompiles", "seconds", "status"], rows)
 
 
 def render_generate(results: dict) -> list[str]:
-    lines = [f"`{results['command']}` on {results['device']}", "",
-             "| context | model | prefill | decode | generation state | decode peak memory |", "|---|---|---|---|---|---|"]
-    for r in results["results"]:
-        lines.append(f"| {r['context']:,} | {r['variant']} | {r['prefill_ms']:,.1f} ms | "
-                     f"{r['decode_tokens_per_s']:,.0f} tokens/s | {r['state_mib']:.2f} MiB | "
-                     f"{_num(r.get('decode_peak_mib'), '{:.1f} MiB')} |")
-    return lines
+    rows = [[f"{r['context']:,}", r["variant"], f"{r['prefill_ms']:,.1f} ms",
+             f"{r['decode_tokens_per_s']:,.0f} tokens/s", f"{r['state_mib']:.2f} MiB",
+             _num(r.get("decode_peak_mib"), "{:.1f} MiB")] for r in results["results"]]
+    return [f"`{results['command']}` on {results['device']}", ""] + \
+        _table(["context", "model", "prefill", "decode", "generation state", "decode peak memory"], rows)
 
 
 def render_resume(results: dict) -> list[str]:
