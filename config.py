@@ -372,8 +372,9 @@ def print_help(target, fields=None, more: str = "", positional: str = "") -> Non
     print(f"usage: python {prog} {items} [--key=value ...]  (or --key value; a boolean's --key alone: True)")
     if doc:
         print("\n" + doc)
-    print(f"\n{'Each positional argument is one of --' + positional if positional else 'Config files (python assigning fields) apply in order'}, "
-          "then --key=value overrides; options:")
+    first = f"Each positional argument is one of --{positional}" if positional else \
+        "Config files (python assigning fields) apply in order"
+    print(f"\n{first}, then --key=value overrides; options:")
     print(options_text(target, fields))
     if more:
         print("\n" + more)
