@@ -225,7 +225,10 @@ class GatedDeltaNet(RecurrentMixer):
         self.n_head, self.head_dim = config.n_head, config.head_dim
         self.chunk, self.conv_size, self.kernel = config.gdn_chunk, config.gdn_conv_size, config.gdn_kernel
         self.norm_eps = config.norm_eps
-        if self.kernel == "fla" and fla_chunk_kernel() is None and not simulate_cuda.stand_ins():
+        # fla's kernel (None when not installed), looked up once here: compiled forwards read it, not a trace of
+        # the cached lookup (torch.compile re-runs a functools.cache'd function's body)
+        self.fla = fla_chunk_kernel() if self.kernel != "native" else None
+        if self.kernel == "fla" and self.fla is None and not simulate_cuda.stand_ins():
             raise ImportError("gdn_kernel=fla needs the flash-linear-attention package (pip install -r "
                               "requirements-gpu.txt); gdn_kernel=auto or native use the built-in chunked form")
         C = config.n_embd
@@ -270,7 +273,7 @@ class GatedDeltaNet(RecurrentMixer):
             return None  # fla's kernels are Triton (CUDA) only
         if self.kernel == "auto" and dtype not in (torch.bfloat16, torch.float16):
             return None  # some fla versions reject float32 inputs; full precision runs use the native form
-        return fla_chunk_stand_in if simulate_cuda.simulated(device) else fla_chunk_kernel()
+        return fla_chunk_stand_in if simulate_cuda.simulated(device) else self.fla
 
     def compile_problem(self, seq_len, device, dtype):
         if self.fla_kernel_for(device, dtype) is not None:

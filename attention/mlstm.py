@@ -23,7 +23,6 @@ contract, which run on the CPU standing in for CUDA (attention/simulate_cuda.py)
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -170,14 +169,21 @@ def triton_head_problem(qk_head_dim: int, v_head_dim: int) -> str:
             f"{TRITON_MIN_HEAD_DIM} (fewer mlstm_n_head, a larger mlstm_qk_dim_factor or a wider model)")
 
 
-@functools.cache
+_installed: dict = {}
+
+
+# A constant for torch.compile: compiled code takes its answer instead of tracing the import inside it (a traced
+# functools.cache is re-run, and a failing import inside a trace is a graph break)
+@torch.compiler.assume_constant_result
 def triton_installed() -> bool:
-    """Whether mlstm_kernels' Triton chunkwise kernel is installed (the package and triton)."""
-    try:
-        import mlstm_kernels.torch.chunkwise.triton_xl_chunk  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether mlstm_kernels' Triton chunkwise kernel is installed (the package and triton); asked once."""
+    if "triton" not in _installed:
+        try:
+            import mlstm_kernels.torch.chunkwise.triton_xl_chunk  # noqa: F401
+            _installed["triton"] = True
+        except ImportError:
+            _installed["triton"] = False
+    return _installed["triton"]
 
 
 def triton_available() -> bool:

@@ -173,3 +173,23 @@ def test_flex_inside_compiled_blocks_takes_planned_masks_and_a_fresh_permutation
             torch.manual_seed(seed)  # the same permutations, drawn by GPT.plan in the same order
             torch.testing.assert_close(out, reference(idx)[0], atol=1e-5, rtol=1e-5)
     assert len(graphs) == 1 and not counters["graph_break"]  # both layers, three permutations: one graph
+
+
+def test_gpu_kernel_lookups_are_constants_under_compile():
+    # On CUDA a compiled mlstm or gated_deltanet layer asks whether its GPU kernel is installed in every forward.
+    # Traced, a functools.cache'd lookup is re-run (Dynamo warned of it on an H200) and a failing import in it
+    # breaks the graph: the answers are constants (mlstm) or looked up when the layer is built (gated_deltanet)
+    import warnings
+
+    from attention.gated_deltanet import GatedDeltaNet
+    from attention.mlstm import triton_runs_on
+
+    layer = GatedDeltaNet(ModelConfig(n_layer=1, n_head=2, n_embd=32, attn_pattern="gated_deltanet"), 0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda x: x + int(triton_runs_on("cuda"))
+                                 + int(layer.fla_kernel_for("cuda", torch.bfloat16) is None), fullgraph=True,
+                                 backend="eager")
+        assert compiled(torch.zeros(1)).item() == int(triton_runs_on("cuda")) + int(layer.fla is None)
+    assert not [w for w in caught if "lru_cache" in str(w.message)]
