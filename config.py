@@ -402,12 +402,15 @@ def apply_args(target, argv: list[str], fields=None, positional: str = "") -> No
                 boolean = known[key][1] is bool
                 if boolean and (following or "").lower() not in ("true", "false", "1", "0", "yes", "no"):
                     value = "True"  # a bare flag
-                elif following is None:
+                elif following is None or following.startswith("--"):  # never another option taken as the value
                     raise ConfigError(f"'{arg}' needs a value: --{key}=VALUE")
                 else:
                     value, i = following, i + 1
             set_value(target, key, value, fields)
         elif positional and not arg.startswith("-"):
+            if "," in arg:  # the list is comma-separated: the name would be split, silently
+                raise ConfigError(f"'{arg}': a name with a comma cannot be one of --{positional} (a comma-separated "
+                                  "list): rename it")
             items = [item for item in (getattr(target, positional), arg) if item]
             set_value(target, positional, ",".join(items), fields)
         elif arg.endswith(".py") or not arg.startswith("-"):
@@ -428,11 +431,27 @@ def split_args(argv: list[str], fields) -> tuple[list[str], list[str]]:
             rest.append(arg)
             i += 1
             continue
-        takes_next = not sep and i + 1 < len(argv) and (
+        takes_next = not sep and i + 1 < len(argv) and not argv[i + 1].startswith("--") and (
             fields[key][1] is not bool or argv[i + 1].lower() in ("true", "false", "1", "0", "yes", "no"))
         own.extend(argv[i:i + 1 + takes_next])
         i += 1 + takes_next
     return own, rest
+
+
+def config_files(argv: list[str]) -> list[str]:
+    """The config files among train.py-style arguments: the positional ones, not the value of a --key value."""
+    files, i = [], 0
+    while i < len(argv):
+        arg, following = argv[i], argv[i + 1] if i + 1 < len(argv) else ""
+        key, sep, _ = arg[2:].partition("=")
+        key = key.replace("-", "_")
+        if not arg.startswith("-"):
+            files.append(arg)
+        elif arg.startswith("--") and not sep and key in _FIELDS and not following.startswith("--") and (
+                _FIELDS[key][1] is not bool or following.lower() in ("true", "false", "1", "0", "yes", "no")):
+            i += 1  # its value
+        i += 1
+    return files
 
 
 def validate(cfg: Config) -> None:

@@ -685,8 +685,8 @@ class PrepareConfig:
     dataset: str = ""  # embedded, openwebtext, slimpajama, wikitext2/103, enwik8, or a local file/folder/glob (required)
     tokenizer: str = "byte"  # byte, gpt2, or a Hugging Face tokenizer name or tokenizer.json path
     out_dir: str = ""  # empty: data/<dataset>_<tokenizer>
-    max_tokens: int = 0  # stop after this many tokens (2_000_000 or 2e6; 0: all)
-    val_fraction: float = 0.0  # the share that becomes val.bin (0: 0.005 of the documents, the last 0.1 of one document)
+    max_tokens: int = -1  # stop after this many tokens (2_000_000 or 2e6; -1: all)
+    val_fraction: float = -1.0  # the share that becomes val.bin (-1: 0.005 of the documents, the last 0.1 of one)
     num_proc: int = 0  # tokeniser processes (0: one fewer than the cores, at most 8)
     seed: int = 0  # seed of the train/val split
     slimpajama_sets: str = ""  # comma-separated meta.redpajama_set_name values to keep (empty: all)
@@ -702,14 +702,16 @@ def parse(argv) -> dict:
     if not args.dataset:
         raise ConfigError("--dataset is required: embedded, openwebtext, slimpajama, wikitext2, enwik8 or a local "
                           "file/folder/glob")
-    if args.max_tokens < 0 or args.num_proc < 0 or args.val_fraction < 0:
-        raise ConfigError("need max_tokens >= 0, num_proc >= 0 and val_fraction >= 0")
+    if args.num_proc < 0:
+        raise ConfigError(f"num_proc={args.num_proc}: must be >= 0 (0: one fewer than the cores, at most 8)")
     if args.wikitext_val not in ("validation", "test") or args.enwik8_val not in ("val", "test"):
         raise ConfigError(f"wikitext_val={args.wikitext_val!r}, enwik8_val={args.enwik8_val!r}: expected validation or "
                           "test, and val or test")
     kwargs = asdict(args)
-    kwargs.update(out_dir=args.out_dir or None, max_tokens=args.max_tokens or None,
-                  val_fraction=args.val_fraction or None, num_proc=args.num_proc or default_num_proc(),
+    # -1 is the default; any other value reaches prepare(), which refuses one that does not fit (--max_tokens=0)
+    kwargs.update(out_dir=args.out_dir or None, max_tokens=None if args.max_tokens == -1 else args.max_tokens,
+                  val_fraction=None if args.val_fraction == -1 else args.val_fraction,
+                  num_proc=args.num_proc or default_num_proc(),
                   slimpajama_sets=args.slimpajama_sets or None)
     return kwargs
 

@@ -168,8 +168,9 @@ def parse(argv) -> WindowSweepConfig:
     if args.hf_decode not in ("full", "variant") or args.sa_mode not in ("stochastic", "deterministic"):
         raise ConfigError(f"hf_decode={args.hf_decode!r}, sa_mode={args.sa_mode!r}: expected full or variant, and "
                           "stochastic or deterministic")
-    if args.limit < 0 or args.batch_size < 1 or args.hf_context < 1:
-        raise ConfigError("need limit >= 0, batch_size >= 1 and hf_context >= 1")
+    if args.limit < 0 or args.batch_size < 1 or args.hf_context < 1 or args.num_fewshot < -1:
+        raise ConfigError("need limit >= 0, batch_size >= 1, hf_context >= 1 and num_fewshot >= -1 (-1: each task's "
+                          "own)")
     return args
 
 
@@ -208,11 +209,12 @@ def main(argv=None):
         sys.exit(1)
     task_manager = TaskManager(include_path=args.include_path) if args.include_path else TaskManager()
     os.makedirs(args.out, exist_ok=True)
+    settings = recorded(args)  # as results.json records them
     for i, cell in enumerate(cells):
         lm.use_variant(hf_decode=args.hf_decode, **cell["settings"], sa_mode=args.sa_mode, sa_seed=args.sa_seed)
         started = time.time()  # simple_evaluate seeds torch: sa draws the same permutations in every run
         results = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=task_manager,
-                                          limit=recorded(args)["limit"], num_fewshot=recorded(args)["num_fewshot"],
+                                          limit=settings["limit"], num_fewshot=settings["num_fewshot"],
                                           bootstrap_iters=0, random_seed=args.seed,
                                           numpy_random_seed=args.seed, torch_random_seed=args.seed,
                                           fewshot_random_seed=args.seed,
@@ -226,7 +228,7 @@ def main(argv=None):
               + "  ".join(f"{t} {100 * s:.1f}" for t, s in scores.items()), flush=True)
         # written after every cell: an interrupted sweep keeps what it has measured
         write_json({"model": args.hf, "tasks": tasks, "rows": rows, "command": " ".join(sys.argv),
-                    "git_hash": git_hash(), "args": recorded(args)}, os.path.join(args.out, "results.json"))
+                    "git_hash": git_hash(), "args": settings}, os.path.join(args.out, "results.json"))
     atomic_write(os.path.join(args.out, "table.md"), lambda f: f.write(table(rows, tasks).encode()))
     paths = plot(rows, tasks, args.out, os.path.basename(args.hf.rstrip("/")))
     print(table(rows, tasks))

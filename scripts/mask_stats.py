@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from attention.edges import Causal, SlidingWindow  # noqa: E402
 from attention.kernels import layer_scores  # noqa: E402
 from config import (HELP_FLAGS, ConfigError, apply_args, dataclass_fields, exit_on_config_error, load_config,  # noqa: E402
-                    print_help, split_args)
+                    config_files, print_help, split_args)
 from model import GPT  # noqa: E402
 
 
@@ -109,7 +109,7 @@ def parse(argv) -> tuple[MaskStatsConfig, list[str]]:
         raise ConfigError("--seq_len=N is required (N >= 1)")
     if args.receptive_field not in ("auto", "yes", "no"):
         raise ConfigError(f"receptive_field={args.receptive_field!r}: expected auto, yes or no")
-    files = [a for a in overrides if not a.startswith("-")]
+    files = config_files(overrides)
     if not args.config and not files:
         raise ConfigError("no model config: python scripts/mask_stats.py CONFIG.py --seq_len=N [--key=value ...]")
     if not args.config:  # the first config file given positionally is the one reported

@@ -25,8 +25,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from config import (HELP_FLAGS, ConfigError, apply_args, dataclass_fields, exit_on_config_error,  # noqa: E402
-                    print_help, split_args)
+from config import (HELP_FLAGS, ConfigError, apply_args, config_files, dataclass_fields,  # noqa: E402
+                    exit_on_config_error, print_help, split_args)
 from memory_plan import PlanOptions, plan  # noqa: E402
 from outputs import write_json  # noqa: E402
 
@@ -42,7 +42,7 @@ def parse(argv) -> tuple[PlanOptions, list[str]]:
         raise SystemExit(0)
     mine, rest = split_args(argv, own)
     apply_args(options, mine, own)
-    if not any(not arg.startswith("--") for arg in rest):
+    if not config_files(rest):
         raise ConfigError("give a config file, e.g. python scripts/plan_memory.py configs/bridges/owt_124m_full.py")
     if options.gpu_mem_gb <= 0 or options.world_size < 1 or not 0 <= options.headroom < 1:
         raise ConfigError("need gpu_mem_gb > 0, world_size >= 1 and 0 <= headroom < 1")

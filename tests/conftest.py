@@ -1,4 +1,5 @@
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -88,7 +89,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "e2e: starts processes (training runs, command lines, torchrun, worker "
                                        "pools): the end-to-end tier. -m 'not e2e' is the unit tier, where a test "
                                        "that starts a process fails, naming this marker")
-    if "not e2e" in (config.getoption("markexpr") or ""):
+    if re.search(r"\bnot e2e\b", config.getoption("markexpr") or ""):
         _refuse_processes_outside_e2e()
     if config.getoption("results_log") and not hasattr(config, "workerinput"):  # the controller writes
         _results_log["path"] = config.getoption("results_log")

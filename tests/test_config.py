@@ -231,3 +231,14 @@ def test_one_command_line_dialect_for_every_entry_point():
     assert own == ["--n", "3", "--plot", "--out", "o"] and rest == ["configs/quickstart.py", "--swa_window=8"]
     cfg = load_config(["configs/quickstart.py", "--swa_window", "8", "--compile"])  # train.py's dialect is the same
     assert cfg.model.swa_window == 8 and cfg.train.compile is True
+    # never silently misread: another option is not a value, and a listed name cannot hold the list's comma
+    with pytest.raises(ConfigError, match="'--out' needs a value"):
+        apply_args(Tool(), ["--out", "--plot"], fields)
+    with pytest.raises(ConfigError, match="with a comma"):
+        apply_args(Tool(), ["out/lr=1e-3,bs=8"], fields, positional="runs")
+    assert split_args(["--out", "--plot"], fields) == (["--out", "--plot"], [])  # apply_args then refuses it
+    # the config files among train.py-style arguments: not the value of a --key value
+    from config import config_files
+
+    assert config_files(["--attn_pattern", "swa", "configs/quickstart.py", "--compile", "--seq_len=4"]) == \
+        ["configs/quickstart.py"]
