@@ -17,7 +17,10 @@ Three forms, equal to float tolerance (tests, which also compare with `mlstm_ker
     chunkwise   training, O(n): exact within chunks of mlstm_chunk tokens, the state (C, n, m) between them
     recurrent   generation: one token at a time, constant memory
 On CUDA the chunkwise form can run as mlstm_kernels' Triton kernel (same layout and state conventions)
-when that package is installed; it is never required. Its two ops have CPU stand-ins with the same output
+when that package is installed; it is never required. Its forward is exact; its backward is mlstm_kernels'
+own, which sends no gradient through the normaliser max(|n . q|, exp(-m)): dv is exact, dq, dk, di and df
+differ from the exact gradient where |n . q| is the larger term (tests/test_mlstm.py). mlstm_kernel=native
+trains with the exact gradient. Its two ops have CPU stand-ins with the same output
 contract, which run on the CPU standing in for CUDA (attention/simulate_cuda.py).
 """
 
@@ -40,7 +43,8 @@ MLSTM_GATE_SOFT_CAP = Setting("mlstm_gate_soft_cap", float, 15.0, "mlstm: input/
                               "soft-capped to (-cap, cap)")
 MLSTM_CHUNK = Setting("mlstm_chunk", int, 64, "mlstm: chunk length of the chunkwise-parallel training form")
 MLSTM_KERNEL = Setting("mlstm_kernel", str, "auto", "mlstm: auto (mlstm_kernels' Triton chunkwise kernel, chunk 64, "
-                       "for CUDA training when installed) | native | triton")
+                       "for CUDA training when installed; its backward treats the normaliser as a constant) | "
+                       "native (the exact gradient) | triton")
 
 EPS = 1e-6
 NORM_EPS = 1e-6  # xLSTM 7B's per-head LayerNorm

@@ -2,6 +2,7 @@
 before a GPU runs it; a failing step is recorded and the next one still runs. Its decisions (which tests it runs,
 which kernels a GPU must have and use, how long it may take) are checked here without a GPU."""
 
+import ast
 import json
 import os
 import subprocess
@@ -265,6 +266,15 @@ def test_the_kernel_tests_must_pass_on_cuda():
     missing = check.missing_kernel_tests("cuda", passed[:1])
     assert len(missing) == 1 and missing[0].startswith("fla's Gated DeltaNet kernel")
     assert check.missing_kernel_tests("cpu", []) == []
+
+
+def test_the_required_kernel_tests_are_gpu_tests_of_the_suite():
+    # a renamed test would leave the check waiting for one that never runs
+    for name in check.REQUIRED_GPU_TESTS.values():
+        found = [node for path in (REPO / "tests").glob("test_*.py") for node in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(node, ast.FunctionDef) and node.name == name]
+        assert len(found) == 1, name
+        assert any(ast.unparse(d) == "pytest.mark.gpu" for d in found[0].decorator_list), name
 
 
 def test_a_gpu_tests_step_cut_off_by_its_budget_reports_what_finished_and_what_did_not(tmp_path, monkeypatch):
