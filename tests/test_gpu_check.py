@@ -14,9 +14,17 @@ import pytest
 
 from attention.layer import MaskedAttention
 from attention.registry import MIXERS
-from conftest import REPO, load_script
+from conftest import REPO
+from gpucheck import backends, budgets, context, environment, memory, options, processes, report, steps
 
-check = load_script("gpu_check")
+
+
+def step_context(out: Path, device: str, cfg=None, budget_s: float = 60, explicit: bool = False):
+    """A StepContext as the check hands it to a step: reduced sizes on the CPU, full on CUDA."""
+    reduced = "reduced" if device == "cpu" else ""
+    return context.StepContext(cfg=cfg or options.CheckConfig(), device=device, out=out, reduced=reduced,
+                               sizes=options.REDUCED if reduced else options.FULL, budget_s=budget_s,
+                               started=time.time(), publish=None, explicit=explicit)
 
 
 def gpu_check(out, *args, timeout=600) -> subprocess.CompletedProcess:
@@ -26,34 +34,35 @@ def gpu_check(out, *args, timeout=600) -> subprocess.CompletedProcess:
 
 @pytest.mark.e2e
 def test_quick_cpu_check_runs_every_step_and_writes_the_report(tmp_path):
-    proc = gpu_check(tmp_path)
+    # every step but gpu_tests, which would run this suite's GPU tests inside the suite (the suite runs them
+    # itself; the step's logic is checked below with a stand-in for its pytest run), and compile_check, minutes
+    # on 2 cores (skipped unless named: below)
+    chosen = [name for name in options.STEPS if name not in ("gpu_tests", "compile_check")]
+    proc = gpu_check(tmp_path, f"--steps={','.join(chosen)}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
     steps = report["steps"]
-    assert tuple(steps) == check.STEPS
-    # compiling every mixer is left to an explicit --steps=compile_check; one process cannot be two GPUs
-    assert steps["compile_check"]["status"] == "skipped"
+    assert list(steps) == chosen
+    # one process cannot be two GPUs
     assert steps["multi_gpu"]["status"] == "skipped" and "two or more GPUs" in steps["multi_gpu"]["summary"]
-    for name in set(check.STEPS) - {"compile_check", "multi_gpu"}:
+    for name in set(chosen) - {"multi_gpu"}:
         assert steps[name]["status"] == "passed", (name, steps[name]["summary"], steps[name]["error"])
         assert steps[name]["reduced"] == "reduced (CPU, --quick)"  # every number is labelled as not the hardware's
-    gpu_tests = steps["gpu_tests"]["results"]
-    assert gpu_tests["counts"] == {"passed": len(gpu_tests["tests"])} and len(gpu_tests["tests"]) >= 25
     backends = steps["backends"]["results"]
     assert len(backends["cases"]) == backends["expected_cases"] > 30
     assert {c["family"] for c in backends["cases"]} >= {"swa", "mswa", "sa", "swat", "pbb", "se_bridge_union"}
     assert all(c["passed"] for c in backends["cases"])
     runs = {r["mixer"]: r for r in steps["train_runs"]["results"]["runs"]}
-    window = check.REDUCED["train_runs"]["window"]
-    assert set(runs) == set(check.train_runs(window)) >= set(MIXERS)  # every registered mixer trains
+    window = options.REDUCED["train_runs"]["window"]
+    assert set(runs) == set(options.train_runs(window)) >= set(MIXERS)  # every registered mixer trains
     trained = [r for r in runs.values() if r["status"] == "passed"]
-    assert {r["mixer"] for r in trained} == set(check.train_runs(window)) - set(check.cuda_only_runs(window))
+    assert {r["mixer"] for r in trained} == set(options.train_runs(window)) - set(options.cuda_only_runs(window))
     assert all(r["val_loss_end"] < r["val_loss_start"] for r in trained)
     resume = steps["resume"]["results"]
     assert resume["bitwise"] and resume["compared_steps"] == list(range(resume["checkpoint_at"] + 1,
                                                                         resume["max_iters"] + 1))
     # the checkpoint it resumed from (a later one than the first when the kill came late, as on a busy machine)
-    assert resume["checkpoint_at"] % check.REDUCED["resume"]["checkpoint_at"] == 0
+    assert resume["checkpoint_at"] % options.REDUCED["resume"]["checkpoint_at"] == 0
     assert resume["killed_after_step"] >= resume["checkpoint_at"]
     assert steps["memory"]["results"]["estimated_gib"] > 0 and steps["memory"]["results"]["measured_gib"] is None
     markdown = (tmp_path / "report.md").read_text()
@@ -61,12 +70,22 @@ def test_quick_cpu_check_runs_every_step_and_writes_the_report(tmp_path):
     assert report["device"] == "cpu" and report["git_hash"]
 
 
+@pytest.mark.parametrize("explicit, status", [(False, "skipped"), (True, "failed")])
+def test_compile_check_on_cpu_in_quick_mode_runs_only_when_named(tmp_path, monkeypatch, explicit, status):
+    def fake_run(command, log_name, **_):  # compile_check.py exiting without its results
+        return processes.Completed(command, 1, 1.0, "log", "", None)
+
+    ctx = step_context(tmp_path, "cpu", options.CheckConfig(quick=True), explicit=explicit)
+    monkeypatch.setattr(ctx, "run", fake_run)
+    assert steps.step_compile_check(ctx)["status"] == status
+
+
 @pytest.mark.parametrize("killed_steps, resumed_says, expected", [
     ("all", "", "nothing to resume"),  # the kill came after the run had finished
     (2, "already finished at step {end}", "did not resume"),  # a resume that trained nothing
     (2, "resumed from {out}/ckpt_last.pt at step {at} (best val loss 1.0)", "passed")])
 def test_the_resume_check_passes_only_when_a_run_resumed(tmp_path, monkeypatch, killed_steps, resumed_says, expected):
-    at, end = check.REDUCED["resume"]["checkpoint_at"], check.REDUCED["resume"]["max_iters"]
+    at, end = options.REDUCED["resume"]["checkpoint_at"], options.REDUCED["resume"]["max_iters"]
 
     def log(out, steps):
         out.mkdir(parents=True, exist_ok=True)
@@ -85,14 +104,13 @@ def test_the_resume_check_passes_only_when_a_run_resumed(tmp_path, monkeypatch, 
         else:
             said = resumed_says.format(end=end)
         (tmp_path / f"{log_name}.log").write_text(said + "\n")
-        return check.Completed(command, -9 if log_name == "resume_killed" else 0, 1.0, "log", said,
+        return processes.Completed(command, -9 if log_name == "resume_killed" else 0, 1.0, "log", said,
                                tmp_path / f"{log_name}.log")
 
-    monkeypatch.setattr(check, "train_base", lambda *_: ["configs/quickstart.py"])
-    ctx = check.StepContext(cfg=check.CheckConfig(), device="cpu", out=tmp_path, reduced="reduced", sizes=check.REDUCED,
-                            budget_s=60, started=time.time(), publish=None, explicit=False)
+    monkeypatch.setattr(steps, "train_base", lambda *_: ["configs/quickstart.py"])
+    ctx = step_context(tmp_path, "cpu")
     monkeypatch.setattr(ctx, "run", fake_run)
-    result = check.step_resume(ctx)
+    result = steps.step_resume(ctx)
     assert (result["status"] == "passed") == (expected == "passed")
     assert expected == "passed" or expected in result["summary"], result
 
@@ -105,7 +123,7 @@ def test_a_failing_step_is_recorded_and_the_next_one_still_runs(tmp_path):
     assert steps["backends"]["status"] == "failed" and "injected failure" in steps["backends"]["summary"]
     assert "Traceback" in steps["backends"]["error"]
     assert steps["generate"]["status"] == "passed"
-    assert f"## {check.STEPS.index('backends') + 1}. backends: failed" in (tmp_path / "report.md").read_text()
+    assert f"## {options.STEPS.index('backends') + 1}. backends: failed" in (tmp_path / "report.md").read_text()
     # --only reruns the failed step into the same report and keeps the others' results
     proc = gpu_check(tmp_path, "--only=backends")
     assert proc.returncode == 0, proc.stdout[-3000:]
@@ -132,37 +150,38 @@ def test_plan_fits_20_minutes_on_one_h100_with_budgets_from_counted_compilations
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     total = next(line for line in proc.stdout.splitlines() if line.startswith("total"))
-    assert float(total.split()[1]) <= 20 * 60 == check.TOTAL_LIMIT_S
-    steps = check.default_steps()
+    assert float(total.split()[1]) <= 20 * 60 == options.TOTAL_LIMIT_S
+    names = budgets.default_steps()
     # each step's budget counts what the steps before it in the same command leave in the caches
-    assert sum(check.step_budget(name, False, after=steps[:i]) for i, name in enumerate(steps)) <= check.TOTAL_LIMIT_S
-    assert check.step_budget("resume", False, after=["train_runs"]) < check.step_budget("resume", False)
+    assert sum(budgets.step_budget(name, False, after=names[:i]) for i, name in enumerate(names)) \
+        <= options.TOTAL_LIMIT_S
+    assert budgets.step_budget("resume", False, after=["train_runs"]) < budgets.step_budget("resume", False)
     # riskiest first: the default check is a prefix of STEPS but for steps too long for what is left
-    assert steps[:6] == list(check.STEPS[:6])
-    for name in check.STEPS:  # every budget is its counted compilations' estimate with the margin
-        estimate = check.step_estimate(name)
-        assert check.step_budget(name, False) == pytest.approx(check.MARGIN * estimate.seconds)
-        compile_s = sum(check.COMPILE_S[kind] * count for kind, count in estimate.compiles)
+    assert names[:6] == list(options.STEPS[:6])
+    for name in options.STEPS:  # every budget is its counted compilations' estimate with the margin
+        estimate = budgets.step_estimate(name)
+        assert budgets.step_budget(name, False) == pytest.approx(options.MARGIN * estimate.seconds)
+        compile_s = sum(options.COMPILE_S[kind] * count for kind, count in estimate.compiles)
         assert estimate.seconds >= compile_s / max(1, estimate.jobs)
-    for name in steps:  # listed with its budget and its compilations
+    for name in names:  # listed with its budget and its compilations
         assert any(line.startswith(name + " ") and " s   " in line for line in proc.stdout.splitlines()), name
     assert "60 s per flex" in proc.stdout  # each per-compile estimate is stated
     # a full-size step that compiles flex kernels counts them: its grid's, each distinct one once
-    assert dict(check.step_estimate("gpu_tests").compiles)["flex"] >= 10
-    train = dict(check.step_estimate("train_runs").compiles)
+    assert dict(budgets.step_estimate("gpu_tests").compiles)["flex"] >= 10
+    train = dict(budgets.step_estimate("train_runs").compiles)
     assert train["flex"] >= 1 and train["graph"] > train["flex"] and train["cached"] > 0
     # what does not fit is printed with the commands that run it
-    rest = [name for name in check.STEPS if name not in steps]
+    rest = [name for name in options.STEPS if name not in names]
     assert rest and all(name in proc.stdout.split("left to a second command")[1] for name in rest)
-    parts = check.plan_parts(steps)
-    assert [name for part in parts for name in part] == steps
-    assert all(sum(check.step_budget(name, False, after=part[:i]) for i, name in enumerate(part)) <= check.CALL_LIMIT_S
-               < 600 for part in parts)
+    parts = budgets.plan_parts(names)
+    assert [name for part in parts for name in part] == names
+    assert all(sum(budgets.step_budget(name, False, after=part[:i]) for i, name in enumerate(part))
+               <= options.CALL_LIMIT_S < 600 for part in parts)
     # the training runs left out of the grid, in commands that fit a call each by their own counted budgets
-    left_out = check.step_estimate("train_runs").left_out
+    left_out = budgets.step_estimate("train_runs").left_out
     for command in left_out.partition(": ")[2].split("; "):
         runs = command.partition("--runs=")[2]
-        assert check.step_budget("train_runs", False, runs=runs) <= check.CALL_LIMIT_S, command
+        assert budgets.step_budget("train_runs", False, runs=runs) <= options.CALL_LIMIT_S, command
     assert not (tmp_path / "report.json").exists()  # nothing ran
 
 
@@ -170,12 +189,12 @@ def test_the_memory_step_sizes_its_model_so_the_ratio_not_an_out_of_memory_decid
     # the 1.4B recipe's 24 layers plan ~66 GiB on an 80 GB GPU: layers come off by pattern periods until a peak
     # of MEMORY_HEADROOM x the plan (above the accepted ratio) still fits
     per_layer, weights = 2.5, 0.5
-    needed = lambda n: weights * n + check.MEMORY_HEADROOM * per_layer * n  # noqa: E731
+    needed = lambda n: weights * n + options.MEMORY_HEADROOM * per_layer * n  # noqa: E731
     free = 0.9 * 79
-    layers = check.memory_layers(24, 2, free, needed)
+    layers = memory.memory_layers(24, 2, free, needed)
     assert layers % 2 == 0 and needed(layers) <= free < needed(layers + 2)
-    assert check.MEMORY_HEADROOM > check.MEMORY_RATIO[1]
-    assert check.memory_layers(2, 2, 1.0, needed) == 2  # one period at least: the plan's check then fails loudly
+    assert options.MEMORY_HEADROOM > options.MEMORY_RATIO[1]
+    assert memory.memory_layers(2, 2, 1.0, needed) == 2  # one period at least: the plan's check then fails loudly
 
 
 def test_an_out_of_memory_error_in_the_memory_step_is_a_ratio_beyond_bounds(tmp_path, monkeypatch):
@@ -185,19 +204,18 @@ def test_an_out_of_memory_error_in_the_memory_step_is_a_ratio_beyond_bounds(tmp_
 
     def out_of_memory(command, log_name, timeout=None, env=None, kill_when=None):
         (tmp_path / "memory.json").write_text(json.dumps(measured))
-        return check.Completed(command, 0, 30.0, "log", "", None)
+        return processes.Completed(command, 0, 30.0, "log", "", None)
 
-    ctx = check.StepContext(cfg=check.CheckConfig(), device="cuda", out=tmp_path, reduced="", sizes=check.FULL,
-                            budget_s=150, started=time.time(), publish=None, explicit=False)
+    ctx = step_context(tmp_path, "cuda", budget_s=150)
     monkeypatch.setattr(ctx, "run", out_of_memory)
-    result = check.step_memory(ctx)
+    result = memory.step_memory(ctx)
     assert result["status"] == "failed" and "measured / planned > 1.39" in result["summary"]
-    assert "out of memory above 62.0 GiB" in "\n".join(check.render_memory(result["results"]))
+    assert "out of memory above 62.0 GiB" in "\n".join(report.render_memory(result["results"]))
 
 
 def test_riskiest_steps_and_runs_come_first():
-    assert check.STEPS[:3] == ("preflight", "gpu_tests", "train_runs")
-    assert list(check.train_runs(64))[:3] == ["swax", "swax_gdn", "swax_fsdp"]  # the Triton mLSTM, fla, FSDP
+    assert options.STEPS[:3] == ("preflight", "gpu_tests", "train_runs")
+    assert list(options.train_runs(64))[:3] == ["swax", "swax_gdn", "swax_fsdp"]  # the Triton mLSTM, fla, FSDP
 
 
 @pytest.mark.e2e
@@ -205,7 +223,7 @@ def test_gpu_tests_are_selected_by_marker_never_by_name():
     # `-k cuda` ignored case and picked this file's "CUDA is not available" case, a whole GPU check inside the
     # check; the marker selects exactly the tests of GPU paths
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                           *check.GPU_TESTS], cwd=REPO, capture_output=True, text=True, timeout=300)
+                           *steps.GPU_TESTS], cwd=REPO, capture_output=True, text=True, timeout=300)
     selected = [line for line in proc.stdout.splitlines() if "::" in line]
     assert proc.returncode == 0 and len(selected) >= 25, proc.stdout[-2000:]
     assert not [t for t in selected if "test_gpu_check.py" in t or "gpu_check" in t.partition("::")[2]]
@@ -220,7 +238,7 @@ def test_a_timeout_kills_every_process_the_command_started(tmp_path):
     # process group: the timeout must still end it
     script = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
               "time.sleep(120)'], start_new_session=True); print(p.pid, flush=True); time.sleep(120)")
-    done = check.run_command([sys.executable, "-c", script], tmp_path / "log.txt", timeout=3)
+    done = processes.run_command([sys.executable, "-c", script], tmp_path / "log.txt", timeout=3)
     assert done.timed_out
     grandchild = int(done.output().splitlines()[1])
     deadline = time.time() + 10
@@ -240,37 +258,37 @@ def cuda_environment(**changes):
 
 
 def test_a_missing_gpu_kernel_fails_on_cuda_with_its_fix():
-    assert check.gpu_kernel_problems("cuda", cuda_environment()) == []
-    assert check.gpu_kernel_problems("cpu", cuda_environment(mlstm_kernels="not installed")) == []
-    problems = check.gpu_kernel_problems("cuda", cuda_environment(mlstm_kernels="not installed"))
+    assert environment.gpu_kernel_problems("cuda", cuda_environment()) == []
+    assert environment.gpu_kernel_problems("cpu", cuda_environment(mlstm_kernels="not installed")) == []
+    problems = environment.gpu_kernel_problems("cuda", cuda_environment(mlstm_kernels="not installed"))
     assert problems == ["mlstm_kernels is not installed: pip install -r requirements-gpu.txt"]
-    assert "flash-linear-attention" in check.gpu_kernel_problems(
+    assert "flash-linear-attention" in environment.gpu_kernel_problems(
         "cuda", cuda_environment(**{"flash-linear-attention": "not installed"}))[0]
     # a Triton without tl.make_block_ptr (3.9 removed it): the fix names torch's pin
-    [problem] = check.gpu_kernel_problems("cuda", cuda_environment(triton="3.9.0", triton_block_ptr=False))
+    [problem] = environment.gpu_kernel_problems("cuda", cuda_environment(triton="3.9.0", triton_block_ptr=False))
     assert "Triton 3.9.0 has no tl.make_block_ptr" in problem and "pip install triton==3.7.1" in problem
     # Triton 3.4.0-3.7.0 on Hopper (torch 2.11's 3.6.0 on an H200, as a GPU run met it): fla refuses its gated
     # backward there; other GPUs and Triton 3.7.1 pass
     hopper = {"capability": [9, 0], "device_name": "NVIDIA H200"}
-    [problem] = check.gpu_kernel_problems("cuda", cuda_environment(triton="3.6.0", **hopper))
+    [problem] = environment.gpu_kernel_problems("cuda", cuda_environment(triton="3.6.0", **hopper))
     assert "Triton 3.6.0 on a Hopper GPU (NVIDIA H200)" in problem and "torch==2.13.0" in problem
-    assert check.gpu_kernel_problems("cuda", cuda_environment(triton="3.6.0", capability=[8, 0])) == []
-    assert check.gpu_kernel_problems("cuda", cuda_environment(triton="3.7.1", **hopper)) == []
-    assert check.gpu_kernel_problems("cuda", cuda_environment(triton="3.3.1+git9c1d", **hopper)) == []
+    assert environment.gpu_kernel_problems("cuda", cuda_environment(triton="3.6.0", capability=[8, 0])) == []
+    assert environment.gpu_kernel_problems("cuda", cuda_environment(triton="3.7.1", **hopper)) == []
+    assert environment.gpu_kernel_problems("cuda", cuda_environment(triton="3.3.1+git9c1d", **hopper)) == []
 
 
 def test_the_kernel_tests_must_pass_on_cuda():
-    passed = [{"test": f"tests/test_mlstm.py::{check.REQUIRED_GPU_TESTS[k]}", "outcome": "passed"}
-              for k in check.REQUIRED_GPU_TESTS]
-    assert check.missing_kernel_tests("cuda", passed) == []
-    missing = check.missing_kernel_tests("cuda", passed[:1])
+    passed = [{"test": f"tests/test_mlstm.py::{steps.REQUIRED_GPU_TESTS[k]}", "outcome": "passed"}
+              for k in steps.REQUIRED_GPU_TESTS]
+    assert steps.missing_kernel_tests("cuda", passed) == []
+    missing = steps.missing_kernel_tests("cuda", passed[:1])
     assert len(missing) == 1 and missing[0].startswith("fla's Gated DeltaNet kernel")
-    assert check.missing_kernel_tests("cpu", []) == []
+    assert steps.missing_kernel_tests("cpu", []) == []
 
 
 def test_the_required_kernel_tests_are_gpu_tests_of_the_suite():
     # a renamed test would leave the check waiting for one that never runs
-    for name in check.REQUIRED_GPU_TESTS.values():
+    for name in steps.REQUIRED_GPU_TESTS.values():
         found = [node for path in (REPO / "tests").glob("test_*.py") for node in ast.walk(ast.parse(path.read_text()))
                  if isinstance(node, ast.FunctionDef) and node.name == name]
         assert len(found) == 1, name
@@ -280,7 +298,7 @@ def test_the_required_kernel_tests_are_gpu_tests_of_the_suite():
 def test_a_gpu_tests_step_cut_off_by_its_budget_reports_what_finished_and_what_did_not(tmp_path, monkeypatch):
     # results are recorded per test as they finish (tests/conftest.py: --results-log): a timeout keeps them, and
     # a kernel test that was collected but never ran is said to be unfinished, not uninstalled
-    triton = f"tests/test_mlstm.py::{check.REQUIRED_GPU_TESTS[next(iter(check.REQUIRED_GPU_TESTS))]}"
+    triton = f"tests/test_mlstm.py::{steps.REQUIRED_GPU_TESTS[next(iter(steps.REQUIRED_GPU_TESTS))]}"
     collected = ["tests/test_attention.py::a", "tests/test_attention.py::b", triton]
 
     def cut_off(command, log_name, timeout=None, env=None, kill_when=None):
@@ -289,17 +307,16 @@ def test_a_gpu_tests_step_cut_off_by_its_budget_reports_what_finished_and_what_d
                        + json.dumps({"test": collected[0], "outcome": "passed", "seconds": 1.0, "message": ""}) + "\n"
                        + json.dumps({"test": collected[1], "outcome": "failed", "seconds": 1.0, "message": "boom"})
                        + "\n" + '{"test": "tests/test_attention.py::c", "outc')  # a line torn by the kill
-        return check.Completed(command, None, 150.0, "log", "", None)
+        return processes.Completed(command, None, 150.0, "log", "", None)
 
-    ctx = check.StepContext(cfg=check.CheckConfig(), device="cuda", out=tmp_path, reduced="", sizes=check.FULL,
-                            budget_s=150, started=time.time(), publish=None, explicit=False)
+    ctx = step_context(tmp_path, "cuda", budget_s=150)
     monkeypatch.setattr(ctx, "run", cut_off)
-    result = check.step_gpu_tests(ctx)
+    result = steps.step_gpu_tests(ctx)
     assert result["status"] == "failed"
     assert result["summary"].startswith("timed out after 150 s: 1 failed, 1 passed; 1 of 3 did not finish")
     assert result["results"]["unfinished"] == [triton]
     assert "did not finish before the step was cut off" in result["error"] and "not installed" in result["error"]
-    markdown = "\n".join(check.render_gpu_tests(result["results"]))
+    markdown = "\n".join(report.render_gpu_tests(result["results"]))
     assert "Did not finish (1 of 3 collected)" in markdown and "boom" in markdown
 
 
@@ -310,28 +327,28 @@ def test_the_results_log_records_each_test_as_it_finishes(tmp_path):
                            "tests/test_linear.py", f"--results-log={log}"], cwd=REPO, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:]
-    collected, tests = check.read_results_log(log)
+    collected, tests = steps.read_results_log(log)
     assert len(collected) == len(tests) >= 5 and {t["outcome"] for t in tests} == {"passed"}
     assert {t["test"] for t in tests} == set(collected)
 
 
 def test_recurrent_runs_name_their_gpu_kernel_on_cuda_and_must_show_it_in_use():
     # on CUDA's path (a GPU, or the CPU standing in for one) every GPU kernel is demanded
-    assert "--mlstm_kernel=triton" in check.run_options("swax", True, 64)
-    assert "--gdn_kernel=fla" in check.run_options("swax_gdn", True, 64)
-    assert not [o for o in check.run_options("swax", False, 64) if "kernel" in o]
-    assert not [o for o in check.run_options("swa", True, 64) if "kernel" in o]
-    options = check.run_options("swax", True, 64)
+    assert "--mlstm_kernel=triton" in steps.run_options("swax", True, 64)
+    assert "--gdn_kernel=fla" in steps.run_options("swax_gdn", True, 64)
+    assert not [o for o in steps.run_options("swax", False, 64) if "kernel" in o]
+    assert not [o for o in steps.run_options("swa", True, 64) if "kernel" in o]
+    options = steps.run_options("swax", True, 64)
     used = "  layers 1, 3: mLSTM: 8 heads, q/k 32 and v 64 per head, chunk 64, kernel triton (mlstm_kernels, ...)"
-    assert check.kernel_use_problem(options, "model: ...\n" + used) == ""
+    assert steps.kernel_use_problem(options, "model: ...\n" + used) == ""
     fallback = used.replace("kernel triton (mlstm_kernels, ...)", "kernel native")
-    assert "no mlstm layer reports 'kernel triton'" in check.kernel_use_problem(options, fallback)
+    assert "no mlstm layer reports 'kernel triton'" in steps.kernel_use_problem(options, fallback)
 
 
 def test_the_checks_cover_every_registered_mixer():
     # no list of variants in the check: its runs and backend families come from the registry's cases
-    window = check.REDUCED["train_runs"]["window"]
-    assert set(MIXERS) <= set(check.train_runs(window))
+    window = options.REDUCED["train_runs"]["window"]
+    assert set(MIXERS) <= set(options.train_runs(window))
     attention = {name for name, cls in MIXERS.items() if issubclass(cls, MaskedAttention)}
-    assert attention <= set(check.backend_families())
-    assert {kernel[2] for kernel in check.gpu_kernel_mixers().values()} == {"mlstm_kernels", "flash-linear-attention"}
+    assert attention <= set(backends.backend_families())
+    assert {kernel[2] for kernel in options.gpu_kernel_mixers().values()} == {"mlstm_kernels", "flash-linear-attention"}

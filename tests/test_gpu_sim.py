@@ -17,7 +17,8 @@ from attention import simulate_cuda
 from attention.kernels import plans_in, resolve_backend
 from attention.registry import MIXERS, example_cases, pattern_names
 from config import ModelConfig
-from conftest import REPO, load_script, read_metrics
+from conftest import REPO, read_metrics
+from gpucheck import options
 from model import GPT
 from parallelize import compile_blocks
 
@@ -261,10 +262,9 @@ def test_the_gpu_checks_setting_runs_and_resume_on_the_simulated_cuda_path(tmp_p
     # stand-ins) and train in bf16; the riskiest case (swa + mLSTM) under every setting a GPU run depends on
     # (FSDP2 with bf16 MixedPrecisionPolicy in one gloo process, full and selective activation checkpointing
     # around compiled blocks, float16 with its GradScaler, loss_chunk), then killed after a checkpoint and resumed
-    check = load_script("gpu_check")
-    window = check.REDUCED["train_runs"]["window"]
-    base = next(iter(check.train_runs(window)))
-    settings = [f"{base}_{setting}" for setting in check.SETTING_RUNS]
+    window = options.REDUCED["train_runs"]["window"]
+    base = next(iter(options.train_runs(window)))
+    settings = [f"{base}_{setting}" for setting in options.SETTING_RUNS]
     proc = subprocess.run([sys.executable, "scripts/gpu_check.py", "--device=cpu", "--quick", f"--out={tmp_path}",
                            "--steps=train_runs,resume", f"--runs={','.join([base, *settings])}"], cwd=REPO,
                           env={**os.environ, simulate_cuda.ENV: "1"}, capture_output=True, text=True, timeout=600)

@@ -11,21 +11,22 @@ import pytest
 import torch
 import transformers
 
-from conftest import REPO, load_script
+from conftest import REPO
+from gpucheck import tiny_hf
 from data.meta import open_tokens
 from eval import ppl as ppl_task
 from eval.hf_model import load_pretrained_lm
 from tests.test_lm_eval import offline  # noqa: F401  (fixture: no network)
 
 
-build_tokenizer = load_script("gpu_check").train_byte_bpe_tokenizer  # a byte-level BPE tokenizer.json
+build_tokenizer = tiny_hf.train_byte_bpe_tokenizer  # a byte-level BPE tokenizer.json
 
 
 @pytest.fixture(scope="module")
 def local_model(tmp_path_factory):
     """(model folder with its tokenizer.json, data folder prepared with that tokenizer): a small random Qwen3
     saved with save_pretrained, as the GPU check's pretrained step builds it."""
-    return load_script("gpu_check").build_tiny_hf_model(tmp_path_factory.mktemp("hf"))
+    return tiny_hf.build_tiny_hf_model(tmp_path_factory.mktemp("hf"))
 
 
 def run_eval(*args):

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from conftest import REPO, load_script, read_metrics, train_subprocess
+from gpucheck import tiny_hf
 from data.embedded import documents
 from data.prepare import prepare
 
@@ -28,7 +29,7 @@ def bpe(tmp_path_factory):
     root = tmp_path_factory.mktemp("bpe")
     text = "\n\n".join(documents(40, seed=0))
     (root / "corpus.txt").write_text(text)
-    make = load_script("gpu_check").train_byte_bpe_tokenizer
+    make = tiny_hf.train_byte_bpe_tokenizer
     (root / "a").mkdir()
     (root / "b").mkdir()
     make(text, root / "a" / "tokenizer.json")
@@ -532,7 +533,7 @@ def test_a_tokenizer_file_that_changed_under_its_data_is_refused(bpe, tmp_path):
 
 @pytest.mark.e2e
 def test_pretrained_weights_refuse_data_of_another_tokenizer(tmp_path):
-    folder, _ = load_script("gpu_check").build_tiny_hf_model(tmp_path / "hf")
+    folder, _ = tiny_hf.build_tiny_hf_model(tmp_path / "hf")
     proc = train_subprocess(["configs/quickstart.py", f"--init_from=hf:{folder}", "--data_dir=data/embedded_byte",
                              f"--out_dir={tmp_path / 'run'}", "--max_iters=1"], check=False)
     assert proc.returncode == 2 and "was prepared with the tokenizer 'byte'" in proc.stderr, proc.stderr
@@ -541,7 +542,7 @@ def test_pretrained_weights_refuse_data_of_another_tokenizer(tmp_path):
 
 @pytest.mark.e2e
 def test_recurrent_mixers_inside_a_pretrained_model_are_refused_with_the_reason(tmp_path):
-    folder, data_dir = load_script("gpu_check").build_tiny_hf_model(tmp_path / "hf")
+    folder, data_dir = tiny_hf.build_tiny_hf_model(tmp_path / "hf")
     for pattern in ("mlstm", "gated_deltanet", "linear", "swax"):
         proc = run(["-m", "eval"], f"--hf={folder}", f"--data_dir={data_dir}", f"--attn_pattern={pattern}",
                    f"--out_dir={tmp_path / pattern}", "--limit=1", "--progress=False")
