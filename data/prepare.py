@@ -336,8 +336,11 @@ class TokenFiles:
     def __init__(self, out_dir, dtype):
         self.out_dir, self.dtype = out_dir, dtype
         self.paths, self.files, self.tokens = {}, {}, {"train": 0, "val": 0}
+
+    def open(self):
+        # each path is recorded before its file exists: an interrupt at any point leaves discard() what to remove
         for split in ("train", "val"):
-            self.paths[split] = temp_path(out_dir, f"{split}.bin")
+            self.paths[split] = temp_path(self.out_dir, f"{split}.bin")
             self.files[split] = open(self.paths[split], "x+b")
 
     def write(self, split, tokens):
@@ -369,10 +372,11 @@ class TokenFiles:
         write_json(meta, meta_path)
 
     def discard(self):
-        for split, f in self.files.items():
+        for f in self.files.values():
             f.close()
-            if os.path.exists(self.paths[split]):
-                os.remove(self.paths[split])
+        for path in self.paths.values():
+            if os.path.exists(path):
+                os.remove(path)
 
 
 def temp_path(out_dir, name):
@@ -483,6 +487,7 @@ def token_files(out_dir, dtype):
     os.makedirs(out_dir, exist_ok=True)
     files = TokenFiles(out_dir, dtype)
     try:
+        files.open()  # inside the try: an interrupt while the files are made removes them too
         yield files
     except BaseException:
         files.discard()

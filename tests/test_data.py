@@ -669,6 +669,25 @@ def test_prepare_says_what_became_validation_and_warns_when_chance_made_it_one_d
     assert "validation:" in out and "warning" not in err and meta["val_documents"] > 20
 
 
+def test_an_interrupt_while_the_token_files_are_made_leaves_no_temporary_file(tmp_path, monkeypatch):
+    # Ctrl-C can land between the two temporary files' creation, before any token is written: both go
+    made = []
+
+    def temp_path_then_interrupt(out_dir, name):
+        if made:  # the train file exists; the interrupt comes before the val file's
+            raise KeyboardInterrupt
+        made.append(name)
+        return original(out_dir, name)
+
+    original = prepare_module.temp_path
+    monkeypatch.setattr(prepare_module, "temp_path", temp_path_then_interrupt)
+    (tmp_path / "out").mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        with prepare_module.token_files(str(tmp_path / "out"), np.dtype(np.uint16)):
+            pass
+    assert made == ["train.bin"] and list((tmp_path / "out").iterdir()) == []
+
+
 @pytest.mark.e2e
 def test_ctrl_c_during_prepare_is_one_line_and_keeps_the_data(prepared, tmp_path):
     """An interrupted prepare says so in one line (no traceback), exits 130 and leaves the earlier data whole."""
