@@ -7,7 +7,7 @@ gradients, DDP's gradient buckets, AdamW's two moments, autocast's bf16 copies o
 FSDP (the config's parallelism, or --parallelism=fsdp) each GPU holds 1/world_size of the weights, gradients and
 AdamW state plus the bf16 weights and gradients of the units gathered at the moment (see static_memory); then the
 activations of one micro-batch (batch_size sequences of block_size tokens), which are counted from the model's
-own shapes (built on the meta device) and each mixer's own estimate (Mixer.saved_activations, in its module under
+own shapes (built on the meta device) and each mixer's own estimate (saved_activations, in its module under
 attention/; derived from the rules for attention under edge rules): what every layer keeps for backward with
 activation_checkpointing none, full and selective, plus the logits and loss. Then, for each checkpointing mode,
 the largest micro-batch that fits gpu_mem_gb less the headroom, and the gradient_accumulation_steps (global,
@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from attention.capabilities import ActivationMemory
 from attention.memory import F32, Kernels, linear_inputs
 from config import ModelConfig, load_config
 from model import GPT
@@ -165,6 +166,10 @@ def block_activations(block, m: ModelConfig, k: Kernels, B: int, T: int) -> Laye
     C, tokens = m.n_embd, B * T
     saved = {"residual stream (fp32, block input and mid-block sum)": 2 * F32 * C * tokens,
              "norm statistics": 2 * norm_saved(m, k, tokens)}
+    if not isinstance(block.mixer, ActivationMemory):
+        raise NotImplementedError(f"{type(block.mixer).__name__} has no activation memory model: define "
+                                  "saved_activations in its module (attention/capabilities.py: ActivationMemory; "
+                                  "attention/memory.py has the helpers)")
     mixer, mixer_matmuls = block.mixer.saved_activations(m, k, B, T)  # the variant's own (attention/*.py)
     saved.update(mixer)
     saved.update(mlp_saved(m, k, tokens))

@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from attention import build_mixer, simulate_cuda
+from attention.capabilities import set_window
 from config import ModelConfig
 
 
@@ -139,7 +140,7 @@ class GPT(nn.Module):
 
     def set_window(self, window: int) -> int:
         """Give every sliding-window layer a window of `window` positions; returns how many layers took it."""
-        return sum(block.mixer.set_window(window) for block in self.blocks)
+        return sum(set_window(block.mixer, window) for block in self.blocks)
 
     def init_caches(self, batch_size: int, max_len: int):
         p = self.wte.weight

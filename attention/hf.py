@@ -30,6 +30,7 @@ import math
 
 import torch
 
+from attention.capabilities import pretrained_problem
 from attention.kernels import masked_attention, repeat_kv
 from attention.registry import build_mixer, validate_config
 
@@ -72,7 +73,7 @@ def use_variant_attention(model, hf_decode: str = "full", **settings) -> list:
     with torch.device("meta"):  # the mixers' own projections are never used: only their rules and kernels
         mixers = [build_mixer(config, i) for i in range(n_layer)]
     for i, mixer in enumerate(mixers):
-        problem = mixer.pretrained_problem()  # the variant says whether it can run there (attention/registry.py)
+        problem = pretrained_problem(mixer)  # the variant says whether it can run there (attention/capabilities.py)
         if problem:
             raise ValueError(f"layer {i}: {problem}")
         mixer.eval()

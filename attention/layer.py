@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from attention.cache import KVCache, RollingKVCache
+from attention.capabilities import EdgeCounts, own_state_problem
 from attention.edges import EdgeRule
 from attention.kernels import BACKENDS, attend_planned, masked_attention, plan_attention, repeat_kv
 from attention.registry import Mixer
@@ -25,9 +26,15 @@ class Attention(Mixer):
     native_gqa = False
     settings = ("attn_backend", "attn_gate", "n_kv_head", "attn_head_dim", "qk_norm", "qkv_bias")
 
+    @classmethod
+    def check_config(cls, config):
+        if config.attn_backend not in BACKENDS:
+            raise ValueError(f"attn_backend={config.attn_backend!r}: expected one of {', '.join(BACKENDS)}")
+
     def __init__(self, config, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
+        self.backend = config.attn_backend
         self.n_head, self.n_kv_head = config.n_head, config.kv_heads
         self.head_dim = config.head_dim
         inner, kv = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
@@ -63,6 +70,19 @@ class Attention(Mixer):
     def attend(self, q, k, v, pos, cache, plan=None):
         raise NotImplementedError
 
+    def pretrained_problem(self):
+        """Attention with no parameters or state beyond a pretrained model's runs inside its attention."""
+        if self.gate is not None or any(True for _ in self.buffers()):
+            return own_state_problem(self)
+        return ""
+
+    def mixing_flops(self, seq_len):
+        # QK^T and AV: 2 matmuls x 2 FLOPs per multiply-add, over the scores computed per query
+        if not isinstance(self, EdgeCounts):
+            return 0.0
+        edges = sum(computed for computed, _ in self.edge_counts(seq_len))
+        return 4 * self.head_dim * edges / seq_len
+
     def kernel_inputs(self, batch, seq_len, device, dtype, generator=None):
         shape = (batch, self.n_head, seq_len, self.head_dim)
         return tuple(torch.randn(shape, generator=generator, device=device, dtype=dtype).requires_grad_()
@@ -90,15 +110,9 @@ class MaskedAttention(Attention):
     activation = "softmax"
     native_gqa = True  # attend_planned and masked_attention take grouped-query k, v; the KV cache keeps n_kv_head
 
-    @classmethod
-    def check_config(cls, config):
-        if config.attn_backend not in BACKENDS:
-            raise ValueError(f"attn_backend={config.attn_backend!r}: expected one of {', '.join(BACKENDS)}")
-
     def __init__(self, config, layer_idx: int, rule: EdgeRule):
         super().__init__(config, layer_idx)
         self.rule = rule
-        self.backend = config.attn_backend
 
     def score_mod(self, device):
         """FlexAttention-style score_mod(score, b, h, q_idx, kv_idx) for tensors on device, or None (see
@@ -147,11 +161,6 @@ class MaskedAttention(Attention):
     def head_windows(self):
         return self.rule.head_windows(self.n_head)
 
-    def pretrained_problem(self):
-        if self.gate is not None or any(True for _ in self.buffers()):
-            return super().pretrained_problem()
-        return ""
-
     def init_cache(self, batch_size, max_len, device, dtype):
         lookback = self.rule.lookback
         size = max_len if lookback is None else min(max_len, lookback + 1)
@@ -172,8 +181,3 @@ class MaskedAttention(Attention):
         from attention.memory import attention_saved
 
         return attention_saved(self, config, kernels, B, T)
-
-    def mixing_flops(self, seq_len):
-        # QK^T and AV: 2 matmuls x 2 FLOPs per multiply-add, over the rule's allowed keys per query
-        edges = sum(computed for computed, _ in self.edge_counts(seq_len))
-        return 4 * self.head_dim * edges / seq_len

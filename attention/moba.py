@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from attention.cache import KVCache
 from attention.edges import chosen_block_edges
-from attention.kernels import BACKENDS, masked_attention
+from attention.kernels import masked_attention
 from attention.layer import Attention
 from attention.memory import linear_inputs, padded, rope_tables
 from attention.registry import Setting, refuse_whole_context, register
@@ -284,8 +284,7 @@ class MixtureOfBlockAttention(Attention):
 
     @classmethod
     def check_config(cls, config):
-        if config.attn_backend not in BACKENDS:
-            raise ValueError(f"attn_backend={config.attn_backend!r}: expected one of {', '.join(BACKENDS)}")
+        super().check_config(config)
         if config.moba_block < 1 or config.moba_topk < 1:
             raise ValueError(f"moba_block={config.moba_block}, moba_topk={config.moba_topk}: both must be >= 1")
         refuse_whole_context(config, "moba_block", config.moba_block, "one block holds")
@@ -333,9 +332,8 @@ class MixtureOfBlockAttention(Attention):
         return pos[None, :] <= pos[:, None]
 
     def mixing_flops(self, seq_len):
-        edges = sum(computed for computed, _ in self.edge_counts(seq_len))
         block_scores = 2 * self.head_dim * self.n_head * (-(-seq_len // self.block))  # q . every block mean
-        return 4 * self.head_dim * edges / seq_len + block_scores
+        return super().mixing_flops(seq_len) + block_scores
 
     def saved_activations(self, m, k, B: int, T: int):
         """MoBA (attention/moba.py): the blockwise kernel keeps what FlashAttention's backward needs, in float32:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from attention.cache import RecurrentState
+from attention.capabilities import WindowSchedule, check_variants, example_settings
 from attention.edges import Causal
 
 
@@ -49,7 +50,8 @@ def setting_name(setting) -> str:
 
 
 class Mixer(nn.Module):
-    """Interface of a token mixer (attention variant or recurrent layer).
+    """A token mixer (attention variant or recurrent layer): the runtime core the model, training and generation
+    use. Everything a tool asks beyond it is an optional capability (attention/capabilities.py).
 
     forward(x, pos, cache=None, plan=None) -> y
         x: (B, T, C) normalised block input; pos: (T,) absolute positions of x's tokens (used for RoPE and
@@ -60,16 +62,17 @@ class Mixer(nn.Module):
         blocks run, outside compiled code, so compiled blocks get their masks as inputs (built once per shape
         and shared by the layers) and recomputation under activation checkpointing reuses the same draws.
     init_cache(batch_size, max_len, device, dtype) -> per-layer generation state (KV cache, recurrent state).
-    supports_cache: False for mixers whose edges are redrawn at every forward (sa): generation then re-runs
-        the context for each new token.
+    supports_cache: whether init_cache gives a generation state: a mixer without one (or whose edges are redrawn
+        at every forward, sa) generates by re-running the context for each new token.
+    settings, check_config(config) -> what the mixer reads besides the model's shape (its Settings and core
+        ModelConfig keys by name), and a ValueError when the config cannot build it.
+    init_weights() -> variant-specific initialisation, run after the model's generic one.
     mixing_flops(seq_len) -> forward FLOPs per token spent mixing positions, beyond the parameter matmuls
         (e.g. QK^T and AV for attention), so that MFU reflects the variant's real cost.
-    edge_counts(seq_len), edge_mask(seq_len) -> score accounting and reachability (scripts/mask_stats.py).
-    check_config(config) -> raise ValueError when the model config cannot build this mixer.
-    init_weights() -> variant-specific initialisation, run after the model's generic one.
+    compile_key(), compile_problem(seq_len, device, dtype) -> how compiled blocks share graphs, and why this
+        layer should not be compiled at this length.
     """
 
-    supports_cache = True
     # the README's variant table (scripts/variants.py): the paper of papers/ the variant comes from ("000" ..
     # "004", or a citation), and which keys a query attends to, in one line
     paper = ""
@@ -90,6 +93,10 @@ class Mixer(nn.Module):
     def init_cache(self, batch_size: int, max_len: int, device, dtype):
         raise NotImplementedError(f"{type(self).__name__} does not support cached generation")
 
+    @property
+    def supports_cache(self) -> bool:
+        return type(self).init_cache is not Mixer.init_cache
+
     def mixing_flops(self, seq_len: int) -> float:
         return 0.0
 
@@ -108,73 +115,9 @@ class Mixer(nn.Module):
     def init_weights(self) -> None:
         pass
 
-    def set_window(self, window: int) -> bool:
-        """Use a sliding window of `window` positions from now on (paper 003's per-step window schedule).
-        Returns whether this mixer has such a window; mixers without one ignore the call."""
-        return False
-
     def describe(self) -> str:
         """A line for the start-up summary (e.g. per-head windows); empty when there is nothing to add."""
         return ""
-
-    def edge_counts(self, seq_len: int) -> list[tuple[int, int]]:
-        """Per head: (attention scores computed, unique allowed edges) over a sequence of seq_len tokens.
-        They differ for variants with several separately normalised branches (branch vs union form)."""
-        raise NotImplementedError(f"{type(self).__name__} has no attention edges")
-
-    def edge_mask(self, seq_len: int, device="cpu") -> torch.Tensor:
-        """(seq_len, seq_len) boolean: can information move from key position k to query position q in this
-        layer through any head (the union of its edges; all causal pairs for recurrent mixers)."""
-        raise NotImplementedError
-
-    # ---- what the tools need (tests, benchmarks, the compile and GPU checks, memory planning, the Hugging Face
-    # adapter, score accounting): defaults here, a variant overrides what differs ------------------------------
-
-    # cases the checks run besides a mixer's example settings: label -> settings (e.g. the bridges' union fusion)
-    check_variants: dict = {}
-    # a GPU kernel the mixer trains with when installed: (setting, the value that demands it, its package, the text
-    # the layer's describe() line then shows); scripts/gpu_check.py runs it and checks that it is used
-    gpu_kernel: tuple | None = None
-
-    @classmethod
-    def example_settings(cls, window: int) -> dict:
-        """Settings (ModelConfig keys, n_layer among them where the variant needs a depth) of a small model of
-        this mixer whose windows and blocks are about `window` positions: the tools' small models."""
-        return {}
-
-    def kernel_inputs(self, batch: int, seq_len: int, device, dtype, generator=None) -> tuple:
-        """Random inputs (requiring grad) of the token-mixing kernel at this length: what kernel_forward() takes."""
-        raise NotImplementedError(f"{type(self).__name__} does not expose its kernel")
-
-    def kernel_forward(self, *inputs) -> torch.Tensor:
-        """The token-mixing kernel as the layer computes it (no projections) on kernel_inputs' tensors: what
-        scripts/bench_attention.py times and the GPU check compares across backends."""
-        raise NotImplementedError(f"{type(self).__name__} does not expose its kernel")
-
-    def expected_graph_breaks(self, device, dtype) -> str:
-        """Why compiling this layer breaks its graph by design on this device and dtype ("" when it must not)."""
-        return ""
-
-    def head_windows(self) -> list[int] | None:
-        """The window of each head, for sliding-window mixers (summed-window cost accounting)."""
-        return None
-
-    def write_back_coverage(self, seq_len: int) -> int | None:
-        """Positions given an auxiliary path's output (paper 004's bridges); None for mixers without one."""
-        return None
-
-    def pretrained_problem(self) -> str:
-        """Why this mixer cannot run inside a pretrained transformer's attention (attention/hf.py), "" when it
-        can: it must be attention with no parameters or state of its own."""
-        return (f"{type(self).__name__} has parameters or state of its own that a pretrained model does not have: "
-                "only attention under edge rules (and moba) runs inside a pretrained model's attention")
-
-    def saved_activations(self, config, kernels, B: int, T: int) -> tuple[dict[str, int], int]:
-        """What this layer's mixer keeps for backward over a micro-batch of B x T tokens, in bytes, on the kernels
-        of `kernels` (attention/memory.py: Kernels): (saved tensors by name, the part selective checkpointing
-        keeps: its matmul and kernel outputs). memory_plan.py adds the norms, MLP and head."""
-        raise NotImplementedError(f"{type(self).__name__} has no activation memory model: define saved_activations "
-                                  "in its module (attention/memory.py has the helpers)")
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cache=None, plan=None) -> torch.Tensor:
         raise NotImplementedError
@@ -268,17 +211,17 @@ def layer_names(config) -> list[str]:
 def example_cases(window: int) -> dict[str, dict]:
     """The tools' small models, one per registered mixer (and per each of its check_variants, named
     MIXER_LABEL, and per pattern alias): case name -> settings, attn_pattern and each mixer's
-    example_settings(window) among them. Tests, benchmarks, the compile and GPU checks all take their cases
-    from here, so a new variant is in every one of them."""
+    example_settings(window) among them (attention/capabilities.py). Tests, benchmarks, the compile and GPU
+    checks all take their cases from here, so a new variant is in every one of them."""
     cases = {}
     for name, cls in MIXERS.items():
-        cases[name] = {"attn_pattern": name, **cls.example_settings(window)}
-        for label, extra in cls.check_variants.items():
+        cases[name] = {"attn_pattern": name, **example_settings(cls, window)}
+        for label, extra in check_variants(cls).items():
             cases[f"{name}_{label}"] = {**cases[name], **extra}
     for alias, pattern in PATTERN_ALIASES.items():
         settings = {"attn_pattern": alias}
         for name in pattern.split(","):
-            settings.update(MIXERS[name].example_settings(window))
+            settings.update(example_settings(MIXERS[name], window))
         cases[alias] = settings
     return cases
 
@@ -294,7 +237,7 @@ def mixer_settings() -> set[str]:
 
 def has_window_layers(config) -> bool:
     """Whether any layer's mixer has a sliding window that set_window changes."""
-    return any(MIXERS[name].set_window is not Mixer.set_window for name in set(layer_names(config)))
+    return any(issubclass(MIXERS[name], WindowSchedule) for name in set(layer_names(config)))
 
 
 PRETRAINED_SHAPES = ("n_kv_head", "attn_head_dim", "qk_norm", "qkv_bias")

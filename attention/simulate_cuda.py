@@ -63,7 +63,7 @@ def stand_ins() -> bool:
     return active() and not torch.cuda.is_available()
 
 
-# calls of each GPU kernel's CPU stand-in in this process, by the kernel's package (Mixer.gpu_kernel[2]): tests
+# calls of each GPU kernel's CPU stand-in in this process, by the kernel's package (the mixer's gpu_kernel[2]): tests
 # check that a simulated run ran the stand-ins, not the built-in forms
 STAND_IN_CALLS: Counter = Counter()
 

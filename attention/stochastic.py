@@ -31,10 +31,11 @@ from torch import nn
 from attention.edges import PermutedWindow, SlidingWindow, StochasticWindow, stochastic_halo
 from attention.kernels import AttentionPlan, attend_planned, plan_attention, resolve_backend
 from attention.layouts import Layout, from_layout, inverse_permutation, to_layout
-from attention.layer import MaskedAttention, merge_heads
+from attention.layer import Attention, merge_heads
 from attention.local import SWA_WINDOW
 from attention.memory import F32, kernel_saved, linear_inputs, rope_tables
-from attention.registry import Mixer, Setting, refuse_whole_context, register
+from attention.capabilities import own_state_problem
+from attention.registry import Setting, refuse_whole_context, register
 
 SA_MODE = Setting("sa_mode", str, "stochastic", "sa at inference: a fresh permutation every forward | deterministic "
                   "(fixed per layer)")
@@ -91,20 +92,17 @@ def stochastic_edge_count(n: int, window: int) -> int:
 
 
 @register("sa")
-class StochasticAttention(MaskedAttention):
+class StochasticAttention(Attention):
     """Sliding-window attention in the slot space of a random permutation, redrawn every forward."""
     paper = "000"
     summary = "j <= i and \\|sigma(i) - sigma(j)\\|_n < w/2 for a random permutation sigma, redrawn per layer and forward"
 
     native_gqa = False  # its attend() permutes one k/v head per query head
-    settings = MaskedAttention.settings + (SWA_WINDOW, SA_MODE, SA_SHARED_BATCH, SA_SEED)
+    settings = Attention.settings + (SWA_WINDOW, SA_MODE, SA_SHARED_BATCH, SA_SEED)
 
     @classmethod
     def example_settings(cls, window):
         return {"swa_window": window}
-
-    def head_windows(self):
-        return None  # its windows are over permuted slots, not recent positions
 
     supports_cache = False
     length_independent = False
@@ -119,7 +117,7 @@ class StochasticAttention(MaskedAttention):
             raise ValueError(f"sa_mode={config.sa_mode!r}: expected one of {', '.join(SA_MODES)}")
 
     def __init__(self, config, layer_idx):
-        super().__init__(config, layer_idx, None)  # no fixed rule: one is drawn per forward
+        super().__init__(config, layer_idx)  # no fixed rule: one is drawn per forward (plan)
         self.window = config.swa_window
         self.swa_rule = SlidingWindow(config.swa_window)  # sa_swa's local path
         self.mode = config.sa_mode
@@ -185,8 +183,6 @@ class StochasticAttention(MaskedAttention):
         which keeps only the permutation), attended there as a band, and scattered back (FromLayout). So the
         kernel keeps the extended q, k, v, output and lse (ext = (n + 2 halo) / n of the plain sizes) and neither
         qkv nor the rotated q, k survive the forward; the scattered output is merged into (B, T, C) (a C).
-        sa_swa adds the swa path over the shared q, k, v (which then keeps qkv and the rotated q, k), its merged
-        output, and the two sigmoid gates: sigmoid(W_sa y_sa), sigmoid(W_swa y_swa) and their gated sum (3 a C).
         At lengths where every slot is inside every window (n // 2 <= halo) sa is plain causal attention."""
         C, H, D, a, tokens = m.n_embd, m.n_head, m.head_dim, k.act, B * T
         halo = stochastic_halo(self.window)
@@ -206,18 +202,7 @@ class StochasticAttention(MaskedAttention):
         saved["sa merged heads"] = a * C * tokens
         matmuls = a * tokens * 4 * C
         kernel_out = a * B * H * n_ext * D + F32 * B * H * n_ext
-        if isinstance(self, GatedStochasticSlidingAttention):
-            saved["qkv"] = 3 * a * C * tokens
-            if self.rope_theta is not None:
-                saved["q, k after RoPE"] = 2 * a * C * tokens
-            swa_kernel = resolve_backend(self.backend, self.swa_rule, torch.device(k.device), D)
-            for name, size in kernel_saved(swa_kernel, self.swa_rule, "softmax", k, B, H, D, T).items():
-                saved["swa " + name] = size
-            saved["swa merged heads"] = a * C * tokens
-            saved["path gates and their sum"] = 3 * a * C * tokens
-            matmuls += 2 * a * tokens * C
-            kernel_out += a * tokens * C + F32 * B * H * T
-        elif self.gate is not None:
+        if self.gate is not None:
             saved["output gate"] = 2 * a * C * tokens
             matmuls += a * tokens * C
         return saved, matmuls + kernel_out
@@ -254,7 +239,23 @@ class GatedStochasticSlidingAttention(StochasticAttention):
         return self.attend(q, k, v, pos, None, sa_plans) + attend_planned(q, k, v, swa_plan)
 
     def pretrained_problem(self):
-        return Mixer.pretrained_problem(self)  # its two path gates are parameters of its own
+        return own_state_problem(self)  # its two path gates are parameters of its own
+
+    def saved_activations(self, m, k, B: int, T: int):
+        """sa's (its own gate replaced by the two path gates), and the swa path over the shared q, k, v, which then
+        keeps qkv and the rotated q, k; its merged output; the two sigmoid gates sigmoid(W_sa y_sa),
+        sigmoid(W_swa y_swa) and their gated sum (3 a C)."""
+        saved, kept = super().saved_activations(m, k, B, T)
+        C, H, D, a, tokens = m.n_embd, m.n_head, m.head_dim, k.act, B * T
+        saved["qkv"] = 3 * a * C * tokens
+        if self.rope_theta is not None:
+            saved["q, k after RoPE"] = 2 * a * C * tokens
+        swa_kernel = resolve_backend(self.backend, self.swa_rule, torch.device(k.device), D)
+        for name, size in kernel_saved(swa_kernel, self.swa_rule, "softmax", k, B, H, D, T).items():
+            saved["swa " + name] = size
+        saved["swa merged heads"] = a * C * tokens
+        saved["path gates and their sum"] = 3 * a * C * tokens
+        return saved, kept + 2 * a * tokens * C + a * tokens * C + F32 * B * H * T
 
     def describe(self):
         return f"sa + swa, window {self.window}, one sigmoid gate per path"

@@ -16,6 +16,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from attention.capabilities import set_window
 from attention.hf import use_variant_attention, variant_config
 from model import sample_next
 from pretrained import PretrainedError
@@ -47,7 +48,7 @@ class VariantLM(nn.Module):
 
     def set_window(self, window: int) -> int:
         self.with_changes(swa_window=window)
-        return sum(mixer.set_window(window) for mixer in self.mixers)
+        return sum(set_window(mixer, window) for mixer in self.mixers)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.hf.parameters())

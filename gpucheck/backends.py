@@ -54,15 +54,16 @@ def step_backends(ctx: StepContext) -> dict:
 
 
 def backend_families() -> dict[str, dict]:
-    """The cases of the registry (example_cases) whose layers are attention under edge rules (Mixer.edge_rule),
-    each with its settings: the backends step compares every backend of each with the dense reference."""
-    from attention.registry import example_cases
-    from attention.layer import MaskedAttention
+    """The cases of the registry (example_cases) whose layers are attention that plans its kernels by backend
+    (attention under edge rules, and sa's permuted window: Mixer.plan), each with its settings: the backends
+    step compares every backend of each with the dense reference."""
+    from attention.layer import Attention
+    from attention.registry import Mixer, example_cases
 
     families = {}
     for name, settings in example_cases(BACKEND_WINDOW).items():
         mixers = {type(mixer) for mixer in family_mixers(settings, "dense")}
-        if all(issubclass(cls, MaskedAttention) for cls in mixers) and len(mixers) == 1:
+        if len(mixers) == 1 and all(issubclass(cls, Attention) and cls.plan is not Mixer.plan for cls in mixers):
             families[name] = settings
     return families
 
@@ -94,7 +95,8 @@ def backend_cases(device: str, sizes: dict) -> list[tuple]:
     cases = []
     for dtype, n in plan:
         for family, settings in families.items():
-            causal = type(family_mixers(settings, "dense")[-1].edge_rule()) is Causal
+            layer = family_mixers(settings, "dense")[-1]
+            causal = hasattr(layer, "edge_rule") and type(layer.edge_rule()) is Causal
             # plain causal attention: sdpa is its fast path; every other rule runs block-sparse
             for backend in (("sdpa", "flex") if causal else ("flex", "chunked")):
                 # CPU flex runs forward only (torch 2.13 has no CPU backward for it), eagerly (~1 s a call): a
@@ -107,8 +109,8 @@ def backend_cases(device: str, sizes: dict) -> list[tuple]:
 
 
 def family_attention(family: str, head_dim: int, device: str):
-    """attention(q, k, v, backend) of a case's deepest layer, its own kernel (Mixer.kernel_forward) under each
-    backend; backend "dense" is the reference."""
+    """attention(q, k, v, backend) of a case's deepest layer, its own kernel (kernel_forward) under each backend;
+    backend "dense" is the reference."""
     settings = backend_families()[family]
     layers = {}
 

@@ -58,6 +58,7 @@ def run_compiles(name: str) -> tuple[frozenset, frozenset, frozenset]:
     packages it runs. The kernels each layer plans are read from the model as the CPU standing in for CUDA plans
     it (attention/simulate_cuda.py): no GPU is needed to count them."""
     from attention.kernels import plans_in
+    from attention.capabilities import gpu_kernel
     from attention.registry import MIXERS, layer_names
     from config import load_config
     from model import GPT
@@ -81,7 +82,7 @@ def run_compiles(name: str) -> tuple[frozenset, frozenset, frozenset]:
         graphs |= {(key, "train", *layout, cfg.train.activation_checkpointing), (key, "eval", *layout)}
         calls = sum(p.kernel == "flex" for p in plans_in(plan))
         flex |= {(key, dtype, kind, i) for i in range(calls) for kind in ("flex", "flex_fwd")}
-    packages = frozenset(MIXERS[mixer].gpu_kernel[2] for mixer in set(layer_names(m)) if MIXERS[mixer].gpu_kernel)
+    packages = frozenset(gpu_kernel(MIXERS[mixer])[2] for mixer in set(layer_names(m)) if gpu_kernel(MIXERS[mixer]))
     return frozenset(graphs), frozenset(flex), packages
 
 

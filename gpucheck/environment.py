@@ -66,7 +66,7 @@ def environment(device: str) -> dict:
         model = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
                       if line.startswith("model name")), platform.processor() or "CPU")
         name, memory = f"CPU: {model} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)", ""
-    optional = {}  # Triton, each registered GPU kernel's package (Mixer.gpu_kernel), and fla's kernels
+    optional = {}  # Triton, each registered GPU kernel's package (the mixer's gpu_kernel), and fla's kernels
     for package in ("triton", *sorted({kernel[2] for kernel in gpu_kernel_mixers().values()}), "fla-core"):
         try:
             optional[package] = importlib.metadata.version(package)

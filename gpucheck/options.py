@@ -103,7 +103,7 @@ REDUCED = {
 # its check_variants, each pattern alias) and, on the riskiest of them (the first whose mixers have a GPU kernel:
 # swax), one run per setting a GPU run depends on. The cases with GPU kernels run first (the optional Triton and
 # fla kernels), then the setting runs (FSDP, activation checkpointing around them), then every other case. On
-# CUDA a mixer with a GPU kernel (Mixer.gpu_kernel) is made to use it, so a missing package fails the run
+# CUDA a mixer with a GPU kernel (the mixer's gpu_kernel) is made to use it, so a missing package fails the run
 # instead of training with the built-in form. name -> (the settings' extra options, why it is CUDA's alone or "")
 SETTING_RUNS = {
     # FSDP2 in one process: bf16 through its mixed-precision policy, sharded checkpoints
@@ -117,10 +117,11 @@ SETTING_RUNS = {
 
 
 def gpu_kernel_mixers() -> dict:
-    """The registered mixers that train with a GPU kernel when it is installed: name -> Mixer.gpu_kernel."""
+    """The registered mixers that train with a GPU kernel when it is installed: name -> the mixer's gpu_kernel."""
+    from attention.capabilities import gpu_kernel
     from attention.registry import MIXERS
 
-    return {name: cls.gpu_kernel for name, cls in MIXERS.items() if cls.gpu_kernel}
+    return {name: gpu_kernel(cls) for name, cls in MIXERS.items() if gpu_kernel(cls)}
 
 
 def train_runs(window: int) -> dict[str, list[str]]:

@@ -186,7 +186,7 @@ def train_base(ctx: StepContext, size: dict, compile_: bool) -> list[str]:
 
 def run_options(name: str, gpu_path: bool, window: int) -> list[str]:
     """A training run's options (train_runs), and on CUDA's path the GPU kernel of each of its mixers that has
-    one (Mixer.gpu_kernel): a run that cannot use it fails instead of training with the built-in form."""
+    one (the mixer's gpu_kernel): a run that cannot use it fails instead of training with the built-in form."""
     from attention.registry import pattern_names
 
     options = train_runs(window)[name]

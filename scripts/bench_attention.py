@@ -11,11 +11,11 @@
 
 A variant is any case of the mixer registry (attention/registry.py: example_cases: every registered mixer with
 its example settings at --window, each of its check_variants such as swat_softmax or pbb_union), optionally
-followed by :KEY=VALUE model settings. Each runs the layer's own kernel (Mixer.kernel_inputs and Mixer.kernel_forward:
-q, k, v -> output, the same dispatch and plan the model's layers use, with `--backend`, default auto: flex on
-CUDA, block-sparse chunked on CPU, SDPA for full) on random inputs, the layer built as the last layer of a
-model of --heads heads of --head_dim (for MSWA the deepest, whose heads have windows w/4 .. 2w); the
-projections, identical across variants, are left out (sa draws a fresh permutation and gathers / scatters
+followed by :KEY=VALUE model settings. Each runs the layer's own kernel (kernel_inputs and kernel_forward, its
+KernelBench capability: q, k, v -> output, the same dispatch and plan the model's layers use, with `--backend`,
+default auto: flex on CUDA, block-sparse chunked on CPU, SDPA for full) on random inputs, the layer built as
+the last layer of a model of --heads heads of --head_dim (for MSWA the deepest, whose heads have windows w/4 ..
+2w); the projections, identical across variants, are left out (sa draws a fresh permutation and gathers / scatters
 inside each step, as its layer does; sa_swa runs both paths; the recurrent mixers run their training forms on
 random gates). Time is the best of --repeats timed runs after one warmup (the least disturbed by other work on
 the machine; the JSON keeps every run). scores/edges is what the kernel evaluates (every tile or block of its
@@ -37,6 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from attention.capabilities import EdgeCounts, KernelBench  # noqa: E402
 from attention.kernels import AttentionPlan, layer_scores  # noqa: E402
 from attention.registry import build_mixer, example_cases  # noqa: E402
 from checkpoint import write_json  # noqa: E402
@@ -118,6 +119,9 @@ def run_case(name: str, n: int, b: BenchConfig, device: torch.device) -> dict:
     with torch.device(device):
         mixer = build_mixer(m, m.n_layer - 1)  # the last layer (MSWA's deepest)
     mixer = mixer.to(device)
+    if not isinstance(mixer, KernelBench):
+        raise SystemExit(f"{name}: {type(mixer).__name__} does not expose its kernel: define kernel_inputs and "
+                         "kernel_forward in its module (attention/capabilities.py: KernelBench)")
     inputs = mixer.kernel_inputs(b.batch, n, device, dtype)
     grad = None
 
@@ -152,10 +156,8 @@ def run_case(name: str, n: int, b: BenchConfig, device: torch.device) -> dict:
         peak = max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base)
     backend = backend_of(mixer, n, device)  # after the peak: its plan is the step's memory, not the inputs'
     # what the kernel evaluates against the edges the rule allows: a cost that does not follow the edges shows
-    try:
-        edges = sum(e for _, e in mixer.edge_counts(n)) / m.n_head
-    except NotImplementedError:  # recurrent mixers: no attention edges
-        edges = None
+    # recurrent mixers: a state, no attention edges
+    edges = sum(e for _, e in mixer.edge_counts(n)) / m.n_head if isinstance(mixer, EdgeCounts) else None
     scores = layer_scores(mixer, n, device)[1]
     return {"variant": name, "backend": backend, "n": n, "ms": 1000 * min(times),
             "runs_ms": [round(1000 * t, 1) for t in times], "peak_mib": peak / 2**20,

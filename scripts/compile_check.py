@@ -12,8 +12,8 @@ its own (parallelize.compile_blocks), runs 3 training steps (sa draws a new perm
 with sliding windows switches its window between steps, as stochastic window training does) and one
 evaluation forward, as train.py does, then reads torch._dynamo's counters:
 
-  graph breaks   every break is a failure, except one a layer expects (Mixer.expected_graph_breaks: fla's
-                 Gated DeltaNet kernel, which fla itself keeps out of compiled graphs)
+  graph breaks   every break is a failure, except one a layer expects (expected_graph_breaks in
+                 attention/capabilities.py: fla's Gated DeltaNet kernel, which fla keeps out of compiled graphs)
   graphs         compiled graphs against those expected: one per distinct Mixer.compile_key (layers with equal
                  keys share a graph; a window switch is a new key) in training and one per key in evaluation
                  (grad mode and dropout differ); more is an unexpected recompile, a failure
@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from attention.capabilities import expected_graph_breaks  # noqa: E402
 from attention.registry import example_cases, has_window_layers  # noqa: E402
 from config import ConfigError, ModelConfig, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
 from model import GPT  # noqa: E402
@@ -111,7 +112,7 @@ def check(name: str, c: CheckConfig, device: torch.device, dtype: torch.dtype) -
     with torch.no_grad(), autocast:
         model(x[:, :-1], x[:, 1:])
     breaks = dict(counters["graph_break"])
-    expected_breaks = "; ".join(sorted({b.mixer.expected_graph_breaks(device, dtype) for b in model.blocks} - {""}))
+    expected_breaks = "; ".join(sorted({expected_graph_breaks(b.mixer, device, dtype) for b in model.blocks} - {""}))
     graphs = len(compiled_graphs)
     unexpected_graphs = max(0, graphs - len(keys)) if not expected_breaks else 0
     clean = (not breaks or bool(expected_breaks)) and unexpected_graphs == 0 and all(map(_finite, losses))

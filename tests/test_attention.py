@@ -481,7 +481,7 @@ def test_eager_flex_runs_compiled_even_where_the_caller_forces_eager(monkeypatch
 
 def test_no_registered_variant_builds_an_n_by_n_tensor_on_its_training_path():
     # every mixer under a static edge rule other than plain causal attention (and every recurrent mixer), as its
-    # layer runs it (Mixer.kernel_forward: the plan and kernel training uses), forward and backward; sa's
+    # layer runs it (kernel_forward: the plan and kernel training uses), forward and backward; sa's
     # permuted band has its own test (tests/test_sa.py)
     from attention.registry import RecurrentMixer, build_mixer, example_cases, pattern_names
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from attention import simulate_cuda
+from attention.capabilities import gpu_kernel
 from attention.kernels import plans_in, resolve_backend
 from attention.registry import MIXERS, example_cases, pattern_names
 from config import ModelConfig
@@ -35,13 +36,13 @@ BF16, FLOAT32 = 5e-2, 1e-4
 
 
 def case_config(name: str, gpu_kernels: bool, **overrides) -> ModelConfig:
-    """The case's small model. gpu_kernels: each mixer with a GPU kernel (Mixer.gpu_kernel) is made to use it, as
+    """The case's small model. gpu_kernels: each mixer with a GPU kernel (the mixer's gpu_kernel) is made to use it, as
     the GPU check does on CUDA, so a case whose layers cannot run it fails here instead of training natively;
     else the built-in forms (the reference)."""
     settings = dict(CASES[name])
     for mixer in set(pattern_names(settings["attn_pattern"])):
-        if MIXERS[mixer].gpu_kernel:
-            setting, value = MIXERS[mixer].gpu_kernel[:2]
+        if gpu_kernel(MIXERS[mixer]):
+            setting, value = gpu_kernel(MIXERS[mixer])[:2]
             settings[setting] = value if gpu_kernels else "native"
     return ModelConfig(**{"arch": "llama", "n_layer": 2, "n_head": 4, "n_embd": 64, "bias": False,
                           "block_size": LENGTH, "vocab_size": 128, "dropout": 0.0, **settings, **overrides})
@@ -62,8 +63,8 @@ def simulated_model(name: str, reference: GPT, gpu_kernels: bool = True) -> GPT:
 
 
 def gpu_kernel_packages(model: GPT) -> set:
-    """The packages of the GPU kernels the model's layers train with (Mixer.gpu_kernel)."""
-    return {type(b.mixer).gpu_kernel[2] for b in model.blocks if type(b.mixer).gpu_kernel}
+    """The packages of the GPU kernels the model's layers train with (the mixer's gpu_kernel)."""
+    return {gpu_kernel(type(b.mixer))[2] for b in model.blocks if gpu_kernel(type(b.mixer))}
 
 
 def assert_stand_ins_ran(model: GPT, calls_before) -> None:
@@ -82,8 +83,8 @@ def assert_cuda_kernels(model: GPT) -> None:
             on_cuda = resolve_backend("auto", path.rule, torch.device("cuda"), block.mixer.head_dim)
             assert path.kernel == on_cuda or path.kernel == "window" and on_cuda == "flex", (path.kernel, on_cuda)
             assert not path.cpu_flash  # the chunked kernel, where a rule takes it, as on CUDA
-        if type(block.mixer).gpu_kernel:
-            assert type(block.mixer).gpu_kernel[3] in block.mixer.describe(), block.mixer.describe()
+        if gpu_kernel(type(block.mixer)):
+            assert gpu_kernel(type(block.mixer))[3] in block.mixer.describe(), block.mixer.describe()
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -214,7 +215,7 @@ def test_cached_generation_with_bf16_weights(name):
 
 # ---- the GPU kernels' contracts: their CPU stand-ins under torch.compile, and every custom op's fake kernel ----
 
-GPU_KERNEL_MIXERS = [name for name, cls in MIXERS.items() if cls.gpu_kernel]
+GPU_KERNEL_MIXERS = [name for name, cls in MIXERS.items() if gpu_kernel(cls)]
 
 
 def test_every_custom_op_passes_opcheck_with_its_cpu_stand_in():
