@@ -406,7 +406,7 @@ def open_data(cfg: Config, rt: Runtime, source) -> RunData:
         loss_after = marker[0]
         if not (open_tokens(data_dir, "val")[:1_000_000] == loss_after).any():
             fail(f"loss_after={cfg.data.loss_after!r} never occurs in {data_dir}'s validation text, so no target would "
-                 "count: check the marker, or re-prepare the data (python data/prepare.py) if its format changed",
+                 "count: check the marker, or re-prepare the data (python -m data.prepare) if its format changed",
                  status=2)
     try:
         train_data = WindowSampler(data_dir, "train", m.block_size, t.batch_size, t.gradient_accumulation_steps,

@@ -44,7 +44,7 @@ def prepare_command(data_dir, meta=None):
         options.append("--wikitext_val=test")
     if meta.get("slimpajama_sets"):
         options.append(f"--slimpajama_sets={','.join(meta['slimpajama_sets'])}")
-    return "python data/prepare.py " + " ".join(options) + f" --out_dir={data_dir}"
+    return "python -m data.prepare " + " ".join(options) + f" --out_dir={data_dir}"
 
 
 IDENTITY_KEYS = ("tokenizer", "vocab_size", "eot_id", "vocab_sha256")  # data.tokenizer.Tokenizer.identity()
@@ -72,7 +72,7 @@ def tokenizer_mismatch(expected: dict, data_meta: dict, data_dir, what: str = "t
     return (f"{data_dir} was prepared with the tokenizer {describe(found)}, but {what} uses {describe(expected)}"
             + (" (the same name, another vocabulary)" if same_name else "")
             + f": its numbers would be meaningless; prepare the text with --tokenizer={expected.get('tokenizer')} "
-              "(python data/prepare.py --dataset=... --tokenizer=...)")
+              "(python -m data.prepare --dataset=... --tokenizer=...)")
 
 
 def check_vocabulary(data_dir, meta) -> dict:

@@ -18,7 +18,7 @@ The `recall_near` corpus (`near_documents`) draws the filler from 0 to 100 digit
 value's block and others in the next one, right after a boundary, where only attention that crosses it (a
 bridge, a sliding window, full attention) can answer.
 
-The training data is many such documents (`python data/prepare.py --dataset=recall`, or automatically on
+The training data is many such documents (`python -m data.prepare --dataset=recall`, or automatically on
 first use of data/recall_byte); the `recall` evaluation task (eval/recall.py) draws fresh ones from another
 seed and scores the answer letter. Output is a pure function of (seed, document index), as for the embedded
 corpus.

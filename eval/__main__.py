@@ -8,7 +8,7 @@
 --hf=NAME_OR_PATH evaluates a Hugging Face causal LM instead of a run, with a variant in its attention layers
 (attention/hf.py): any attention key of the model config (--attn_pattern, --swa_window, --block_len,
 --bridge_width, --moba_block, ...) sets it, --hf_decode=full|variant says how generation decodes, and the
-text of --data_dir must be prepared with the model's tokenizer (python data/prepare.py --tokenizer=NAME_OR_PATH).
+text of --data_dir must be prepared with the model's tokenizer (python -m data.prepare --tokenizer=NAME_OR_PATH).
 Results go to --out_dir (default out/hf_<model>_<pattern>).
 
 Tasks:
@@ -135,7 +135,7 @@ def parse(argv) -> tuple[EvalRunConfig, dict]:
             raise ConfigError(f"hf_decode={e.hf_decode!r}: expected full or variant")
         if not e.data_dir:
             raise ConfigError(f"--hf needs --data_dir: text prepared with the model's tokenizer, e.g. python "
-                              f"data/prepare.py --dataset=NAME --tokenizer={e.hf_tokenizer or e.hf}")
+                              f"-m data.prepare --dataset=NAME --tokenizer={e.hf_tokenizer or e.hf}")
         if e.hf_context < 2:
             raise ConfigError(f"hf_context={e.hf_context}: must be >= 2")
         slug = lambda text: "".join(c if c.isalnum() else "_" for c in text.strip("/").split("/")[-1])

@@ -215,7 +215,7 @@ def load_wandb_runs(path: str, names: list[str] | None = None) -> list[dict]:
     except Exception as e:  # no login, no network, or no such project: wandb raises many kinds
         raise CompareError(f"cannot read {path} from wandb ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}): "
                            "without a login or network, compare the local run folders instead "
-                           "(python scripts/compare.py out/RUN_A out/RUN_B ...)") from None
+                           "(python -m scripts.compare out/RUN_A out/RUN_B ...)") from None
     for run in runs:
         if names and run.name not in names:
             continue

@@ -13,7 +13,7 @@ import torch
 from attention import simulate_cuda
 from checkpoint import write_json
 from gpucheck.context import StepContext, outcome
-from gpucheck.options import (BACKEND_CONTEXT, BACKEND_HEADS, BACKEND_WINDOW, FULL, REDUCED, REPO, TOLERANCE,
+from gpucheck.options import (BACKEND_CONTEXT, BACKEND_HEADS, BACKEND_WINDOW, FULL, REDUCED, TOLERANCE,
                               CheckConfig)
 from gpucheck.processes import tail
 
@@ -29,7 +29,7 @@ def step_backends(ctx: StepContext) -> dict:
     paths = [ctx.out / f"backends_{i}.json" for i in range(shards)]
     for path in paths:
         path.unlink(missing_ok=True)
-    command = [ctx.python, str(REPO / "scripts" / "gpu_check.py"), "--worker=backends", f"--device={ctx.device}",
+    command = [ctx.python, "-m", "scripts.gpu_check", "--worker=backends", f"--device={ctx.device}",
                f"--quick={ctx.cfg.quick}", f"--out={ctx.out}"]
     with ThreadPoolExecutor(max_workers=shards) as pool:
         done = list(pool.map(lambda i: ctx.run(command + [f"--shard={i}/{shards}"], f"backends_{i}"), range(shards)))

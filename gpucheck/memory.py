@@ -8,7 +8,7 @@ import torch
 
 from checkpoint import write_json
 from gpucheck.context import StepContext, outcome
-from gpucheck.options import FULL, MEMORY_HEADROOM, MEMORY_RATIO, REDUCED, REPO, CheckConfig
+from gpucheck.options import FULL, MEMORY_HEADROOM, MEMORY_RATIO, REDUCED, CheckConfig
 
 
 # ---- step: memory (the measurement runs in a child process: --worker=memory) --------------------------------
@@ -19,7 +19,7 @@ def step_memory(ctx: StepContext) -> dict:
     building the model and one step, about 30 s. On CPU only the estimate (nothing measures the peak)."""
     path = ctx.out / "memory.json"
     path.unlink(missing_ok=True)
-    done = ctx.run([ctx.python, str(REPO / "scripts" / "gpu_check.py"), "--worker=memory", f"--device={ctx.device}",
+    done = ctx.run([ctx.python, "-m", "scripts.gpu_check", "--worker=memory", f"--device={ctx.device}",
                     f"--quick={ctx.cfg.quick}", f"--out={ctx.out}"], "memory")
     if done.timed_out or done.returncode != 0 or not path.exists():
         return outcome("failed", "the memory measurement failed", None, done.error())

@@ -47,7 +47,7 @@ def run_check(cfg: CheckConfig, device: str, argv: list[str]) -> int:
     out = Path(cfg.out).resolve()  # subprocesses run in the repository
     out.mkdir(parents=True, exist_ok=True)
 
-    run = {**environment(device), "command": shlex.join(["python", "scripts/gpu_check.py", *argv]),
+    run = {**environment(device), "command": shlex.join(["python", "-m", "scripts.gpu_check", *argv]),
            "started": now(), "reduced": reduced, "options": asdict(cfg)}
     report = {"runs": [], "steps": {}}
     if cfg.only and (out / "report.json").exists():

@@ -128,7 +128,7 @@ def step_bench_attention(ctx: StepContext) -> dict:
     at ~300 TFLOP/s) x 6; sa and swa compile one flex kernel pair per length (6 x ~5 s); about 1.5 minutes."""
     path = ctx.out / "bench_attention.json"
     path.unlink(missing_ok=True)
-    done = ctx.run([ctx.python, "scripts/bench_attention.py", f"--device={ctx.device}", *ctx.sizes["bench_attention"],
+    done = ctx.run([ctx.python, "-m", "scripts.bench_attention", f"--device={ctx.device}", *ctx.sizes["bench_attention"],
                     f"--json={path}"], "bench_attention")
     if done.timed_out or done.returncode != 0 or not path.exists():
         return outcome("failed", "scripts/bench_attention.py failed", None, done.error())
@@ -159,7 +159,7 @@ def step_bench_train(ctx: StepContext) -> dict:
     dominates, about a minute. (scripts/bench_train.py alone also measures the 360M recipe.)"""
     path = ctx.out / "bench_train.json"
     path.unlink(missing_ok=True)
-    done = ctx.run([ctx.python, "scripts/bench_train.py", f"--device={ctx.device}", *ctx.sizes["bench_train"],
+    done = ctx.run([ctx.python, "-m", "scripts.bench_train", f"--device={ctx.device}", *ctx.sizes["bench_train"],
                     f"--compile={ctx.device == 'cuda'}", f"--json={path}"], "bench_train")  # CPU: minutes to compile
     if done.timed_out or done.returncode != 0 or not path.exists():
         return outcome("failed", "scripts/bench_train.py failed", None, done.error())
@@ -436,15 +436,12 @@ def step_compile_check(ctx: StepContext) -> dict:
     """scripts/compile_check.py: every registry case (22 today) as a 2-layer model, 3 training steps and an
     evaluation each; with aot_eager (Dynamo's capture and AOTAutograd's backward, no code generation: inductor's
     runs are train_runs) 2-4 s a case, about a minute and a half (inductor: ~15 s a case, 5-6 minutes)."""
-    script = REPO / "scripts" / "compile_check.py"
-    if not script.exists():
-        return outcome("missing", "scripts/compile_check.py does not exist yet: nothing checked")
     if ctx.device == "cpu" and ctx.cfg.quick and not ctx.explicit:
         return outcome("skipped", "skipped in --quick mode on CPU (compiling every mixer on 2 cores takes minutes): "
                                   "name it in --steps to run it")
     path = ctx.out / "compile_check.json"
     path.unlink(missing_ok=True)
-    done = ctx.run([ctx.python, str(script.relative_to(REPO)), f"--device={ctx.device}",
+    done = ctx.run([ctx.python, "-m", "scripts.compile_check", f"--device={ctx.device}",
                     f"--backend={ctx.cfg.compile_check_backend}", f"--json={path}"], "compile_check")
     data = json.loads(path.read_text()) if path.exists() else None
     cases = data["results"] if data else []
@@ -466,7 +463,7 @@ def step_generate(ctx: StepContext) -> dict:
     and 64 decode steps (~1-3 ms each), plus building the models: under a minute."""
     path = ctx.out / "bench_generate.json"
     path.unlink(missing_ok=True)
-    done = ctx.run([ctx.python, "scripts/bench_generate.py", f"--device={ctx.device}", "--variants=swax,full",
+    done = ctx.run([ctx.python, "-m", "scripts.bench_generate", f"--device={ctx.device}", "--variants=swax,full",
                     *ctx.sizes["generate"], f"--json={path}"], "generate")
     if done.timed_out or done.returncode != 0 or not path.exists():
         return outcome("failed", "scripts/bench_generate.py failed", None, done.error())

@@ -1,13 +1,13 @@
 """Forward + backward time and peak memory of the variants' token-mixing kernels against full causal SDPA.
 
-    python scripts/bench_attention.py                                     # CPU: n = 1K..32K, B=1, H=8, d_h=64
-    python scripts/bench_attention.py --device=cuda --batch=16 --heads=16 --dtype=bfloat16 --json=out/bench_gpu.json
-    python scripts/bench_attention.py --variants=swa,block --lengths=4096,16384 --window=128
-    python scripts/bench_attention.py --variants=full,swa,sa,sa_swa --lengths=2048,4096,8192,16384,32768
-    python scripts/bench_attention.py --variants=swa,swat,swat_softmax --lengths=4096,16384
-    python scripts/bench_attention.py --variants=swa,mlstm,gated_deltanet --lengths=2048,4096,8192,16384
-    python scripts/bench_attention.py --variants=block,swa,bridge,pbb,se_bridge --window=128
-    python scripts/bench_attention.py --variants=swa,mlstm:mlstm_chunk=128               # a case with a setting
+    python -m scripts.bench_attention                                     # CPU: n = 1K..32K, B=1, H=8, d_h=64
+    python -m scripts.bench_attention --device=cuda --batch=16 --heads=16 --dtype=bfloat16 --json=out/bench_gpu.json
+    python -m scripts.bench_attention --variants=swa,block --lengths=4096,16384 --window=128
+    python -m scripts.bench_attention --variants=full,swa,sa,sa_swa --lengths=2048,4096,8192,16384,32768
+    python -m scripts.bench_attention --variants=swa,swat,swat_softmax --lengths=4096,16384
+    python -m scripts.bench_attention --variants=swa,mlstm,gated_deltanet --lengths=2048,4096,8192,16384
+    python -m scripts.bench_attention --variants=block,swa,bridge,pbb,se_bridge --window=128
+    python -m scripts.bench_attention --variants=swa,mlstm:mlstm_chunk=128               # a case with a setting
 
 A variant is any case of the mixer registry (attention/registry.py: example_cases: every registered mixer with
 its example settings at --window, each of its check_variants such as swat_softmax or pbb_union), optionally
@@ -35,7 +35,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if not __package__:  # run as a file, the project's modules cannot be imported: say how to run it
+    sys.exit("run it from the repository root as a module: python -m scripts.bench_attention ...")
 
 from attention.capabilities import EdgeCounts, KernelBench  # noqa: E402
 from attention.kernels import AttentionPlan, layer_scores  # noqa: E402
@@ -199,8 +200,9 @@ def main(argv):
                 env = dict(os.environ)
                 if b.cpu_malloc == "keep":
                     env.update(MALLOC_MMAP_THRESHOLD_=str(2**31), MALLOC_TRIM_THRESHOLD_=str(2**31))
-                proc = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, f"--case={name}:{n}"],
-                                      capture_output=True, text=True, env=env)
+                proc = subprocess.run([sys.executable, "-m", "scripts.bench_attention", *argv, f"--case={name}:{n}"],
+                                      capture_output=True, text=True, env=env,
+                                      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
                 if proc.returncode != 0:
                     raise SystemExit(f"case {name}:{n} failed:\n{proc.stderr[-2000:]}")
                 r = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -1,8 +1,8 @@
 """Quick-start training throughput on the CPU on a quiet machine and beside busy processes, under each OpenMP
 setting: how much a busy machine slows CPU training, and what the default (machine.passive_openmp) keeps.
 
-    python scripts/bench_busy_cpu.py                        # 60 steps, 2 repeats, one busy process
-    python scripts/bench_busy_cpu.py --steps=100 --repeats=3 --busy=1 --json=out/bench_busy_cpu.json
+    python -m scripts.bench_busy_cpu                        # 60 steps, 2 repeats, one busy process
+    python -m scripts.bench_busy_cpu --steps=100 --repeats=3 --busy=1 --json=out/bench_busy_cpu.json
 
 Each measurement is `python train.py configs/quickstart.py` for --steps steps in a fresh process (tokens/s over
 the steps after the first log interval); "busy" starts --busy processes that spin one core each beside it. The
@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+if not __package__:  # run as a file, the project's modules cannot be imported: say how to run it
+    sys.exit("run it from the repository root as a module: python -m scripts.bench_busy_cpu ...")
 
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
 from outputs import write_json  # noqa: E402

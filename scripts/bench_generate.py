@@ -1,7 +1,7 @@
 """Generation speed and memory at long contexts: tokens/s of cached decoding and the state it keeps.
 
-    python scripts/bench_generate.py                                   # CPU: swax vs full at 1K and 8K context
-    python scripts/bench_generate.py --device=cuda --dtype=bfloat16 --n_layer=24 --n_embd=2048 --n_head=16 \
+    python -m scripts.bench_generate                                   # CPU: swax vs full at 1K and 8K context
+    python -m scripts.bench_generate --device=cuda --dtype=bfloat16 --n_layer=24 --n_embd=2048 --n_head=16 \
         --contexts=8192,32768 --json=out/bench_generate_gpu.json
 
 Each model (random weights; speed does not depend on them) reads a prompt of `context` tokens once (prefill),
@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if not __package__:  # run as a file, the project's modules cannot be imported: say how to run it
+    sys.exit("run it from the repository root as a module: python -m scripts.bench_generate ...")
 
 from attention.cache import state_bytes  # noqa: E402
 from checkpoint import write_json  # noqa: E402

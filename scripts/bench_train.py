@@ -1,9 +1,9 @@
 """Training throughput (tokens/s, and MFU on GPUs) of model configs, on synthetic tokens.
 
-    python scripts/bench_train.py                                   # CPU: 124M gpt2 and 360M llama at 2 layers
-    python scripts/bench_train.py --device=cuda --n_layer=0 --compile=True   # GPU: full depth
-    python scripts/bench_train.py --configs=configs/bridges/owt_124m_full.py --batch_size=4 --json=out/bench.json
-    python scripts/bench_train.py --n_layer=0 --compile=True --batch_size=16 --activation_checkpointing=selective \
+    python -m scripts.bench_train                                   # CPU: 124M gpt2 and 360M llama at 2 layers
+    python -m scripts.bench_train --device=cuda --n_layer=0 --compile=True   # GPU: full depth
+    python -m scripts.bench_train --configs=configs/bridges/owt_124m_full.py --batch_size=4 --json=out/bench.json
+    python -m scripts.bench_train --n_layer=0 --compile=True --batch_size=16 --activation_checkpointing=selective \
         --loss_chunk=4096
 
 Each step is a forward, backward and AdamW update at the config's block_size; the first warmup steps are
@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if not __package__:  # run as a file, the project's modules cannot be imported: say how to run it
+    sys.exit("run it from the repository root as a module: python -m scripts.bench_train ...")
 
 from checkpoint import write_json  # noqa: E402
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error, load_config  # noqa: E402

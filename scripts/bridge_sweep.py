@@ -1,9 +1,9 @@
 """Paper 004's comparison: the six attention families x seeds, trained, diagnosed, and tabulated as the paper does.
 
-    python scripts/bridge_sweep.py --scale=cpu --seeds=1337                       # minutes per model on a CPU
-    python scripts/bridge_sweep.py --scale=cpu_recall --seeds=1337                # retrieval, answer-only training
-    python scripts/bridge_sweep.py --scale=124m --seeds=1337,2025,3047            # App. D's setting, on GPUs
-    python scripts/bridge_sweep.py --scale=cpu --tables_only                      # re-tabulate finished runs
+    python -m scripts.bridge_sweep --scale=cpu --seeds=1337                       # minutes per model on a CPU
+    python -m scripts.bridge_sweep --scale=cpu_recall --seeds=1337                # retrieval, answer-only training
+    python -m scripts.bridge_sweep --scale=124m --seeds=1337,2025,3047            # App. D's setting, on GPUs
+    python -m scripts.bridge_sweep --scale=cpu --tables_only                      # re-tabulate finished runs
 
 Trains configs/bridges/bridges_cpu_<family>.py (or configs/bridges/owt_124m_<family>.py) for every seed with scripts/sweep.py
 (finished runs are kept, interrupted ones resumed), evaluates each with `python -m eval --tasks=ppl,diagnostics`,
@@ -30,7 +30,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a file, the project's modules cannot be imported: say how to run it
+    sys.exit("run it from the repository root as a module: python -m scripts.bridge_sweep ...")
 
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
 from outputs import atomic_write, save_figure, write_json  # noqa: E402
@@ -347,10 +348,10 @@ def main(argv):
     out = Path(args.out or f"out/sweeps/bridges_{args.scale}")
     configs = [CONFIGS[args.scale].format(f) for f in families]
     if not args.tables_only:
-        command = [sys.executable, str(REPO / "scripts" / "sweep.py"), *configs, f"--out={out}",
+        command = [sys.executable, "-m", "scripts.sweep", *configs, f"--out={out}",
                    f"--seeds={args.seeds}", f"--eval={args.eval or EVAL[args.scale]}"] + ([f"--extra={args.extra}"] if args.extra else [])
         print("+ " + shlex.join(command), flush=True)
-        subprocess.run(command, check=True)
+        subprocess.run(command, check=True, cwd=REPO)
     runs = {}
     for family, config in zip(families, configs):
         for seed in seeds:
@@ -362,7 +363,7 @@ def main(argv):
     if not runs:
         sys.exit(f"no finished runs in {out}")
     text, data = tables(runs)
-    command = "python scripts/bridge_sweep.py " + " ".join(shlex.quote(a) for a in argv)
+    command = "python -m scripts.bridge_sweep " + " ".join(shlex.quote(a) for a in argv)
     atomic_write(out / "tables.md", lambda f: f.write(f"# Paper 004 comparison\n\nCommand: `{command}`\n\n{text}".encode()))
     write_json({"command": command, **data}, out / "tables.json")
     pngs = figures(runs, out)

@@ -1,11 +1,11 @@
 """Compare training runs: one markdown table, seed groups, plots and paired statistics.
 
-    python scripts/compare.py out/full_s1 out/full_s2 out/swa_s1                 # table of runs and seed groups
-    python scripts/compare.py out/*/ --plot --out out/compare                    # + PNGs and compare.md
-    python scripts/compare.py --paired out/full_s1 out/swa_s1 --task niah        # McNemar + bootstrap on examples
-    python scripts/compare.py --paired out/full_s1 out/swa_s1 --task ppl --key nll   # per window: sign test
-    python scripts/compare.py out/block_s* out/bridge_s* --position_gain block_s1    # NLL gain by position
-    python scripts/compare.py --wandb ENTITY/PROJECT --runs full_s1,swa_s1       # the same table from wandb
+    python -m scripts.compare out/full_s1 out/full_s2 out/swa_s1                 # table of runs and seed groups
+    python -m scripts.compare out/*/ --plot --out out/compare                    # + PNGs and compare.md
+    python -m scripts.compare --paired out/full_s1 out/swa_s1 --task niah        # McNemar + bootstrap on examples
+    python -m scripts.compare --paired out/full_s1 out/swa_s1 --task ppl --key nll   # per window: sign test
+    python -m scripts.compare out/block_s* out/bridge_s* --position_gain block_s1    # NLL gain by position
+    python -m scripts.compare --wandb ENTITY/PROJECT --runs full_s1,swa_s1       # the same table from wandb
 
 A run folder is a train.py out_dir (config.json, metrics.jsonl, eval/<task>.json). The table shows the config
 keys that differ across the runs, parameters, tokens seen, the best validation and final training losses and one
@@ -18,7 +18,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a file, the project's modules cannot be imported: say how to run it
+    sys.exit("run it from the repository root as a module: python -m scripts.compare ...")
 
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
 from eval.compare import (CompareError, build_tables, load_local_run, load_wandb_runs, paired,  # noqa: E402

@@ -1,9 +1,9 @@
 """Compile a small model per mixer as train.py does and count graph breaks and unexpected recompiles.
 
-    python scripts/compile_check.py                          # every mixer, inductor, on CUDA when available
-    python scripts/compile_check.py --mixers=swa,sa,swax --device=cpu
-    python scripts/compile_check.py --backend=aot_eager      # Dynamo + AOTAutograd only: no code generation (fast)
-    python scripts/compile_check.py --json=out/compile_check.json
+    python -m scripts.compile_check                          # every mixer, inductor, on CUDA when available
+    python -m scripts.compile_check --mixers=swa,sa,swax --device=cpu
+    python -m scripts.compile_check --backend=aot_eager      # Dynamo + AOTAutograd only: no code generation (fast)
+    python -m scripts.compile_check --json=out/compile_check.json
 
 Every case of the mixer registry is checked (attention/registry.py: example_cases: each registered mixer with
 its example settings, each of its check_variants such as pbb_union, and each pattern alias such as swax). Each
@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if not __package__:  # run as a file, the project's modules cannot be imported: say how to run it
+    sys.exit("run it from the repository root as a module: python -m scripts.compile_check ...")
 
 from attention.capabilities import expected_graph_breaks  # noqa: E402
 from attention.registry import example_cases, has_window_layers  # noqa: E402

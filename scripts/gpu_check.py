@@ -3,14 +3,14 @@ settings a GPU run depends on (compiled, bf16 and fp16, activation checkpointing
 measured memory against the planner, pretrained models, every attention backend against the dense reference,
 and the benchmarks, with one report to paste into docs/benchmarks.md.
 
-    python scripts/gpu_check.py --plan                                   # budgets from counted compilations
-    python scripts/gpu_check.py                                          # the steps that fit 20 minutes on one H100
-    python scripts/gpu_check.py --only=backends,bench_attention          # the rest, as --plan prints it
-    python scripts/gpu_check.py --steps=preflight,gpu_tests,train_runs   # a subset, into a fresh report
-    python scripts/gpu_check.py --only=resume,memory                     # rerun these steps into the same report
-    python scripts/gpu_check.py --steps=train_runs --runs=sa,swat        # other training runs than the grid's
-    python scripts/gpu_check.py --device=cpu --quick                     # reduced sizes on CPU (checks this script)
-    EFFICIENT_ATTENTION_SIMULATE_CUDA=1 python scripts/gpu_check.py --device=cpu --quick   # CUDA's path on the CPU
+    python -m scripts.gpu_check --plan                                   # budgets from counted compilations
+    python -m scripts.gpu_check                                          # the steps that fit 20 minutes on one H100
+    python -m scripts.gpu_check --only=backends,bench_attention          # the rest, as --plan prints it
+    python -m scripts.gpu_check --steps=preflight,gpu_tests,train_runs   # a subset, into a fresh report
+    python -m scripts.gpu_check --only=resume,memory                     # rerun these steps into the same report
+    python -m scripts.gpu_check --steps=train_runs --runs=sa,swat        # other training runs than the grid's
+    python -m scripts.gpu_check --device=cpu --quick                     # reduced sizes on CPU (checks this script)
+    EFFICIENT_ATTENTION_SIMULATE_CUDA=1 python -m scripts.gpu_check --device=cpu --quick   # CUDA's path on the CPU
 
 Steps, riskiest first (what a first GPU run is most likely to find broken runs while the budget is fresh):
 
@@ -55,12 +55,11 @@ split over several commands, each within a time limit: --plan suggests the split
 """
 
 import sys
-from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+if not __package__:  # run as a file, the project's modules cannot be imported: say how to run it
+    sys.exit("run it from the repository root as a module: python -m scripts.gpu_check ...")
 
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
 from gpucheck.backends import backends_worker  # noqa: E402
@@ -147,14 +146,14 @@ def print_plan(cfg: CheckConfig) -> None:
         print(f"left to a second command ({later / 60:.1f} minutes: the benchmarks, and checks that the steps "
               f"above or the test suite's simulated CUDA path cover in part):")
         for part in plan_parts(rest, CALL_LIMIT_S / cfg.budget_scale):
-            print(f"  python scripts/gpu_check.py --only={','.join(part)}")
+            print(f"  python -m scripts.gpu_check --only={','.join(part)}")
     parts = plan_parts(names, CALL_LIMIT_S / cfg.budget_scale)
     if len(parts) > 1:
         print(f"the check in commands of at most {CALL_LIMIT_S / 60:.0f} minutes each:")
         first = True
         for part in parts:
             option = "--steps" if first else "--only"
-            print(f"  python scripts/gpu_check.py {option}={','.join(part)}")
+            print(f"  python -m scripts.gpu_check {option}={','.join(part)}")
             first = False
 
 

@@ -1,7 +1,7 @@
 """Score accounting and receptive fields of a model config's attention layers (paper 004, Table 2 style).
 
-    python scripts/mask_stats.py configs/quickstart.py --seq_len=1024 --attn_pattern=swa --swa_window=128
-    python scripts/mask_stats.py configs/quickstart.py --seq_len=1024 --attn_pattern=block --json
+    python -m scripts.mask_stats configs/quickstart.py --seq_len=1024 --attn_pattern=swa --swa_window=128
+    python -m scripts.mask_stats configs/quickstart.py --seq_len=1024 --attn_pattern=block --json
 
 Per layer and head: the attention scores the variant computes (branch form: every score of every
 separately normalised branch) and its unique allowed edges (union form), with their ratios to full causal
@@ -15,13 +15,13 @@ config as in train.py.
 
 import dataclasses
 import json
-import os
 import sys
 from dataclasses import dataclass
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if not __package__:  # run as a file, the project's modules cannot be imported: say how to run it
+    sys.exit("run it from the repository root as a module: python -m scripts.mask_stats ...")
 
 from attention.capabilities import EdgeCounts, Reachability, head_windows, write_back_coverage  # noqa: E402
 from attention.edges import Causal, SlidingWindow  # noqa: E402
@@ -112,7 +112,7 @@ def parse(argv) -> tuple[MaskStatsConfig, list[str]]:
         raise ConfigError(f"receptive_field={args.receptive_field!r}: expected auto, yes or no")
     files = config_files(overrides)
     if not args.config and not files:
-        raise ConfigError("no model config: python scripts/mask_stats.py CONFIG.py --seq_len=N [--key=value ...]")
+        raise ConfigError("no model config: python -m scripts.mask_stats CONFIG.py --seq_len=N [--key=value ...]")
     if not args.config:  # the first config file given positionally is the one reported
         args.config = files[0]
         overrides.remove(files[0])

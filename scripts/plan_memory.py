@@ -1,9 +1,9 @@
 """Per-GPU memory of a training config under DDP or FSDP, and the largest micro-batch that fits a GPU.
 
-    python scripts/plan_memory.py configs/swax/swax_1p4b_stochastic.py --gpu_mem_gb=80 --world_size=8
-    python scripts/plan_memory.py configs/sa/slimpajama_360m_sa_swa.py --world_size=4 --json=out/plan.json
-    python scripts/plan_memory.py configs/swax/swax_7b_stochastic.py --world_size=8       # parallelism=fsdp: sharded
-    python scripts/plan_memory.py configs/bridges/owt_124m_pbb.py --batch_size=16 --activation_checkpointing=full
+    python -m scripts.plan_memory configs/swax/swax_1p4b_stochastic.py --gpu_mem_gb=80 --world_size=8
+    python -m scripts.plan_memory configs/sa/slimpajama_360m_sa_swa.py --world_size=4 --json=out/plan.json
+    python -m scripts.plan_memory configs/swax/swax_7b_stochastic.py --world_size=8       # parallelism=fsdp: sharded
+    python -m scripts.plan_memory configs/bridges/owt_124m_pbb.py --batch_size=16 --activation_checkpointing=full
 
 Weights, gradients, AdamW state and autocast copies under DDP or FSDP, then one micro-batch's activations
 under each activation checkpointing mode, and the largest micro-batch (with the gradient_accumulation_steps
@@ -23,7 +23,8 @@ torch.cuda reports them; --gpu_mem_gb is in the same unit. Extra
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if not __package__:  # run as a file, the project's modules cannot be imported: say how to run it
+    sys.exit("run it from the repository root as a module: python -m scripts.plan_memory ...")
 
 from config import (HELP_FLAGS, ConfigError, apply_args, config_files, dataclass_fields,  # noqa: E402
                     exit_on_config_error, print_help, split_args)
@@ -43,7 +44,7 @@ def parse(argv) -> tuple[PlanOptions, list[str]]:
     mine, rest = split_args(argv, own)
     apply_args(options, mine, own)
     if not config_files(rest):
-        raise ConfigError("give a config file, e.g. python scripts/plan_memory.py configs/bridges/owt_124m_full.py")
+        raise ConfigError("give a config file, e.g. python -m scripts.plan_memory configs/bridges/owt_124m_full.py")
     if options.gpu_mem_gb <= 0 or options.world_size < 1 or not 0 <= options.headroom < 1:
         raise ConfigError("need gpu_mem_gb > 0, world_size >= 1 and 0 <= headroom < 1")
     if options.kernels not in ("cuda", "cpu"):

@@ -1,7 +1,7 @@
 """Train a list of configs (x seeds), optionally evaluate them, and write one comparison table.
 
-    python scripts/sweep.py configs/mswa/mswa_cpu_swa.py configs/mswa/mswa_cpu_mswa.py --out=out/sweeps/mswa_table2
-    python scripts/sweep.py configs/mswa/mswa_cpu_*.py --seeds=1337,2025 --eval="--tasks=ppl --ppl_lengths=64,256"
+    python -m scripts.sweep configs/mswa/mswa_cpu_swa.py configs/mswa/mswa_cpu_mswa.py --out=out/sweeps/mswa_table2
+    python -m scripts.sweep configs/mswa/mswa_cpu_*.py --seeds=1337,2025 --eval="--tasks=ppl --ppl_lengths=64,256"
 
 Each run goes to OUT/<config name>_s<seed>; a run whose ckpt_last.pt (or sharded ckpt_last/) already reached max_iters is kept, one
 with a checkpoint short of it is resumed, and one killed before its first checkpoint starts again (its partial
@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+if not __package__:  # run as a file, the project's modules cannot be imported: say how to run it
+    sys.exit("run it from the repository root as a module: python -m scripts.sweep ...")
 
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
 from run_folder import holds_run, read_metrics  # noqa: E402
@@ -51,7 +52,7 @@ def parse(argv) -> SweepConfig:
     args = SweepConfig()
     apply_args(args, argv, dataclass_fields(SweepConfig), positional="configs")
     if not args.configs:
-        raise ConfigError("no configs: python scripts/sweep.py CONFIG.py [CONFIG.py ...] [--out=...]")
+        raise ConfigError("no configs: python -m scripts.sweep CONFIG.py [CONFIG.py ...] [--out=...]")
     missing = [c for c in args.configs.split(",") if not (REPO / c).exists() and not Path(c).exists()]
     if missing:
         raise ConfigError(f"config file(s) not found: {', '.join(missing)}")
@@ -90,11 +91,11 @@ def main(argv):
             print(f"[sweep] {name}: trained in {time.time() - started:.0f} s", flush=True)
             if args.eval:
                 evaluate(run_dir, args.eval)
-    table = subprocess.run([sys.executable, "scripts/compare.py", *map(str, runs), "--plot", "--out", str(out)],
+    table = subprocess.run([sys.executable, "-m", "scripts.compare", *map(str, runs), "--plot", "--out", str(out)],
                            cwd=REPO, capture_output=True, text=True)
     if table.returncode != 0:
         sys.exit(f"[sweep] compare.py failed:\n{table.stderr}")
-    command = " ".join(["python", "scripts/sweep.py", *map(shlex.quote, argv)])
+    command = " ".join(["python", "-m", "scripts.sweep", *map(shlex.quote, argv)])
     (out / "results.md").write_text(f"# Sweep results\n\nCommand: `{command}`\n\n{table.stdout}")
     print(table.stdout)
     print(f"[sweep] wrote {out / 'results.md'} and plots in {out}")

@@ -1,13 +1,13 @@
 """The attention variants of the registry as a markdown table: name, paper, which keys a query attends to, and
 the settings each declares (with their defaults). README.md's table is this output (a test checks it).
 
-    python scripts/variants.py
+    python -m scripts.variants
 """
 
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if not __package__:  # run as a file, the project's modules cannot be imported: say how to run it
+    sys.exit("run it from the repository root as a module: python -m scripts.variants ...")
 
 from attention.registry import MIXERS, PATTERN_ALIASES, Setting  # noqa: E402
 from outputs import markdown_table  # noqa: E402

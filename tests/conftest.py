@@ -9,7 +9,6 @@ from torch.overrides import TorchFunctionMode
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
-sys.path.insert(0, str(REPO))
 os.environ.setdefault("WANDB_MODE", "offline")  # tests never reach the network
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # xdist workers (one per core) and their subprocesses share the cores
 
@@ -189,7 +188,7 @@ def load_script(name: str):
     """scripts/NAME.py as a fresh module, to call its functions in this process."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(f"script_{name}", REPO / "scripts" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"scripts.{name}", REPO / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses (the scripts' typed configs) look their module up there
     spec.loader.exec_module(module)

@@ -327,7 +327,7 @@ def test_attention_config_errors(args, message):
 def test_mask_stats_reproduces_the_score_counts_of_004_table_2():
     counts = {}
     for pattern in ("full", "swa", "block"):
-        proc = subprocess.run([sys.executable, "scripts/mask_stats.py", "--config", "configs/quickstart.py",
+        proc = subprocess.run([sys.executable, "-m", "scripts.mask_stats", "--config", "configs/quickstart.py",
                                "--seq_len", "1024", "--json", f"--attn_pattern={pattern}", "--swa_window=128",
                                "--block_len=128", "--n_layer=2"], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
@@ -376,7 +376,7 @@ def test_the_kernels_scores_are_counted_against_the_edges_so_a_costly_rule_shows
     assert block_layout > 20 and ratios["fixed", "chunked"] < 2.5 and ratios["fixed", "flex"] < 3.5
     dense = plan_attention(SlidingWindow(256), "dense", n, heads, 64, "cpu")
     assert computed_scores(dense, heads) == heads * n * n
-    proc = subprocess.run([sys.executable, "scripts/mask_stats.py", "--config", "configs/quickstart.py", "--seq_len",
+    proc = subprocess.run([sys.executable, "-m", "scripts.mask_stats", "--config", "configs/quickstart.py", "--seq_len",
                            "1024", "--json", "--attn_pattern=swa", "--swa_window=128", "--n_layer=1",
                            "--receptive_field=no"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -514,7 +514,7 @@ def test_a_union_with_far_keys_takes_its_local_rules_chunk():
 @pytest.mark.e2e
 def test_bench_attention_runs_cases_with_settings_on_the_cpu(tmp_path):
     """The documented CASE:KEY=VALUE form, for a built-in case: measured in its own process like any other."""
-    proc = subprocess.run([sys.executable, "scripts/bench_attention.py", "--variants=swa:swa_window=32,block",
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench_attention", "--variants=swa:swa_window=32,block",
                            "--lengths=128", "--repeats=1", f"--json={tmp_path / 'bench.json'}"], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]

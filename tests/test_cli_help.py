@@ -11,9 +11,9 @@ import pytest
 from config import Config, dataclass_fields, field_help, options_text
 from conftest import REPO
 
-SCRIPTS = sorted(str(p.relative_to(REPO)) for p in Path(REPO, "scripts").glob("*.py"))
+SCRIPTS = sorted(f"scripts.{p.stem}" for p in Path(REPO, "scripts").glob("*.py") if p.stem != "__init__")
 ENTRY_POINTS = [["train.py"], ["sample.py"], ["export.py"], ["-m", "eval"], ["-m", "eval.coverage"],
-                ["data/prepare.py"], *([script] for script in SCRIPTS)]
+                ["-m", "data.prepare"], *(["-m", script] for script in SCRIPTS)]
 
 
 def test_the_options_list_every_field_with_its_default_and_its_comment():
@@ -59,7 +59,7 @@ def test_every_entry_point_prints_its_options_on_help():
     assert set(results) == {" ".join(entry) for entry in ENTRY_POINTS}
     for entry, (code, text) in results.items():
         assert code in (0, None) and text.strip(), (entry, code, text[:500])
-        assert entry == "scripts/variants.py" or "usage" in text.lower(), entry
+        assert entry == "-m scripts.variants" or "usage" in text.lower(), entry
     for key in dataclass_fields(type(Config().train)):
         assert f"--{key}=" in results["train.py"][1]
     assert "--temperature=float (default 0.8)" in results["sample.py"][1] and "0: greedy" in results["sample.py"][1]

@@ -15,7 +15,6 @@ from conftest import load_script
 from eval.stats import mcnemar_exact, mean_std, paired_bootstrap_ci, paired_comparison
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPT = REPO / "scripts" / "compare.py"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 # ---- fake runs --------------------------------------------------------------------------------------------
@@ -78,7 +77,7 @@ def runs(tmp_path):
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], cwd=REPO, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "scripts.compare", *map(str, args)], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
 
 

@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.filterwarnings("ignore:flex_attention called without t
 
 
 def run_compile_check(*args):
-    proc = subprocess.run([sys.executable, "scripts/compile_check.py", "--device=cpu", *args], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "scripts.compile_check", "--device=cpu", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     return proc, proc.stdout
 

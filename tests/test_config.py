@@ -124,7 +124,7 @@ def test_the_readme_variant_table_is_the_registrys():
 
     table = load_script("variants").variants_table()
     readme = (REPO / "README.md").read_text()
-    assert table in readme, "README.md's variant table differs from the registry's: paste python scripts/variants.py"
+    assert table in readme, "README.md's variant table differs from the registry's: paste python -m scripts.variants"
     from attention.registry import MIXERS
 
     # every documented variant (one with a summary) is in the table; one being written, without, is left out (a

@@ -16,13 +16,12 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
-import data.prepare as prepare_module  # noqa: E402
-from data.embedded import documents  # noqa: E402
-from data.meta import DataError, load_meta, open_tokens, prepare_generated_if_missing, unigram_entropy  # noqa: E402
-from data.prepare import main, prepare  # noqa: E402
-from data.tokenizer import TokenizerUnavailable, get_tokenizer, vocab_dtype  # noqa: E402
+import data.prepare as prepare_module
+from data.embedded import documents
+from data.meta import DataError, load_meta, open_tokens, prepare_generated_if_missing, unigram_entropy
+from data.prepare import main, prepare
+from data.tokenizer import TokenizerUnavailable, get_tokenizer, vocab_dtype
 
 TEXT = "Hello, wörld! Ünïcode: 日本語, emoji 🙂, and a literal <|endoftext|>.\nSecond line\n\n\tIndented third."
 SETS = ["RedPajamaC4", "RedPajamaWikipedia", "RedPajamaC4", "RedPajamaGithub"]
@@ -331,7 +330,7 @@ def test_load_meta_catches_missing_or_broken_meta(prepared, tmp_path):
     with pytest.raises(DataError, match="lacks vocab_size, eot_id, dtype"):
         load_meta(prepared)
     (prepared / "meta.json").unlink()
-    with pytest.raises(DataError, match=r"meta\.json is missing.*python data/prepare\.py"):
+    with pytest.raises(DataError, match=r"meta\.json is missing.*python -m data\.prepare"):
         load_meta(prepared)
 
 
@@ -426,20 +425,22 @@ def test_unreachable_hub_gives_plain_error_and_writes_nothing(tmp_path, monkeypa
 
 
 @pytest.mark.e2e
-def test_cli_runs_as_a_script_and_as_a_module(tmp_path):
+def test_cli_runs_as_a_module_and_says_so_when_run_as_a_file(tmp_path):
     source = tmp_path / "tiny.txt"
     source.write_text(TEXT * 20, encoding="utf-8")
-    for command in (["data/prepare.py"], ["-m", "data.prepare"]):
-        out = tmp_path / command[-1].replace("/", "_")
-        result = subprocess.run(
-            [sys.executable, *command, f"--dataset={source}", "--tokenizer=byte", f"--out_dir={out}", "--num_proc=1"],
-            cwd=REPO, capture_output=True, text=True, timeout=120)
-        assert result.returncode == 0, result.stderr
-        assert "tokens" in result.stdout and str(out.name) in result.stdout
-        assert "tokenising" not in result.stderr  # a progress bar only on a terminal, never in a log
-        assert load_meta(out)["train_tokens"] + load_meta(out)["val_tokens"] == len((TEXT * 20).encode()) + 1
+    out = tmp_path / "tiny"
+    result = subprocess.run(
+        [sys.executable, "-m", "data.prepare", f"--dataset={source}", "--tokenizer=byte", f"--out_dir={out}",
+         "--num_proc=1"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "tokens" in result.stdout and str(out.name) in result.stdout
+    assert "tokenising" not in result.stderr  # a progress bar only on a terminal, never in a log
+    assert load_meta(out)["train_tokens"] + load_meta(out)["val_tokens"] == len((TEXT * 20).encode()) + 1
+    as_file = subprocess.run([sys.executable, "data/prepare.py", f"--dataset={source}"], cwd=REPO,
+                             capture_output=True, text=True, timeout=120)
+    assert as_file.returncode == 1 and "python -m data.prepare" in as_file.stderr, as_file.stderr
 
-    result = subprocess.run([sys.executable, "data/prepare.py", f"--dataset={tmp_path / 'missing.txt'}"],
+    result = subprocess.run([sys.executable, "-m", "data.prepare", f"--dataset={tmp_path / 'missing.txt'}"],
                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and "no files were found" in result.stderr and "Traceback" not in result.stderr
 
@@ -694,7 +695,7 @@ def test_ctrl_c_during_prepare_is_one_line_and_keeps_the_data(prepared, tmp_path
     big = write_jsonl(tmp_path / "big.jsonl", [{"text": f"document {i} of a long corpus to tokenise. " * 8}
                                                for i in range(100_000)])
     before = {p.name: p.read_bytes() for p in Path(prepared).iterdir()}
-    proc = subprocess.Popen([sys.executable, "data/prepare.py", f"--dataset={big}", f"--out_dir={prepared}",
+    proc = subprocess.Popen([sys.executable, "-m", "data.prepare", f"--dataset={big}", f"--out_dir={prepared}",
                              "--num_proc=1"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
     while not list(Path(prepared).glob(".tmp-*")) and time.time() < deadline:  # tokenising has begun

@@ -118,7 +118,7 @@ def test_one_command_runs_every_diagnostic_and_one_compares_two_checkpoints(tmp_
     assert offsets == [f"offset={o}" for o in range(-32, 32)]  # token resolution around the boundary (h = 32)
     assert "| diagnostics" not in (runs["pbb"] / "eval" / "summary.md").read_text()  # the markdown table
     assert "| probe | cell | n | accuracy |" in (runs["pbb"] / "eval" / "summary.md").read_text()
-    proc = subprocess.run([sys.executable, "scripts/compare.py", "--paired", str(runs["pbb"]), str(runs["block"]),
+    proc = subprocess.run([sys.executable, "-m", "scripts.compare", "--paired", str(runs["pbb"]), str(runs["block"]),
                            "--task", "diagnostics", "--by", "probe", "--out", str(tmp_path / "cmp")],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -265,7 +265,7 @@ def other_data(tmp_path_factory):
     text = folder / "essay.txt"
     text.write_text("\n\n".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog, {i} times." * 3
                                 for i in range(60)))
-    subprocess.run([sys.executable, "data/prepare.py", f"--dataset={text}", f"--out_dir={folder / 'essay'}",
+    subprocess.run([sys.executable, "-m", "data.prepare", f"--dataset={text}", f"--out_dir={folder / 'essay'}",
                     "--val_fraction=0.2"], cwd=REPO, check=True, capture_output=True, timeout=120)
     return folder / "essay"
 

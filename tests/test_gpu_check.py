@@ -28,7 +28,7 @@ def step_context(out: Path, device: str, cfg=None, budget_s: float = 60, explici
 
 
 def gpu_check(out, *args, timeout=600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "scripts/gpu_check.py", "--device=cpu", "--quick", f"--out={out}", *args],
+    return subprocess.run([sys.executable, "-m", "scripts.gpu_check", "--device=cpu", "--quick", f"--out={out}", *args],
                           cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
@@ -138,7 +138,7 @@ def test_a_failing_step_is_recorded_and_the_next_one_still_runs(tmp_path):
                                            (["--steps=memory", "--only=resume"], "not both")])
 @pytest.mark.e2e
 def test_bad_options_exit_with_status_2(tmp_path, args, message):
-    proc = subprocess.run([sys.executable, "scripts/gpu_check.py", f"--out={tmp_path}", *args], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "scripts.gpu_check", f"--out={tmp_path}", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert not (tmp_path / "report.json").exists()
@@ -146,7 +146,7 @@ def test_bad_options_exit_with_status_2(tmp_path, args, message):
 
 @pytest.mark.e2e
 def test_plan_fits_20_minutes_on_one_h100_with_budgets_from_counted_compilations(tmp_path):
-    proc = subprocess.run([sys.executable, "scripts/gpu_check.py", "--plan", f"--out={tmp_path}"], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "scripts.gpu_check", "--plan", f"--out={tmp_path}"], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     total = next(line for line in proc.stdout.splitlines() if line.startswith("total"))

@@ -266,7 +266,7 @@ def test_the_gpu_checks_setting_runs_and_resume_on_the_simulated_cuda_path(tmp_p
     window = options.REDUCED["train_runs"]["window"]
     base = next(iter(options.train_runs(window)))
     settings = [f"{base}_{setting}" for setting in options.SETTING_RUNS]
-    proc = subprocess.run([sys.executable, "scripts/gpu_check.py", "--device=cpu", "--quick", f"--out={tmp_path}",
+    proc = subprocess.run([sys.executable, "-m", "scripts.gpu_check", "--device=cpu", "--quick", f"--out={tmp_path}",
                            "--steps=train_runs,resume", f"--runs={','.join([base, *settings])}"], cwd=REPO,
                           env={**os.environ, simulate_cuda.ENV: "1"}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

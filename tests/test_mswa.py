@@ -119,7 +119,7 @@ def test_model_is_causal_and_cached_generation_matches():
 
 @pytest.mark.e2e
 def test_mask_stats_relative_cost_of_table_2():
-    proc = subprocess.run([sys.executable, "scripts/mask_stats.py", "--config", "configs/quickstart.py", "--seq_len",
+    proc = subprocess.run([sys.executable, "-m", "scripts.mask_stats", "--config", "configs/quickstart.py", "--seq_len",
                            "512", "--json", "--receptive_field=no", "--n_layer=12", "--n_head=8", "--n_embd=64",
                            "--attn_pattern=mswa", "--swa_window=128", "--block_size=1024"], cwd=REPO, capture_output=True, text=True,
                           timeout=120)

@@ -4,6 +4,7 @@ run inside a small Hugging Face model, run on the CUDA path simulated on the CPU
 reference forward and backward without an n x n tensor on the training path: everything through the registry."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -69,8 +70,9 @@ def repo_with_variant(tmp_path_factory):
     return copy
 
 
-def run(copy, *args, timeout=600):
-    proc = subprocess.run([sys.executable, *args], cwd=copy, capture_output=True, text=True, timeout=timeout)
+def run(copy, *args, timeout=600, env=None):
+    proc = subprocess.run([sys.executable, *args], cwd=copy, capture_output=True, text=True, timeout=timeout,
+                          env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -92,21 +94,22 @@ def test_a_variant_in_one_new_file_reaches_every_tool(repo_with_variant, tmp_pat
     assert bad.returncode == 2 and "sink_keys=0: must be >= 1" in bad.stderr
     assert "loaded" in run(copy, "sample.py", f"--out_dir={out}", "--max_new_tokens=8", "--num_samples=1").stderr
     run(copy, "train.py", *tiny, "--attn_pattern=swa", f"--out_dir={tmp_path / 'swa'}")
-    table = run(copy, "scripts/compare.py", str(out), str(tmp_path / "swa")).stdout  # its setting is a column
+    table = run(copy, "-m", "scripts.compare", str(out), str(tmp_path / "swa")).stdout  # its setting is a column
     assert "| sinkwin " in table and "sink_keys" in table.splitlines()[2]
-    bench = run(copy, "scripts/bench_attention.py", "--variants=swa,sinkwin", "--lengths=512", "--repeats=1",
+    bench = run(copy, "-m", "scripts.bench_attention", "--variants=swa,sinkwin", "--lengths=512", "--repeats=1",
                 "--window=64").stdout
     assert "sinkwin" in bench and "chunked" in bench
-    assert "1/1 clean" in run(copy, "scripts/compile_check.py", "--mixers=sinkwin", "--backend=eager",
+    assert "1/1 clean" in run(copy, "-m", "scripts.compile_check", "--mixers=sinkwin", "--backend=eager",
                                "--device=cpu").stdout
-    plan = run(copy, "scripts/plan_memory.py", "configs/quickstart.py", "--attn_pattern=sinkwin", "--kernels=cpu",
+    plan = run(copy, "-m", "scripts.plan_memory", "configs/quickstart.py", "--attn_pattern=sinkwin", "--kernels=cpu",
                "--world_size=1").stdout
     assert "SinkWindowAttention" in plan
-    stats = json.loads(run(copy, "scripts/mask_stats.py", "--config", "configs/quickstart.py", "--seq_len", "256",
+    stats = json.loads(run(copy, "-m", "scripts.mask_stats", "--config", "configs/quickstart.py", "--seq_len", "256",
                            "--attn_pattern=sinkwin", "--swa_window=32", "--sink_keys=4", "--json").stdout)
     # per query: the window (32, fewer at the start) and the sinks beyond it
     assert stats["layers"][0]["edges_per_head"] == sum(min(q + 1, 32) + max(0, min(4, q + 1 - 32)) for q in range(256))
-    assert "checks passed" in run(copy, "-c", "import sys; sys.path[:0] = ['.', 'tests']\n" + CHECKS).stdout
+    # the checks import test helpers, which import conftest as pytest does: tests/ on the import path
+    assert "checks passed" in run(copy, "-c", CHECKS, env={**os.environ, "PYTHONPATH": "tests"}).stdout
     # the CUDA path, simulated on the CPU (tests/test_gpu_sim.py): FlexAttention under its block masks, compiled,
     # forward and backward against dense; bf16 autocast, bf16 weights, bf16 cached generation
     simulated = run(copy, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu_sim.py", "-k", "sinkwin")

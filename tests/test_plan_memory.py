@@ -121,7 +121,7 @@ def test_full_checkpointing_keeps_only_the_block_inputs(name):
 
 
 def run_plan(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "scripts/plan_memory.py", *args], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "scripts.plan_memory", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
 
 

@@ -96,12 +96,12 @@ def test_compare_refuses_an_evaluation_of_another_tokenizers_data(byte_run, tmp_
     shutil.copytree(byte_run, run_dir)
     proc = run(["-m", "eval"], f"--out_dir={run_dir}", "--limit=2", "--progress=False")
     assert proc.returncode == 0, proc.stderr
-    assert run(["scripts/compare.py", str(run_dir)]).returncode == 0
+    assert run(["-m", "scripts.compare", str(run_dir)]).returncode == 0
     report = json.loads((run_dir / "eval" / "ppl.json").read_text())
     assert report["provenance"]["data_tokenizer"]["tokenizer"] == "byte"
     report["provenance"]["data_tokenizer"] = {"tokenizer": "gpt2", "vocab_size": 50257, "eot_id": 50256}
     (run_dir / "eval" / "ppl.json").write_text(json.dumps(report))
-    proc = run(["scripts/compare.py", str(run_dir)])
+    proc = run(["-m", "scripts.compare", str(run_dir)])
     assert proc.returncode == 2 and "'gpt2'" in proc.stderr and "re-run python -m eval" in proc.stderr, proc.stderr
 
 
@@ -164,7 +164,7 @@ def test_eval_results_keep_every_setting_and_compare_marks_limited_ones(byte_run
     assert limits[3]["windows"] == 3 and limits[0]["windows"] > 3
     assert run(full, "--ppl_lengths=32").returncode == 0  # recomputed: replaces its own cell only
     assert len(json.loads((run_dir / "eval" / "ppl.json").read_text())["results"]["rows"]) == 3
-    proc = run(["scripts/compare.py", str(run_dir)])
+    proc = run(["-m", "scripts.compare", str(run_dir)])
     assert proc.returncode == 0, proc.stderr
     assert "ppl@L=32 (limit 3)" in proc.stdout and "ppl@L=32 " in proc.stdout.replace("ppl@L=32 (", "")
     assert "limit=3" in (run_dir / "eval" / "summary.md").read_text()
@@ -567,7 +567,7 @@ def test_an_unknown_tokenizer_fails_at_once_offline(tmp_path):
     import time
 
     started = time.time()
-    proc = run(["data/prepare.py"], "--dataset=README.md", "--tokenizer=nobody/no-such-tokenizer",
+    proc = run(["-m", "data.prepare"], "--dataset=README.md", "--tokenizer=nobody/no-such-tokenizer",
                f"--out_dir={tmp_path / 'data'}", timeout=120)
     assert proc.returncode != 0 and "no-such-tokenizer" in proc.stderr and "Traceback" not in proc.stderr
     assert time.time() - started < 15  # not the hub client's retries (about 20 s)
@@ -595,7 +595,7 @@ def test_the_hub_probe_leaves_proxied_connections_to_the_hub_client(monkeypatch)
 @pytest.mark.e2e
 def test_prepare_says_where_a_single_documents_validation_comes_from(tmp_path):
     (tmp_path / "book.txt").write_text("Once upon a time. " * 500)
-    proc = run(["data/prepare.py"], f"--dataset={tmp_path / 'book.txt'}", f"--out_dir={tmp_path / 'data'}")
+    proc = run(["-m", "data.prepare"], f"--dataset={tmp_path / 'book.txt'}", f"--out_dir={tmp_path / 'data'}")
     assert proc.returncode == 0 and "in 0 documents" not in proc.stdout and "from the end of the document" in proc.stdout
 
 
@@ -614,7 +614,7 @@ def test_compare_says_repeated_seeds_and_marks_the_training_length(byte_run, tmp
         shutil.copytree(byte_run, run_dir)
         assert run(["-m", "eval"], f"--out_dir={run_dir}", "--ppl_lengths=16,32,64", "--limit=2",
                    "--progress=False").returncode == 0
-    proc = run(["scripts/compare.py", *map(str, runs), "--plot", "--out", str(tmp_path / "cmp")])
+    proc = run(["-m", "scripts.compare", *map(str, runs), "--plot", "--out", str(tmp_path / "cmp")])
     assert proc.returncode == 0, proc.stderr
     assert "2 runs, 1 seed (1337: repeated, not independent)" in proc.stdout and "2 seeds (1337, 1337)" not in proc.stdout
     records = [compare.load_local_run(r) for r in runs]
@@ -634,12 +634,12 @@ def test_compare_says_repeated_seeds_and_marks_the_training_length(byte_run, tmp
 def test_the_window_sweep_says_what_it_needs_instead_of_falling_back(tmp_path):
     import os
 
-    args = ["scripts/hf_window_sweep.py", "--hf=some/model", "--tasks=arc_easy", f"--out={tmp_path / 'sweep'}"]
+    args = ["-m", "scripts.hf_window_sweep", "--hf=some/model", "--tasks=arc_easy", f"--out={tmp_path / 'sweep'}"]
     proc = subprocess.run([sys.executable, *args, "--device=cuda"], cwd=REPO, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 2 and "CUDA is not available" in proc.stderr, proc.stderr  # not a silent CPU run
-    without = ("import runpy, sys; sys.modules['lm_eval'] = None; sys.argv = " + repr(args)
-               + "; runpy.run_path('scripts/hf_window_sweep.py', run_name='__main__')")
+    without = ("import runpy, sys; sys.modules['lm_eval'] = None; sys.argv = " + repr(args[1:])
+               + "; runpy.run_module('scripts.hf_window_sweep', run_name='__main__', alter_sys=True)")
     proc = subprocess.run([sys.executable, "-c", without], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "pip install -r requirements-eval.txt" in proc.stderr, proc.stderr
     assert not (tmp_path / "sweep").exists()

@@ -17,11 +17,11 @@ def test_sweep_trains_compares_and_resumes(tmp_path):
                         f'attn_pattern = "{pattern}"\nswa_window = 8\n')
         configs.append(str(path))
     out = tmp_path / "sweep"
-    command = [sys.executable, "scripts/sweep.py", *configs, f"--out={out}", "--eval=--tasks=ppl --ppl_lengths=16"]
+    command = [sys.executable, "-m", "scripts.sweep", *configs, f"--out={out}", "--eval=--tasks=ppl --ppl_lengths=16"]
     first = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-2000:]
     results = (out / "results.md").read_text()
-    assert "scripts/sweep.py" in results and "tiny_full" in results and "tiny_swa" in results
+    assert "python -m scripts.sweep" in results and "tiny_full" in results and "tiny_swa" in results
     assert "ppl@L=16" in results and (out / "loss_curves.png").exists()
     (out / "tiny_swa" / "eval" / "summary.md").unlink()  # as if interrupted between training and evaluation
     again = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)

@@ -274,7 +274,7 @@ def test_a_meta_that_does_not_describe_its_data_is_refused_before_anything_is_wr
     proc = train_subprocess(["configs/quickstart.py", f"--data_dir={data}", f"--out_dir={tmp_path / 'run'}",
                              "--max_iters=1"], check=False)
     assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert len(proc.stderr.strip().splitlines()) == 1 and "python data/prepare.py" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "python -m data.prepare" in proc.stderr
     assert not (tmp_path / "run").exists()
 
 
@@ -287,7 +287,7 @@ def test_online_wandb_without_a_login_says_to_log_offline_before_the_run_starts(
                           timeout=120)
     assert proc.returncode == 2 and "--wandb_mode=offline" in proc.stderr and "no wandb login" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
-    proc = subprocess.run([sys.executable, "scripts/compare.py", "--wandb", "someone/project"], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "scripts.compare", "--wandb", "someone/project"], cwd=REPO,
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2 and "compare the local run folders instead" in proc.stderr, proc.stderr[-1500:]
     assert "Traceback" not in proc.stderr

@@ -181,7 +181,7 @@ def test_evaluation_results_go_into_the_training_runs_summary(swa_run, tmp_path)
     # text other than the run's own validation split: labelled in the key, the run's own number left as it was
     essay = tmp_path / "essay.txt"
     essay.write_text("\n\n".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog." * 3 for i in range(60)))
-    subprocess.run([sys.executable, "data/prepare.py", f"--dataset={essay}", f"--out_dir={tmp_path / 'essay'}",
+    subprocess.run([sys.executable, "-m", "data.prepare", f"--dataset={essay}", f"--out_dir={tmp_path / 'essay'}",
                     "--val_fraction=0.2"], cwd=REPO, check=True, capture_output=True, timeout=120)
     run_eval(run, f"--data_dir={tmp_path / 'essay'}")
     *_, other = segments(run, run_id)

@@ -1,5 +1,5 @@
 # GPT-2 small (124M) with full causal attention on OpenWebText: the setting of paper 004 (App. D).
-#   python data/prepare.py --dataset=openwebtext --tokenizer=gpt2 --max_tokens=2550000000 --val_fraction=0.02
+#   python -m data.prepare --dataset=openwebtext --tokenizer=gpt2 --max_tokens=2550000000 --val_fraction=0.02
 #   torchrun --standalone --nproc_per_node=8 train.py configs/bridges/owt_124m_full.py --wandb_log=True
 out_dir = "out/owt_124m_full"
 dataset = "openwebtext_gpt2"
@@ -16,7 +16,7 @@ attn_pattern = "full"
 
 batch_size = 16
 gradient_accumulation_steps = 8  # global; 16 x 8 x 1024 = 131,072 tokens per step
-# memory (python scripts/plan_memory.py configs/bridges/owt_124m_full.py): 8 x 80 GB GPUs, batch 16 x accumulation 8
+# memory (python -m scripts.plan_memory configs/bridges/owt_124m_full.py): 8 x 80 GB GPUs, batch 16 x accumulation 8
 # (one micro-batch per GPU per step), no activation checkpointing: about 19 GiB per GPU (20 for the bridge
 # variants of configs/bridges/owt_124m_local.py); a micro-batch of 32 would not keep the global batch on 8 GPUs
 max_iters = 20001  # through step 20,000: the paper's 20,001 updates (App. D)

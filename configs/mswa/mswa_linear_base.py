@@ -7,6 +7,6 @@ attn_pattern = "full"
 linear_feature_dim = 16
 block_size = 2048
 batch_size = 8
-# memory (python scripts/plan_memory.py configs/mswa/mswa_linear_linear.py --world_size=1): one 80 GB GPU, batch 8 x
+# memory (python -m scripts.plan_memory configs/mswa/mswa_linear_linear.py --world_size=1): one 80 GB GPU, batch 8 x
 # accumulation 1 (16,384 tokens per step), no activation checkpointing: at most about 20 GiB (linear); on N
 # GPUs --batch_size=8/N --gradient_accumulation_steps=N

@@ -7,7 +7,7 @@
 #     relative positions); here segments are independent and positions are RoPE, so no attention reaches
 #     past the segment (mswa_wt103_w256/w512 train at 4,096 to hold their largest windows).
 # Compare variants with each other under this recipe, not with the paper's numbers.
-# Prepare Wikitext-103 (or another corpus) first, e.g. python data/prepare.py --dataset=path/to/wikitext103 --tokenizer=gpt2
+# Prepare Wikitext-103 (or another corpus) first, e.g. python -m data.prepare --dataset=path/to/wikitext103 --tokenizer=gpt2
 out_dir = "out/mswa_wt103"
 dataset = "wikitext103_gpt2"
 arch = "llama"
@@ -20,7 +20,7 @@ swa_window = 128
 attn_pattern = "swa"
 batch_size = 16
 gradient_accumulation_steps = 1  # 16 x 1024 = 16,384 tokens per step
-# memory (python scripts/plan_memory.py configs/mswa/mswa_wt103_mswa.py --world_size=1): one 80 GB GPU, batch 16 x
+# memory (python -m scripts.plan_memory configs/mswa/mswa_wt103_mswa.py --world_size=1): one 80 GB GPU, batch 16 x
 # accumulation 1, no activation checkpointing: about 17 GiB. On N GPUs keep the 16 sequences per step with
 # --batch_size=16/N --gradient_accumulation_steps=N (the accumulation is global and must divide among them)
 max_iters = 150000

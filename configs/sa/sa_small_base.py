@@ -3,7 +3,7 @@
 # beyond the receptive field of 4 sliding-window layers of w=16 (4 x 15 = 60 positions), and training counts
 # the answers only (loss_after), so the whole gradient goes to the task.
 # Each configs/sa/sa_small_*.py includes this file and sets the attention; compare them with
-#   python scripts/sweep.py configs/sa/sa_small_{full,swa,sa,sa_swa}.py --out=out/sweeps/sa_small --eval="--tasks=recall"
+#   python -m scripts.sweep configs/sa/sa_small_{full,swa,sa,sa_swa}.py --out=out/sweeps/sa_small --eval="--tasks=recall"
 out_dir = "out/sa_small"
 dataset = "recall_byte"  # generated on first use
 loss_after = ">"  # the recall corpus's answer marker

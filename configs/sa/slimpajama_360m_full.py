@@ -1,5 +1,5 @@
 # The 360M Transformer++ of paper 000 (App. B-C) with full causal attention on SlimPajama.
-#   python data/prepare.py --dataset=slimpajama --tokenizer=mistralai/Mistral-7B-v0.1 --max_tokens=6000000000
+#   python -m data.prepare --dataset=slimpajama --tokenizer=mistralai/Mistral-7B-v0.1 --max_tokens=6000000000
 #   torchrun --standalone --nproc_per_node=4 train.py configs/sa/slimpajama_360m_full.py --wandb_log=True
 out_dir = "out/slimpajama_360m_full"
 dataset = "slimpajama_mistralai_Mistral-7B-v0.1"
@@ -18,7 +18,7 @@ attn_gate = True  # the single sigmoid output gate of the recipe: 360M parameter
 
 batch_size = 16
 gradient_accumulation_steps = 120  # global: 30 per GPU on 4 GPUs; 16 x 120 x 2048 = 3.93M tokens per step
-# memory (python scripts/plan_memory.py configs/sa/slimpajama_360m_full.py --world_size=4): 4 x 80 GB GPUs, batch 16
+# memory (python -m scripts.plan_memory configs/sa/slimpajama_360m_full.py --world_size=4): 4 x 80 GB GPUs, batch 16
 # x accumulation 120, no activation checkpointing: about 61 GiB per GPU for full, swa and sa (sa_swa sets
 # loss_chunk); a micro-batch of 24 would need selective checkpointing
 max_iters = 3815  # ~15B tokens (2.5 epochs of a 6B-token subset)

@@ -1,7 +1,7 @@
 # SWAT at the 340M Transformer++ setting of paper 001 (Sec. 4.1, Table 1): 24 layers, d=1024, 16 heads,
 # sigmoid sliding-window attention with window 256, balanced ALiBi and RoPE (SWAT (-+)), training length 4096,
 # 0.5M tokens per step, 15B tokens of FineWeb-Edu, Llama 2's 32000-token vocabulary.
-#   python data/prepare.py --dataset=fineweb_edu --tokenizer=meta-llama/Llama-2-7b-hf --max_tokens=16000000000
+#   python -m data.prepare --dataset=fineweb_edu --tokenizer=meta-llama/Llama-2-7b-hf --max_tokens=16000000000
 #   torchrun --standalone --nproc_per_node=8 train.py configs/swat/fineweb_swat_340m.py --wandb_log=True
 # SWAT (-): --swat_split=16:0 --swat_slopes=alibi; SWAT (+): --swat_split=0:16 --swat_slopes=alibi ("traditional
 # ALiBi slopes", 001 App. C.3). Evaluate at longer lengths with the same window:
@@ -28,7 +28,7 @@ swat_split = "8:8"
 # the paper gives no optimiser settings: those of the Transformer++ baselines it compares with
 batch_size = 8
 gradient_accumulation_steps = 16  # global: 2 per GPU on 8 GPUs; 8 x 16 x 4096 = 524,288 tokens per step
-# memory (python scripts/plan_memory.py configs/swat/fineweb_swat_340m.py): 8 x 80 GB GPUs, batch 8 x accumulation 16,
+# memory (python -m scripts.plan_memory configs/swat/fineweb_swat_340m.py): 8 x 80 GB GPUs, batch 8 x accumulation 16,
 # no activation checkpointing: about 62 GiB per GPU (a micro-batch of 16 sequences of 4096 tokens would need about
 # 116 GiB without checkpointing)
 max_iters = 28610  # 15B tokens

@@ -2,9 +2,9 @@
 # 128 -> 16, training length 1024 -> 128, evaluation length 16384 -> 2048), 12 heads as in the paper's labels
 # (ALiBi-12:0, 8:4, 6:6). Each configs/swat/owt_swat_NN_*.py includes this file and sets one row; the whole grid,
 # evaluated at 8x the training length with the trained window (as in the table):
-#   python scripts/sweep.py configs/swat/owt_swat_[01]*.py --out=out/sweeps/owt_swat \
+#   python -m scripts.sweep configs/swat/owt_swat_[01]*.py --out=out/sweeps/owt_swat \
 #       --eval="--tasks=ppl --ppl_lengths=2048 --ppl_stream=True"
-# The paper trains on OpenWebText (python data/prepare.py --dataset=openwebtext --tokenizer=byte); without
+# The paper trains on OpenWebText (python -m data.prepare --dataset=openwebtext --tokenizer=byte); without
 # network add --extra="--dataset=embedded_byte".
 dataset = "openwebtext_byte"
 arch = "llama"  # Transformer++: RMSNorm, SwiGLU, no biases (RoPE only where swat_rope says so)

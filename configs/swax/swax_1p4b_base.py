@@ -3,7 +3,7 @@
 # tokens, warmup + cosine from 3e-4 to 3e-6. The paper's web + code mix is not public: SlimPajama (web,
 # books, GitHub code) with the GPT-2 tokenizer stands in (50,304 padded ids, untied embeddings as in xLSTM
 # 7B: 1.42B parameters). Each configs/swax/swax_1p4b_*.py includes this file and sets the window or mixers.
-#   python data/prepare.py --dataset=slimpajama --tokenizer=gpt2 --max_tokens=150_000_000_000
+#   python -m data.prepare --dataset=slimpajama --tokenizer=gpt2 --max_tokens=150_000_000_000
 #   torchrun --standalone --nproc_per_node=8 train.py configs/swax/swax_1p4b_stochastic.py --wandb_log=True
 #   python -m eval --out_dir=out/swax_1p4b_stochastic --tasks=niah --niah_lengths=4096,8192,16384,32768,65536
 out_dir = "out/swax_1p4b"
@@ -30,7 +30,7 @@ gradient_accumulation_steps = 64  # global: 8 per GPU on 8 GPUs; 1 x 64 x 16384 
 # sharded (FSDP2): weights, gradients and AdamW state split over the GPUs, bf16 compute through FSDP's
 # mixed-precision policy, checkpoints as folders ckpt_last/ and ckpt_best/ (README, "Training at scale")
 parallelism = "fsdp"
-# memory (python scripts/plan_memory.py configs/swax/swax_1p4b_stochastic.py --world_size=8): 8 x 80 GB GPUs, batch 1 x
+# memory (python -m scripts.plan_memory configs/swax/swax_1p4b_stochastic.py --world_size=8): 8 x 80 GB GPUs, batch 1 x
 # accumulation 64, no activation checkpointing: 52-65 GiB per GPU for configs/swax/swax_1p4b_*.py and
 # configs/swax/swax_gdn_1p4b_*.py. Under DDP (--parallelism=ddp: 16 B/param on every GPU) one 16K-token sequence
 # would need about 82 GiB without checkpointing: add --activation_checkpointing=selective there (58-61 GiB)

@@ -9,7 +9,7 @@ n_head = 16
 n_embd = 4096
 batch_size = 2
 gradient_accumulation_steps = 32  # global: 4 per GPU on 8 GPUs; 2 x 32 x 16384 = 1,048,576 tokens per step
-# memory (python scripts/plan_memory.py configs/swax/swax_7b_stochastic.py --world_size=8): 8 x 80 GB GPUs, sharded
+# memory (python -m scripts.plan_memory configs/swax/swax_7b_stochastic.py --world_size=8): 8 x 80 GB GPUs, sharded
 # (parallelism=fsdp, from configs/swax/swax_1p4b_base.py), full activation checkpointing: about 55 GiB per GPU
 # (13 GiB of it the sharded weights, gradients and AdamW state). Selective checkpointing does not fit even
 # one sequence (79 GiB). Under DDP this recipe cannot train at all: 16 B/param x 6.87B = 110 GB on every GPU.

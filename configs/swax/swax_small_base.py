@@ -4,7 +4,7 @@
 # Four layers alternate swa and mlstm. With the long window (128, as long as the training sequence) the swa
 # layers can answer alone; with the short one (16: two swa layers reach 30 positions) only the mLSTM can.
 # Evaluation asks for values 400-480 positions back, beyond any window, where only the mLSTM can answer:
-#   python scripts/sweep.py configs/swax/swax_small_{w16,w128,stochastic}.py --out=out/sweeps/swax_small \
+#   python -m scripts.sweep configs/swax/swax_small_{w16,w128,stochastic}.py --out=out/sweeps/swax_small \
 #       --eval="--tasks=recall --recall_filler=60:80,400:480 --recall_lengths=128,512"
 out_dir = "out/swax_small"
 dataset = "recall_byte"  # generated on first use

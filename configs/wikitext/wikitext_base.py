@@ -1,11 +1,11 @@
 # Real text at CPU scale: the papers' language-modelling comparisons on WikiText-2 (byte-level), one config per
 # variant, all with the same model size and token budget. Prepare a WikiText copy as a local file, articles as
 # documents and about 10% of whole articles held out (a user's clone has no copy: download WikiText-2, or
-# python data/prepare.py --dataset=wikitext2 --tokenizer=byte from the hub):
-#   python data/prepare.py --dataset='path/to/wikitext-2/*.txt' --split_articles --val_fraction=0.1 \
+# python -m data.prepare --dataset=wikitext2 --tokenizer=byte from the hub):
+#   python -m data.prepare --dataset='path/to/wikitext-2/*.txt' --split_articles --val_fraction=0.1 \
 #       --tokenizer=byte --out_dir=data/wikitext2_byte
 # Each configs/wikitext/*.py includes this file and sets the attention; three seeds of one paper's rows:
-#   python scripts/sweep.py configs/wikitext/sa_{full,swa,sa,sa_swa}.py --seeds=1337,2025,3047 \
+#   python -m scripts.sweep configs/wikitext/sa_{full,swa,sa,sa_swa}.py --seeds=1337,2025,3047 \
 #       --out=out/sweeps/wikitext_sa --eval="--tasks=ppl --ppl_lengths=512,2048 --ppl_stream=True"
 out_dir = "out/wikitext"
 dataset = "wikitext2_byte"
