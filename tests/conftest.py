@@ -1,5 +1,6 @@
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -236,3 +237,42 @@ def sigterm_after_two_steps(args, out_dir, processes=1):
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     return proc.returncode, out, err
+
+
+# ---- small runs and data several test modules check against --------------------------------------------------
+
+TINY = ["configs/quickstart.py", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
+        "--eval_iters=2", "--log_interval=1", "--warmup_iters=2"]
+
+
+def run_python(command, *args, timeout=300):
+    """python COMMAND ARGS in the repository, its output captured."""
+    return subprocess.run([sys.executable, *command, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    """Text, two different BPE tokenizer.json files (300 tokens each) and data prepared with the first."""
+    from data.embedded import documents
+    from data.prepare import prepare
+    from gpucheck import tiny_hf
+
+    root = tmp_path_factory.mktemp("bpe")
+    text = "\n\n".join(documents(40, seed=0))
+    (root / "corpus.txt").write_text(text)
+    make = tiny_hf.train_byte_bpe_tokenizer
+    (root / "a").mkdir()
+    (root / "b").mkdir()
+    make(text, root / "a" / "tokenizer.json")
+    make(text.upper(), root / "b" / "tokenizer.json")  # the same size, other tokens
+    prepare(str(root / "corpus.txt"), tokenizer=str(root / "a" / "tokenizer.json"), out_dir=str(root / "data_a"),
+            val_fraction=0.2, num_proc=1, quiet=True)
+    return root
+
+
+@pytest.fixture(scope="module")
+def byte_run(tmp_path_factory):
+    """A tiny run trained on the embedded corpus (byte tokenizer), with checkpoints at steps 4 and 8."""
+    out = tmp_path_factory.mktemp("byte_run") / "run"
+    train_subprocess([*TINY, f"--out_dir={out}", "--max_iters=8", "--eval_interval=4"])
+    return out

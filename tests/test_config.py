@@ -242,3 +242,27 @@ def test_one_command_line_dialect_for_every_entry_point():
 
     assert config_files(["--attn_pattern", "swa", "configs/quickstart.py", "--compile", "--seq_len=4"]) == \
         ["configs/quickstart.py"]
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"attn_pattern": "swa", "swa_window": 1000}, "swa_window=1000 exceeds block_size=256"),
+    ({"attn_pattern": "sa", "swa_window": 300}, "swa_window=300 exceeds block_size=256"),
+    ({"attn_pattern": "swat", "swa_window": 257}, "swa_window=257 exceeds block_size=256"),
+    ({"attn_pattern": "block", "block_len": 512}, "block_len=512 exceeds block_size=256"),
+    ({"attn_pattern": "pbb", "block_len": 512, "bridge_width": 64}, "block_len=512 exceeds block_size=256"),
+    ({"attn_pattern": "moba", "moba_block": 300}, "moba_block=300 exceeds block_size=256"),
+    ({"attn_pattern": "swa,,swa,full"}, "has an empty entry"),
+])
+def test_settings_that_would_silently_train_full_attention_are_refused(settings, message):
+    from config import ConfigError, Config, validate
+
+    cfg = Config()
+    cfg.model.block_size, cfg.model.n_layer = 256, 4
+    for key, value in settings.items():
+        setattr(cfg.model, key, value)
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg)
+    cfg.model.attn_pattern = settings["attn_pattern"].replace(",,", ",swa,")
+    cfg.model.swa_window = cfg.model.block_len = cfg.model.moba_block = 256  # the training length itself: allowed
+    cfg.model.bridge_width = 64  # (paper 001's vanilla models train so and evaluate with the window)
+    validate(cfg)

@@ -22,6 +22,7 @@ from data.embedded import documents
 from data.meta import DataError, load_meta, open_tokens, prepare_generated_if_missing, unigram_entropy
 from data.prepare import main, prepare
 from data.tokenizer import TokenizerUnavailable, get_tokenizer, vocab_dtype
+from conftest import run_python as run
 
 TEXT = "Hello, wörld! Ünïcode: 日本語, emoji 🙂, and a literal <|endoftext|>.\nSecond line\n\n\tIndented third."
 SETS = ["RedPajamaC4", "RedPajamaWikipedia", "RedPajamaC4", "RedPajamaGithub"]
@@ -704,3 +705,10 @@ def test_ctrl_c_during_prepare_is_one_line_and_keeps_the_data(prepared, tmp_path
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in err and "interrupted: nothing was written" in err, err
     assert {p.name: p.read_bytes() for p in Path(prepared).iterdir()} == before
+
+
+@pytest.mark.e2e
+def test_prepare_says_where_a_single_documents_validation_comes_from(tmp_path):
+    (tmp_path / "book.txt").write_text("Once upon a time. " * 500)
+    proc = run(["-m", "data.prepare"], f"--dataset={tmp_path / 'book.txt'}", f"--out_dir={tmp_path / 'data'}")
+    assert proc.returncode == 0 and "in 0 documents" not in proc.stdout and "from the end of the document" in proc.stdout

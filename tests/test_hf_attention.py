@@ -10,6 +10,8 @@ from attention.hf import use_variant_attention
 from attention.kernels import attend
 from attention.moba import MixtureOfBlockAttention, moba_choose, moba_dense
 from attention.stochastic import StochasticAttention, stochastic_attention
+from conftest import run_python as run, train_subprocess
+from gpucheck import tiny_hf
 
 LLAMA_LIKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=100)
@@ -140,3 +142,17 @@ def test_what_the_variants_cannot_honour_is_refused():
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=100)
     with pytest.raises(ValueError, match="soft-capping"):
         use_variant_attention(transformers.Gemma2ForCausalLM(config), attn_pattern="swa")
+
+
+@pytest.mark.e2e
+def test_recurrent_mixers_inside_a_pretrained_model_are_refused_with_the_reason(tmp_path):
+    folder, data_dir = tiny_hf.build_tiny_hf_model(tmp_path / "hf")
+    for pattern in ("mlstm", "gated_deltanet", "linear", "swax"):
+        proc = run(["-m", "eval"], f"--hf={folder}", f"--data_dir={data_dir}", f"--attn_pattern={pattern}",
+                   f"--out_dir={tmp_path / pattern}", "--limit=1", "--progress=False")
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+        assert "parameters or state of its own" in proc.stderr
+    proc = train_subprocess(["configs/quickstart.py", f"--init_from=hf:{folder}", f"--data_dir={data_dir}",
+                             "--attn_pattern=swax", f"--out_dir={tmp_path / 'run'}", "--max_iters=1"], check=False)
+    assert proc.returncode == 2 and "mlstm layers, which have no counterpart" in proc.stderr, proc.stderr
+    assert "n_kv_head" not in proc.stderr

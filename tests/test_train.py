@@ -310,3 +310,17 @@ def test_resume_from_best_a_finished_run_and_the_last_checkpoint_when_there_is_n
     sample = subprocess.run([sys.executable, "sample.py", f"--out_dir={run_dir}", "--max_new_tokens=4",
                              "--num_samples=1", "--device=cpu"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert sample.returncode == 0 and "no best checkpoint; using ckpt_last.pt" in sample.stderr, sample.stderr[-1500:]
+
+
+def test_the_learning_rate_decays_over_max_iters_unless_told_otherwise():
+    from config import load_config
+    from train import get_lr, schedule_warning
+
+    # the README's own-text recipe: the quickstart config with --max_iters=2000
+    t = load_config(["configs/quickstart.py", "--max_iters=2000"]).train
+    assert get_lr(1500, t) > t.min_lr * 1.5 and get_lr(1999, t) < t.min_lr * 1.01 and not schedule_warning(t)
+    t = load_config(["configs/quickstart.py", "--max_iters=400"]).train
+    assert get_lr(399, t) < t.min_lr * 1.01  # a shorter run decays fully too
+    t = load_config(["configs/quickstart.py", "--max_iters=2000", "--lr_decay_iters=800"]).train
+    assert get_lr(1500, t) == t.min_lr and "stays there for the last 60% of training" in schedule_warning(t)
+    assert "before min_lr" in schedule_warning(load_config(["configs/quickstart.py", "--lr_decay_iters=4000"]).train)
