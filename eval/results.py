@@ -7,7 +7,7 @@ merged into the task's file: a cell computed again under the same setting is rep
 from it: its per-example results, its position profile, the subtask average at its length), and every other cell
 is kept, so a quick --limit check never wipes a full evaluation and evaluating one more length never drops the
 others. A file holds one model's cells: evaluating another checkpoint (another step, another run config) moves
-the earlier file to eval/superseded/ first. Readers (the summary, scripts/compare.py, scripts/bridge_sweep.py)
+the earlier file to eval/superseded/ first. Readers (the summary, scripts/compare.py, eval/bridge_tables.py)
 take a task's result from standing_setting and label the others by what sets them apart.
 """
 

@@ -186,10 +186,12 @@ def generator(seed: int, device=None) -> torch.Generator:
 
 
 def load_script(name: str):
-    """scripts/NAME.py as a fresh module, to call its functions in this process."""
+    """The command line scripts.NAME (scripts/NAME.py; NAME may be dotted: bridges.sweep) as a fresh module, to
+    call its functions in this process."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(f"scripts.{name}", REPO / "scripts" / f"{name}.py")
+    path = REPO / "scripts" / (name.replace(".", "/") + ".py")
+    spec = importlib.util.spec_from_file_location(f"scripts.{name}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses (the scripts' typed configs) look their module up there
     spec.loader.exec_module(module)

@@ -11,7 +11,8 @@ import pytest
 from config import Config, dataclass_fields, field_help, options_text
 from conftest import REPO
 
-SCRIPTS = sorted(f"scripts.{p.stem}" for p in Path(REPO, "scripts").glob("*.py") if p.stem != "__init__")
+SCRIPTS = sorted("scripts." + ".".join(p.relative_to(REPO / "scripts").with_suffix("").parts)
+                 for p in Path(REPO, "scripts").rglob("*.py") if p.stem != "__init__")
 ENTRY_POINTS = [["train.py"], ["sample.py"], ["export.py"], ["-m", "eval"], ["-m", "eval.coverage"],
                 ["-m", "data.prepare"], *(["-m", script] for script in SCRIPTS)]
 

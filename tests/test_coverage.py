@@ -12,7 +12,7 @@ from attention.edges import BoundaryWindows, FixedBlock
 from conftest import REPO
 from eval.coverage import (all_depth_coverage, closed_form, direct_coverage, pre_boundary_write_back_adds_no_source,
                            report, rules)
-from scripts.boundary_copy import run
+from scripts.bridges.boundary_copy import run
 
 
 def test_coverage_from_the_masks_equals_the_closed_forms_at_the_papers_setting():

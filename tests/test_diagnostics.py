@@ -14,7 +14,7 @@ from conftest import REPO
 from data.meta import open_tokens, prepare_generated_if_missing
 from data.tokenizer import ByteTokenizer
 from eval.diagnostics import FORMATS, PROBES, Builder, Geometry, haystack, make_examples, score
-from scripts.bridge_sweep import tables
+from eval.bridge_tables import tables
 
 GEOMETRY = Geometry(length=512, block=64, half=32)
 
@@ -169,7 +169,7 @@ def test_sample_sizes_default_to_the_papers(builder):
 
 
 def test_per_seed_tables_and_figures_2_to_5(tmp_path):
-    from scripts.bridge_sweep import figures
+    from eval.bridge_tables import figures
 
     def run(family, seed, skill):
         examples = [{"id": f"needle/d={d}/{i}", "probe": "needle", "d": d, "correct": (i + d) % 10 < skill}

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, load_script, run_python as run
+from conftest import REPO, run_python as run
 
 
 @pytest.mark.e2e
@@ -131,9 +131,8 @@ def test_another_checkpoint_moves_the_earlier_results_aside_and_hf_attention_is_
 
 
 def test_the_standing_setting_has_the_plain_column_and_the_bridge_sweep_reads_it(tmp_path):
-    from eval import compare
+    from eval import bridge_tables, compare
 
-    sweep = load_script("bridge_sweep")
     evaluate(tmp_path, "recall", recall_result([True] * 4), seed=1)
     evaluate(tmp_path, "recall", recall_result([False] * 4), seed=2)
     columns = compare.eval_summaries(compare.load_evals(tmp_path))
@@ -146,7 +145,7 @@ def test_the_standing_setting_has_the_plain_column_and_the_bridge_sweep_reads_it
                                        "per_example": [{"id": "needle/0", "probe": "needle", "correct": False}]}, limit=1)
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "val_loss": 1.0}) + "\n")
     (tmp_path / "config.json").write_text(json.dumps({"model": {}, "data": {}}))
-    run = sweep.load_run(tmp_path)
+    run = bridge_tables.load_run(tmp_path)
     assert run["accuracy"]["needle"] == 1.0 and len(run["examples"]) == 2  # not the --limit=1 check's
 
 
@@ -196,12 +195,12 @@ def test_compare_says_repeated_seeds_and_marks_the_training_length(byte_run, tmp
 def test_the_window_sweep_says_what_it_needs_instead_of_falling_back(tmp_path):
     import os
 
-    args = ["-m", "scripts.hf_window_sweep", "--hf=some/model", "--tasks=arc_easy", f"--out={tmp_path / 'sweep'}"]
+    args = ["-m", "scripts.sa.hf_window_sweep", "--hf=some/model", "--tasks=arc_easy", f"--out={tmp_path / 'sweep'}"]
     proc = subprocess.run([sys.executable, *args, "--device=cuda"], cwd=REPO, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 2 and "CUDA is not available" in proc.stderr, proc.stderr  # not a silent CPU run
     without = ("import runpy, sys; sys.modules['lm_eval'] = None; sys.argv = " + repr(args[1:])
-               + "; runpy.run_module('scripts.hf_window_sweep', run_name='__main__', alter_sys=True)")
+               + "; runpy.run_module('scripts.sa.hf_window_sweep', run_name='__main__', alter_sys=True)")
     proc = subprocess.run([sys.executable, "-c", without], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "pip install -r requirements-eval.txt" in proc.stderr, proc.stderr
     assert not (tmp_path / "sweep").exists()

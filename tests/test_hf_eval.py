@@ -169,7 +169,7 @@ def test_cached_decoding_on_a_sliding_window_checkpoint_follows_the_attention_us
 
 @pytest.mark.e2e
 def test_window_sweep_writes_the_table_and_the_plots(local_model, tmp_path, offline):
-    from scripts.hf_window_sweep import main
+    from scripts.sa.hf_window_sweep import main
     from tests.test_lm_eval import MC_ITEMS, write_tasks
 
     folder, _ = local_model

@@ -16,7 +16,7 @@ from attention.stochastic import inverse_permutation, stochastic_attention, stoc
 from config import ModelConfig, load_config
 from conftest import REPO, generator
 from model import GPT
-from scripts import sa_stats
+from scripts.sa import graph_stats as sa_stats
 
 
 def qkv(n, batch=2, heads=3, dim=8, requires_grad=True, dtype=torch.float64, device=None):
@@ -285,7 +285,7 @@ def test_receptive_field_sa_in_log_depth_swa_in_linear_depth():
 @pytest.mark.e2e
 def test_sa_stats_script_prints_and_plots(tmp_path):
     plot = tmp_path / "rf.png"
-    proc = subprocess.run([sys.executable, "-m", "scripts.sa_stats", "--n", "256", "--window", "16", "--samples",
+    proc = subprocess.run([sys.executable, "-m", "scripts.sa.graph_stats", "--n", "256", "--window", "16", "--samples",
                            "200", "--max_depth", "40", "--plot", str(plot), "--json"], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

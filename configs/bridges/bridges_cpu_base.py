@@ -4,7 +4,7 @@
 # (data/facts.py: the embedded corpus's text with facts stated and asked back at every distance, so that
 # models this small learn to retrieve). Each configs/bridges/bridges_cpu_*.py includes this file and sets the
 # attention. The six families, trained and diagnosed, with the Table 3 / 4 / 9 layouts:
-#   python -m scripts.bridge_sweep --scale=cpu --seeds=1337
+#   python -m scripts.bridges.sweep --scale=cpu --seeds=1337
 out_dir = "out/bridges_cpu"
 dataset = "facts_byte"  # generated on first use
 

@@ -4,7 +4,7 @@
 # questions sits in the block after the value's, where fixed blocks cannot answer. Answer-only training
 # (loss_after) gives models this small the retrieval that language-model training on the facts corpus does not
 # (docs/results.md); the diagnostics then ask their geometry probes in the corpus's format (diag_format=recall).
-#   python -m scripts.bridge_sweep --scale=cpu_recall --seeds=1337
+#   python -m scripts.bridges.sweep --scale=cpu_recall --seeds=1337
 include("configs/bridges/bridges_cpu_base.py")
 out_dir = "out/bridges_cpu_recall"
 dataset = "recall_near_byte"  # generated on first use

@@ -12,8 +12,8 @@ The evaluation is balanced: every evaluation context appears once with each of t
 model the accuracy is exactly 1/K and the loss exactly >= log K, and the largest difference between the
 logits at p across labels (Lemma 1) is reported.
 
-    python -m scripts.boundary_copy                       # K = 8, five patterns, a few seconds each on CPU
-    python -m scripts.boundary_copy --K=4 --steps=400 --patterns=block,pbb --json=out/boundary_copy.json
+    python -m scripts.bridges.boundary_copy                       # K = 8, five patterns, a few seconds each on CPU
+    python -m scripts.bridges.boundary_copy --K=4 --steps=400 --patterns=block,pbb --json=out/boundary_copy.json
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 if not __package__:  # run as a file, the project's modules cannot be imported: say how to run it
-    sys.exit("run it from the repository root as a module: python -m scripts.boundary_copy ...")
+    sys.exit("run it from the repository root as a module: python -m scripts.bridges.boundary_copy ...")
 
 from config import ConfigError, ModelConfig, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
 from model import GPT  # noqa: E402

@@ -1,7 +1,7 @@
 """Stochastic attention's graph statistics (paper 000, App. A.1-A.2 and Fig. 2 left), from its edge rule.
 
-    python -m scripts.sa_stats                                   # n=2048, w=32, as in Fig. 2 (left)
-    python -m scripts.sa_stats --n 4096 --window 256 --samples 20000 --max_depth 12 --plot out/sa_rf.png
+    python -m scripts.sa.graph_stats                                   # n=2048, w=32, as in Fig. 2 (left)
+    python -m scripts.sa.graph_stats --n 4096 --window 256 --samples 20000 --max_depth 12 --plot out/sa_rf.png
 
 1. Connection probability (App. A.1): for a uniform permutation and a uniform pair i != j, how often j lies
    in i's window. Estimated from `samples` permutations (each scoring `pairs` random pairs; the standard
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 if not __package__:  # run as a file, the project's modules cannot be imported: say how to run it
-    sys.exit("run it from the repository root as a module: python -m scripts.sa_stats ...")
+    sys.exit("run it from the repository root as a module: python -m scripts.sa.graph_stats ...")
 
 from attention.edges import in_circular_window, stochastic_halo, stochastic_window_edges, window_edges  # noqa: E402
 from attention.stochastic import inverse_permutation  # noqa: E402

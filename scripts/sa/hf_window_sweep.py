@@ -1,7 +1,7 @@
 """Paper 000's training-free sweep (§4.2, Fig. 4, Tables 4-5): a pretrained model's accuracy on
 lm-evaluation-harness tasks with full attention, and with SWA, SA and MoBA at growing effective windows.
 
-    python -m scripts.hf_window_sweep --hf=Qwen/Qwen3-8B --hf_dtype=bfloat16 --device=cuda --batch_size=8 \\
+    python -m scripts.sa.hf_window_sweep --hf=Qwen/Qwen3-8B --hf_dtype=bfloat16 --device=cuda --batch_size=8 \\
         --tasks=hellaswag,mmlu,lambada_openai,arc_easy,arc_challenge,boolq,humaneval \\
         --windows=16,32,64,128,256,512 --moba_blocks=32,64,128,256 --moba_topk=2 --out=out/qwen3_8b_sweep
 
@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass
 
 if not __package__:  # run as a file, the project's modules cannot be imported: say how to run it
-    sys.exit("run it from the repository root as a module: python -m scripts.hf_window_sweep ...")
+    sys.exit("run it from the repository root as a module: python -m scripts.sa.hf_window_sweep ...")
 
 from checkpoint import git_hash  # noqa: E402
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error, resolve_device  # noqa: E402
