@@ -18,8 +18,6 @@ from gpucheck.options import (BACKEND_CONTEXT, BACKEND_HEADS, BACKEND_WINDOW, FU
 from gpucheck.processes import tail
 
 
-# ---- step: backends (the comparisons run in a child process: --worker=backends) ----------------------
-
 def step_backends(ctx: StepContext) -> dict:
     """Every backend of every rule family (the registry's cases under edge rules) against dense. On an H100 each
     (rule, padded length, dtype) compiles its FlexAttention kernels once, forward and backward (~5 s each): two

@@ -15,8 +15,6 @@ from gpucheck.options import (CALL_LIMIT_S, COMPILE_S, FULL, MARGIN, PROCESS_S, 
 from gpucheck.steps import GPU_TESTS
 
 
-# ---- full-size budgets: counted compilations ------------------------------------------------------------------
-
 @dataclass(frozen=True)
 class Estimate:
     """A step's work at full size on one H100: its compilations by kind (COMPILE_S), the processes it starts and

@@ -11,8 +11,6 @@ from gpucheck.context import StepContext, outcome
 from gpucheck.options import FULL, MEMORY_HEADROOM, MEMORY_RATIO, REDUCED, CheckConfig
 
 
-# ---- step: memory (the measurement runs in a child process: --worker=memory) --------------------------------
-
 def step_memory(ctx: StepContext) -> dict:
     """One forward and backward of the 1.4B SWAX recipe's blocks at 16K tokens (one sequence, bf16, eager, no
     activation checkpointing), its peak memory against memory_plan.py's estimate for the same shapes:

@@ -22,8 +22,6 @@ def tail(text: str, chars: int = 3000) -> str:
     return text if len(text) <= chars else "..." + text[-chars:]
 
 
-# ---- running commands ---------------------------------------------------------------------------------------
-
 @dataclass
 class Completed:
     command: list

@@ -7,8 +7,6 @@ from outputs import markdown_table
 from gpucheck.options import STEPS, TOLERANCE
 
 
-# ---- the report ---------------------------------------------------------------------------------------
-
 def write_report(report: dict, out: Path) -> None:
     write_json(report, out / "report.json")
     text = render_markdown(report)

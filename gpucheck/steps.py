@@ -362,6 +362,8 @@ def read_losses(out_dir: Path) -> dict:
     return {r["step"]: r["train_loss"] for r in read_metrics(out_dir / "metrics.jsonl") if "train_loss" in r}
 
 
+# ---- step: pretrained -------------------------------------------------------------------------------------
+
 def step_pretrained(ctx: StepContext) -> dict:
     """A small local Qwen3 (grouped-query attention) in bf16: fine-tuned from init_from=hf: with a sliding window
     in its attention (compiled on CUDA), and evaluated with python -m eval --hf=: about 40 s."""

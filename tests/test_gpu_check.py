@@ -40,34 +40,34 @@ def test_quick_cpu_check_runs_every_step_and_writes_the_report(tmp_path):
     chosen = [name for name in options.STEPS if name not in ("gpu_tests", "compile_check")]
     proc = gpu_check(tmp_path, f"--steps={','.join(chosen)}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads((tmp_path / "report.json").read_text())
-    steps = report["steps"]
-    assert list(steps) == chosen
+    written = json.loads((tmp_path / "report.json").read_text())
+    recorded = written["steps"]
+    assert list(recorded) == chosen
     # one process cannot be two GPUs
-    assert steps["multi_gpu"]["status"] == "skipped" and "two or more GPUs" in steps["multi_gpu"]["summary"]
+    assert recorded["multi_gpu"]["status"] == "skipped" and "two or more GPUs" in recorded["multi_gpu"]["summary"]
     for name in set(chosen) - {"multi_gpu"}:
-        assert steps[name]["status"] == "passed", (name, steps[name]["summary"], steps[name]["error"])
-        assert steps[name]["reduced"] == "reduced (CPU, --quick)"  # every number is labelled as not the hardware's
-    backends = steps["backends"]["results"]
-    assert len(backends["cases"]) == backends["expected_cases"] > 30
-    assert {c["family"] for c in backends["cases"]} >= {"swa", "mswa", "sa", "swat", "pbb", "se_bridge_union"}
-    assert all(c["passed"] for c in backends["cases"])
-    runs = {r["mixer"]: r for r in steps["train_runs"]["results"]["runs"]}
+        assert recorded[name]["status"] == "passed", (name, recorded[name]["summary"], recorded[name]["error"])
+        assert recorded[name]["reduced"] == "reduced (CPU, --quick)"  # every number is labelled as not the hardware's
+    compared = recorded["backends"]["results"]
+    assert len(compared["cases"]) == compared["expected_cases"] > 30
+    assert {c["family"] for c in compared["cases"]} >= {"swa", "mswa", "sa", "swat", "pbb", "se_bridge_union"}
+    assert all(c["passed"] for c in compared["cases"])
+    runs = {r["mixer"]: r for r in recorded["train_runs"]["results"]["runs"]}
     window = options.REDUCED["train_runs"]["window"]
     assert set(runs) == set(options.train_runs(window)) >= set(MIXERS)  # every registered mixer trains
     trained = [r for r in runs.values() if r["status"] == "passed"]
     assert {r["mixer"] for r in trained} == set(options.train_runs(window)) - set(options.cuda_only_runs(window))
     assert all(r["val_loss_end"] < r["val_loss_start"] for r in trained)
-    resume = steps["resume"]["results"]
+    resume = recorded["resume"]["results"]
     assert resume["bitwise"] and resume["compared_steps"] == list(range(resume["checkpoint_at"] + 1,
                                                                         resume["max_iters"] + 1))
     # the checkpoint it resumed from (a later one than the first when the kill came late, as on a busy machine)
     assert resume["checkpoint_at"] % options.REDUCED["resume"]["checkpoint_at"] == 0
     assert resume["killed_after_step"] >= resume["checkpoint_at"]
-    assert steps["memory"]["results"]["estimated_gib"] > 0 and steps["memory"]["results"]["measured_gib"] is None
+    assert recorded["memory"]["results"]["estimated_gib"] > 0 and recorded["memory"]["results"]["measured_gib"] is None
     markdown = (tmp_path / "report.md").read_text()
     assert "reduced (CPU, --quick)" in markdown and "| train_runs | **passed** |" in markdown
-    assert report["device"] == "cpu" and report["git_hash"]
+    assert written["device"] == "cpu" and written["git_hash"]
 
 
 @pytest.mark.parametrize("explicit, status", [(False, "skipped"), (True, "failed")])
@@ -119,17 +119,17 @@ def test_the_resume_check_passes_only_when_a_run_resumed(tmp_path, monkeypatch, 
 def test_a_failing_step_is_recorded_and_the_next_one_still_runs(tmp_path):
     proc = gpu_check(tmp_path, "--steps=preflight,backends,generate", "--fail_steps=backends")
     assert proc.returncode == 1
-    steps = json.loads((tmp_path / "report.json").read_text())["steps"]
-    assert steps["backends"]["status"] == "failed" and "injected failure" in steps["backends"]["summary"]
-    assert "Traceback" in steps["backends"]["error"]
-    assert steps["generate"]["status"] == "passed"
+    recorded = json.loads((tmp_path / "report.json").read_text())["steps"]
+    assert recorded["backends"]["status"] == "failed" and "injected failure" in recorded["backends"]["summary"]
+    assert "Traceback" in recorded["backends"]["error"]
+    assert recorded["generate"]["status"] == "passed"
     assert f"## {options.STEPS.index('backends') + 1}. backends: failed" in (tmp_path / "report.md").read_text()
     # --only reruns the failed step into the same report and keeps the others' results
     proc = gpu_check(tmp_path, "--only=backends")
     assert proc.returncode == 0, proc.stdout[-3000:]
-    report = json.loads((tmp_path / "report.json").read_text())
-    assert [report["steps"][s]["status"] for s in ("preflight", "backends", "generate")] == ["passed"] * 3
-    assert len(report["runs"]) == 2
+    written = json.loads((tmp_path / "report.json").read_text())
+    assert [written["steps"][s]["status"] for s in ("preflight", "backends", "generate")] == ["passed"] * 3
+    assert len(written["runs"]) == 2
 
 
 @pytest.mark.parametrize("args, message", [(["--steps=backend"], "unknown step"),
@@ -338,11 +338,11 @@ def test_recurrent_runs_name_their_gpu_kernel_on_cuda_and_must_show_it_in_use():
     assert "--gdn_kernel=fla" in steps.run_options("swax_gdn", True, 64)
     assert not [o for o in steps.run_options("swax", False, 64) if "kernel" in o]
     assert not [o for o in steps.run_options("swa", True, 64) if "kernel" in o]
-    options = steps.run_options("swax", True, 64)
+    swax_options = steps.run_options("swax", True, 64)
     used = "  layers 1, 3: mLSTM: 8 heads, q/k 32 and v 64 per head, chunk 64, kernel triton (mlstm_kernels, ...)"
-    assert steps.kernel_use_problem(options, "model: ...\n" + used) == ""
+    assert steps.kernel_use_problem(swax_options, "model: ...\n" + used) == ""
     fallback = used.replace("kernel triton (mlstm_kernels, ...)", "kernel native")
-    assert "no mlstm layer reports 'kernel triton'" in steps.kernel_use_problem(options, fallback)
+    assert "no mlstm layer reports 'kernel triton'" in steps.kernel_use_problem(swax_options, fallback)
 
 
 def test_the_checks_cover_every_registered_mixer():
