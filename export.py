@@ -23,7 +23,10 @@ separates documents in training, so an evaluation that conditions on BOS (lm-eva
 
 Before the folder is put in place, the export reloads it with `AutoModelForCausalLM` and compares logits with
 the run's model on a probe sequence (float32): a mismatch past 1e-4 is refused, and nothing is written.
-`export.json` records the run, checkpoint, step, class and why, the git hash and the command.
+`export.json` records the run, checkpoint, step, class and why, the git hash, the command and every file the
+export wrote. `--overwrite=True` replaces only such an earlier export (a folder whose export.json lists every
+file in it); a run folder, a folder holding one, or a folder with anything else in it is refused and left as it
+is. The folder and its files get the user's umask, like every other file the project writes.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ class ExportConfig:
     to: str = ""  # the folder to write; empty: OUT_DIR/hf
     format: str = "auto"  # auto (transformers' own class where one is exact, else project) | project
     verify: bool = True  # reload the folder and compare logits with the run's before putting it in place
-    overwrite: bool = False  # replace an existing folder at --to
+    overwrite: bool = False  # replace an earlier export at --to (never a run folder or anything else)
 
 
 # transformers' own classes -----------------------------------------------------------------------------------
@@ -293,18 +296,77 @@ def verify(folder: Path, gpt, trust_remote_code: bool) -> float:
     return float((ours - theirs).abs().max())
 
 
+EXPORT_RECORD = "export.json"
+
+
+def written_files(folder: Path) -> list[str]:
+    """Every file under folder, as paths relative to it (sorted)."""
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if not p.is_dir())
+
+
+def destination_problem(to: Path, run_dir: Path, overwrite: bool) -> str:
+    """Why the export may not be written at `to` ("" when it may): a file there, a folder that is not empty (without
+    --overwrite), or, with --overwrite, a folder that is not an earlier export (the run's folder, a folder holding
+    a run, anything with files export.json does not list). Checked before anything is loaded or written."""
+    from run_folder import holds_run
+
+    if to.exists() and not to.is_dir():
+        return f"--to={to} is a file, not a folder: give --to a folder's path"
+    for parent in to.parents:
+        if parent.exists() and not parent.is_dir():
+            return f"--to={to} lies under {parent}, which is a file: give --to a folder's path"
+    if not to.exists() or not any(to.iterdir()):
+        return ""
+    if not overwrite:
+        return f"{to} exists and is not empty: give another --to, or --overwrite=True to replace an earlier export there"
+    resolved, run = to.resolve(), run_dir.resolve()
+    if resolved == run or resolved in run.parents:
+        return (f"--to={to} is {'the run folder' if resolved == run else 'a folder holding the run ' + str(run_dir)}: "
+                "--overwrite replaces only an earlier export, never a run. Give --to a folder of its own, such as "
+                f"{run_dir / 'hf'}")
+    run_files = [name for name in holds_run(to) if name != "config.json"]  # an export has a config.json too
+    if run_files:
+        return (f"--to={to} holds a training run ({', '.join(run_files)}): --overwrite replaces only an earlier "
+                "export, never a run. Give --to a folder of its own")
+    record_path = to / EXPORT_RECORD
+    try:
+        record = json.loads(record_path.read_text())
+        listed = set(record["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        why = "has no export.json" if not record_path.exists() else "has an export.json without the list of its files"
+        return (f"--to={to} {why}, so it is not an export this tool wrote (or one from before exports listed their "
+                "files): --overwrite replaces nothing else. Give another --to, or move or remove that folder yourself")
+    others = [name for name in written_files(to) if name not in listed]
+    if others:
+        shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        return (f"--to={to} is an earlier export with other files in it ({shown}): --overwrite would delete them, "
+                "so it replaces nothing. Move them out, or give another --to")
+    return ""
+
+
+def apply_umask(folder: Path) -> None:
+    """Give the folder and everything in it the permissions the user's umask gives new files (mkdtemp makes a
+    private 0700 folder, and some writers private 0600 files)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in [folder, *folder.rglob("*")]:
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 def export_run(cfg: ExportConfig, command: str = "") -> Path:
     from checkpoint import git_hash, load_model, run_tokenizer
 
     to = Path(cfg.to or Path(cfg.out_dir) / "hf")
-    if to.exists() and any(to.iterdir()) and not cfg.overwrite:
-        raise ExportError(f"{to} exists and is not empty: give another --to, or --overwrite=True to replace it")
+    problem = destination_problem(to, Path(cfg.out_dir), cfg.overwrite)
+    if problem:
+        raise ExportError(problem)
     gpt, _, raw = load_model(cfg.out_dir, cfg.ckpt, "cpu")
     gpt = gpt.float()
     tokenizer = run_tokenizer(raw)
     model, hf_tok, record = export_model(gpt, tokenizer, cfg.format)
     to.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{to.name}.", dir=to.parent))
+    old = None
     try:
         model.save_pretrained(tmp)
         hf_tok.save_pretrained(tmp)
@@ -319,14 +381,25 @@ def export_run(cfg: ExportConfig, command: str = "") -> Path:
             record["verified_max_logit_diff"] = diff
         record.update({"run": str(cfg.out_dir), "ckpt": raw.get("path"), "step": raw.get("step"),
                        "best_val_loss": raw.get("best_val_loss"), "tokenizer": tokenizer.identity(),
-                       "git": git_hash(), "command": command})
-        (tmp / "export.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
-        if to.exists():
-            shutil.rmtree(to)
+                       "git": git_hash(), "command": command,
+                       "files": sorted([*written_files(tmp), EXPORT_RECORD])})
+        (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=2, default=str) + "\n")
+        apply_umask(tmp)
+        problem = destination_problem(to, Path(cfg.out_dir), cfg.overwrite)  # again: it may have changed meanwhile
+        if problem:
+            raise ExportError(problem)
+        if to.exists():  # an empty folder, or an earlier export: moved aside, removed once the new one is in place
+            old = Path(tempfile.mkdtemp(prefix=f".{to.name}.old.", dir=to.parent))
+            os.replace(to, old / to.name)
         os.replace(tmp, to)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not to.exists():
+            os.replace(old / to.name, to)  # put the earlier export back
         raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     return to
 
 

@@ -31,6 +31,20 @@ STEP_FUNCTIONS = {"preflight": step_preflight, "gpu_tests": step_gpu_tests, "tra
 assert tuple(STEP_FUNCTIONS) == STEPS
 
 
+OUTPUT_MARKER = ".gpu_check"  # marks a folder as the check's own: its steps empty their run folders inside it
+
+
+def output_folder_problem(out: Path) -> str:
+    """Why the check may not write into out ("" when it may): each step starts its runs afresh by removing their
+    folders inside out, so out must be new, empty, or an earlier check's (its marker file)."""
+    if out.exists() and not out.is_dir():
+        return f"--out={out} is a file: give --out a folder"
+    if out.is_dir() and any(out.iterdir()) and not (out / OUTPUT_MARKER).exists():
+        return (f"--out={out} holds files the GPU check did not write, and its steps remove and remake their run "
+                "folders inside --out: give --out a new or empty folder (default out/gpu_check)")
+    return ""
+
+
 def run_check(cfg: CheckConfig, device: str, argv: list[str]) -> int:
     """Run the chosen steps into cfg.out's report; the exit status: 0, 1 when a step failed, 128 + the signal
     when stopped."""
@@ -46,6 +60,7 @@ def run_check(cfg: CheckConfig, device: str, argv: list[str]) -> int:
     failing = set(filter(None, cfg.fail_steps.split(",")))
     out = Path(cfg.out).resolve()  # subprocesses run in the repository
     out.mkdir(parents=True, exist_ok=True)
+    (out / OUTPUT_MARKER).touch()
 
     run = {**environment(device), "command": shlex.join(["python", "-m", "scripts.gpu_check", *argv]),
            "started": now(), "reduced": reduced, "options": asdict(cfg)}

@@ -55,6 +55,7 @@ split over several commands, each within a time limit: --plan suggests the split
 """
 
 import sys
+from pathlib import Path
 
 import torch
 
@@ -67,7 +68,7 @@ from gpucheck.budgets import default_steps, plan_parts, step_budget, step_estima
 from gpucheck.memory import memory_worker  # noqa: E402
 from gpucheck.options import (CALL_LIMIT_S, COMPILE_S, MARGIN, PROCESS_S, REDUCED, STEPS, TOTAL_LIMIT_S,  # noqa: E402
                               CheckConfig, train_runs)
-from gpucheck.runner import run_check  # noqa: E402
+from gpucheck.runner import output_folder_problem, run_check  # noqa: E402
 
 
 def parse(argv) -> CheckConfig:
@@ -99,6 +100,8 @@ def parse(argv) -> CheckConfig:
     shard = c.shard.split("/")
     if len(shard) != 2 or not all(x.isdigit() for x in shard) or not int(shard[0]) < int(shard[1]):
         raise ConfigError(f"shard={c.shard!r}: expected I/N with 0 <= I < N")
+    if not c.worker and not c.plan and output_folder_problem(Path(c.out).resolve()):
+        raise ConfigError(output_folder_problem(Path(c.out).resolve()))
     return c
 
 

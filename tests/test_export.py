@@ -172,3 +172,55 @@ def test_export_refuses_what_it_cannot_write_and_writes_nothing(tmp_path, capsys
     assert main([f"--out_dir={run}", f"--to={tmp_path / 'exported'}"]) == 0
     assert "LlamaForCausalLM" in capsys.readouterr().out
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temporary folder left
+
+
+def tree(folder):
+    """Every file under folder with its bytes: what a tool must leave as it was."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.e2e
+def test_overwrite_replaces_only_an_earlier_export_never_a_run_or_its_neighbours(tmp_path, capsys):
+    parent = tmp_path / "parent"
+    _, run = make_run(parent / "run", CASES["llama"][0])
+    (run / "metrics.jsonl").write_text('{"step": 7, "train_loss": 1.0}\n')
+    (parent / "sibling").mkdir()
+    (parent / "sibling" / "notes.txt").write_text("a neighbour's file")
+    before = tree(tmp_path)
+    for to in (run, parent, parent / "sibling", tmp_path):  # the run, its parent, a sibling, the grandparent
+        assert main([f"--out_dir={run}", f"--to={to}", "--overwrite=True"]) == 2
+        err = capsys.readouterr().err
+        assert "replaces only an earlier export" in err or "not an export this tool wrote" in err, err
+        assert tree(tmp_path) == before  # nothing removed, nothing added
+    (tmp_path / "afile").write_text("x")
+    assert main([f"--out_dir={run}", f"--to={tmp_path / 'afile'}"]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
+
+    # an earlier export is replaced; once it holds a file the export did not write, it is not
+    exported = tmp_path / "exports" / "run"
+    assert main([f"--out_dir={run}", f"--to={exported}"]) == 0
+    record = json.loads((exported / "export.json").read_text())
+    assert sorted(record["files"]) == sorted(tree(exported)) and "model.safetensors" in record["files"]
+    mask = os.umask(0)
+    os.umask(mask)
+    assert {p.stat().st_mode & 0o777 for p in [exported, *exported.iterdir()]} == {0o777 & ~mask, 0o666 & ~mask}
+    assert main([f"--out_dir={run}", f"--to={exported}", "--ckpt=best", "--overwrite=True"]) == 0
+    (exported / "my_eval.json").write_text("{}")
+    assert main([f"--out_dir={run}", f"--to={exported}", "--overwrite=True"]) == 2
+    assert "my_eval.json" in capsys.readouterr().err and (exported / "my_eval.json").exists()
+    assert [p.name for p in exported.parent.iterdir()] == ["run"]  # no temporary folder left
+
+
+def test_an_export_gets_the_users_umask(tmp_path):
+    from export import apply_umask
+
+    folder = tmp_path / "made"
+    folder.mkdir(mode=0o700)
+    (folder / "model.safetensors").write_bytes(b"x")
+    os.chmod(folder / "model.safetensors", 0o600)
+    mask = os.umask(0o022)
+    try:
+        apply_umask(folder)
+    finally:
+        os.umask(mask)
+    assert (folder.stat().st_mode & 0o777, (folder / "model.safetensors").stat().st_mode & 0o777) == (0o755, 0o644)

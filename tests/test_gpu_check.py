@@ -132,6 +132,25 @@ def test_a_failing_step_is_recorded_and_the_next_one_still_runs(tmp_path):
     assert len(written["runs"]) == 2
 
 
+def test_the_check_writes_only_into_a_folder_of_its_own(tmp_path):
+    """Its steps remove and remake their run folders inside --out: a folder with anything else in it (a run, a
+    user's files) is refused before anything runs, and nothing in it is touched."""
+    from gpucheck.runner import OUTPUT_MARKER, output_folder_problem
+
+    (tmp_path / "runs" / "swa").mkdir(parents=True)
+    (tmp_path / "runs" / "swa" / "ckpt_best.pt").write_bytes(b"a user's checkpoint")
+    assert "did not write" in output_folder_problem(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "scripts.gpu_check", f"--out={tmp_path}", "--device=cpu", "--quick",
+                           "--steps=train_runs", "--runs=swa"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "did not write" in proc.stderr, proc.stderr
+    assert [p.name for p in tmp_path.rglob("*")] == ["runs", "swa", "ckpt_best.pt"]
+    assert output_folder_problem(tmp_path / "new") == "" and output_folder_problem(tmp_path / "runs" / "swa" / "x") == ""
+    (tmp_path / OUTPUT_MARKER).touch()  # an earlier check's folder
+    assert output_folder_problem(tmp_path) == ""
+    (tmp_path / "afile").write_text("x")
+    assert "is a file" in output_folder_problem(tmp_path / "afile")
+
+
 @pytest.mark.parametrize("args, message", [(["--steps=backend"], "unknown step"),
                                            (["--device=cuda"], "CUDA is not available"),
                                            (["--budget_scale=0"], "budget_scale"),
