@@ -107,26 +107,36 @@ class GPT(nn.Module):
         if start_pos and caches is None:
             raise ValueError("start_pos continues a sequence held in caches; without caches a sequence starts at 0")
         pos = torch.arange(start_pos, start_pos + T, device=idx.device)
-        x = self.wte(idx)
-        if self.wpe is not None:
-            if start_pos + T > self.config.block_size:
-                raise ValueError(f"sequence of length {start_pos + T} exceeds block_size {self.config.block_size} "
-                                 "(learned positions cannot extrapolate)")
-            x = x + self.wpe(pos)
-        x = self.drop(x)
+        if self.wpe is not None and start_pos + T > self.config.block_size:
+            raise ValueError(f"sequence of length {start_pos + T} exceeds block_size {self.config.block_size} "
+                             "(learned positions cannot extrapolate)")
+        x = self.embed(idx, pos)
         plans = self.plan(B, T, idx.device) if caches is None else [None] * len(self.blocks)
         for i, (block, plan) in enumerate(zip(self.blocks, plans)):
             x = block(x, pos, None if caches is None else caches[i], plan)
+        if loss_chunk and targets is not None:
+            x = self.ln_f(x)
+            count = (targets != -1).sum().clamp(min=1)
+            loss = chunked_cross_entropy(x, self.lm_head.weight, targets, loss_chunk) / count
+            return None, loss.to(torch.promote_types(x.dtype, torch.float32))
+        return self.head(x, targets)
+
+    def embed(self, idx, pos):
+        """Token (and learned position) embeddings of idx at positions pos: the blocks' input."""
+        x = self.wte(idx)
+        if self.wpe is not None:
+            x = x + self.wpe(pos)
+        return self.drop(x)
+
+    def head(self, x, targets=None):
+        """The final norm, the LM head and, given targets, the mean cross-entropy (targets < 0 are ignored)."""
         x = self.ln_f(x)
+        logits = self.lm_head(x)
         if targets is None:
-            return self.lm_head(x), None
+            return logits, None
         # mean over the counted targets; 0 (not NaN) when a batch has none, e.g. answer-only training (loss_after)
         count = (targets != -1).sum().clamp(min=1)
-        loss_dtype = torch.promote_types(x.dtype, torch.float32)
-        if loss_chunk:
-            return None, (chunked_cross_entropy(x, self.lm_head.weight, targets, loss_chunk) / count).to(loss_dtype)
-        logits = self.lm_head(x)
-        return logits, (token_nll(logits, targets) / count).to(loss_dtype)
+        return logits, (token_nll(logits, targets) / count).to(torch.promote_types(x.dtype, torch.float32))
 
     @torch.compiler.disable  # compiled code would rebuild every mask in its graph (one graph break, if compiled)
     def plan(self, batch_size: int, seq_len: int, device) -> list:

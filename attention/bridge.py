@@ -105,7 +105,8 @@ class BridgedBlockAttention(MaskedAttention):
 
     def saved_activations(self, m, k, B: int, T: int):
         """Branch fusion: the block path is attention under block(b) (attention_saved's kernel terms) and the
-        bridge path runs window by window (window_path_saved); the union form is plain attention under one rule."""
+        bridge path runs window by window (window_path_saved), or as span attention on CUDA; the union form is plain
+        attention under one rule."""
         if self.fusion == "union":
             return attention_saved(self, m, k, B, T)
         C, H, D, a, tokens = m.n_embd, m.n_head, m.head_dim, k.act, B * T
@@ -115,12 +116,19 @@ class BridgedBlockAttention(MaskedAttention):
             saved["RoPE cos/sin tables"] = rope_tables(T, D)
         kernel = resolve_backend(self.backend, self.block_rule, torch.device(k.device), D)
         saved.update(kernel_saved(kernel, self.block_rule, "softmax", k, B, H, D, T))
-        saved.update(window_path_saved(self.bridge_rule, k, B, H, D, T))
+        bridge_kernel = resolve_backend(self.backend, self.bridge_rule, torch.device(k.device), D)
+        if bridge_kernel == "span":  # span attention over the windows' rows: an output and lse per position
+            for name, size in kernel_saved("span", self.bridge_rule, "softmax", k, B, H, D, T).items():
+                saved["bridge " + name] = size
+            bridge_out = a * B * H * T * D + F32 * B * H * T
+        else:
+            saved.update(window_path_saved(self.bridge_rule, k, B, H, D, T))
+            first_row, _, R, _ = self.bridge_rule.window_tiles(T)
+            bridge_out = (a * D + F32) * B * H * len(first_row) * R
         saved["merged heads"] = a * C * tokens
         if self.gate is not None:
             saved["output gate"] = 2 * a * C * tokens
-        first_row, _, R, _ = self.bridge_rule.window_tiles(T)
-        kernel_out = a * tokens * C + F32 * B * H * T + (a * D + F32) * B * H * len(first_row) * R
+        kernel_out = a * tokens * C + F32 * B * H * T + bridge_out
         matmuls = a * tokens * (4 * C + (C if self.gate is not None else 0))
         return saved, matmuls + kernel_out
 

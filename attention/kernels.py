@@ -11,14 +11,18 @@
              SDPA call, or explicit math for other score_mods
     windows  chosen by the other backends for rules made of disjoint windows (EdgeRule.window_tiles: paper
              004's bridge path): one batched SDPA call over one tile per window, its rows by its keys
+    span     (CUDA, the default there for rules whose edges are spans) attention/ops/span: Triton kernels in which
+             every query row attends one contiguous run of keys per head (sliding windows, multi-scale windows,
+             blocks, the bridges' windows and their union with the blocks, stochastic attention's band in slot
+             order), softmax or sigmoid, with ALiBi computed in the kernel: a tile costs its rows' spans
     flex     FlexAttention with a block mask built once per (rule, length) from the same block structure and
              shared by all layers; compiled on CUDA; forward-only on CPU (torch 2.13 has no CPU backward for it),
              except on the CPU standing in for CUDA (attention/simulate_cuda.py: compiled with aot_eager, whose
              reference implementation runs forward and backward)
     sdpa     PyTorch's fused SDPA: is_causal for the causal rule, else a dense boolean mask (O(n^2) memory)
 
-auto picks sdpa for plain causal attention only; every other static rule runs block-sparse (flex on CUDA and on
-the CPU standing in for it, chunked elsewhere), whatever its lookback.
+auto picks sdpa for plain causal attention only; on CUDA (and on the CPU standing in for it) span for every rule
+whose edges are spans, with no score_mod or an ALiBi one, when Triton is installed, else flex; chunked elsewhere.
 
 Layouts (attention/layouts.py): heads whose allowed offsets all share a divisor d > 1 (dilated, strided rules)
 run each residue class mod d as a sequence of its own, found from the rule (or its residue_classes); the
@@ -48,9 +52,12 @@ import torch.nn.functional as F
 from attention import simulate_cuda
 from attention.edges import Causal, EdgeRule
 from attention.layouts import KeyPrefixRule, Layout, from_layout, layout_groups, to_layout, write_rows
+from attention.ops.span.op import span_attention, span_blocks, triton_installed
+from attention.ops.span.spans import Spans, band_spans, span_scores, spans_problem, static_spans
 
-BACKENDS = ("auto", "dense", "chunked", "flex", "sdpa")
+BACKENDS = ("auto", "dense", "chunked", "flex", "sdpa", "span")
 TILE_ROWS_PER_CALL = 16384  # chunked kernel on CPU: batch x heads x query positions per fused call
+WIDTH_SPREAD = 1.25  # compacted tiles: a segment's widest chunk at most this many times its narrowest
 
 
 class ScoreBias:
@@ -63,6 +70,11 @@ class ScoreBias:
 
     def bias(self, h, q_idx, kv_idx):
         raise NotImplementedError
+
+    def alibi(self):
+        """(slopes (H,) float32, offset) when the bias is slopes[h] (q - k) + offset, which span attention computes
+        inside its kernel; None for any other bias."""
+        return None
 
     def __call__(self, score, b, h, q_idx, kv_idx):
         return score + self.bias(h, q_idx, kv_idx)
@@ -79,8 +91,23 @@ def resolve_backend(name: str, rule: EdgeRule, device: torch.device, head_dim: i
     # every other rule runs block-sparse at the cost of its edges: compiled FlexAttention on CUDA (and on the CPU
     # standing in for it: attention/simulate_cuda.py), the chunked kernel elsewhere (and on CUDA below
     # FlexAttention's smallest head dimension)
+    if simulate_cuda.gpu_path(device) and span_available() and not spans_problem(rule):
+        return "span"
     flex_ok = simulate_cuda.gpu_path(device) and head_dim >= FLEX_MIN_HEAD_DIM
     return "flex" if flex_ok else "chunked"
+
+
+def span_available() -> bool:
+    """Whether span attention's kernels can run: Triton installed (on CUDA; its interpreter or the reference on
+    the CPU standing in for it)."""
+    return triton_installed() or simulate_cuda.stand_ins()
+
+
+def _span_bias(score_mod):
+    """(slopes, offset) of an ALiBi score_mod for span attention, (None, 0.0) without one, None for other score_mods."""
+    if score_mod is None:
+        return None, 0.0
+    return score_mod.alibi() if isinstance(score_mod, ScoreBias) else None
 
 
 def _windowed(rule: EdgeRule) -> bool:
@@ -137,35 +164,56 @@ class ChunkTiles:
                    have the same tile everywhere
         compacted  (every other rule) key_index[i] are the positions of the keys chunk i's queries attend, the
                    union of their edges (own block, summary columns, sinks, global tokens), padded with n (a
-                   zero row) to the widest chunk; widths[i] how many are real. Tiles are gathered by index,
-                   each group of chunks as wide as its widest chunk
+                   zero row); widths[i] how many are real. Tiles are gathered by index, each group of chunks
+                   as wide as its widest chunk
 
-    `mask` (nc, c, K) or per head (H, nc, c, K) are the allowed pairs of every tile (K = S c or the widest
-    chunk); `keep` is None when every query has an allowed key, else a 0/1 factor (n, 1) or (H, n, 1) that
-    zeroes the rows without one."""
+    `segments` are runs of chunks (first, end, mask, closed) whose tiles are stored at one width: a band is one
+    segment; compacted chunks are cut where their widths part by more than WIDTH_SPREAD, so that a few wide
+    chunks (the rows of global tokens) never widen the others' stored masks (n x n for a rule with a dense row).
+    `mask` (s, c, K) or per head (H, s, c, K) are the allowed pairs of a segment's tiles (K = S c or its widest
+    chunk), `closed` the pairs the fused softmax kernel masks out (outside the edges, except in rows without any:
+    opened everywhere, their outputs are zeroed); `keep` is None when every query has an allowed key, else a 0/1
+    factor (n, 1) or (H, n, 1) that zeroes the rows without one."""
 
-    mask: torch.Tensor
+    segments: tuple
     chunk: int
     key_chunks: torch.Tensor | None
     band: int | None
     keep: torch.Tensor | None
     key_index: torch.Tensor | None = None
     widths: tuple = ()
-    closed: torch.Tensor | None = None  # the pairs the fused softmax kernel masks out: outside the edges, except
-    #                                     in rows without any (opened everywhere; their outputs are zeroed)
 
-    def __post_init__(self):
-        if self.closed is None:
-            self.closed = ~(self.mask | ~self.mask.any(-1, keepdim=True))
+    @property
+    def n_chunks(self) -> int:
+        return self.segments[-1][1]
+
+    @property
+    def device(self):
+        return self.segments[0][2].device
 
     @property
     def slots(self) -> int:
         return self.key_chunks.shape[1]
 
+    def tile_mask(self, i0: int, i1: int, width: int, closed: bool = False) -> torch.Tensor:
+        """The mask (or closed pairs) of chunks i0..i1 - 1, which lie in one segment, over their first `width`
+        keys: (..., i1 - i0, c, width)."""
+        for first, end, mask, closed_pairs in self.segments:
+            if first <= i0 < end:
+                return (closed_pairs if closed else mask)[..., i0 - first:i1 - first, :, :width]
+        raise IndexError(f"chunk {i0} is outside the tiles' {self.n_chunks} chunks")
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """Every chunk's mask, padded to the widest (tests; the kernels read segments)."""
+        width = max(m.shape[-1] for _, _, m, _ in self.segments)
+        return torch.cat([torch.nn.functional.pad(m.expand(*self.segments[0][2].shape[:-3], *m.shape[-3:]),
+                                                  (0, width - m.shape[-1])) for _, _, m, _ in self.segments], -3)
+
     def scores(self, n: int, heads: int = 1) -> int:
         """Scores the kernel evaluates per head over n queries of a batch of one with `heads` heads (query rows
         past the end not counted; compacted tiles are as wide as each call's widest chunk)."""
-        c, nc = self.chunk, self.mask.shape[-3]
+        c, nc = self.chunk, self.n_chunks
         rows = [min(c, n - i * c) for i in range(nc)]
         if self.band is not None:
             slots = (self.key_chunks.cpu() >= 0).sum(1).tolist()
@@ -183,6 +231,17 @@ def plan_attention(rule: EdgeRule, backend: str, n: int, n_head: int, head_dim: 
     kernel = resolve_backend(backend, rule, torch.device(device), head_dim)
     if kernel not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+    if kernel == "span":
+        spans = _plan_spans(rule, n, n_head, start, device) if _span_bias(score_mod) is not None else None
+        if spans is not None:
+            slopes, offset = _span_bias(score_mod)
+            return AttentionPlan("span", rule, n, start, score_mod, activation,
+                                 SpanPlan(spans, None if slopes is None else slopes.to(device).float(), float(offset)),
+                                 cpu_flash=False)
+        if backend == "span":
+            raise ValueError(f"attn_backend=span: {spans_problem(rule) or 'a score_mod other than ALiBi'} "
+                             f"({type(rule).__name__}); use auto, flex, chunked or dense")
+        kernel = "flex" if head_dim >= FLEX_MIN_HEAD_DIM else "chunked"  # auto: the next best
     plan = AttentionPlan(kernel, rule, n, start, score_mod, activation, cpu_flash=not simulate_cuda.gpu_path(device))
     if kernel == "dense":
         return plan
@@ -216,6 +275,26 @@ def plan_attention(rule: EdgeRule, backend: str, n: int, n_head: int, head_dim: 
                               for heads, sub_rule, layout, keys in groups)
         plan.score_mod = _flex_score_mod(score_mod, start, activation)
     return plan
+
+
+@dataclass(eq=False)
+class SpanPlan:
+    """Span attention's data: the rule's spans (attention/ops/span/spans.py) and its ALiBi bias, if any."""
+
+    spans: Spans
+    slopes: torch.Tensor | None = None
+    offset: float = 0.0
+
+
+def _plan_spans(rule: EdgeRule, n: int, n_head: int, start: int, device: str) -> Spans | None:
+    if spans_problem(rule):
+        return None
+    if not rule.static:
+        if start:
+            return None
+        return band_spans(rule, n, device)
+    _refuse_while_compiling("span attention's spans")
+    return static_spans(rule, n, n_head, start, device)
 
 
 @dataclass(eq=False)
@@ -317,6 +396,8 @@ def computed_scores(plan: AttentionPlan, n_head: int) -> int:
     if plan.kernel == "window":
         q_index, k_index, mask, rows = plan.data
         return n_head * len(rows) * mask.shape[-1]
+    if plan.kernel == "span":
+        return span_scores(plan.data.spans, n_head, *span_blocks("cuda"))
     if plan.kernel == "chunked":
         return sum(len(group.heads) * group.data.scores(n, len(group.heads)) for group in plan.data)
     if plan.kernel == "flex":
@@ -374,6 +455,11 @@ def attend_planned(q, k, v, plan: AttentionPlan, dropout_p: float = 0.0):
     """Run a plan from plan_attention on q (B, H, n, D) and k, v (B, H or fewer, n, D: grouped-query attention,
     which SDPA and FlexAttention take as it is and the other kernels with k and v repeated)."""
     rule, start, score_mod, activation = plan.rule, plan.start, plan.score_mod, plan.activation
+    if plan.kernel == "span":
+        if dropout_p > 0:
+            raise ValueError("span attention has no attention dropout: set dropout=0 or use attn_backend=chunked")
+        data = plan.data
+        return span_attention(q, k, v, data.spans, data.slopes, data.offset, activation == "sigmoid")
     if plan.kernel not in ("sdpa", "flex"):
         k, v = repeat_kv(q, k, v)
     if plan.kernel == "window":
@@ -718,27 +804,50 @@ def _chunk_tiles(rule: EdgeRule, n: int, start: int, chunk: int, n_head: int, de
         band, ahead = -(-rule.lookback // chunk), -(-rule.lookahead // chunk)
         key_chunks = torch.arange(nc)[:, None] - band + torch.arange(band + 1 + ahead)
         key_chunks = torch.where((key_chunks >= 0) & (key_chunks < nc), key_chunks, -1)
+    bounds = [(0, nc)] if index is None else width_segments(widths)
     if index is None:
-        mask = _block_grid(rule, n, start, chunk, key_chunks, n_head, device)
+        masks = [_block_grid(rule, n, start, chunk, key_chunks, n_head, device)]
     else:
-        mask = _key_grid(rule, n, start, chunk, index, n_head, device)
-    if mask.dim() == 4 and bool((mask == mask[:1]).all()):  # per-head rule, the same edges in every head here
-        mask = mask[0]
-    # padded queries past the end attend to every key of their tile: their outputs are dropped, and a full row
-    # keeps the fused kernels free of empty rows
-    q_pos = torch.arange(nc, device=device)[:, None] * chunk + torch.arange(chunk, device=device)
-    mask = mask | (q_pos >= n)[:, :, None]
-    has_key = mask.any(-1).reshape(*mask.shape[:-3], -1)[..., :n, None]  # (n, 1) or (H, n, 1)
+        masks = [_key_grid(rule, n, start, chunk, index[first:end, :max(1, max(widths[first:end]))], n_head, device,
+                           first) for first, end in bounds]
+    if masks[0].dim() == 4 and all(bool((m == m[:1]).all()) for m in masks):  # per head, the same edges in each
+        masks = [m[0] for m in masks]
+    segments, has_key = [], []
+    for (first, end), mask in zip(bounds, masks):
+        # padded queries past the end attend to every key of their tile: their outputs are dropped, and a full
+        # row keeps the fused kernels free of empty rows
+        q_pos = torch.arange(first, end, device=device)[:, None] * chunk + torch.arange(chunk, device=device)
+        mask = mask | (q_pos >= n)[:, :, None]
+        segments.append((first, end, mask, ~(mask | ~mask.any(-1, keepdim=True))))
+        has_key.append(mask.any(-1))
+    has_key = torch.cat(has_key, -2)
+    has_key = has_key.reshape(*has_key.shape[:-2], -1)[..., :n, None]  # (n, 1) or (H, n, 1)
     keep = None if bool(has_key.all()) else has_key.to(torch.float32)
-    return ChunkTiles(mask, chunk, None if key_chunks is None else key_chunks.to(device), band, keep,
+    return ChunkTiles(tuple(segments), chunk, None if key_chunks is None else key_chunks.to(device), band, keep,
                       None if index is None else index.to(device), widths)
 
 
-def _key_grid(rule: EdgeRule, n: int, start: int, chunk: int, index: torch.Tensor, n_head: int, device):
-    """allowed() of every query chunk's rows against its compacted keys index (nc, K), n for padding:
-    (nc, c, K), or per head (H, nc, c, K)."""
+def width_segments(widths: tuple) -> list[tuple[int, int]]:
+    """Runs [first, end) of chunks whose widths stay within WIDTH_SPREAD of each other: compacted tiles are
+    stored and computed at their run's widest, never at the widest chunk of the sequence."""
+    out, first, low, high = [], 0, None, None
+    for i, width in enumerate(widths):
+        width = max(1, width)
+        if low is not None and max(high, width) > WIDTH_SPREAD * min(low, width):
+            out.append((first, i))
+            first, low, high = i, width, width
+        else:
+            low, high = (width, width) if low is None else (min(low, width), max(high, width))
+    out.append((first, len(widths)))
+    return out
+
+
+def _key_grid(rule: EdgeRule, n: int, start: int, chunk: int, index: torch.Tensor, n_head: int, device,
+              first: int = 0):
+    """allowed() of query chunks first, first + 1, ... against their compacted keys index (g, K), n for padding:
+    (g, c, K), or per head (H, g, c, K)."""
     nc = index.shape[0]
-    q = torch.arange(nc, device=device)[:, None] * chunk + torch.arange(chunk, device=device)
+    q = torch.arange(first, first + nc, device=device)[:, None] * chunk + torch.arange(chunk, device=device)
     k = index.to(device)
     h = torch.arange(n_head, device=device)[:, None, None, None] if rule.per_head else None
     last = n - 1
@@ -765,8 +874,7 @@ def chunked_attention(q, k, v, rule: EdgeRule, start: int = 0, chunk: int = 128,
     if tiles is None:
         tiles_of = _cached_chunk_tiles if rule.static else _chunk_tiles
         tiles = tiles_of(rule, n, start, chunk or rule.chunk_size(), H, str(q.device))
-    mask, c = tiles.mask, tiles.chunk
-    n_chunks = mask.shape[-3]
+    c, n_chunks = tiles.chunk, tiles.n_chunks
     plain = score_mod is None and activation == "softmax"
     if fused and _fusable(score_mod) and dropout_p == 0.0:
         if cpu_flash is None:  # not planned: CUDA's branch on CUDA and on the CPU standing in for it
@@ -776,15 +884,19 @@ def chunked_attention(q, k, v, rule: EdgeRule, start: int = 0, chunk: int = 128,
         if activation == "sigmoid":
             return ChunkedSigmoid.apply(q, k, v, tiles, score_mod, start)
 
-    group = _TileGroup(0, n_chunks, n, tiles)  # every chunk at once: (B * H, nc, c or S c, D) tiles
-    q_tiles, k_tiles, v_tiles = group.query_tiles(q), KeyTiles.apply(k, group), KeyTiles.apply(v, group)
-    if plain:  # one batched fused SDPA over all tiles
-        y = _fused_softmax(q_tiles, k_tiles, v_tiles, _per_batch_head(mask, B), dropout_p)
-    else:
-        q_pos, k_pos = group.positions(start, q.device)
-        y = masked_attention(*(t.view(B, H, *t.shape[1:]) for t in (q_tiles, k_tiles, v_tiles)), mask, q_pos,
-                             k_pos, score_mod, activation, dropout_p, fused=False)
-    return y.reshape(B, H, n_chunks * c, D)[:, :, :n]
+    parts = []
+    for first, end, mask, _ in tiles.segments:  # each segment's chunks at once: (B * H, s, c or S c, D) tiles
+        group = _TileGroup(first, end, n, tiles)
+        q_tiles, k_tiles, v_tiles = group.query_tiles(q), KeyTiles.apply(k, group), KeyTiles.apply(v, group)
+        mask = group.tile_mask()
+        if plain:  # one batched fused SDPA over the segment's tiles
+            y = _fused_softmax(q_tiles, k_tiles, v_tiles, _per_batch_head(mask, B), dropout_p)
+        else:
+            q_pos, k_pos = group.positions(start, q.device)
+            y = masked_attention(*(t.view(B, H, *t.shape[1:]) for t in (q_tiles, k_tiles, v_tiles)), mask, q_pos,
+                                 k_pos, score_mod, activation, dropout_p, fused=False)
+        parts.append(y.reshape(B, H, (end - first) * c, D))
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, 2))[:, :, :n]
 
 
 class ChunkedFlashCPU(torch.autograd.Function):
@@ -805,8 +917,7 @@ class ChunkedFlashCPU(torch.autograd.Function):
         out = torch.empty_like(q)
         lses, chunked = [], []
         for h0, h1, tiles, layout in plans:
-            mask, c = tiles.mask, tiles.chunk
-            nc = mask.shape[-3]
+            c, nc = tiles.chunk, tiles.n_chunks
             q_h, out_h = q[:, h0:h1], out[:, h0:h1]
             k_chunks, v_chunks = key_source(k[:, h0:h1], tiles), key_source(v[:, h0:h1], tiles)
             chunked += [k_chunks, v_chunks]  # kept for backward (instead of k and v: no more memory, no new copy)
@@ -814,7 +925,7 @@ class ChunkedFlashCPU(torch.autograd.Function):
             for g in ChunkedFlashCPU._groups(n, tiles, B * (h1 - h0), layout):
                 y, lse[:, g.i0:g.i1] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                     g.query_tiles(q_h), g.key_tiles(k_chunks), g.key_tiles(v_chunks), 0.0, False,
-                    attn_mask=g.bias(mask, q.dtype, B, score_bias, range(h0, h1), start))
+                    attn_mask=g.bias(q.dtype, B, score_bias, range(h0, h1), start))
                 g.scatter_queries(out_h, y)
             if tiles.keep is not None:  # rows without a key attended everywhere inside the kernel: zero them
                 out_h.mul_(_in_token_order(tiles.keep, layout).to(out_h.dtype))
@@ -830,7 +941,6 @@ class ChunkedFlashCPU(torch.autograd.Function):
         B, _, n, D = q.shape
         grad_q, grad_k, grad_v = torch.empty_like(q), [], []
         for i, ((h0, h1, tiles, layout), lse) in enumerate(zip(ctx.plans, lses)):
-            mask = tiles.mask
             q_h, out_h, grad_y_h = (t[:, h0:h1] for t in (q, out, grad_y))
             k_chunks, v_chunks = chunked[2 * i], chunked[2 * i + 1]
             grad_k_chunks, grad_v_chunks = key_grad_buffer(k_chunks, tiles), key_grad_buffer(v_chunks, tiles)
@@ -840,7 +950,7 @@ class ChunkedFlashCPU(torch.autograd.Function):
                 g_q, g_k, g_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                     g.query_tiles(grad_y_h), g.query_tiles(q_h), g.key_tiles(k_chunks), g.key_tiles(v_chunks),
                     g.query_tiles(out_h), lse[:, g.i0:g.i1].contiguous(), 0.0, False,
-                    attn_mask=g.bias(mask, q.dtype, B, ctx.score_bias, range(h0, h1), ctx.start))
+                    attn_mask=g.bias(q.dtype, B, ctx.score_bias, range(h0, h1), ctx.start))
                 g.scatter_queries(grad_q[:, h0:h1], g_q)
                 g.accumulate_keys(grad_k_chunks, g_k)
                 g.accumulate_keys(grad_v_chunks, g_v)
@@ -851,10 +961,13 @@ class ChunkedFlashCPU(torch.autograd.Function):
 
     @staticmethod
     def _groups(n, tiles, batch_heads, layout=None):
-        n_chunks, c = tiles.mask.shape[-3], tiles.chunk
+        """Calls of at most TILE_ROWS_PER_CALL rows, inside one segment of the tiles (chunks of similar widths:
+        a call's compacted tiles are as wide as its widest chunk)."""
+        c = tiles.chunk
         per_call = max(1, TILE_ROWS_PER_CALL // (batch_heads * c))  # narrow head groups take more chunks
-        for i0 in range(0, n_chunks, per_call):
-            yield _TileGroup(i0, min(n_chunks, i0 + per_call), n, tiles, layout)
+        for first, end, _, _ in tiles.segments:
+            for i0 in range(first, end, per_call):
+                yield _TileGroup(i0, min(end, i0 + per_call), n, tiles, layout)
 
 
 def _in_token_order(keep, layout):
@@ -874,14 +987,13 @@ class ChunkedSigmoid(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, tiles, score_bias=None, start=0):
-        mask = tiles.mask
         B, H, n, D = q.shape
         out = torch.empty_like(q)
         kept, keep = [], any(ctx.needs_input_grad[:3])  # no gradients needed (evaluation): keep nothing
         k_chunks, v_chunks = key_source(k, tiles), key_source(v, tiles)
         with torch.autocast(q.device.type, enabled=False):  # scores in float32 even inside an autocast region
             for g in ChunkedFlashCPU._groups(n, tiles, B * H):
-                probs = ChunkedSigmoid._probs(g, q, k_chunks, mask, score_bias, start)
+                probs = ChunkedSigmoid._probs(g, q, k_chunks, score_bias, start)
                 y = probs @ ChunkedSigmoid._tiles(g.key_tiles(v_chunks), B, probs.dtype)
                 g.scatter_queries(out, y.flatten(0, 1).to(q.dtype))
                 if keep:
@@ -921,15 +1033,15 @@ class ChunkedSigmoid(torch.autograd.Function):
         return tiles.view(B, -1, *tiles.shape[1:]).to(dtype)
 
     @staticmethod
-    def _probs(g, q, k_chunks, mask, score_bias, start):
+    def _probs(g, q, k_chunks, score_bias, start):
         B, H, n, D = q.shape
         compute = torch.promote_types(q.dtype, torch.float32)
         q_t = ChunkedSigmoid._tiles(g.query_tiles(q), B, compute)
         k_t = ChunkedSigmoid._tiles(g.key_tiles(k_chunks), B, compute)
         scores = (q_t * (1 / math.sqrt(D))) @ k_t.transpose(-1, -2)  # (B, H, chunks, c, S c)
         if score_bias is not None:
-            scores.add_(g.score_bias(score_bias, range(H), start, mask.device))
-        return scores.masked_fill_(~g.tile_mask(mask), float("-inf")).sigmoid_()
+            scores.add_(g.score_bias(score_bias, range(H), start, q.device))
+        return scores.masked_fill_(~g.tile_mask(), float("-inf")).sigmoid_()
 
 
 class _TileGroup:
@@ -940,11 +1052,11 @@ class _TileGroup:
 
     def __init__(self, i0, i1, n, tiles: ChunkTiles, layout: Layout | None = None):
         self.i0, self.i1, self.n, self.c, self.tiles = i0, i1, n, tiles.chunk, tiles
-        self.n_chunks, self.band = tiles.mask.shape[-3], tiles.band
+        self.n_chunks, self.band = tiles.n_chunks, tiles.band
         self.q_lo, self.q_hi = i0 * self.c, min(n, i1 * self.c)
         # tiles over a layout's rows read and write the tokens' tensors through its gather index (a permutation:
         # no halo), instead of whole copies of q, k, v and the output in layout order
-        token = None if layout is None else layout.token.to(tiles.mask.device)
+        token = None if layout is None else layout.token.to(tiles.device)
         self.layout = layout
         self.q_rows = self._layout_rows(token, self.q_lo, self.q_hi)
         if self.band is None:
@@ -989,9 +1101,9 @@ class _TileGroup:
             out[:, :, before:before + hi - lo] = x.index_select(2, rows)
         return out
 
-    def tile_mask(self, mask):
-        """The group's part of a tiles' mask: (..., g, c, width)."""
-        return mask[..., self.i0:self.i1, :, :self.width]
+    def tile_mask(self, closed: bool = False):
+        """The group's part of its tiles' mask (or closed pairs): (..., g, c, width)."""
+        return self.tiles.tile_mask(self.i0, self.i1, self.width, closed)
 
     def query_tiles(self, x):
         B, H, _, D = x.shape
@@ -1031,20 +1143,17 @@ class _TileGroup:
         BH, _, D = grad.shape
         grad.index_add_(1, self.index, tile_grads.reshape(BH, g * self.width, D).to(grad.dtype))
 
-    def bias(self, mask, dtype, B, score_bias=None, heads=None, start=0, open_empty_rows=True):
+    def bias(self, dtype, B, score_bias=None, heads=None, start=0, open_empty_rows=True):
         """Additive mask of the group: -inf outside the rule's edges, plus score_bias (a ScoreBias) of the given
         heads inside them. For the fused softmax kernel, rows without any allowed key are opened everywhere
         (their outputs are zeroed by the caller). B: laid out as (B * H, ...) tiles; None: (H or 1, ...)."""
-        if open_empty_rows and mask is self.tiles.mask:
-            closed = self.tile_mask(self.tiles.closed)
-        else:
-            allowed = self.tile_mask(mask)
-            closed = ~(allowed | ~allowed.any(-1, keepdim=True)) if open_empty_rows else ~allowed
+        closed = self.tile_mask(closed=True) if open_empty_rows else ~self.tile_mask()
+        device = closed.device
         if score_bias is None:  # one pass
-            bias = torch.where(closed, torch.tensor(float("-inf"), dtype=dtype, device=mask.device),
-                               torch.tensor(0.0, dtype=dtype, device=mask.device))
+            bias = torch.where(closed, torch.tensor(float("-inf"), dtype=dtype, device=device),
+                               torch.tensor(0.0, dtype=dtype, device=device))
         else:
-            bias = self.score_bias(score_bias, heads, start, mask.device).to(dtype).expand(-1, closed.shape[-3], -1, -1)
+            bias = self.score_bias(score_bias, heads, start, device).to(dtype).expand(-1, closed.shape[-3], -1, -1)
             bias = bias.masked_fill(closed, float("-inf"))
         return bias if B is None else _per_batch_head(bias, B)
 

@@ -54,7 +54,7 @@ def padded(n: int, chunk: int) -> int:
 def kernel_saved(kernel: str, rule, activation: str, k: Kernels, B: int, H: int, D: int, n: int) -> dict[str, int]:
     """What one attention kernel call over n positions keeps beyond q, k, v (B, H, n, D):
 
-        flex, sdpa (flash)  the output and the float32 log-sum-exp per head and position; flex's sigmoid
+        span, flex, sdpa    the output and the float32 log-sum-exp per head and position; flex's sigmoid
                             attention (swat) also keeps the float32 output and exp(lse) that rescale it;
                             sdpa under a rule other than causal also keeps its dense (n, n) mask as a bias
         chunked (CPU)       softmax: the output and the log-sum-exp over whole chunks (ChunkedFlashCPU);
@@ -62,6 +62,8 @@ def kernel_saved(kernel: str, rule, activation: str, k: Kernels, B: int, H: int,
                             per position and head, the key chunks holding its edges, c keys each), no output
     """
     a, rows = k.act, B * H
+    if kernel == "span":
+        return {"attention output": a * rows * n * D, "attention lse (fp32)": F32 * rows * n}
     if kernel in ("flex", "sdpa"):
         saved = {"attention output": a * rows * n * D, "attention lse (fp32)": F32 * rows * n}
         if activation == "sigmoid":
@@ -80,7 +82,7 @@ def kernel_saved(kernel: str, rule, activation: str, k: Kernels, B: int, H: int,
             return {"sigmoid probabilities (fp32)": probs}
         lse = sum(F32 * B * len(heads) * padded(n, sub_rule.chunk_size()) for heads, sub_rule in groups)
         return {"attention output": a * rows * n * D, "attention lse (fp32)": lse}
-    raise ValueError(f"no memory model for the {kernel!r} attention kernel on {k.device}: the estimate covers flex "
+    raise ValueError(f"no memory model for the {kernel!r} attention kernel on {k.device}: the estimate covers span, flex "
                      "and sdpa on CUDA (attn_backend=auto with head_dim >= 16), chunked and sdpa on CPU")
 
 

@@ -7,9 +7,13 @@ top-k, so a query sees at most c * k keys (paper 000 calls c x k the effective w
 than k blocks exist the query takes all of them. The choice is discrete and carries no gradient (as in MoBA);
 the scores over the chosen keys are one softmax.
 
-The edge is defined once (attention/edges.py: chosen_block_edges) and the choice once (moba_choose). Two
-kernels evaluate them: `dense` masks all n x n scores (the reference); every other backend runs
-`moba_blockwise`, FlashAttention's forward and backward over groups of (queries, key block): each query's own
+The edge is defined once (attention/edges.py: chosen_block_edges) and the choice once (moba_choose,
+attention/ops/moba/naive.py). Three kernels evaluate them: `dense` masks all n x n scores (the reference); on CUDA
+training and prompts run attention/ops/moba's Triton kernels (the choice in one kernel, each query's own block as
+span attention over fixed blocks, the other chosen blocks as tiles of the queries that chose one block, merged by
+log-sum-exp: no host synchronisation, no graph break under torch.compile); everywhere else (the CPU, decoding over
+a cache, attention dropout) `moba_blockwise` runs FlashAttention's forward and backward over groups of (queries,
+key block) in PyTorch: each query's own
 block as one batched causal attention within blocks, and every other chosen block with the queries of every
 head that chose it, in one batched matmul. O(n c k) scores, each group's only while it is computed; autograd
 keeps q, k, v, the output and one log-sum-exp per query (memory and time within 2x of swa at c k keys per
@@ -24,10 +28,13 @@ import math
 import torch
 import torch.nn.functional as F
 
+from attention import simulate_cuda
 from attention.cache import KVCache
 from attention.edges import chosen_block_edges
-from attention.kernels import masked_attention
+from attention.kernels import masked_attention, span_available
 from attention.layer import Attention
+from attention.ops.moba.naive import moba_choose  # noqa: F401  (the choice: attention/ops/moba, beside its kernel)
+from attention.ops.moba.op import moba_attention
 from attention.memory import linear_inputs, padded, rope_tables
 from attention.registry import Setting, refuse_whole_context, register
 
@@ -37,24 +44,6 @@ MOBA_BLOCK = Setting("moba_block", int, 128, "moba: the key blocks' length")
 MOBA_TOPK = Setting("moba_topk", int, 2, "moba: the blocks each query reads, its own among them")
 
 OWN_SCORES_PER_CALL = 1 << 22  # scores of the own-block attention computed (and recomputed in backward) at once
-
-def moba_choose(q, k, q_pos, block: int, topk: int):
-    """The blocks each query attends to: (B, H, Tq, topk) block indices, best first, -1 where the query has
-    fewer than topk blocks. Keys are at positions 0 .. Tk - 1; q_pos (Tq,) are the queries' positions."""
-    B, H, Tq, D = q.shape
-    n_blocks = -(-k.shape[2] // block)
-    with torch.no_grad(), torch.autocast(q.device.type, enabled=False):  # the choice in float32, also under autocast
-        keys = F.pad(k.detach().float(), (0, 0, 0, n_blocks * block - k.shape[2]))
-        # a partial last block's mean is never compared: it is the own block or a later one of every query
-        means = keys.reshape(B, H, n_blocks, block, D).mean(3)
-        scores = q.detach().float() @ means.transpose(-1, -2)  # (B, H, Tq, n_blocks)
-        own = (q_pos // block)[:, None]
-        blocks = torch.arange(n_blocks, device=q.device)
-        scores.masked_fill_(blocks > own, -math.inf).masked_fill_(blocks == own, math.inf)  # in place: n x n / c
-        best, chosen = scores.topk(min(topk, n_blocks), dim=-1)
-        chosen = chosen.masked_fill(best == -math.inf, -1)
-        return F.pad(chosen, (0, topk - chosen.shape[-1]), value=-1)
-
 
 def moba_dense(q, k, v, q_pos, chosen, block, dropout_p=0.0):
     """The reference: all Tq x Tk scores, masked by the chosen blocks."""
@@ -296,19 +285,33 @@ class MixtureOfBlockAttention(Attention):
         self.block, self.topk = config.moba_block, config.moba_topk
         self.kernel = moba_dense if config.attn_backend == "dense" else moba_blockwise
 
+    def plan(self, batch_size, seq_len, device, start=0):
+        """Whether this forward runs the Triton kernels: decided here, outside compiled code (a compiled block then
+        guards on the answer instead of asking the environment at every call)."""
+        return self.uses_triton(device)
+
     def attend(self, q, k, v, pos, cache, plan=None):
         if cache is not None:
             k, v, _ = cache.update(k, v, pos)
-        return self.attend_over(q, k, v, pos, self.kernel)
+        return self.attend_over(q, k, v, pos, self.kernel, plan)
 
-    def attend_over(self, q, keys, values, pos, kernel=None):
-        """Queries at positions pos over the keys at 0 .. len - 1 (a prompt, or decoding over a cache)."""
-        chosen = moba_choose(q, keys, pos, self.block, self.topk)
+    def attend_over(self, q, keys, values, pos, kernel=None, triton=None):
+        """Queries at positions pos over the keys at 0 .. len - 1 (a prompt, or decoding over a cache). triton:
+        plan()'s answer (None: asked now)."""
         dropout_p = self.dropout if self.training else 0.0
+        triton = self.uses_triton(q.device) if triton is None else triton
+        if kernel is moba_blockwise and triton and q.shape[2] == keys.shape[2] and dropout_p == 0:
+            return moba_attention(q, keys, values, self.block, self.topk)  # training and prompts, on CUDA
+        chosen = moba_choose(q, keys, pos, self.block, self.topk)
         return (kernel or moba_dense)(q, keys, values, pos, chosen, self.block, dropout_p)
 
+    def uses_triton(self, device) -> bool:
+        """Whether training and prompts run the Triton kernels (attention/ops/moba): on CUDA (and the CPU standing
+        in for it) with Triton installed, with the blockwise kernel configured (not the dense reference)."""
+        return self.kernel is moba_blockwise and simulate_cuda.gpu_path(device) and span_available()
+
     def expected_graph_breaks(self, device, dtype):
-        if self.kernel is moba_blockwise:
+        if self.kernel is moba_blockwise and not self.uses_triton(device):
             return "moba's blockwise kernel groups queries by the blocks they chose (data-dependent sizes): it runs eagerly"
         return ""
 

@@ -8,9 +8,10 @@ No GPU has to exist for the GPU path to be tested: with the switch on, code on t
 on CUDA takes, and where CUDA hardware or a CUDA-only package would run, a CPU stand-in runs in its place,
 with the same output contract (shapes, dtypes, contiguity):
 
-    attention backends   attn_backend=auto picks FlexAttention for every static rule with head_dim >= 16, as
-                         on CUDA (plain causal attention keeps SDPA), and the chunked kernel takes its CUDA
-                         branch (one batched SDPA call over the tiles, not the CPU flash kernel)
+    attention backends   attn_backend=auto picks span attention for rules whose rows are runs of keys and
+                         FlexAttention for the other static rules with head_dim >= 16, as on CUDA (plain causal
+                         attention keeps SDPA), and the chunked kernel takes its CUDA branch (one batched SDPA
+                         call over the tiles, not the CPU flash kernel)
     FlexAttention        compiled with aot_eager instead of inductor, eager calls too: AOTAutograd runs torch's
                          reference implementation of FlexAttention forward and backward (CPU inductor has no
                          FlexAttention backward). Torch's one refusal of CPU autograd (flex_attention's
@@ -18,7 +19,10 @@ with the same output contract (shapes, dtypes, contiguity):
     torch.compile        train.py and parallelize.compile_blocks compile with aot_eager (same reason)
     GPU kernels          the mLSTM's Triton ops run their CPU stand-ins, registered as the ops' CPU kernels
                          (attention/mlstm.py), and Gated DeltaNet's fla kernel runs its stand-in
-                         (attention/gated_deltanet.py): the built-in forms, returning what the real kernels return
+                         (attention/gated_deltanet.py): the built-in forms, returning what the real kernels return;
+                         this project's span attention and MoBA ops (attention/ops) run their naive references
+                         (outside this switch, with TRITON_INTERPRET=1, their CPU kernels run the Triton code
+                         itself under the interpreter: the kernel tests)
     dtype=auto           bfloat16 in train.py, sample.py and python -m eval; AdamW fused, as on CUDA
     SDPA outputs         laid out as CUDA's fused kernels lay them out ((B, L, H, D) in memory, not contiguous)
 

@@ -96,6 +96,9 @@ class AlibiBias(ScoreBias):
     def bias(self, h, q_idx, kv_idx):
         return self.slopes[h] * (q_idx - kv_idx) + self.offset
 
+    def alibi(self):
+        return self.slopes, self.offset
+
 
 @register("swat")
 class SigmoidWindowAttention(SlidingWindowAttention):

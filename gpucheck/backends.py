@@ -55,13 +55,15 @@ def backend_families() -> dict[str, dict]:
     """The cases of the registry (example_cases) whose layers are attention that plans its kernels by backend
     (attention under edge rules, and sa's permuted window: Mixer.plan), each with its settings: the backends
     step compares every backend of each with the dense reference."""
+    from attention.kernels import plans_in
     from attention.layer import Attention
-    from attention.registry import Mixer, example_cases
+    from attention.registry import example_cases
 
     families = {}
     for name, settings in example_cases(BACKEND_WINDOW).items():
-        mixers = {type(mixer) for mixer in family_mixers(settings, "dense")}
-        if len(mixers) == 1 and all(issubclass(cls, Attention) and cls.plan is not Mixer.plan for cls in mixers):
+        mixers = family_mixers(settings, "dense")
+        if len({type(m) for m in mixers}) == 1 and all(isinstance(m, Attention) for m in mixers) \
+                and all(plans_in(m.plan(1, 64, "cpu")) for m in mixers):  # MoBA chooses in its own kernels
             families[name] = settings
     return families
 
@@ -86,6 +88,8 @@ def backend_cases(device: str, sizes: dict) -> list[tuple]:
     """(family, backend, dtype, n) of every comparison: float32 at its first length, then bfloat16, then the
     other float32 lengths (the broadest coverage first, in case the budget runs out)."""
     from attention.edges import Causal
+    from attention.kernels import span_available
+    from attention.ops.span.spans import spans_problem
 
     plan = [("float32", n) for n in sizes["float32"][:1]] + [("bfloat16", n) for n in sizes["bfloat16"]] \
         + [("float32", n) for n in sizes["float32"][1:]]
@@ -95,8 +99,13 @@ def backend_cases(device: str, sizes: dict) -> list[tuple]:
         for family, settings in families.items():
             layer = family_mixers(settings, "dense")[-1]
             causal = hasattr(layer, "edge_rule") and type(layer.edge_rule()) is Causal
-            # plain causal attention: sdpa is its fast path; every other rule runs block-sparse
-            for backend in (("sdpa", "flex") if causal else ("flex", "chunked")):
+            # plain causal attention: sdpa is its fast path; every other rule runs block-sparse, and on the GPU
+            # path span attention where every path's rows are runs of keys (its Triton kernels)
+            backends = ("sdpa", "flex") if causal else ("flex", "chunked")
+            if not causal and simulate_cuda.gpu_path(device) and span_available() and hasattr(layer, "paths") \
+                    and not any(spans_problem(rule) for rule in layer.paths()):
+                backends += ("span",)
+            for backend in backends:
                 # CPU flex runs forward only (torch 2.13 has no CPU backward for it), eagerly (~1 s a call): a
                 # check of its masks, in float32; its numerics matter on the GPU (the CPU standing in for CUDA
                 # runs its reference forward and backward, compiled with aot_eager, in both dtypes)

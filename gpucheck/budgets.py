@@ -52,7 +52,8 @@ def run_compiles(name: str) -> tuple[frozenset, frozenset, frozenset]:
     counts each distinct compilation once (a repeat is found in inductor's and Triton's caches): its block graphs
     (one per distinct Mixer.compile_key, in training and in evaluation; the dtype, FSDP and activation
     checkpointing change them, loss_chunk does not), its FlexAttention kernels (per flex call in a distinct
-    graph: a forward and backward pair in training, a forward in evaluation, per dtype) and the GPU kernel
+    graph: a forward and backward pair in training, a forward in evaluation, per dtype), its span attention
+    kernels (per specialisation: activation, order, ALiBi, dtype) and the GPU kernel
     packages it runs. The kernels each layer plans are read from the model as the CPU standing in for CUDA plans
     it (attention/simulate_cuda.py): no GPU is needed to count them."""
     from attention.kernels import plans_in
@@ -80,6 +81,9 @@ def run_compiles(name: str) -> tuple[frozenset, frozenset, frozenset]:
         graphs |= {(key, "train", *layout, cfg.train.activation_checkpointing), (key, "eval", *layout)}
         calls = sum(p.kernel == "flex" for p in plans_in(plan))
         flex |= {(key, dtype, kind, i) for i in range(calls) for kind in ("flex", "flex_fwd")}
+        # span attention: Triton's kernels (a forward and three backward ones) per specialisation, not per graph
+        flex |= {(None, dtype, "span", (p.activation, p.data.spans.order is not None, p.data.slopes is not None))
+                 for p in plans_in(plan) if p.kernel == "span"}
     packages = frozenset(gpu_kernel(MIXERS[mixer])[2] for mixer in set(layer_names(m)) if gpu_kernel(MIXERS[mixer]))
     return frozenset(graphs), frozenset(flex), packages
 
@@ -109,7 +113,8 @@ def runs_compiles(names: list[str], autotuned: bool) -> dict:
     runs = [run_compiles(run) for run in names]
     graphs, kernels = [g for r in runs for g in r[0]], [k for r in runs for k in r[1]]
     distinct = {"graph": len(set(graphs)), "flex": len({k for k in kernels if k[2] == "flex"}),
-                "flex_fwd": len({k for k in kernels if k[2] == "flex_fwd"})}
+                "flex_fwd": len({k for k in kernels if k[2] == "flex_fwd"}),
+                "span": len({k for k in kernels if k[2] == "span"})}
     packages = len(set().union(*(r[2] for r in runs))) if runs else 0
     cached = len(graphs) + len(kernels) - sum(distinct.values()) + (packages if autotuned else 0)
     return {**distinct, "cached": cached, "autotune": 0 if autotuned else packages}

@@ -40,7 +40,7 @@ STEPS = ("preflight", "gpu_tests", "train_runs", "resume", "memory", "pretrained
 # shapes, minutes, once per step (its binaries are cached on disk for the processes after it); a graph found in
 # inductor's and Triton's caches (compiled earlier in the check at the same shapes), seconds; Dynamo and
 # AOTAutograd without code generation (aot_eager), seconds.
-COMPILE_S = {"flex": 60, "flex_fwd": 25, "graph": 15, "autotune": 120, "cached": 3, "aot_eager": 4}
+COMPILE_S = {"flex": 60, "flex_fwd": 25, "graph": 15, "autotune": 120, "cached": 3, "aot_eager": 4, "span": 20}
 PROCESS_S = 10  # a process's start: imports and CUDA initialisation
 MARGIN = 1.25  # a budget is its estimate plus a quarter: a limit to stop at, not a forecast
 # reduced sizes (CPU, --quick): budgets in seconds, from runs on 2 CPU cores

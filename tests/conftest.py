@@ -23,6 +23,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # xdist workers (one per core) an
 # from torch.arange) therefore fails here too, on a machine without a GPU.
 
 CUDA = torch.cuda.is_available()
+# without a GPU, the project's Triton kernels (attention/ops) run on CPU tensors under Triton's interpreter, which
+# Triton reads when a kernel is defined: set before any of them is imported, so the tests of the kernels and the
+# CPU standing in for CUDA run the kernels' own code
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 FACTORIES = {torch.randn, torch.rand, torch.randint, torch.randperm, torch.zeros, torch.ones, torch.empty,
              torch.full, torch.arange, torch.linspace, torch.logspace, torch.tensor, torch.eye}
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)

@@ -193,10 +193,13 @@ def test_chunked_with_a_position_offset():
 def test_auto_backend():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_backend("auto", SlidingWindow(8), cpu) == "chunked"
-    assert resolve_backend("auto", SlidingWindow(8), cuda) == "flex"
+    assert resolve_backend("auto", SlidingWindow(8), cuda) == "span"
     assert resolve_backend("auto", Causal(), cpu) == resolve_backend("auto", Causal(), cuda) == "sdpa"
-    # only plain causal attention keeps SDPA: every other static rule, unbounded or not, runs block-sparse
-    for rule in GLOBAL + BRIDGED:
+    # only plain causal attention keeps SDPA: every other static rule, unbounded or not, runs block-sparse; on
+    # CUDA span attention where each query's keys are one run (the bridges' union), FlexAttention elsewhere
+    for rule in BRIDGED:
+        assert (resolve_backend("auto", rule, cpu), resolve_backend("auto", rule, cuda)) == ("chunked", "span")
+    for rule in GLOBAL:
         assert (resolve_backend("auto", rule, cpu), resolve_backend("auto", rule, cuda)) == ("chunked", "flex")
 
 
@@ -386,10 +389,11 @@ def test_the_kernels_scores_are_counted_against_the_edges_so_a_costly_rule_shows
 
 def test_auto_never_picks_flex_below_its_smallest_head_dimension():
     # torch 2.13's CUDA FlexAttention lowering needs head_dim >= 16: auto takes the chunked kernel there, and
-    # the GPU checks below use heads of that size
-    cuda = torch.device("cuda")
-    assert resolve_backend("auto", SlidingWindow(8), cuda, head_dim=8) == "chunked"
-    assert resolve_backend("auto", SlidingWindow(8), cuda, head_dim=FLEX_MIN_HEAD_DIM) == "flex"
+    # the GPU checks below use heads of that size (span attention pads any head dimension)
+    cuda, sinks = torch.device("cuda"), GLOBAL[0]
+    assert resolve_backend("auto", sinks, cuda, head_dim=8) == "chunked"
+    assert resolve_backend("auto", sinks, cuda, head_dim=FLEX_MIN_HEAD_DIM) == "flex"
+    assert resolve_backend("auto", SlidingWindow(8), cuda, head_dim=8) == "span"
     assert CUDA_HEAD_DIM >= FLEX_MIN_HEAD_DIM
 
 

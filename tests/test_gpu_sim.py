@@ -75,9 +75,9 @@ def assert_stand_ins_ran(model: GPT, calls_before) -> None:
 
 
 def assert_cuda_kernels(model: GPT) -> None:
-    """Every layer resolved what it resolves on CUDA: attention plans the kernel it plans there (FlexAttention
-    for every rule but plain causal attention's SDPA; the bridges' window tiles), GPU kernels report themselves
-    in use."""
+    """Every layer resolved what it resolves on CUDA: attention plans the kernel it plans there (span attention
+    where each query's keys are one run, FlexAttention for the other rules, plain causal attention's SDPA), GPU
+    kernels report themselves in use."""
     for block, plan in zip(model.blocks, model.plan(2, LENGTH, "cpu")):
         for path in plans_in(plan):
             on_cuda = resolve_backend("auto", path.rule, torch.device("cuda"), block.mixer.head_dim)

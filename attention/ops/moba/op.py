@@ -1,0 +1,256 @@
+"""MoBA as custom ops with autograd: the block choice, and attention over the chosen blocks (forward, backward):
+Triton on CUDA (opaque to torch.compile: no graph break, no host synchronisation), and on the CPU the same kernels
+under Triton's interpreter, or the naive reference while the CPU stands in for CUDA (attention/ops/span/op.py:
+triton_on_cpu).
+
+Attention = a query's own block, causal (span attention over fixed blocks of c), plus its other chosen blocks
+(the pair tiles of triton_kernels.py), merged as one softmax by the parts' log-sum-exps. The backward runs span
+attention's backward over the own blocks and the pair tiles' over the rest, both from the merged log-sum-exp and
+rowsum(dO * O), as FlashAttention's backward does for any split of the keys."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from attention import simulate_cuda
+from attention.edges import FixedBlock
+from attention.ops.moba.naive import moba_choose, moba_naive
+from attention.ops.span import op as span_op
+from attention.ops.span.spans import static_spans
+
+PAIR_ROWS, KEY_COLS, CHOSEN_BLOCKS = 64, 64, 16  # pair tile rows, keys per step, mean keys per step on the GPU
+TEST_SIZES = (16, 16, 16)
+
+
+def _sizes(device):
+    return TEST_SIZES if torch.device(device).type == "cpu" else (PAIR_ROWS, KEY_COLS, CHOSEN_BLOCKS)
+
+
+def _flags(q):
+    return dict(IEEE=q.dtype == torch.float32, WIDEN=q.dtype == torch.bfloat16 and q.device.type == "cpu")
+
+
+def _block_d(D):
+    return max(16, 1 << (D - 1).bit_length())
+
+
+def triton_choose(q, k, block: int, topk: int):
+    from attention.ops.moba.triton_kernels import moba_choose_kernel
+
+    B, H, n, D = q.shape
+    n_blocks = -(-n // block)
+    with torch.no_grad():
+        padded = torch.nn.functional.pad(k.detach().float(), (0, 0, 0, n_blocks * block - n))
+        means = padded.view(B, H, n_blocks, block, D).mean(3)
+    chosen = torch.empty(B, H, n, topk, device=q.device, dtype=torch.long)
+    rows, _, per_step = _sizes(q.device)
+    moba_choose_kernel[(span_op.triton_cdiv(n, rows), B * H)](
+        q, means, chosen, *q.stride()[:3], *means.stride()[:3], H, n, D, n_blocks, block, TOPK=topk,
+        SLOTS_P2=1 << (topk - 1).bit_length(),
+        BLOCK_M=rows, BLOCK_C=per_step, BLOCK_D=_block_d(D), IEEE=True, WIDEN=False)
+    return chosen
+
+
+class PairTiles:
+    """The (query, chosen block) pairs beyond each query's own block, sorted by (batch x head, block) and cut into
+    tiles of `rows` pairs of one group, on the device with no host synchronisation: the grid is an upper bound
+    (every group's last tile may be partial), and tiles past the real ones find no group and return at once."""
+
+    def __init__(self, chosen, block: int, rows: int):
+        B, H, n, topk = chosen.shape
+        self.slots, self.n_blocks = topk - 1, -(-n // block)
+        groups = B * H * self.n_blocks
+        others = chosen[..., 1:]
+        bh = torch.arange(B * H, device=chosen.device).view(B, H, 1, 1)
+        key = torch.where(others >= 0, bh.view(B, H, 1, 1) * self.n_blocks + others, groups).flatten()
+        self.order = torch.argsort(key, stable=True).to(torch.int32)
+        # scatter_add, not bincount (which reads the largest key back to the host to size its output)
+        self.counts = torch.zeros(groups + 1, device=key.device, dtype=torch.long).scatter_add_(
+            0, key, torch.ones_like(key))[:groups]
+        tiles = -(-self.counts // rows)
+        tile_end = tiles.cumsum(0)
+        self.tile_start = tile_end - tiles
+        self.pair_start = self.counts.cumsum(0) - self.counts
+        self.grid = -(-key.numel() // rows) + groups
+        self.tile_group = torch.searchsorted(tile_end, torch.arange(self.grid, device=chosen.device), right=True)
+        self.groups, self.pairs = groups, key.numel()
+
+    def args(self):
+        return (self.tile_group, self.tile_start, self.pair_start, self.counts, self.order)
+
+
+def triton_forward(q, k, v, chosen, block: int):
+    from attention.ops.moba.triton_kernels import moba_pairs_forward_kernel
+
+    B, H, n, D = q.shape
+    spans = static_spans(FixedBlock(block), n, 1, 0, str(q.device))
+    own, own_lse = span_op.triton_forward(q, k, v, spans.lo, spans.hi, None, None, 0.0, False)
+    topk = chosen.shape[-1]
+    if topk == 1:
+        return own, own_lse
+    rows, cols, _ = _sizes(q.device)
+    tiles = PairTiles(chosen, block, rows)
+    out = torch.zeros(tiles.pairs, D, device=q.device, dtype=torch.float32)
+    lse = torch.full((tiles.pairs,), -math.inf, device=q.device, dtype=torch.float32)
+    moba_pairs_forward_kernel[(tiles.grid,)](
+        q, k, v, out, lse, *tiles.args(), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], H, n, D,
+        tiles.n_blocks, tiles.slots, block, 1.4426950408889634 / math.sqrt(D), tiles.groups,
+        BLOCK_M=rows, BLOCK_N=cols, BLOCK_D=_block_d(D), **_flags(q))
+    parts_lse = torch.cat([own_lse[..., None], lse.view(B, H, n, topk - 1)], -1)
+    total = torch.logsumexp(parts_lse, -1)
+    weights = torch.exp(parts_lse - total[..., None])
+    merged = weights[..., :1] * own.float() + (weights[..., 1:, None] * out.view(B, H, n, topk - 1, D)).sum(-2)
+    result = span_op._layout_like_q(q)
+    result.copy_(merged)
+    return result, total
+
+
+def triton_backward(grad, q, k, v, out, lse, chosen, block: int):
+    from attention.ops.moba.triton_kernels import moba_pairs_backward_kernel
+
+    B, H, n, D = q.shape
+    grad = span_op.unit_stride(grad)
+    spans = static_spans(FixedBlock(block), n, 1, 0, str(q.device))
+    delta = span_op.triton_delta(grad, out)
+    dq, dk, dv = span_op.triton_backward(grad, q, k, v, out, lse, spans.lo, spans.hi, spans.key_first,
+                                         spans.key_end, None, None, 0.0, False, delta=delta)
+    topk = chosen.shape[-1]
+    if topk == 1:
+        return dq, dk, dv
+    rows, cols, _ = _sizes(q.device)
+    tiles = PairTiles(chosen, block, rows)
+    dq_pairs = torch.zeros(tiles.pairs, D, device=q.device, dtype=torch.float32)
+    dk_pairs = torch.zeros(B * H, n, D, device=q.device, dtype=torch.float32)
+    dv_pairs = torch.zeros(B * H, n, D, device=q.device, dtype=torch.float32)
+    moba_pairs_backward_kernel[(tiles.grid,)](
+        q, k, v, grad, lse, delta, dq_pairs, dk_pairs, dv_pairs, *tiles.args(), *q.stride()[:3], *k.stride()[:3],
+        *v.stride()[:3], *grad.stride()[:3], H, n, D, tiles.n_blocks, tiles.slots, block, 1 / math.sqrt(D),
+        1.4426950408889634 / math.sqrt(D), tiles.groups, BLOCK_M=rows, BLOCK_N=cols, BLOCK_D=_block_d(D),
+        **_flags(q))
+    dq.copy_(dq.float() + dq_pairs.view(B, H, n, topk - 1, D).sum(-2))  # in place: the strides of q, k and v
+    dk.copy_(dk.float() + dk_pairs.view(B, H, n, D))
+    dv.copy_(dv.float() + dv_pairs.view(B, H, n, D))
+    return dq, dk, dv
+
+
+def _use_triton(device) -> bool:
+    return torch.device(device).type == "cuda" or span_op.triton_on_cpu()
+
+
+# ---- the custom ops --------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("efficient_attention::moba_choose", mutates_args=(), device_types=("cuda", "cpu"))
+def moba_choose_op(q: torch.Tensor, k: torch.Tensor, block: int, topk: int) -> torch.Tensor:
+    """moba_choose for queries at the keys' positions 0 .. n - 1 (a prompt, training)."""
+    if _use_triton(q.device):
+        return triton_choose(q, k, block, topk)
+    return moba_choose(q, k, torch.arange(q.shape[2], device=q.device), block, topk)
+
+
+@moba_choose_op.register_fake
+def _(q, k, block, topk):
+    B, H, n, _ = q.shape
+    return q.new_empty(B, H, n, topk, dtype=torch.long)
+
+
+@torch.library.custom_op("efficient_attention::moba_forward", mutates_args=(), device_types="cuda")
+def moba_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chosen: torch.Tensor,
+                 block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return triton_forward(q, k, v, chosen, block)
+
+
+@moba_forward.register_fake
+def _(q, k, v, chosen, block):
+    B, H, n, _ = q.shape
+    return span_op._layout_like_q(q), q.new_empty(B, H, n, dtype=torch.float32)
+
+
+@torch.library.custom_op("efficient_attention::moba_backward", mutates_args=(), device_types="cuda")
+def moba_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, chosen: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return triton_backward(grad, q, k, v, out, lse, chosen, block)
+
+
+@moba_backward.register_fake
+def _(grad, q, k, v, out, lse, chosen, block):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@moba_forward.register_kernel("cpu")
+def _cpu_forward(q, k, v, chosen, block):
+    simulate_cuda.ran("moba")
+    if _use_triton(q.device):
+        return triton_forward(q, k, v, chosen, block)
+    y, lse = moba_naive(q, k, v, chosen, block)
+    out = span_op._layout_like_q(q)
+    out.copy_(y)
+    return out, lse
+
+
+@moba_backward.register_kernel("cpu")
+def _cpu_backward(grad, q, k, v, out, lse, chosen, block):
+    simulate_cuda.ran("moba")
+    if _use_triton(q.device):
+        return triton_backward(grad, q, k, v, out, lse, chosen, block)
+    with simulate_cuda.autograd_in_kernel():
+        inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+        y, _ = moba_naive(*inputs, chosen, block)
+        dq, dk, dv = torch.autograd.grad(y, inputs, grad)
+    return torch.empty_like(q).copy_(dq), torch.empty_like(k).copy_(dk), torch.empty_like(v).copy_(dv)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, chosen, block = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, chosen)
+    ctx.block = block
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, chosen = ctx.saved_tensors
+    return (*moba_backward(grad_out, q, k, v, out, lse, chosen, ctx.block), None, None)
+
+
+moba_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def moba_attention(q, k, v, block: int, topk: int):
+    """MoBA of queries over the keys at the same positions 0 .. n - 1 (training, a prompt): q, k, v (B, H, n, D);
+    the output (B, H, n, D), laid out (B, n, H, D) in memory."""
+    q, k, v = (span_op.unit_stride(t) for t in (q, k, v))
+    chosen = moba_choose_op(q, k, block, topk)
+    out, _ = moba_forward(q, k, v, chosen, block)
+    return out
+
+
+def _samples():
+    generator = torch.Generator().manual_seed(0)
+    B, H, n, D, block = 1, 2, 40, 16, 8
+    samples = []
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = (torch.randn(B, n, H, D, generator=generator).to(dtype).transpose(1, 2) for _ in range(3))
+        samples.append((q, k, v, moba_choose(q, k, torch.arange(n), block, 2), block))
+    return samples
+
+
+@simulate_cuda.opcheck_samples("efficient_attention::moba_choose")
+def _choose_samples():
+    return [(q, k, block, 2) for q, k, v, _, block in _samples()]
+
+
+@simulate_cuda.opcheck_samples("efficient_attention::moba_forward")
+def _forward_samples():
+    return [(q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), chosen, block)
+            for q, k, v, chosen, block in _samples()]
+
+
+@simulate_cuda.opcheck_samples("efficient_attention::moba_backward")
+def _backward_samples():
+    samples = []
+    for q, k, v, chosen, block in _samples():
+        out, lse = _cpu_forward(q, k, v, chosen, block)
+        grad = torch.randn(out.shape[0], out.shape[2], out.shape[1], out.shape[3]).to(q.dtype).transpose(1, 2)
+        samples.append((grad, q, k, v, out, lse, chosen, block))
+    return samples

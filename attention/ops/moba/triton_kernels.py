@@ -1,0 +1,164 @@
+"""MoBA in Triton: the block choice, and attention over the chosen blocks other than a query's own.
+
+    choose        each tile of BLOCK_M queries walks the key blocks' mean keys a chunk at a time (q . mean by
+                  tl.dot), keeping every row's TOPK best blocks in registers: its own block first (MoBA's infinite
+                  score), no later block, never the (n, n / c) score matrix
+    pairs         (query, chosen block) pairs sorted by (batch x head, block) are cut into tiles of BLOCK_M pairs
+                  that read one key block (MoBA's own implementation: varlen attention over the queries of each
+                  block; FlashMoBA fuses the same grouping): a tile gathers its queries and runs one softmax over
+                  the block's c keys, returning each pair's normalised output and log-sum-exp; its backward
+                  recomputes the probabilities from the query's final log-sum-exp, writes each pair's dq and adds
+                  dk, dv into the block's rows (atomics: several tiles share a block)
+
+A query's own block (causal) runs span attention over fixed blocks (attention/ops/span), and the parts are merged
+by their log-sum-exps (attention/ops/moba/op.py). Checked against attention/ops/moba/naive.py and the dense
+reference in tests/test_moba_kernel.py, under Triton's interpreter on the CPU.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from attention.ops.span.triton_kernels import _dot
+
+
+@triton.jit
+def moba_choose_kernel(Q, MEANS, CHOSEN, sqb, sqh, sqn, smb, smh, smn, H, N, D, NB, block,
+                       TOPK: tl.constexpr, SLOTS_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+                       IEEE: tl.constexpr, WIDEN: tl.constexpr):
+    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, h = pid_bh // H, pid_bh % H
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    row_ok = rows < N
+    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqn + dims[None, :],
+                mask=row_ok[:, None] & (dims[None, :] < D), other=0.0).to(tl.float32)
+    own = rows // block
+    last_own = tl.max(tl.where(row_ok, own, 0), 0)
+    # the running best TOPK (value, block) per row, best first (slot 0 is always the own block), in SLOTS_P2 >= TOPK
+    # columns (a power of two); the columns past TOPK only ever hold entries pushed out of the list
+    best_v = tl.full([BLOCK_M, SLOTS_P2], float("-inf"), dtype=tl.float32)
+    best_i = tl.full([BLOCK_M, SLOTS_P2], -1, dtype=tl.int32)
+    slots = tl.arange(0, SLOTS_P2)
+    for c0 in range(0, last_own + 1, BLOCK_C):
+        blocks = c0 + tl.arange(0, BLOCK_C)
+        means = tl.load(MEANS + b * smb + h * smh + blocks[:, None] * smn + dims[None, :],
+                        mask=(blocks[:, None] < NB) & (dims[None, :] < D), other=0.0)
+        s = _dot(q, tl.trans(means), True, False)
+        s = tl.where(blocks[None, :] == own[:, None], float("inf"), s)
+        s = tl.where((blocks[None, :] > own[:, None]) | (blocks[None, :] >= NB), float("-inf"), s)
+        for _ in tl.static_range(TOPK):  # move the chunk's best into the running list, TOPK times
+            top = tl.max(s, 1)
+            arg = tl.min(tl.where(s == top[:, None], blocks[None, :], NB + BLOCK_C), 1)
+            s = tl.where(blocks[None, :] == arg[:, None], float("-inf"), s)
+            # insert (top, arg) into the sorted list: its rank is the number of entries strictly better
+            rank = tl.sum((best_v > top[:, None]).to(tl.int32), 1)
+            shifted_v = tl.where(slots[None, :] > rank[:, None], _shift(best_v, slots, SLOTS_P2), best_v)
+            shifted_i = tl.where(slots[None, :] > rank[:, None], _shift(best_i, slots, SLOTS_P2), best_i)
+            take = (slots[None, :] == rank[:, None]) & (top[:, None] > float("-inf"))
+            keep = top[:, None] > float("-inf")
+            best_v = tl.where(take, top[:, None], tl.where(keep, shifted_v, best_v))
+            best_i = tl.where(take, arg[:, None], tl.where(keep, shifted_i, best_i))
+    best_i = tl.where(best_v == float("-inf"), -1, best_i)
+    tl.store(CHOSEN + (pid_bh * N + rows[:, None]) * TOPK + slots[None, :], best_i.to(CHOSEN.dtype.element_ty),
+             mask=row_ok[:, None] & (slots[None, :] < TOPK))
+
+
+@triton.jit
+def _shift(x, slots, TOPK: tl.constexpr):
+    """x[:, j - 1] at column j (column 0 keeps x[:, 0]): the list moved one slot to the right."""
+    out = x
+    for j in tl.static_range(1, TOPK):
+        previous = tl.sum(tl.where(slots[None, :] == j - 1, x, 0), 1)
+        out = tl.where(slots[None, :] == j, previous[:, None], out)
+    return out
+
+
+@triton.jit
+def _tile(TILE_GROUP, TILE_START, PAIR_START, COUNTS, ORDER, t, n_groups, H, N, NB, SLOTS, BLOCK_M: tl.constexpr):
+    """Tile t: its pairs (sorted pair ids), which of its BLOCK_M rows are real, the batch, head and key block they
+    share, and each pair's query row."""
+    g = tl.load(TILE_GROUP + t)
+    valid = g < n_groups
+    g = tl.where(valid, g, 0)
+    local = t - tl.load(TILE_START + g)
+    first = tl.load(PAIR_START + g) + local * BLOCK_M
+    count = tl.where(valid, tl.minimum(tl.load(COUNTS + g) - local * BLOCK_M, BLOCK_M), 0)
+    r = tl.arange(0, BLOCK_M)
+    pair = tl.load(ORDER + first + r, mask=r < count, other=0)
+    bh, j = g // NB, g % NB
+    return pair, r < count, bh, bh // H, bh % H, j, pair // SLOTS % N
+
+
+@triton.jit
+def _block_keys(K, V, b, h, j, block, start, N, D, dims, skb, skh, skn, svb, svh, svn, BLOCK_N: tl.constexpr):
+    """BLOCK_N keys and values of key block j from position start (masked past the block and the sequence)."""
+    cols = start + tl.arange(0, BLOCK_N)
+    col_ok = (cols < j * block + block) & (cols < N)
+    kv_mask = col_ok[:, None] & (dims[None, :] < D)
+    k = tl.load(K + b * skb + h * skh + cols[:, None] * skn + dims[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + b * svb + h * svh + cols[:, None] * svn + dims[None, :], mask=kv_mask, other=0.0)
+    return cols, col_ok, kv_mask, k, v
+
+
+@triton.jit
+def moba_pairs_forward_kernel(Q, K, V, OUT, LSE, TILE_GROUP, TILE_START, PAIR_START, COUNTS, ORDER,
+                              sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, H, N, D, NB, SLOTS, block, qk_scale,
+                              n_groups, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                              IEEE: tl.constexpr, WIDEN: tl.constexpr):
+    pair, real, bh, b, h, j, rows = _tile(TILE_GROUP, TILE_START, PAIR_START, COUNTS, ORDER, tl.program_id(0),
+                                          n_groups, H, N, NB, SLOTS, BLOCK_M)
+    if tl.max(real.to(tl.int32), 0) > 0:
+        dims = tl.arange(0, BLOCK_D)
+        q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqn + dims[None, :],
+                    mask=real[:, None] & (dims[None, :] < D), other=0.0)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for start in range(j * block, tl.minimum(j * block + block, N), BLOCK_N):
+            cols, col_ok, kv_mask, k, v = _block_keys(K, V, b, h, j, block, start, N, D, dims, skb, skh, skn, svb,
+                                                      svh, svn, BLOCK_N)
+            # a chosen block other than the own one is earlier than the query: all its keys are allowed
+            s = tl.where(col_ok[None, :], _dot(q, tl.trans(k), IEEE, WIDEN) * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE, WIDEN)
+            m_i = m_new
+        acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(OUT + pair[:, None] * D + dims[None, :], acc, mask=real[:, None] & (dims[None, :] < D))
+        tl.store(LSE + pair, (m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))) * 0.6931471805599453, mask=real)
+
+
+@triton.jit
+def moba_pairs_backward_kernel(Q, K, V, DO, LSE, DELTA, DQ_PAIRS, DK, DV, TILE_GROUP, TILE_START, PAIR_START,
+                               COUNTS, ORDER, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon,
+                               H, N, D, NB, SLOTS, block, sm_scale, qk_scale, n_groups, BLOCK_M: tl.constexpr,
+                               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+                               WIDEN: tl.constexpr):
+    pair, real, bh, b, h, j, rows = _tile(TILE_GROUP, TILE_START, PAIR_START, COUNTS, ORDER, tl.program_id(0),
+                                          n_groups, H, N, NB, SLOTS, BLOCK_M)
+    if tl.max(real.to(tl.int32), 0) > 0:
+        dims = tl.arange(0, BLOCK_D)
+        row_mask = real[:, None] & (dims[None, :] < D)
+        q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqn + dims[None, :], mask=row_mask, other=0.0)
+        do = tl.load(DO + b * sdob + h * sdoh + rows[:, None] * sdon + dims[None, :], mask=row_mask, other=0.0)
+        lse = tl.load(LSE + bh * N + rows, mask=real, other=float("inf"))
+        delta = tl.load(DELTA + bh * N + rows, mask=real, other=0.0)
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for start in range(j * block, tl.minimum(j * block + block, N), BLOCK_N):
+            cols, col_ok, kv_mask, k, v = _block_keys(K, V, b, h, j, block, start, N, D, dims, skb, skh, skn, svb,
+                                                      svh, svn, BLOCK_N)
+            s = _dot(q, tl.trans(k), IEEE, WIDEN) * qk_scale
+            p = tl.where(col_ok[None, :] & real[:, None], tl.exp2(s - lse[:, None] * 1.4426950408889634), 0.0)
+            dp = _dot(do, tl.trans(v), IEEE, WIDEN)
+            ds = p * (dp - delta[:, None])
+            dq += _dot(ds.to(k.dtype), k, IEEE, WIDEN)
+            dk = _dot(tl.trans(ds).to(q.dtype), q, IEEE, WIDEN) * sm_scale
+            dv = _dot(tl.trans(p).to(do.dtype), do, IEEE, WIDEN)
+            target = (bh * N + cols[:, None]) * D + dims[None, :]
+            tl.atomic_add(DK + target, dk, mask=kv_mask)
+            tl.atomic_add(DV + target, dv, mask=kv_mask)
+        tl.store(DQ_PAIRS + pair[:, None] * D + dims[None, :], dq * sm_scale, mask=row_mask)

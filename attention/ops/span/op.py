@@ -1,0 +1,259 @@
+"""Span attention as two custom ops (forward, backward) with autograd: the Triton kernels on CUDA (opaque to
+torch.compile: a compiled block holds each as one node). On CPU tensors the same kernels run under Triton's
+interpreter (TRITON_INTERPRET=1, as the kernel tests run them); where the CPU stands in for CUDA
+(attention/simulate_cuda.py) the naive reference runs instead, with the kernels' output contract (the interpreter
+would take minutes per simulated training run)."""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+
+from attention import simulate_cuda
+from attention.ops.span.naive import span_attention_naive
+
+TILES_ENV = "EFFICIENT_ATTENTION_SPAN_TILES"  # "BLOCK_M,BLOCK_N,WARPS,STAGES": another tiling, for benchmarks
+
+
+def _tiles() -> tuple[int, int, int, int]:
+    """Query rows and keys per tile on the GPU (multiples of KEY_GROUP), warps and pipeline stages per program."""
+    text = os.environ.get(TILES_ENV, "").strip()
+    if not text:
+        return 64, 64, 4, 2
+    try:
+        tiles = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        tiles = ()
+    if len(tiles) != 4 or tiles[0] % 16 or tiles[1] % 16 or min(tiles) < 1:
+        raise ValueError(f"{TILES_ENV}={text!r}: expected BLOCK_M,BLOCK_N,WARPS,STAGES with the blocks multiples of 16")
+    return tiles
+
+
+BLOCK_M, BLOCK_N, WARPS, STAGES = _tiles()
+TEST_BLOCKS = (16, 16)  # the interpreter's tiles: several per sequence at the tests' lengths
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run under the interpreter (on CPU tensors): TRITON_INTERPRET=1 before triton loads."""
+    return os.environ.get("TRITON_INTERPRET", "").strip() in ("1", "true", "True")
+
+
+def triton_on_cpu() -> bool:
+    """Whether the ops' CPU kernels run the Triton kernels (under the interpreter): when it is on, except while
+    the CPU stands in for CUDA, where the naive reference keeps simulated training fast."""
+    return interpreting() and not simulate_cuda.active() and triton_installed()
+
+
+@functools.cache
+def triton_installed() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def span_blocks(device) -> tuple[int, int]:
+    """(query rows, keys) per tile of the kernels on device."""
+    return TEST_BLOCKS if torch.device(device).type == "cpu" else (BLOCK_M, BLOCK_N)
+
+
+def _layout_like_q(q):
+    """An output (B, H, n, D) laid out (B, n, H, D) in memory: merging heads afterwards is a view."""
+    B, H, n, D = q.shape
+    return q.new_empty(B, n, H, D).transpose(1, 2)
+
+
+def _common(q, k, spans_lo, order, slopes):
+    B, H, n, D = q.shape
+    return dict(H=H, GROUP=H // k.shape[1], N=n, D=D, span_h=0 if spans_lo.shape[0] == 1 else n,
+                HAS_ORDER=order is not None, HAS_BIAS=slopes is not None, IEEE=q.dtype == torch.float32,
+                WIDEN=q.dtype == torch.bfloat16 and q.device.type == "cpu",
+                BLOCK_D=max(16, 1 << (D - 1).bit_length()))
+
+
+def triton_forward(q, k, v, lo, hi, order, slopes, offset: float, sigmoid: bool):
+    from attention.ops.span.triton_kernels import span_forward_kernel
+
+    B, H, n, D = q.shape
+    out = _layout_like_q(q)
+    lse = torch.empty(B, H, n, device=q.device, dtype=torch.float32)
+    if sigmoid:
+        lse.zero_()
+    block_m, block_n = span_blocks(q.device)
+    dummy = lo  # never read when the option is off
+    span_forward_kernel[(triton_cdiv(n, block_m), B * H)](
+        q, k, v, out, lse, lo, hi, dummy if order is None else order, dummy if slopes is None else slopes,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        qk_scale=1.4426950408889634 / math.sqrt(D), offset=offset, SIGMOID=sigmoid,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=WARPS, num_stages=STAGES,
+        **_common(q, k, lo, order, slopes))
+    return out, lse
+
+
+def triton_delta(grad, out):
+    """rowsum(dO * O) (B, H, n) in float32: FlashAttention's backward preprocessing."""
+    from attention.ops.span.triton_kernels import span_delta_kernel
+
+    B, H, n, D = out.shape
+    grad = unit_stride(grad)
+    delta = torch.empty(B, H, n, device=out.device, dtype=torch.float32)
+    block_m = span_blocks(out.device)[0]
+    span_delta_kernel[(triton_cdiv(n, block_m), B * H)](out, grad, delta, *out.stride()[:3], *grad.stride()[:3],
+                                                          H, n, D, BLOCK_M=block_m,
+                                                          BLOCK_D=max(16, 1 << (D - 1).bit_length()))
+    return delta
+
+
+def triton_backward(grad, q, k, v, out, lse, lo, hi, key_first, key_end, order, slopes, offset: float,
+                    sigmoid: bool, delta=None):
+    from attention.ops.span.triton_kernels import KEY_GROUP, span_backward_kv_kernel, span_backward_q_kernel
+
+    B, H, n, D = q.shape
+    H_kv = k.shape[1]
+    grad = unit_stride(grad)
+    block_m, block_n = span_blocks(q.device)
+    common = _common(q, k, lo, order, slopes)
+    dummy = lo
+    if delta is None:
+        delta = lse if sigmoid else triton_delta(grad, out)  # sigmoid reads neither
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    order_, slopes_ = dummy if order is None else order, dummy if slopes is None else slopes
+    scales = dict(sm_scale=1 / math.sqrt(D), qk_scale=1.4426950408889634 / math.sqrt(D), offset=offset)
+    span_backward_kv_kernel[(triton_cdiv(n, block_n), B * H_kv)](
+        q, k, v, grad, lse, delta, dk, dv, lo, hi, order_, slopes_, key_first, key_end,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
+        plan_h=0 if key_first.shape[0] == 1 else key_first.shape[1], plan_len=key_first.shape[1], H_KV=H_kv,
+        SIGMOID=sigmoid, BLOCK_M=block_m, BLOCK_N=block_n, KEY_GROUP=KEY_GROUP, num_warps=WARPS,
+        num_stages=STAGES, **scales, **common)
+    span_backward_q_kernel[(triton_cdiv(n, block_m), B * H)](
+        q, k, v, grad, lse, delta, dq, lo, hi, order_, slopes_,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad.stride()[:3], *dq.stride()[:3],
+        SIGMOID=sigmoid, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=WARPS, num_stages=STAGES,
+        **scales, **common)
+    return dq, dk, dv
+
+
+def unit_stride(x):
+    """x with a unit stride along its last dimension, which the kernels read rows with (an output's gradient may be
+    an expanded scalar: stride 0)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ---- the custom ops --------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("efficient_attention::span_forward", mutates_args=(), device_types="cuda")
+def span_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                 key_first: torch.Tensor, key_end: torch.Tensor, order: torch.Tensor | None,
+                 slopes: torch.Tensor | None, offset: float, sigmoid: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return triton_forward(q, k, v, lo, hi, order, slopes, offset, sigmoid)
+
+
+@span_forward.register_fake
+def _(q, k, v, lo, hi, key_first, key_end, order, slopes, offset, sigmoid):
+    B, H, n, _ = q.shape
+    return _layout_like_q(q), q.new_empty(B, H, n, dtype=torch.float32)
+
+
+@torch.library.custom_op("efficient_attention::span_backward", mutates_args=(), device_types="cuda")
+def span_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, key_first: torch.Tensor,
+                  key_end: torch.Tensor, order: torch.Tensor | None, slopes: torch.Tensor | None, offset: float,
+                  sigmoid: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return triton_backward(grad, q, k, v, out, lse, lo, hi, key_first, key_end, order, slopes, offset, sigmoid)
+
+
+@span_backward.register_fake
+def _(grad, q, k, v, out, lse, lo, hi, key_first, key_end, order, slopes, offset, sigmoid):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+# On the CPU (the CPU standing in for CUDA): the Triton kernels themselves under the interpreter, else the naive
+# reference, returning what the kernels return: the output laid out (B, n, H, D), gradients like their inputs
+@span_forward.register_kernel("cpu")
+def _cpu_forward(q, k, v, lo, hi, key_first, key_end, order, slopes, offset, sigmoid):
+    simulate_cuda.ran("span")
+    if triton_on_cpu():
+        return triton_forward(q, k, v, lo, hi, order, slopes, offset, sigmoid)
+    y, lse = span_attention_naive(q, k, v, lo, hi, order, slopes, offset, sigmoid)
+    out = _layout_like_q(q)
+    out.copy_(y)
+    return out, lse
+
+
+@span_backward.register_kernel("cpu")
+def _cpu_backward(grad, q, k, v, out, lse, lo, hi, key_first, key_end, order, slopes, offset, sigmoid):
+    simulate_cuda.ran("span")
+    if triton_on_cpu():
+        return triton_backward(grad, q, k, v, out, lse, lo, hi, key_first, key_end, order, slopes, offset, sigmoid)
+    with simulate_cuda.autograd_in_kernel():
+        inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+        y, _ = span_attention_naive(*inputs, lo, hi, order, slopes, offset, sigmoid)
+        dq, dk, dv = torch.autograd.grad(y, inputs, grad)
+    return (torch.empty_like(q).copy_(dq), torch.empty_like(k).copy_(dk), torch.empty_like(v).copy_(dv))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, lo, hi, key_first, key_end, order, slopes, offset, sigmoid = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, lo, hi, key_first, key_end, order, slopes)
+    ctx.offset, ctx.sigmoid = offset, sigmoid
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, lo, hi, key_first, key_end, order, slopes = ctx.saved_tensors
+    dq, dk, dv = span_backward(grad_out, q, k, v, out, lse, lo, hi, key_first, key_end, order, slopes, ctx.offset,
+                               ctx.sigmoid)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+span_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def span_attention(q, k, v, spans, slopes=None, offset: float = 0.0, sigmoid: bool = False):
+    """Attention of q (B, H, n, D) over k, v (B, H_kv, n, D) along the spans (attention/ops/span/spans.py: Spans),
+    softmax or sigmoid, with the optional bias slopes[h] (i - j) + offset. The output is (B, H, n, D), laid out
+    (B, n, H, D) in memory."""
+    if q.shape[-1] != k.shape[-1] or q.shape[-1] != v.shape[-1]:
+        raise ValueError("span attention needs q, k and v of one head dimension")
+    q, k, v = (unit_stride(t) for t in (q, k, v))
+    out, _ = span_forward(q, k, v, spans.lo, spans.hi, spans.key_first, spans.key_end, spans.order, slopes,
+                          float(offset), bool(sigmoid))
+    return out
+
+
+def _samples():
+    """Arguments laid out as the layers pass them (heads-first views of (B, n, H, D) projections)."""
+    from attention.edges import SlidingWindow
+    from attention.ops.span.spans import static_spans
+
+    generator = torch.Generator().manual_seed(0)
+    B, H, n, D = 1, 2, 40, 16
+    spans = static_spans(SlidingWindow(9), n, H, 0, "cpu")
+    samples = []
+    for dtype, sigmoid, slopes in ((torch.float32, False, None), (torch.bfloat16, True, torch.tensor([-0.5, 0.25]))):
+        q, k, v = (torch.randn(B, n, H, D, generator=generator).to(dtype).transpose(1, 2) for _ in range(3))
+        samples.append((q, k, v, spans.lo, spans.hi, spans.key_first, spans.key_end, None, slopes, 0.5, sigmoid))
+    return samples
+
+
+@simulate_cuda.opcheck_samples("efficient_attention::span_forward")
+def _forward_samples():
+    return [tuple(t.requires_grad_() if i < 3 else t for i, t in enumerate(s)) for s in _samples()]
+
+
+@simulate_cuda.opcheck_samples("efficient_attention::span_backward")
+def _backward_samples():
+    samples = []
+    for q, k, v, lo, hi, first, end, order, slopes, offset, sigmoid in _samples():
+        out, lse = _cpu_forward(q, k, v, lo, hi, first, end, order, slopes, offset, sigmoid)
+        grad = torch.randn(out.shape[0], out.shape[2], out.shape[1], out.shape[3]).to(q.dtype).transpose(1, 2)
+        samples.append((grad, q, k, v, out, lse, lo, hi, first, end, order, slopes, offset, sigmoid))
+    return samples

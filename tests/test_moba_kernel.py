@@ -1,0 +1,84 @@
+"""MoBA's Triton kernels (attention/ops/moba), run here under Triton's interpreter on CPU tensors (conftest sets
+TRITON_INTERPRET=1 without a GPU): the choice against moba_choose, attention against the dense reference over
+MoBA's own edges, forward and backward, at odd sizes; and the layer taking them on CUDA's path."""
+
+import pytest
+import torch
+
+from attention import simulate_cuda
+from attention.moba import moba_choose, moba_dense
+from attention.ops.moba import op
+from attention.ops.span.op import interpreting
+from tests.test_span_kernel import assert_close_at_scale
+
+
+def inputs(n, H=3, D=16, dtype=torch.float32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(2, n, H, D, generator=generator, device="cpu").to(dtype).transpose(1, 2)
+                 .requires_grad_() for _ in range(3))
+
+
+@pytest.mark.parametrize("n, block, topk", [(70, 8, 2), (100, 16, 3), (64, 16, 1), (90, 12, 4), (33, 16, 3)])
+def test_moba_kernels_equal_the_dense_reference_forward_and_backward(n, block, topk):
+    assert interpreting() or torch.cuda.is_available()  # without a GPU: Triton's own code, not the reference
+    q, k, v = inputs(n)
+    pos = torch.arange(n, device="cpu")
+    chosen = op.triton_choose(q, k, block, topk)
+    assert torch.equal(chosen, moba_choose(q, k, pos, block, topk))
+    y = op.moba_attention(q, k, v, block, topk)
+    ref = moba_dense(q, k, v, pos, chosen, block)
+    torch.testing.assert_close(y, ref, atol=2e-5, rtol=1e-4)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), device="cpu")
+    for ours, theirs in zip(torch.autograd.grad(y, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
+        torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
+
+
+def test_bfloat16_and_a_head_dimension_that_is_no_power_of_two():
+    n, block, topk = 75, 16, 2
+    q, k, v = inputs(n, D=24, dtype=torch.bfloat16)
+    y = op.moba_attention(q, k, v, block, topk)
+    chosen = moba_choose(q, k, torch.arange(n, device="cpu"), block, topk)
+    ref = moba_dense(*(t.float() for t in (q, k, v)), torch.arange(n, device="cpu"), chosen, block)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_the_layer_runs_the_kernels_on_cudas_path_compiled_whole():
+    """On CUDA's path (simulated) a moba layer's training forward takes the kernels, equals the dense reference
+    and compiles as one graph (fullgraph: no graph break, so no data-dependent host code per step)."""
+    from attention.registry import build_mixer
+    from config import ModelConfig
+
+    config = ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=64, vocab_size=64, arch="llama",
+                         attn_pattern="moba", moba_block=8, moba_topk=3)
+    with simulate_cuda.simulating():
+        mixer = build_mixer(config, 0)
+        assert mixer.uses_triton("cpu") and mixer.expected_graph_breaks("cpu", torch.float32) == ""
+        q, k, v = inputs(48, H=2)
+        before = simulate_cuda.STAND_IN_CALLS["moba"]
+        compiled = torch.compile(mixer.kernel_forward, fullgraph=True, backend="aot_eager")
+        y = compiled(q, k, v)
+        assert simulate_cuda.STAND_IN_CALLS["moba"] > before
+    pos = torch.arange(48, device="cpu")
+    ref = moba_dense(q, k, v, pos, moba_choose(q, k, pos, 8, 3), 8)
+    torch.testing.assert_close(y, ref, atol=2e-5, rtol=1e-4)
+    y.sum().backward()
+    assert all(t.grad is not None for t in (q, k, v))
+
+
+@pytest.mark.gpu  # on CUDA where it exists (the GPU's tiles, compiled Triton), else on the CPU's interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_moba_kernels_equal_the_dense_reference(device, dtype):
+    n, block, topk = (900, 128, 3) if device == "cuda" else (150, 32, 3)  # the interpreter is slow on the CPU
+    generator = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(2, n, 4, 64, generator=generator, device=device).to(dtype).transpose(1, 2).requires_grad_()
+               for _ in range(3))
+    pos = torch.arange(n, device=device)
+    chosen = moba_choose(q, k, pos, block, topk)
+    assert torch.equal(op.moba_choose_op(q, k, block, topk), chosen)
+    y = op.moba_attention(q, k, v, block, topk)
+    ref = moba_dense(*(t.float() for t in (q, k, v)), pos, chosen, block)
+    assert_close_at_scale(y, ref, dtype)
+    g = torch.randn(y.shape, generator=generator, device=device)
+    for a, b in zip(torch.autograd.grad(y, (q, k, v), g.to(dtype)), torch.autograd.grad(ref, (q, k, v), g)):
+        assert_close_at_scale(a, b, dtype)

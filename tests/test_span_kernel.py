@@ -1,0 +1,177 @@
+"""Span attention (attention/ops/span): its Triton kernels, run here under Triton's interpreter on CPU tensors
+(conftest sets TRITON_INTERPRET=1 without a GPU), against the project's dense reference over the rule's own edges
+(attention/kernels.py: dense_attention), forward and backward, at odd sizes; and the spans it derives from rules."""
+
+import math
+
+import pytest
+import torch
+
+from attention.edges import (AnyOf, BoundaryWindows, Causal, FixedBlock, GlobalKeys, HeadWindows, PermutedWindow,
+                             SlidingWindow)
+from attention.kernels import dense_attention, plan_attention, attend_planned
+from attention.ops.span import op
+from attention.ops.span.naive import span_attention_naive, span_mask
+from attention.ops.span.spans import KEY_GROUP, band_spans, rule_spans, span_scores, spans_problem, static_spans
+from attention.swat import AlibiBias
+
+RULES = {
+    "swa": SlidingWindow(9),
+    "swa_wide": SlidingWindow(40),
+    "mswa": HeadWindows((3, 6, 12, 24)),
+    "block": FixedBlock(12),
+    "bridge": BoundaryWindows("bridge", 16, 8, 48),
+    "pbb": BoundaryWindows("pbb", 16, 12, 48),
+    "se_bridge": BoundaryWindows("se_bridge", 16, 6, 48),
+    "pbb_union": AnyOf((FixedBlock(16), BoundaryWindows("pbb", 16, 12, 48))),
+    "bridge_union": AnyOf((FixedBlock(16), BoundaryWindows("bridge", 16, 8, 48))),
+}
+
+
+def inputs(n, H=4, H_kv=4, D=16, dtype=torch.float32, seed=0):
+    """q, k, v as the layers pass them: heads-first views of (B, n, H, D) projections."""
+    generator = torch.Generator().manual_seed(seed)
+    make = lambda heads: (torch.randn(2, n, heads, D, generator=generator, device="cpu").to(dtype)  # noqa: E731
+                          .transpose(1, 2).requires_grad_())
+    return make(H), make(H_kv), make(H_kv)
+
+
+def grads(y, tensors, seed=1):
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed), device="cpu").to(y.dtype)
+    return torch.autograd.grad(y, tensors, g)
+
+
+def test_the_tests_run_the_triton_kernels_under_the_interpreter():
+    """Without a GPU the op's CPU kernel must be Triton's code, not the reference (else these tests prove nothing;
+    on a GPU machine the gpu tests below run the compiled kernels)."""
+    assert op.triton_installed() and (op.interpreting() or torch.cuda.is_available())
+    if not op.interpreting():
+        return
+    q, k, v = inputs(20)
+    spans = static_spans(SlidingWindow(5), 20, 4, 0, "cpu")
+    out, lse = op.triton_forward(q.detach(), k.detach(), v.detach(), spans.lo, spans.hi, None, None, 0.0, False)
+    assert out.stride(2) == q.shape[1] * q.shape[3]  # laid out (B, n, H, D)
+    torch.testing.assert_close(out, span_attention_naive(q, k, v, spans.lo, spans.hi)[0].detach())
+
+
+@pytest.mark.parametrize("name", sorted(RULES))
+@pytest.mark.parametrize("n", [45, 77])
+def test_span_kernels_equal_the_dense_reference_forward_and_backward(name, n):
+    rule = RULES[name]
+    q, k, v = inputs(n)
+    plan = plan_attention(rule, "span", n, 4, 16, "cpu")
+    assert plan.kernel == "span"
+    y = attend_planned(q, k, v, plan)
+    ref = dense_attention(q, k, v, rule, torch.arange(n, device="cpu"))
+    torch.testing.assert_close(y, ref, atol=2e-5, rtol=1e-4)
+    for ours, theirs in zip(grads(y, (q, k, v)), grads(ref, (q, k, v))):
+        torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("activation", ["sigmoid", "softmax"])
+def test_swat_scores_alibi_and_sigmoid_in_the_kernel(activation):
+    """swat's sigmoid (no row max or sum) and ALiBi with slopes of both signs and an offset, grouped-query heads
+    and a head dimension that is no power of two."""
+    n, rule = 53, SlidingWindow(11)
+    q, k, v = inputs(n, H=4, H_kv=2, D=24)
+    bias = AlibiBias(torch.tensor([-0.5, -0.125, 0.25, 0.0625], device="cpu"), -math.log(11))
+    plan = plan_attention(rule, "span", n, 4, 24, "cpu", score_mod=bias, activation=activation)
+    assert plan.kernel == "span" and plan.data.slopes is not None
+    y = attend_planned(q, k, v, plan)
+    ref = dense_attention(q, k, v, rule, torch.arange(n, device="cpu"), score_mod=bias, activation=activation)
+    torch.testing.assert_close(y, ref, atol=2e-5, rtol=1e-4)
+    for ours, theirs in zip(grads(y, (q, k, v)), grads(ref, (q, k, v))):
+        torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
+
+
+def test_stochastic_band_is_causal_in_the_tokens_order():
+    """sa's rule over permuted rows: the band of the unrolled ring, causal in original positions."""
+    n, window = 61, 14
+    rule = PermutedWindow(torch.randperm(n, generator=torch.Generator().manual_seed(3), device="cpu"), window)
+    rows = rule.token.shape[0]
+    spans = band_spans(rule, rows, "cpu")
+    torch.testing.assert_close(span_mask(spans.lo.long(), spans.hi.long(), spans.order.long(), rows)[0],
+                               rule.dense_mask(torch.arange(rows, device="cpu")))
+    q, k, v = inputs(rows)
+    plan = plan_attention(rule, "span", rows, 4, 16, "cpu")
+    y = attend_planned(q, k, v, plan)
+    ref = dense_attention(q, k, v, rule, torch.arange(rows, device="cpu"))
+    torch.testing.assert_close(y, ref, atol=2e-5, rtol=1e-4)
+    for ours, theirs in zip(grads(y, (q, k, v)), grads(ref, (q, k, v))):
+        torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
+
+
+def test_bfloat16_inputs_accumulate_in_float32():
+    n, rule = 70, SlidingWindow(20)
+    q, k, v = inputs(n, dtype=torch.bfloat16)
+    y = attend_planned(q, k, v, plan_attention(rule, "span", n, 4, 16, "cpu"))
+    assert y.dtype == torch.bfloat16
+    ref = dense_attention(*(t.float() for t in (q, k, v)), rule, torch.arange(n, device="cpu"))
+    torch.testing.assert_close(y.float(), ref, atol=2e-2, rtol=2e-2)
+    for ours, theirs in zip(grads(y, (q, k, v)), grads(ref, (q, k, v))):
+        assert ours.dtype == torch.bfloat16
+        torch.testing.assert_close(ours.float(), theirs.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("name", sorted(RULES))
+def test_spans_are_the_rules_edges_and_the_backward_plan_covers_them(name):
+    rule, n = RULES[name], 100
+    lo, hi = rule_spans(rule, n, 4)
+    mask = span_mask(lo.long(), hi.long(), None, n)
+    torch.testing.assert_close(mask if rule.per_head else mask[0],
+                               rule.dense_mask(torch.arange(n, device="cpu"), n_head=4))
+    spans = static_spans(rule, n, 4, 0, "cpu")
+    rows, keys = torch.nonzero(mask.any(0), as_tuple=True)
+    first, end = spans.key_first.amin(0), spans.key_end.amax(0)
+    assert bool(((first[keys // KEY_GROUP] <= rows) & (rows < end[keys // KEY_GROUP])).all())
+
+
+def test_rules_whose_rows_are_not_one_run_are_not_spans():
+    assert spans_problem(AnyOf((SlidingWindow(16), GlobalKeys(3)))) != ""  # sinks beside a window
+    assert rule_spans(AnyOf((SlidingWindow(8), GlobalKeys(2))), 64, 1) is None
+    assert spans_problem(SlidingWindow(16)) == spans_problem(FixedBlock(32)) == ""
+    with pytest.raises(ValueError, match="attn_backend=span"):
+        plan_attention(AnyOf((SlidingWindow(16), GlobalKeys(3))), "span", 64, 4, 16, "cpu")
+    assert plan_attention(Causal(), "auto", 64, 4, 16, "cpu").kernel == "sdpa"
+
+
+def test_a_window_costs_its_band_not_the_sequence():
+    """The kernels' tiles of 64 x 64 over a window of 256: the band's key blocks, 1.25x the edges at any length."""
+    for n in (4096, 16384):
+        rule = SlidingWindow(256)
+        lo, hi = rule_spans(rule, n, 1)
+        spans = static_spans(rule, n, 1, 0, "cpu")
+        ratio = span_scores(spans, 1, 64, 64) / rule.count_edges(n)
+        assert 1.0 < ratio < 1.3, ratio
+
+
+@pytest.mark.gpu  # on CUDA where it exists (the GPU's tiles, compiled Triton), else on the CPU's interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_span_kernels_equal_the_dense_reference(device, dtype):
+    n, H = (700 if device == "cuda" else 160), 4  # the interpreter is slow: fewer rows on the CPU
+    generator = torch.Generator(device=device).manual_seed(0)
+    cases = [(SlidingWindow(130), None, "softmax"), (HeadWindows((32, 64, 128, 256)), None, "softmax"),
+             (AnyOf((FixedBlock(128), BoundaryWindows("pbb", 128, 128, 512))), None, "softmax"),
+             (SlidingWindow(100), AlibiBias(torch.tensor([-0.5, -0.25, 0.25, 0.5], device=device), -1.0), "sigmoid")]
+    for rule, bias, activation in cases:
+        q, k, v = (torch.randn(2, n, H, 64, generator=generator, device=device).to(dtype).transpose(1, 2)
+                   .requires_grad_() for _ in range(3))
+        plan = plan_attention(rule, "span", n, H, 64, device, score_mod=bias, activation=activation)
+        y = attend_planned(q, k, v, plan)
+        ref = dense_attention(*(t.float() for t in (q, k, v)), rule, torch.arange(n, device=device), score_mod=bias,
+                              activation=activation)
+        assert_close_at_scale(y, ref, dtype)
+        g = torch.randn(y.shape, generator=generator, device=device)
+        ours = torch.autograd.grad(y, (q, k, v), g.to(dtype))
+        theirs = torch.autograd.grad(ref, (q, k, v), g)
+        for a, b in zip(ours, theirs):
+            assert_close_at_scale(a, b, dtype)
+
+
+def assert_close_at_scale(ours, reference, dtype):
+    """Within 0.2% (float32 inputs: TF32-free IEEE products) or 2% (bfloat16 inputs and probabilities) of the
+    reference's largest magnitude: bf16 rounds each product's inputs, and sigmoid attention's unnormalised sums
+    grow with the window."""
+    error = float((ours.float() - reference.float()).abs().max())
+    scale = float(reference.float().abs().max())
+    assert error <= (2e-3 if dtype == torch.float32 else 2e-2) * scale, (error, scale)
