@@ -177,6 +177,15 @@ def load_model(out_dir, which: str = "best", device="cpu"):
     other = "last" if which == "best" else "best"
     if not checkpoint_exists(path):
         if not checkpoint_exists(checkpoint_path(out_dir, other)):
+            from run_folder import holds_run
+
+            held = holds_run(Path(out_dir)) if Path(out_dir).is_dir() else []
+            if held:  # a run that stopped before its first checkpoint, or one still training
+                raise CheckpointError(f"no checkpoint in {out_dir} yet (neither ckpt_best nor ckpt_last), though it holds "
+                                      f"a run ({', '.join(held)}): a run still training writes its first at its first "
+                                      "evaluation; one that stopped before it can be trained again over it with "
+                                      f"python train.py CONFIG --out_dir={out_dir} --replace_run=True (the old files are "
+                                      "moved aside, not deleted)")
             raise CheckpointError(f"no checkpoint in {out_dir} (neither ckpt_best nor ckpt_last): train a model there "
                                   f"first (python train.py CONFIG --out_dir={out_dir}), or give --out_dir the folder "
                                   "of a trained run")
@@ -213,18 +222,49 @@ def checkpoint_tokenizer_identity(ckpt: dict) -> dict:
     return ckpt.get("tokenizer_identity") or {"tokenizer": ckpt["tokenizer"]}
 
 
+RUN_TOKENIZER = "tokenizer.json"  # a run's own copy of a Hugging Face tokenizer (train.py: keep_tokenizer)
+
+
+def keep_tokenizer(name: str, out_dir) -> bool:
+    """Copy a Hugging Face tokenizer (a tokenizer.json path, a model folder or a hub name) into the run folder as
+    tokenizer.json (atomically), so sampling, evaluation and export need nothing outside the run; the built-in
+    tokenizers (byte, gpt2) need no copy. Returns whether a copy was written."""
+    from data.tokenizer import BUILT_IN, get_tokenizer
+
+    if name in BUILT_IN or (Path(out_dir) / RUN_TOKENIZER).exists():  # a resumed run has its copy already
+        return False
+    text = get_tokenizer(name).backend.to_str()
+    atomic_write(Path(out_dir) / RUN_TOKENIZER, lambda f: f.write(text.encode()))
+    return True
+
+
 def run_tokenizer(ckpt: dict):
-    """The tokenizer of a checkpoint, loaded by its name and checked against the vocabulary the model was trained
-    with: a tokenizer.json path or hub name may hold another vocabulary today, and text encoded with it would
-    be other token ids."""
-    from data.tokenizer import get_tokenizer
+    """The tokenizer of a checkpoint, checked against the vocabulary the model was trained with: the run folder's
+    own copy (tokenizer.json beside the checkpoint) where there is one, else loaded by its name (a tokenizer.json
+    path or hub name may hold another vocabulary today, and text encoded with it would be other token ids)."""
+    from data.tokenizer import BUILT_IN, TokenizerUnavailable, get_tokenizer
 
     identity = checkpoint_tokenizer_identity(ckpt)
-    tokenizer = get_tokenizer(identity["tokenizer"])
+    name = identity["tokenizer"]
+    where = ckpt.get("path", "the checkpoint")
+    copy = Path(ckpt["path"]).parent / RUN_TOKENIZER if "path" in ckpt else None
+    try:
+        tokenizer = get_tokenizer(str(copy) if copy is not None and copy.exists() and name not in BUILT_IN else name)
+    except TokenizerUnavailable as e:
+        if name in BUILT_IN:
+            raise
+        folder = copy.parent if copy is not None else "the run folder"
+        local = os.sep in name or name.endswith(".json")
+        cause = "no such file any more" if local and not os.path.exists(name) else \
+            str(e).splitlines()[0].split(": pass a local")[0]  # the loader's own advice (another tokenizer) left out
+        raise CheckpointError(f"the run's tokenizer {name!r} cannot be loaded ({cause}), and {folder} "
+                              f"holds no copy of it ({RUN_TOKENIZER}: runs keep one since they were made to): put "
+                              f"that tokenizer's tokenizer.json back at {name}, or copy it to {folder}/{RUN_TOKENIZER}; "
+                              "another tokenizer would give the model other token ids") from None
     if "vocab_sha256" in identity and tokenizer.identity()["vocab_sha256"] != identity["vocab_sha256"]:
-        raise CheckpointError(f"the tokenizer {identity['tokenizer']!r} found here has another vocabulary than the one "
-                              f"{ckpt.get('path', 'the checkpoint')} was trained with ({identity.get('vocab_size')} "
-                              "tokens): make that name point at the original tokenizer files")
+        raise CheckpointError(f"the tokenizer {tokenizer.name!r} found here has another vocabulary than the one "
+                              f"{where} was trained with ({identity.get('vocab_size')} tokens): make that name point "
+                              "at the original tokenizer files")
     return tokenizer
 
 

@@ -314,21 +314,30 @@ def field_help(cls) -> dict[str, str]:
     above: list[str] = []
     tokens = list(tokenize.generate_tokens(io.StringIO(source).readline)) if source else []
     line_comments: dict[int, str] = {}
+    continued: set[int] = set()  # comment lines indented under the comment above them: its continuation
     names: dict[int, str] = {}
     for i, tok in enumerate(tokens):
         if tok.type == tokenize.COMMENT:
             line_comments[tok.start[0]] = tok.string.lstrip("#").strip()
+            if tok.string.startswith("#  ") and tok.line.strip().startswith("#"):
+                continued.add(tok.start[0])
         elif tok.type == tokenize.NAME and tok.start[1] == 4 and i + 1 < len(tokens) \
                 and tokens[i + 1].string == ":" and tok.start[0] not in names:
             names[tok.start[0]] = tok.string
     for line in range(1, source.count("\n") + 2):
         if line in names:
-            # its own comment; else the comment lines right above it (above a commented field they head a section)
+            # its own comment (with the indented comment lines under it that continue it); else the comment lines
+            # right above it (above a commented field they head a section)
             text = line_comments.get(line) or " ".join(above)
+            if line in line_comments:
+                below = line + 1
+                while below in continued:
+                    text += " " + line_comments[below]
+                    below += 1
             if text:
                 helps[names[line]] = text
             above = []
-        elif line in line_comments:
+        elif line in line_comments and line not in continued:
             above.append(line_comments[line])
         else:
             above = []

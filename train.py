@@ -10,6 +10,7 @@ best checkpoint:
     python train.py configs/quickstart.py --init_from=resume [--resume_from=best]
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -29,7 +30,8 @@ import torch  # noqa: E402
 import torch.distributed as dist
 
 from attention import simulate_cuda
-from checkpoint import (CheckpointError, atomic_write, checkpoint_tokenizer_identity, load_checkpoint, load_sharded_meta,
+from checkpoint import (CheckpointError, atomic_write, checkpoint_tokenizer_identity, keep_tokenizer, load_checkpoint,
+                        load_sharded_meta,
                         load_sharded_training_state, remove_stale_temp_files, run_info, save_checkpoint,
                         save_sharded_checkpoint, sharded_training_state, write_json)
 from config import Config, ConfigError, exit_on_config_error, load_config, process_device, resolve_device, validate
@@ -244,6 +246,16 @@ def isolated_rng(seed: int, device):
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
         yield
+
+
+def eval_budget(cfg: Config) -> dict:
+    """What a validation loss is measured over: the same eval_iters batches of batch_size windows of block_size
+    tokens (losses over other budgets are other numbers, not comparable to the digit)."""
+    return {"eval_iters": cfg.eval.eval_iters, "batch_size": cfg.train.batch_size, "block_size": cfg.model.block_size}
+
+
+def describe_budget(budget: dict) -> str:
+    return f"eval_iters={budget['eval_iters']} x batch_size={budget['batch_size']} x block_size={budget['block_size']}"
 
 
 @torch.no_grad()  # no autograd graph: evaluation holds one batch's activations at a time
@@ -496,6 +508,13 @@ class Progress:
     wandb_run_id: str | None = None
     ckpt_step: int | None = None  # the step of the checkpoint this run resumed from
     tokens_seen: int = 0  # by ckpt_step: a resumed run counts on from what its checkpoint had seen
+    best_budget: dict | None = None  # the evaluation that measured best_val_loss (eval_budget)
+    elapsed_before: float = 0.0  # seconds the run spent in its earlier invocations (a resumed run's checkpoint)
+    started: float = dataclasses.field(default_factory=time.time)  # when this invocation's training began
+
+    def elapsed(self) -> float:
+        """Seconds of the run so far, over every invocation (what compare reports as its wall time)."""
+        return self.elapsed_before + time.time() - self.started
 
     def tokens_at(self, at_step: int) -> int:
         """Tokens trained on by the end of step at_step, over every process and micro-step (the x-axis that lines
@@ -516,6 +535,9 @@ def restore(ckpt: dict | None, rt: Runtime, raw_model, optimizer, scaler, tokens
         optimizer.load_state_dict(ckpt["optimizer"])
         scaler.load_state_dict(ckpt["scaler"])
     progress.step, progress.best_val_loss = ckpt["step"], ckpt["best_val_loss"]
+    # checkpoints from before the budget was recorded: their own config's (the run's last evaluation setting)
+    progress.best_budget = ckpt.get("best_val_budget") or eval_budget(Config.from_dict(ckpt["config"]))
+    progress.elapsed_before = ckpt.get("elapsed_s", 0.0)
     progress.wandb_run_id, progress.ckpt_step = ckpt.get("wandb_run_id"), ckpt["step"]
     # checkpoints from before tokens were counted: every step of the run had this run's tokens per step
     progress.tokens_seen = ckpt.get("tokens_seen", ckpt["step"] * tokens_per_step)
@@ -544,6 +566,45 @@ class RunFolder:
         fail(write_failure(error, self.out_dir, name, self.fsdp, self.saved_steps))
 
 
+def resolved_settings(cfg: Config, rt: Runtime, raw_model) -> dict:
+    """What the run's "auto" settings became here (the device, the dtype, the positions, each layer's kernels:
+    attention/capabilities.py resolved_settings), for config.json: compare shows what ran, not "auto"."""
+    from attention.capabilities import resolved_settings as mixer_resolved
+
+    values = {"device": str(rt.device), "dtype": str(rt.dtype).removeprefix("torch."),
+              "pos_embedding": cfg.model.resolved_pos_embedding}
+    per_setting: dict = {}
+    for block in raw_model.blocks:
+        for key, value in mixer_resolved(block.mixer, cfg.model.block_size, rt.device, rt.dtype).items():
+            per_setting.setdefault(key, [])
+            if value not in per_setting[key]:
+                per_setting[key].append(value)
+    values.update({key: "+".join(map(str, found)) for key, found in per_setting.items()})
+    return values
+
+
+def run_invocations(path: Path, cfg: Config, info: dict, progress: Progress) -> list[dict]:
+    """Every invocation of the run, in order, as config.json keeps them: each one's command, code version and
+    start (run_info), the step it started from, and the settings it changed from the one before (a resume may
+    raise max_iters or change eval_iters). A fresh run starts the list; a resumed one appends to it."""
+    earlier, before = [], {}
+    if progress.ckpt_step is not None and path.exists():
+        try:
+            old = json.loads(path.read_text())
+        except (OSError, ValueError):
+            old = {}
+        earlier = old.get("invocations") or ([{**old["run"], "from_step": 0}] if "run" in old else [])
+        before = {section: old.get(section, {}) for section in ("model", "data", "train", "eval")}
+    now = cfg.to_dict()
+    changed = {f"{section}.{key}": [before[section].get(key), value]
+               for section in before for key, value in now.get(section, {}).items()
+               if key in before[section] and before[section][key] != value}
+    entry = {**info, "from_step": progress.step}
+    if changed:
+        entry["changed"] = changed
+    return [*earlier, entry]
+
+
 def open_run_folder(cfg: Config, rt: Runtime, data: RunData, raw_model, progress: Progress, argv) -> RunFolder:
     """Rank 0 writes the resolved config (with the data's meta) and says what is trained on what, starts the
     wandb run and opens metrics.jsonl (on resume, dropping what was logged after the checkpoint)."""
@@ -556,13 +617,23 @@ def open_run_folder(cfg: Config, rt: Runtime, data: RunData, raw_model, progress
     out_dir.mkdir(parents=True, exist_ok=True)
     remove_stale_temp_files(out_dir)
     folder.info = info = run_info(rt.world_size)
+    invocations = run_invocations(out_dir / "config.json", cfg, info, progress)
     folder.unigram = unigram = unigram_entropy(open_tokens(data.data_dir, "val")[:10_000_000], meta["vocab_size"])
     try:
-        write_json({**cfg.to_dict(), "run": info, "data_meta": {**meta, "unigram_entropy": unigram,
+        write_json({**cfg.to_dict(), "run": info, "invocations": invocations,
+                    "resolved": resolved_settings(cfg, rt, raw_model),
+                    "data_meta": {**meta, "unigram_entropy": unigram,
                                                                "val_sha256": split_fingerprint(data.data_dir)}},
                    out_dir / "config.json")
     except OSError as e:
         folder.cannot_write("config.json", e)
+    try:  # the run keeps its own tokenizer: sampling, evaluation and export need nothing outside the folder
+        keep_tokenizer(meta["tokenizer"], out_dir)
+    except OSError as e:
+        folder.cannot_write("tokenizer.json", e)
+    except TokenizerUnavailable as e:
+        print(f"warning: the run keeps no copy of its tokenizer ({str(e).splitlines()[0]}): sampling and evaluation "
+              f"will need {meta['tokenizer']!r} where it is now")
     n_params = raw_model.num_params()
     print(f"model: {m.arch}, {m.n_layer} layers x {m.n_head} heads x {m.n_embd}, mixers {m.attn_pattern!r}: "
           f"{n_params / 1e6:.2f}M parameters ({raw_model.num_params(exclude_embeddings=True) / 1e6:.2f}M "
@@ -605,6 +676,10 @@ def open_run_folder(cfg: Config, rt: Runtime, data: RunData, raw_model, progress
             folder.cannot_write("metrics.jsonl", e)
         print(f"resumed from {out_dir / (f'ckpt_{t.resume_from}' + ('' if rt.fsdp else '.pt'))} at step {step} "
               f"(best val loss {progress.best_val_loss:.4f})")
+        if progress.best_budget not in (None, eval_budget(cfg)):
+            print(f"note: that best val loss was measured with {describe_budget(progress.best_budget)}; this run "
+                  f"evaluates with {describe_budget(eval_budget(cfg))}, another number over other windows: until a "
+                  "loss of this run beats it, every line says which budget the best comes from")
     elif (out_dir / "metrics.jsonl").exists():
         (out_dir / "metrics.jsonl").unlink()  # a resume from step 0: its log starts again
     return folder
@@ -634,7 +709,8 @@ def save(which: str, cfg: Config, rt: Runtime, data: RunData, folder: RunFolder,
     else:
         states = [rng_state()]
     step = progress.step
-    meta = {"config": cfg.to_dict(), "step": step, "best_val_loss": progress.best_val_loss, "rng": states,
+    meta = {"config": cfg.to_dict(), "step": step, "best_val_loss": progress.best_val_loss,
+            "best_val_budget": progress.best_budget, "elapsed_s": progress.elapsed(), "rng": states,
             "data_cursor": data.train.state_dict(step), "wandb_run_id": progress.wandb_run_id,
             "tokens_seen": progress.tokens_at(step),
             "tokenizer": data.meta["tokenizer"], "tokenizer_identity": data.tokenizer_identity,
@@ -686,11 +762,17 @@ def evaluate_and_log(cfg: Config, rt: Runtime, data: RunData, folder: RunFolder,
         val_loss = evaluate(model, data.val, ev.eval_iters, rt.rank, rt.world_size, rt.autocast, rt.device,
                             t.loss_chunk, sharded=rt.fsdp)
         improved = val_loss < progress.best_val_loss
-        progress.best_val_loss = min(progress.best_val_loss, val_loss)
+        budget = eval_budget(cfg)
+        if improved:
+            progress.best_val_loss, progress.best_budget = val_loss, budget
+        other = progress.best_budget not in (None, budget)  # a resumed run's best, measured over another budget
         if rt.master:
             print(f"step {step}: val loss {val_loss:.4f} (unigram baseline {folder.unigram:.4f}, best "
-                  f"{progress.best_val_loss:.4f})")
-            folder.metrics.log(step, val_loss=val_loss, best_val_loss=progress.best_val_loss)
+                  f"{progress.best_val_loss:.4f}" + (f", measured before the resume with "
+                                                      f"{describe_budget(progress.best_budget)}, not this run's "
+                                                      f"{describe_budget(budget)}" if other else "") + ")")
+            folder.metrics.log(step, val_loss=val_loss, best_val_loss=progress.best_val_loss,
+                               **({"best_val_budget": progress.best_budget} if other else {}))
         if ev.eval_tasks and step % (ev.eval_tasks_interval or ev.eval_interval) == 0:
             # retrieval / perplexity probes at several lengths (eval/probes.py) on rank 0, or on every rank of a
             # sharded model (its forwards are collectives; they draw the same probes). Run eagerly: compiled
@@ -758,6 +840,7 @@ class StepLog:
         self.flops_per_token = raw_model.flops_per_token(cfg.model.block_size)
         self.peak = peak_flops(rt.device, rt.dtype)
         self.start_step, self.t_start, self.t_last = progress.step, time.time(), time.time()
+        self.progress = progress
 
     def __call__(self, folder: RunFolder, step: int, train_loss: float, lr: float, hooked: dict) -> None:
         t, rt = self.t, self.rt
@@ -765,7 +848,8 @@ class StepLog:
         dt = (now - self.t_last) / (step - max(self.start_step, step - t.log_interval) or 1)
         self.t_last = now
         tokens_per_s = self.tokens_per_step / dt
-        values = {"train_loss": train_loss, "lr": lr, "tokens_per_s": tokens_per_s}
+        values = {"train_loss": train_loss, "lr": lr, "tokens_per_s": tokens_per_s,
+                  "elapsed_s": round(self.progress.elapsed(), 2)}
         line = f"step {step}/{t.max_iters} | loss {train_loss:.4f} | lr {lr:.2e} | {tokens_per_s / 1e3:.1f}k tok/s"
         line += "".join(f" | {key} {value}" for key, value in hooked.items())
         if self.peak is not None:

@@ -19,8 +19,9 @@ recurrent mixer declares the ones it has (attention/mlstm.py).
     PretrainedAttention  pretrained_problem()                        variants in Hugging Face models (hf.py)
 
 Declarations a class may carry (read with the functions at the end): example_settings(window) (every tool's
-small model), check_variants (extra cases the checks run), gpu_kernel (a GPU kernel the GPU check demands) and
-expected_graph_breaks(device, dtype) (compile_check.py).
+small model), check_variants (extra cases the checks run), gpu_kernel (a GPU kernel the GPU check demands),
+expected_graph_breaks(device, dtype) (compile_check.py) and resolved_settings(seq_len, device, dtype) (what its
+"auto" settings become: config.json's "resolved", which compare shows).
 """
 
 from __future__ import annotations
@@ -129,3 +130,18 @@ def expected_graph_breaks(mixer, device, dtype) -> str:
     """Why compiling this layer breaks its graph by design on this device and dtype ("" when it must not)."""
     declared = getattr(mixer, "expected_graph_breaks", None)
     return declared(device, dtype) if declared else ""
+
+
+def resolved_settings(mixer, seq_len: int, device, dtype) -> dict:
+    """What the mixer's "auto" settings become at this length, device and dtype ({setting: value}): its own
+    declaration where it has one, else for attention the kernels its plan picks (attn_backend)."""
+    declared = getattr(mixer, "resolved_settings", None)
+    if declared is not None:
+        return declared(seq_len, device, dtype)
+    if getattr(mixer, "backend", None) == "auto" and hasattr(mixer, "plan"):
+        from attention.kernels import layer_scores
+
+        kernels, _ = layer_scores(mixer, seq_len, device)
+        if kernels != "its own kernel":
+            return {"attn_backend": kernels}
+    return {}

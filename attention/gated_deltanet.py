@@ -275,6 +275,9 @@ class GatedDeltaNet(RecurrentMixer):
             return None  # some fla versions reject float32 inputs; full precision runs use the native form
         return fla_chunk_stand_in if simulate_cuda.simulated(device) else self.fla
 
+    def resolved_settings(self, seq_len, device, dtype):
+        return {"gdn_kernel": "fla" if self.fla_kernel_for(device, dtype) is not None else "native"}
+
     def compile_problem(self, seq_len, device, dtype):
         if self.fla_kernel_for(device, dtype) is not None:
             return ""  # fla's chunk kernel (fla keeps it out of compiled graphs itself: one graph break)

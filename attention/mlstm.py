@@ -467,6 +467,9 @@ class MLSTMLayer(RecurrentMixer):
         across = 2 * qk_head * self.v_head_dim  # reading the state and (amortised) writing it
         return self.n_head * 2 * (within + across)
 
+    def resolved_settings(self, seq_len, device, dtype):
+        return {"mlstm_kernel": "triton" if self.triton and triton_runs_on(device) else "native"}
+
     def describe(self):
         if self.triton:
             where = "on CUDA; its CPU stand-in while simulating CUDA" if simulate_cuda.active() else "on CUDA"

@@ -63,6 +63,7 @@ from collections import Counter, deque
 from contextlib import closing, contextmanager
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
+from pathlib import Path
 
 import numpy as np
 
@@ -71,6 +72,7 @@ from data.meta import FORMAT_VERSION, DataError
 from data.tokenizer import TokenizerUnavailable, get_tokenizer, vocab_dtype
 from outputs import write_json
 from progress import progress_bar
+from run_folder import holds_run
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # built here, no download: name -> "module" (its documents()) or "module:function"
@@ -87,6 +89,7 @@ WIKITEXT = {"wikitext2": "wikitext-2-raw-v1", "wikitext103": "wikitext-103-raw-v
 WIKITEXT_HEADING = re.compile(r"^ = [^=].* = $")  # an article's title line; sections are " = = ... = = "
 LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 DOCS_PER_BATCH = 256
+BYTES_PER_BATCH = 1 << 20  # ... or fewer documents once they hold a MiB of text
 MIN_VAL_TOKENS = 1024  # for a single-document split: enough to evaluate on, unless the data is tiny
 VAL_FRACTION = 0.005  # documents drawn for val
 SINGLE_DOCUMENT_VAL_FRACTION = 0.1  # the tail of a single document (nanoGPT's split of a text file)
@@ -104,25 +107,45 @@ def generated_rows(name):
         yield {"text": text}
 
 
-def local_files(pattern):
-    """The files a local --dataset names: a file, a folder (searched recursively) or a glob."""
+def text_extensions(option: str) -> dict:
+    """--text_extensions=".py,.md" as {".py": "text", ".md": "text"}: files of those kinds read as plain text, one
+    document per file (source code is a common corpus)."""
+    names = [e.strip() for e in option.split(",") if e.strip()]
+    return {(e if e.startswith(".") else "." + e): "text" for e in names}
+
+
+def local_files(pattern, extra: dict | None = None, quiet: bool = False):
+    """The files a local --dataset names: a file, a folder (searched recursively) or a glob. A folder's files of
+    other kinds are skipped, and said (with the option that takes them: --text_extensions)."""
+    builders = {**LOCAL_BUILDERS, **(extra or {})}
     if os.path.isdir(pattern):
-        files = [os.path.join(root, name) for root, _, names in os.walk(pattern) for name in names
-                 if os.path.splitext(name)[1] in LOCAL_BUILDERS]
+        found = [os.path.join(root, name) for root, _, names in os.walk(pattern) for name in names]
+        skipped = Counter(os.path.splitext(f)[1] or "(no extension)" for f in found
+                          if os.path.splitext(f)[1] not in builders)
+        files = [f for f in found if os.path.splitext(f)[1] in builders]
+        if skipped and files and not quiet:
+            kinds = ", ".join(f"{kind}: {count}" for kind, count in skipped.most_common())
+            print(f"note: skipped {sum(skipped.values())} file(s) under {pattern} that are not "
+                  f"{'/'.join(builders)} ({kinds}); --text_extensions={','.join(k for k, _ in skipped.most_common(3))} "
+                  "reads them as text, one document per file", file=sys.stderr)
     elif os.path.isfile(pattern):
         files = [pattern]
     else:
         files = glob.glob(pattern, recursive=True)
     files = sorted(f for f in files if os.path.isfile(f))
     if not files:
+        extensions = sorted({os.path.splitext(f)[1] for f in found}) if os.path.isdir(pattern) else []
+        hint = (f"; it holds {', '.join(e or '(no extension)' for e in extensions[:5])} files: --text_extensions="
+                f"{','.join(e for e in extensions[:3] if e)} reads them as text") if extensions else ""
         raise DataError(f"--dataset={pattern} is neither {', '.join(GENERATED)} nor {', '.join(HUB_DATASETS)}, and no files "
-                        f"were found there (expected a file, folder or glob of {'/'.join(LOCAL_BUILDERS)})")
+                        f"were found there (expected a file, folder or glob of {'/'.join(builders)}){hint}")
     extensions = sorted({os.path.splitext(f)[1] for f in files})
-    unknown = [e for e in extensions if e not in LOCAL_BUILDERS]
+    unknown = [e for e in extensions if e not in builders]
     if unknown:
         raise DataError(f"--dataset={pattern} has files of type {', '.join(unknown) or '(none)'}; "
-                        f"supported: {', '.join(LOCAL_BUILDERS)}")
-    if len({LOCAL_BUILDERS[e] for e in extensions}) > 1:
+                        f"supported: {', '.join(builders)} (--text_extensions={','.join(e for e in unknown if e)} "
+                        "reads them as text, one document per file)")
+    if len({builders[e] for e in extensions}) > 1:
         raise DataError(f"--dataset={pattern} mixes {', '.join(extensions)} files; prepare one kind at a time")
     return files
 
@@ -169,7 +192,7 @@ def local_articles(files):
                 yield {"text": article}
 
 
-def load_rows(dataset, quiet=False, split_articles=False, wikitext_val="validation"):
+def load_rows(dataset, quiet=False, split_articles=False, wikitext_val="validation", text_as=""):
     """An iterator over the dataset's rows (dicts with at least "text"; "split" when the source has its own), streamed."""
     import datasets
 
@@ -192,8 +215,9 @@ def load_rows(dataset, quiet=False, split_articles=False, wikitext_val="validati
                 f".txt/.jsonl/.json/.parquet) or use --dataset=embedded, which needs no download."
             ) from e
         return rows if first is None else chain_first(first, rows)
-    files = local_files(dataset)
-    builder = LOCAL_BUILDERS[os.path.splitext(files[0])[1]]
+    extra = text_extensions(text_as)
+    files = local_files(dataset, extra, quiet)
+    builder = {**LOCAL_BUILDERS, **extra}[os.path.splitext(files[0])[1]]
     if split_articles:
         if builder != "text":
             raise DataError("--split_articles splits .txt files at their WikiText article headings; "
@@ -255,13 +279,16 @@ def documents_from_rows(rows, dataset, keep_sets):
             yield row["text"], set_name, row.get("split")
 
 
-def batched(items, n):
-    batch = []
+def batched(items, n, max_chars=None):
+    """Lists of at most n items (documents: (text, ...) tuples), or fewer once they hold max_chars characters of
+    text, so that a corpus of a few long documents still moves the progress bar."""
+    batch, chars = [], 0
     for item in items:
         batch.append(item)
-        if len(batch) == n:
+        chars += len(item[0]) if max_chars else 0
+        if len(batch) == n or (max_chars and chars >= max_chars):
             yield batch
-            batch = []
+            batch, chars = [], 0
     if batch:
         yield batch
 
@@ -322,9 +349,12 @@ def encode_batches(batches, tokenizer, num_proc):
 
 def val_mask(seed, first_index, count, val_fraction):
     """Which of documents first_index..first_index+count-1 go to val: a stable hash, not a RNG stream."""
-    draws = [int.from_bytes(hashlib.blake2b(f"{seed}:{i}".encode(), digest_size=8).digest(), "little") / 2**64
-             for i in range(first_index, first_index + count)]
-    return np.array(draws) < val_fraction
+    return np.array(_draws(seed, count, first_index)) < val_fraction
+
+
+def _draws(seed, count, first_index=0):
+    return [int.from_bytes(hashlib.blake2b(f"{seed}:{i}".encode(), digest_size=8).digest(), "little") / 2**64
+            for i in range(first_index, first_index + count)]
 
 
 # ----------------------------------------------------------------------------
@@ -527,9 +557,13 @@ def prepare_enwik8(dataset, tokenizer, out_dir, enwik8_val="val", quiet=False) -
 
 def prepare(dataset, tokenizer="byte", out_dir=None, max_tokens=None, val_fraction=None, num_proc=None,
             seed=0, slimpajama_sets=None, quiet=False, enwik8_val="val", split_articles=False,
-            wikitext_val="validation") -> dict:
+            wikitext_val="validation", text_extensions="") -> dict:
     """Tokenise dataset into out_dir/{train,val}.bin and meta.json (see the module docstring); returns the meta.
     val_fraction None: VAL_FRACTION of the documents, or SINGLE_DOCUMENT_VAL_FRACTION of a single document."""
+    out_dir = out_dir or default_out_dir("enwik8" if is_enwik8(dataset) else dataset, tokenizer)
+    if holds_run(Path(out_dir)):
+        raise DataError(f"--out_dir={out_dir} holds a training run ({', '.join(holds_run(Path(out_dir)))}): prepared "
+                        "data goes in a folder of its own (default data/<dataset>_<tokenizer>); give another --out_dir")
     if is_enwik8(dataset):
         return prepare_enwik8(dataset, tokenizer, out_dir or default_out_dir("enwik8", tokenizer), enwik8_val, quiet)
     if val_fraction is not None and not 0 < val_fraction < 1:
@@ -547,10 +581,12 @@ def prepare(dataset, tokenizer="byte", out_dir=None, max_tokens=None, val_fracti
     if wikitext_val not in ("validation", "test"):
         raise DataError(f"--wikitext_val={wikitext_val}: expected validation or test")
     # fails here, before anything is written, if the data cannot be reached
-    rows = load_rows(dataset, quiet, split_articles, wikitext_val)
+    rows = load_rows(dataset, quiet, split_articles, wikitext_val, text_extensions)
+    size = None if is_named_source(dataset) else local_bytes(dataset, text_extensions)
     with token_files(out_dir, dtype) as files:
         try:
-            meta = write_tokens(files, rows, tok, dataset, keep_sets, max_tokens, val_fraction, num_proc, seed, quiet)
+            meta = write_tokens(files, rows, tok, dataset, keep_sets, max_tokens, val_fraction, num_proc, seed, quiet,
+                                size)
             if split_articles:
                 meta["split_articles"] = True
             if meta["split"]["method"] == "source":
@@ -593,12 +629,12 @@ def describe_validation(meta: dict) -> tuple[str, list[str]]:
             f"{what.get(method, split.get('method', 'as the source gives it'))}")
     warnings = []
     if method == "document" and docs == 1:
-        suggest = min(0.5, round(2 / max(1, total_docs), 2))
+        suggest = fraction_for_documents(2, total_docs, split.get("seed", 0))
+        fix = (f"--val_fraction={suggest} draws {int(val_mask(split.get('seed', 0), 0, total_docs, suggest).sum())} of "
+               f"the {total_docs:,} documents with this --seed" if suggest else "prepare more documents")
         warnings.append(f"validation is a single document ({tokens:,} tokens" + (f"; {split['note']}" if split.get("note")
                                                                                  else "") +
-                        "): every evaluation will measure that one text. For several documents, raise --val_fraction "
-                        f"(with {total_docs:,} documents, --val_fraction={suggest} expects {suggest * total_docs:.1f}) "
-                        "or prepare more documents")
+                        f"): every evaluation will measure that one text. For several documents: {fix}")
     elif method in ("document", "token_tail") and asked and not asked / 3 <= share <= asked * 3:
         warnings.append(f"validation holds {100 * share:.2g}% of the tokens, far from the asked --val_fraction={asked} "
                         f"({'of the documents' if method == 'document' else 'of the tokens'}): "
@@ -607,14 +643,40 @@ def describe_validation(meta: dict) -> tuple[str, list[str]]:
     return line, warnings
 
 
-def write_tokens(files, rows, tok, dataset, keep_sets, max_tokens, val_fraction, num_proc, seed, quiet):
+def fraction_for_documents(wanted: int, total_docs: int, seed: int, most: float = 0.5) -> float | None:
+    """The smallest --val_fraction, in two significant digits, that draws at least `wanted` of total_docs
+    documents for validation with this seed (the draws are a hash of seed and index: val_mask), or None when
+    none up to `most` does. The split is deterministic, so this is checked, not expected."""
+    if total_docs < wanted + 1:
+        return None
+    draws = sorted(float(x) for x in _draws(seed, total_docs))
+    needed = draws[wanted - 1]  # every draw below the fraction goes to val
+    fraction = float(f"{needed * 1.0001 + 1e-9:.2g}")
+    while fraction <= needed:
+        fraction = float(f"{fraction * 1.05 + 1e-9:.2g}")
+    if fraction > most or int(val_mask(seed, 0, total_docs, fraction).sum()) < wanted:
+        return None
+    return fraction
+
+
+def local_bytes(dataset, text_as="") -> int | None:
+    """The bytes of a local dataset's files (the progress bar's total), None when unknown."""
+    try:
+        return sum(os.path.getsize(f) for f in local_files(dataset, text_extensions(text_as), quiet=True))
+    except (DataError, OSError):
+        return None
+
+
+def write_tokens(files, rows, tok, dataset, keep_sets, max_tokens, val_fraction, num_proc, seed, quiet, size=None):
     docs = {"train": 0, "val": 0}
     last_doc_tokens = {"train": 0, "val": 0}  # for moving a whole document between splits at the end
     set_counts = Counter()
     total, official = 0, False
-    batches = batched(documents_from_rows(rows, dataset, keep_sets), DOCS_PER_BATCH)
-    progress = progress_bar(total=max_tokens, enabled=not quiet, unit="tok", unit_scale=True,
-                            desc=f"tokenising {dataset}")
+    batches = batched(documents_from_rows(rows, dataset, keep_sets), DOCS_PER_BATCH, BYTES_PER_BATCH)
+    # local files: their bytes read (a known total); other sources: tokens written (against --max_tokens)
+    by_bytes = size is not None and max_tokens is None
+    progress = progress_bar(total=size if by_bytes else max_tokens, enabled=not quiet,
+                            unit="B" if by_bytes else "tok", unit_scale=True, desc=f"tokenising {dataset}")
     with closing(encode_batches(batches, tok, num_proc)) as results, progress:
         for batch, (tokens, lengths) in results:
             if max_tokens is not None and total + len(tokens) > max_tokens:
@@ -638,7 +700,7 @@ def write_tokens(files, rows, tok, dataset, keep_sets, max_tokens, val_fraction,
                     last_doc_tokens[split] = int(lengths[in_split][-1])
             set_counts.update(name for _, name, _ in batch if name is not None)
             total += len(tokens)
-            progress.update(len(tokens))
+            progress.update(sum(len(text.encode()) for text, *_ in batch) if by_bytes else len(tokens))
             if max_tokens is not None and total >= max_tokens:
                 break
     if docs["train"] + docs["val"] == 0:
@@ -697,6 +759,7 @@ class PrepareConfig:
     split_articles: bool = False  # local .txt files: one document per WikiText article (from each ' = Title = ' line)
     wikitext_val: str = "validation"  # validation | test: wikitext2/103 from the hub, the split that becomes val.bin
     enwik8_val: str = "val"  # val | test: the 5M bytes of enwik8 that become val.bin
+    text_extensions: str = ""  # local files of these kinds read as text, one document per file (e.g. .py,.md)
 
 
 def parse(argv) -> dict:

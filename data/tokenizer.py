@@ -152,11 +152,19 @@ class HFTokenizer(Tokenizer):
             raise TokenizerUnavailable(
                 f"tokenizer {self.name!r} needs the Hugging Face tokenizers package: pip install tokenizers"
             ) from e
+        local = os.path.join(self.name, "tokenizer.json") if os.path.isdir(self.name) else self.name
+        if os.path.exists(local):  # a file (or a downloaded model folder's): it loads, or it is no tokenizer
+            try:
+                return RustTokenizer.from_file(local)
+            except Exception as e:
+                raise TokenizerUnavailable(
+                    f"{local} is not a Hugging Face tokenizer file ({type(e).__name__}: {str(e)[:200]}): give the "
+                    "tokenizer.json of a tokenizer (what tokenizers' Tokenizer.save or a model's save_pretrained "
+                    "writes)") from None
+        if os.path.isdir(self.name):
+            raise TokenizerUnavailable(f"{self.name} is a folder without a tokenizer.json: give the folder of a "
+                                       "Hugging Face model or the path of its tokenizer.json")
         try:
-            if os.path.isdir(self.name):  # a downloaded model folder
-                return RustTokenizer.from_file(os.path.join(self.name, "tokenizer.json"))
-            if os.path.exists(self.name):
-                return RustTokenizer.from_file(self.name)
             cached = _cached_hub_file(self.name, "tokenizer.json")
             if cached:
                 return RustTokenizer.from_file(cached)

@@ -203,7 +203,8 @@ def run_ppl(e: EvalRunConfig, ctx) -> dict:
         model = ctx["with_config"](**({} if window in (None, trained) else {e.window_key: window}))
         for length in lengths:
             if model.wpe is not None and length > cfg.model.block_size:
-                note = f"longer than block_size {cfg.model.block_size} (learned positions)"
+                note = (f"longer than block_size {cfg.model.block_size} (learned positions cannot extrapolate: a run "
+                        "trained with --pos_embedding=rope can be scored at any length)")
                 rows.append({"length": length, "window": window, "ppl": None, "nll": None, "tokens": 0, "note": note})
                 print(f"ppl  L={length:<6} skipped: {note}")
                 continue

@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 
 from eval.results import setting_items, setting_results, standing_setting
-from eval.stats import paired_comparison
+from eval.stats import format_p, paired_comparison
 from outputs import save_figure
 from run_folder import read_metrics
 
@@ -141,7 +141,7 @@ def tables(runs: dict[str, dict[int, dict]]) -> tuple[str, dict]:
         ci = result["bootstrap"]
         lines.append(f"| {probe} | {a} - {b} | {result['n']:,} | {result['acc_a']:.3f} | {result['acc_b']:.3f} | "
                      f"{ci['diff']:+.3f} | [{ci['ci_low']:+.3f}, {ci['ci_high']:+.3f}] | "
-                     f"{result['a_only']}/{result['b_only']} | {result['mcnemar']['p_value']:.3g} |")
+                     f"{result['a_only']}/{result['b_only']} | {format_p(result['mcnemar']['p_value'])} |")
     lines.append("")
 
     nll = {}

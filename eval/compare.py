@@ -28,21 +28,22 @@ import numpy as np
 import outputs
 from eval.results import (data_label, describe_settings, own_data, reads_validation_text,
                           setting_items, setting_options, standing_setting)
-from eval.stats import mean_std, paired_comparison
+from eval.stats import format_p, mean_std, paired_comparison
 from outputs import save_figure
 from run_folder import read_metrics
 
 
-STANDARD_METRICS = {"step", "train_loss", "val_loss", "best_val_loss", "lr", "tokens_per_s", "mfu", "tokens_seen"}
+STANDARD_METRICS = {"step", "train_loss", "val_loss", "best_val_loss", "lr", "tokens_per_s", "mfu", "tokens_seen",
+                    "elapsed_s"}
 # config keys that name or log a run without changing what it computes
 IGNORED_KEYS = {"out_dir", "wandb_run_name", "wandb_project", "wandb_log", "wandb_mode", "wandb_group", "wandb_tags", "init_from", "data.created",
                 "data_meta.created"}  # data.created: the meta's, in runs written before data_meta
-IGNORED_GROUPS = {"run", "provenance", "n_params"}
+IGNORED_GROUPS = {"run", "provenance", "n_params", "invocations", "resolved"}
 SEED_KEY = "seed"
 # eval row fields that identify a row even when numeric, and counts that weight it (never metrics)
 ROW_ID_KEYS = {"kind", "length", "window", "depth", "task", "name", "split", "subset"}
 ROW_COUNT_KEYS = {"n", "tokens", "count", "total", "n_examples"}
-FIXED_COLUMNS = ["params", "tokens", "best val loss", "final train loss"]
+FIXED_COLUMNS = ["params", "tokens", "best val loss", "final train loss", "tokens/s", "MFU", "wall time"]
 
 
 class CompareError(Exception):
@@ -70,12 +71,12 @@ def _is_number(v) -> bool:
 
 def make_record(name: str, source: str, config: dict, train: list, val: list, extra: dict | None = None,
                 evals: dict | None = None, n_params: int | None = None, best_val_loss: float | None = None,
-                final_train_loss: float | None = None) -> dict:
+                final_train_loss: float | None = None, speed: dict | None = None) -> dict:
     """The internal record of one run, built from plain values (local folders and wandb runs alike).
 
     train / val: [(step, loss), ...]; extra: {metric: last value}; evals: {task: {"rows": [...],
     "per_example": [...] or None, "provenance": {...}}}. best_val_loss defaults to min(val) and
-    final_train_loss to the loss at the last training step.
+    final_train_loss to the loss at the last training step. speed: {"tokens_per_s", "mfu", "wall_s"} (training_speed).
     """
     train = sorted((int(s), float(v)) for s, v in train)
     val = sorted((int(s), float(v)) for s, v in val)
@@ -87,7 +88,9 @@ def make_record(name: str, source: str, config: dict, train: list, val: list, ex
     max_iters = (config.get("train") or {}).get("max_iters") if isinstance(config.get("train"), dict) else None
     # a run stopped before max_iters (interrupted, or still running): its numbers are not the finished run's
     incomplete = last is not None and _is_number(max_iters) and last < max_iters
+    speed = speed or {}
     return {"name": name, "source": source, "config": config, "n_params": n_params, "train": train, "val": val,
+            "tokens_per_s": speed.get("tokens_per_s"), "mfu": speed.get("mfu"), "wall_s": speed.get("wall_s"),
             "best_val_loss": best_val_loss, "final_train_loss": final_train_loss, "last_train_step": last,
             "incomplete": f"stopped at step {last} of {max_iters}" if incomplete else "",
             "extra": extra or {}, "evals": evals or {}}
@@ -156,7 +159,23 @@ def load_local_run(path) -> dict:
     name = path.resolve().name
     evals = load_evals(path)
     check_eval_tokenizers(path, config, evals)
-    return make_record(name, str(path), config, train, val, extra, evals)
+    return make_record(name, str(path), config, train, val, extra, evals, speed=training_speed(metrics))
+
+
+def training_speed(metrics: list[dict]) -> dict:
+    """The run's training speed from its metrics.jsonl: the median tokens/s and MFU of its logged steps (each
+    invocation's first logged step left out: it carries compilation), and its wall time (elapsed_s of the last
+    step, counted over every invocation; None for runs logged before it was recorded)."""
+    steps = [m for m in metrics if _is_number(m.get("tokens_per_s"))]
+    warm = [m for i, m in enumerate(steps) if i > 0 and m["step"] > steps[i - 1]["step"]
+            and (not _is_number(m.get("elapsed_s")) or not _is_number(steps[i - 1].get("elapsed_s"))
+                 or m["elapsed_s"] >= steps[i - 1]["elapsed_s"])] or steps
+
+    def median(key):
+        values = sorted(float(m[key]) for m in warm if _is_number(m.get(key)))
+        return values[len(values) // 2] if values else None
+    elapsed = [float(m["elapsed_s"]) for m in steps if _is_number(m.get("elapsed_s"))]
+    return {"tokens_per_s": median("tokens_per_s"), "mfu": median("mfu"), "wall_s": max(elapsed) if elapsed else None}
 
 
 def check_eval_tokenizers(path: Path, config: dict, evals: dict) -> None:
@@ -201,9 +220,13 @@ def wandb_record(run, history_samples: int = 2000) -> dict:
              if not k.startswith("_") and k not in STANDARD_METRICS and _is_number(v)}
     n_params = config.get("n_params") if _is_number(config.get("n_params")) else None
     final = summary.get("train_loss") if _is_number(summary.get("train_loss")) else None
+    speed_rows = {}
+    for key in ("tokens_per_s", "mfu", "elapsed_s"):
+        for step, value in curve(key):
+            speed_rows.setdefault(step, {"step": step})[key] = value
     return make_record(run.name, f"wandb:{'/'.join(run.path) if isinstance(run.path, (list, tuple)) else run.path}",
                        config, train, val, extra, {}, n_params=n_params, best_val_loss=min(best) if best else None,
-                       final_train_loss=final)
+                       final_train_loss=final, speed=training_speed([speed_rows[s] for s in sorted(speed_rows)]))
 
 
 def load_wandb_runs(path: str, names: list[str] | None = None) -> list[dict]:
@@ -247,13 +270,18 @@ def _defaults() -> dict:
 def flat_config(config: dict, defaults: dict | None = None) -> dict:
     """{flat key: value}: model/train/eval keys by their own (unique) names, any other group as GROUP.KEY
     (data.dataset, data_meta.vocab_size: the prepared data's meta, whose vocab_size would clash). Keys a run's saved
-    config lacks (written before the field existed) take the current default, as Config.from_dict does."""
+    config lacks (written before the field existed) take the current default, as Config.from_dict does. A setting
+    given as "auto" shows what it became in the run (config.json's "resolved", written by train.py), so runs are
+    told apart by what ran (learned positions, the native mLSTM), not by what was asked."""
     out: dict = {}
     for group, values in config.items():
         if group in IGNORED_GROUPS or not isinstance(values, dict):
             continue
         merged = {**(defaults or {}).get(group, {}), **values} if group in ("model", "train", "eval") else values
         _flatten(merged, "" if group in ("model", "train", "eval") else f"{group}.", out)
+    for key, value in (config.get("resolved") or {}).items():
+        if out.get(key) == "auto":
+            out[key] = value
     return out
 
 
@@ -482,7 +510,8 @@ def build_tables(records: list[dict], columns: list[str] | None = None) -> dict:
     for record, flat in zip(records, flats):
         n_params = record["n_params"] if record["n_params"] is not None else count_params(record["config"])
         cells = {"params": n_params, "tokens": tokens_seen(record, flat), "best val loss": record["best_val_loss"],
-                 "final train loss": record["final_train_loss"]}
+                 "final train loss": record["final_train_loss"], "tokens/s": record.get("tokens_per_s"),
+                 "MFU": record.get("mfu"), "wall time": record.get("wall_s")}
         summaries = eval_summaries(record["evals"])
         summaries.update({k: (("~", k, -1, -1), v) for k, v in record["extra"].items() if k not in summaries})
         for name, (sort_key, value) in summaries.items():
@@ -530,6 +559,12 @@ def fmt_value(column: str, value) -> str:
         return f"{value / 1e6:.2f}M" if value >= 1e7 else f"{round(value):,}"
     if "loss" in column:
         return f"{value:.4f}"
+    if column == "tokens/s":
+        return f"{value:,.0f}"
+    if column == "MFU":
+        return f"{100 * value:.1f}%"
+    if column == "wall time":
+        return f"{value / 3600:.1f} h" if value >= 3600 else f"{value / 60:.1f} min" if value >= 60 else f"{value:.0f} s"
     if column.startswith("ppl") or "acc" in column or "rank" in column:
         return f"{value:.3f}"
     return f"{value:.4g}"
@@ -733,18 +768,18 @@ def plot_all(records: list[dict], out_dir: Path) -> list[Path]:
                          key=lambda w: (w is not None, w or 0))
         series = [(record, color, i, window, label, rows) for record, color, (rows, label) in ppl
                   for i, window in enumerate(windows) if any(row.get("window") == window for row in rows)]
-        # each series a little apart along the (log) length axis: markers at one length never hide each other
-        step = min(0.05, 0.6 / max(1, len(series) - 1))
+        # every point at its own length; series that meet at one length stay visible as nested hollow markers,
+        # the first series' largest (never shifted along the axis, which would misplace them)
+        sizes = [max(3.0, 10.0 - 6.0 * k / max(1, len(series) - 1)) for k in range(len(series))]
         for k, (record, color, i, window, label, rows) in enumerate(series):
             points = sorted((row["length"], row["ppl"], row.get("ppl_std")) for row in rows if row.get("window") == window)
             name = record["name"] + (f" (window {window})" if window is not None else label.get(None, "")) \
                 + label.get("data", "")
             lengths, values, stds = zip(*points)
-            dodge = 2 ** (step * (k - (len(series) - 1) / 2))
-            ax.plot([n * dodge for n in lengths], values, color=color, linestyle=styles[i % 4],
-                    marker=markers[i % 4], label=name)
+            ax.plot(lengths, values, color=color, linestyle=styles[i % 4], marker=markers[i % 4],
+                    markersize=sizes[k], fillstyle="none", markeredgewidth=1.5, label=name)
             if stds[0] is not None:  # a seed group: mean +- std over its seeds
-                ax.fill_between([n * dodge for n in lengths], [v - sd for v, sd in zip(values, stds)],
+                ax.fill_between(lengths, [v - sd for v, sd in zip(values, stds)],
                                 [v + sd for v, sd in zip(values, stds)], color=color, alpha=0.2, linewidth=0)
         _log2_lengths(ax, [row["length"] for _, _, (rows, _) in ppl for row in rows])
         trained = sorted({r["config"].get("model", {}).get("block_size") for r, _, (rows, _) in ppl if rows} - {None})
@@ -858,12 +893,21 @@ def paired(run_a: dict, run_b: dict, task: str, key: str = "correct", by: str | 
         warn(f"{run_a['name']} and {run_b['name']} were evaluated on {task} under different settings "
              f"({', '.join(differ)} differ): pairing their examples by id")
     examples = [[x for x in r["per_example"] if x.get("setting") == sid] for r, sid in zip(results, chosen)]
+    cells = sorted({str(x.get("cell")) for x in examples[0] if x.get("cell") is not None}, key=_sort_key)
+    # perplexity scores the same validation text once per cell (each length, each window): windows of several
+    # cells are not independent units, so pooling them is no test; each cell is one
+    overlapping = task == "ppl" and len(cells) > 1
+    if overlapping and not by:
+        by = "cell"
     try:
         out = {"task": task, "key": key, "a": {"name": run_a["name"], "source": run_a["source"],
                                                "provenance": run_a["evals"][task].get("provenance")},
                "b": {"name": run_b["name"], "source": run_b["source"],
                      "provenance": run_b["evals"][task].get("provenance")},
                "all": paired_comparison(*examples, key=key, n_boot=n_boot, seed=seed)}
+        if overlapping:
+            out["all"]["not_a_test"] = (f"the cells {', '.join(cells)} score the same text: their windows pooled are "
+                                        "not independent, so this row is a description, not a test")
         if by:
             values = sorted({e.get(by) for e in examples[0]}, key=_sort_key)
             if None in values:
@@ -885,16 +929,21 @@ def render_paired(result: dict) -> str:
                    "A - B [95% CI]"]
     digits = 3 if result["all"].get("binary", True) else 4  # losses differ in the third decimal
     items = [("all", result["all"])] + [(f"{result['by']}={k}", v) for k, v in result.get("groups", {}).items()]
-    rows = []
+    rows, notes = [], []
     for subset, r in items:
         bs = r["bootstrap"]
         level = round(100 * (1 - bs["alpha"]))
         headers[-1] = f"A - B [{level}% CI]"
+        test = [format_p(r["mcnemar"]["p_value"]),
+                f"{bs['diff']:+.{digits}f} [{bs['ci_low']:+.{digits}f}, {bs['ci_high']:+.{digits}f}]"]
+        if r.get("not_a_test"):
+            test = ["not a test ‡", f"{bs['diff']:+.{digits}f}"]
+            notes.append(f"‡ {subset}: {r['not_a_test']}; the rows below, one cell each, are the tests")
         rows.append([result["a"]["name"], result["b"]["name"], result["task"], subset, str(r["n"]),
-                     f"{r['acc_a']:.{digits}f}", f"{r['acc_b']:.{digits}f}", str(r["a_only"]), str(r["b_only"]),
-                     f"{r['mcnemar']['p_value']:.3g}",
-                     f"{bs['diff']:+.{digits}f} [{bs['ci_low']:+.{digits}f}, {bs['ci_high']:+.{digits}f}]"])
-    return markdown_table(headers, rows, right=set(range(4, len(headers))))
+                     f"{r['acc_a']:.{digits}f}", f"{r['acc_b']:.{digits}f}", str(r["a_only"]), str(r["b_only"]), *test])
+    table = markdown_table(headers, rows, right=set(range(4, len(headers))))
+    return table + "".join(f"\n\n{note}" for note in notes)
+
 
 
 # ---- NLL by window position -------------------------------------------------------------------------------

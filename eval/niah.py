@@ -276,7 +276,8 @@ def run(model, tokenizer, essay_text: str, lengths, depths, kinds, samples: int,
     for kind, length, depth in progress_bar(cells, progress, desc="niah"):
         if limit is not None and length > limit:
             rows.append({"kind": kind, "length": length, "depth": depth, "n": 0, "score": None, "acc_rank": None,
-                         "note": f"longer than block_size {limit} (learned positions)"})
+                         "note": f"longer than block_size {limit} (learned positions cannot extrapolate: a run "
+                                 "trained with --pos_embedding=rope can be scored at any length)"})
             continue
         try:
             examples = [make_example(tokenizer, essay, kind, length, depth, i, seed, digits, candidates, gen_tokens)

@@ -133,3 +133,9 @@ def paired_comparison(per_example_a: list[dict], per_example_b: list[dict], key:
             "a_only": test["a_only"], "b_only": test["b_only"], "both_correct": test["both_correct"],
             "neither": test["neither"], "mcnemar": test,
             "bootstrap": paired_bootstrap_ci(va, vb, n_boot=n_boot, seed=seed, alpha=alpha)}
+
+
+def format_p(p: float) -> str:
+    """A p-value as three significant digits, or an upper bound where it is below what a double resolves (an
+    exact test's tail past 1e-16 is printed as < 1e-16, never as 0)."""
+    return "< 1e-16" if p < 1e-16 else f"{p:.3g}"

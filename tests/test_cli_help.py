@@ -65,3 +65,13 @@ def test_every_entry_point_prints_its_options_on_help():
         assert f"--{key}=" in results["train.py"][1]
     assert "--temperature=float (default 0.8)" in results["sample.py"][1] and "0: greedy" in results["sample.py"][1]
     assert results["-m eval"][1].startswith("usage: python -m eval")
+
+
+def test_a_comment_continued_on_the_lines_below_its_field_is_the_whole_help():
+    """A field's comment carried on indented comment lines under it is one help text (eval's ppl_stream was cut
+    at its first line); a comment line at the block's own indentation heads the next section and is not joined."""
+    from eval.__main__ import EvalRunConfig
+
+    helps = field_help(EvalRunConfig)
+    assert helps["ppl_stream"].endswith("instead of document by document: lengths beyond the documents")
+    assert "niah" not in helps["ppl_stream"] and helps["niah_lengths"] == "default: the run's block_size"

@@ -280,7 +280,7 @@ class FakeRun:
     def history(self, samples=500, keys=None, x_axis="_step", pandas=True, stream="default"):
         self.history_calls.append(keys)
         assert len(keys) == 1
-        return list(self.curves[keys[0]])
+        return list(self.curves.get(keys[0], []))  # wandb: no rows for a key the run never logged
 
 
 def test_wandb_path_with_fake_api(monkeypatch, capsys, tmp_path):
@@ -449,8 +449,9 @@ def test_plots_draw_a_seed_group_as_its_mean_over_seeds(runs, tmp_path):
 
 
 def test_ppl_plot_keeps_every_marker_visible_at_one_length(runs, tmp_path, monkeypatch):
-    """Windows evaluated at one length are drawn apart, not on top of each other, and the trained window is
-    the model as trained: one series, labelled as both, never a legend entry hidden behind another point."""
+    """Windows evaluated at one length are drawn at that length (never moved along the axis), as nested hollow
+    markers of decreasing size so none hides another, and the trained window is the model as trained: one
+    series, labelled as both."""
     compare = load_compare()
     swa = runs[2]
     rows = [{"length": 256, "window": w, "ppl": p, "nll": 1.0, "tokens": 1000, "windows": 40}
@@ -460,13 +461,63 @@ def test_ppl_plot_keeps_every_marker_visible_at_one_length(runs, tmp_path, monke
     drawn = {}
 
     def keep(fig, axes, path):
-        drawn[path.name] = [(line.get_label(), list(line.get_xdata())) for line in axes[0].get_lines()
-                            if not line.get_label().startswith("training length")]
+        drawn[path.name] = [(line.get_label(), list(line.get_xdata()), line.get_markersize(), line.get_fillstyle())
+                            for line in axes[0].get_lines() if not line.get_label().startswith("training length")]
         return path
 
     monkeypatch.setattr(compare, "_save", keep)
     compare.plot_all([compare.load_local_run(swa)], tmp_path)
     series = drawn["ppl_vs_length.png"]
-    assert [label for label, _ in series] == ["swa_s1 (as trained, window 16)", "swa_s1 (window 8)", "swa_s1 (window 32)"]
-    xs = [x[0] for _, x in series]
-    assert len(set(xs)) == 3 and all(200 < x < 330 for x in xs)  # apart, and all near L = 256
+    assert [s[0] for s in series] == ["swa_s1 (as trained, window 16)", "swa_s1 (window 8)", "swa_s1 (window 32)"]
+    assert [s[1] for s in series] == [[256]] * 3  # each at its own length
+    sizes = [s[2] for s in series]
+    assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == 3 and {s[3] for s in series} == {"none"}
+
+
+def test_the_table_shows_what_ran_its_speed_and_its_wall_time(tmp_path):
+    """Settings given as auto show what they became (config.json's resolved), and the training speed and wall time
+    come from metrics.jsonl: the median tokens/s and MFU of the logged steps after each invocation's first, and
+    the last elapsed_s."""
+    compare = load_compare()
+    runs = [make_run(tmp_path, "full_s1", 1), make_run(tmp_path, "swa_s1", 1)]
+    for run, positions, kernel, speeds in ((runs[0], "learned", "sdpa", [50.0, 900.0, 1000.0, 1100.0]),
+                                           (runs[1], "rope", "chunked", [60.0, 1900.0, 2000.0, 2100.0])):
+        cfg = json.loads((run / "config.json").read_text())
+        assert cfg["model"]["pos_embedding"] == "auto"
+        cfg["resolved"] = {"pos_embedding": positions, "attn_backend": kernel, "device": "cpu"}
+        (run / "config.json").write_text(json.dumps(cfg))
+        lines = [{"step": 10 * (i + 1), "train_loss": 2.0, "tokens_per_s": v, "mfu": v / 1e4, "elapsed_s": 30.0 * i}
+                 for i, v in enumerate(speeds)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    tables = compare.build_tables([compare.load_local_run(r) for r in runs])
+    assert "pos_embedding" in tables["diff_keys"] and "attn_backend" in tables["diff_keys"]
+    rows = {row["run"]: row for row in tables["rows"]}
+    assert rows["full_s1"]["flat"]["pos_embedding"] == "learned" and rows["swa_s1"]["flat"]["pos_embedding"] == "rope"
+    assert rows["full_s1"]["cells"]["tokens/s"] == 1000.0 and rows["swa_s1"]["cells"]["tokens/s"] == 2000.0
+    assert rows["full_s1"]["cells"]["MFU"] == pytest.approx(0.1) and rows["full_s1"]["cells"]["wall time"] == 90.0
+    text = compare.render(tables)
+    assert "learned" in text and "rope" in text and "tokens/s" in text and "1,000" in text and "1.5 min" in text
+    assert "auto" not in text.split("## Runs")[1].splitlines()[2]  # the header's first row: no "auto" value
+
+
+def test_pooled_perplexity_cells_are_no_test_and_tiny_p_values_are_bounds(tmp_path):
+    """ppl scores the same text at every length: its windows pooled over lengths are not independent, so the
+    pooled row is labelled as no test and each length is a test of its own; a p-value under 1e-16 is a bound."""
+    from eval.stats import format_p
+
+    compare = load_compare()
+    runs = [make_run(tmp_path, "full_s1", 1), make_run(tmp_path, "swa_s1", 1)]
+    for run, shift in zip(runs, (0.0, 0.05)):
+        data = json.loads((run / "eval" / "ppl.json").read_text())
+        data["per_example"] = [{"id": f"L{n}/{i}", "cell": f"L{n}", "length": n, "nll": 1.0 + shift + 0.001 * (i % 7)}
+                               for n in (128, 256) for i in range(64)]
+        (run / "eval" / "ppl.json").write_text(json.dumps(data))
+    records = [compare.load_local_run(r) for r in runs]
+    result = compare.paired(records[0], records[1], "ppl", key="nll", n_boot=200)
+    assert result["by"] == "cell" and set(result["groups"]) == {"L128", "L256"}
+    assert "not independent" in result["all"]["not_a_test"] and result["all"]["n"] == 128
+    text = compare.render_paired(result)
+    all_row = next(line for line in text.splitlines() if "| all " in line)
+    assert "not a test" in all_row and "e-" not in all_row.split("|")[-3]
+    assert format_p(0.0) == "< 1e-16" and format_p(3e-20) == "< 1e-16" and format_p(0.0123) == "0.0123"
+    assert "< 1e-16" in text  # 64 windows all lower in a cell: the exact sign test's 2^-63, below 1e-16

@@ -660,7 +660,21 @@ def test_prepare_says_what_became_validation_and_warns_when_chance_made_it_one_d
     assert meta["val_documents"] == 1
     share = meta["val_tokens"] / (meta["val_tokens"] + meta["train_tokens"])
     assert f"validation: {meta['val_tokens']:,} tokens ({100 * share:.2g}% of the tokens): 1 of 6 documents" in out
-    assert "warning: validation is a single document" in err and "--val_fraction=0.33" in err
+    assert "warning: validation is a single document" in err
+    suggested = float(re.search(r"--val_fraction=([0-9.]+) draws (\d+) of the 6 documents", err).group(1))
+    again = run_prepare(books, tmp_path / "out_again", val_fraction=suggested)
+    assert again["val_documents"] >= 2  # the advice works: checked against the same deterministic draws
+    # 171 documents at --val_fraction=0.01 drew one: the advice is a fraction that draws two, never 0.01 again
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(171):
+        (corpus / f"mod{i:03d}.txt").write_text(f"module {i}\n" + "def f(x):\n    return x\n" * 5)
+    meta = run_prepare(corpus, tmp_path / "out_171", quiet=False, val_fraction=0.01)
+    out, err = capsys.readouterr()
+    assert meta["val_documents"] == 1
+    fix = re.search(r"--val_fraction=([0-9.]+) draws (\d+) of the 171 documents", err)
+    assert fix and float(fix.group(1)) != 0.01 and int(fix.group(2)) >= 2, err
+    assert run_prepare(corpus, tmp_path / "out_171b", val_fraction=float(fix.group(1)))["val_documents"] >= 2
     # a split near what was asked: no warning
     many = tmp_path / "many"
     many.mkdir()
@@ -669,6 +683,63 @@ def test_prepare_says_what_became_validation_and_warns_when_chance_made_it_one_d
     meta = run_prepare(many, tmp_path / "out_many", quiet=False, val_fraction=0.1)
     out, err = capsys.readouterr()
     assert "validation:" in out and "warning" not in err and meta["val_documents"] > 20
+
+
+def test_a_folder_says_which_files_it_skipped_and_takes_them_as_text_when_asked(tmp_path, capsys):
+    folder = tmp_path / "stdlib"
+    (folder / "pkg").mkdir(parents=True)
+    for i in range(4):
+        (folder / "pkg" / f"mod{i}.py").write_text(f"def f{i}():\n    return {i}\n" * 50)
+    (folder / "README.txt").write_text("the library's readme")
+    meta = run_prepare(folder, tmp_path / "txt_only", quiet=False)
+    err = capsys.readouterr().err
+    assert meta["train_documents"] + meta["val_documents"] == 1
+    assert "skipped 4 file(s)" in err and ".py: 4" in err and "--text_extensions=.py" in err
+    meta = run_prepare(folder, tmp_path / "with_py", quiet=False, text_extensions=".py", val_fraction=0.3)
+    assert meta["train_documents"] + meta["val_documents"] == 5 and "skipped" not in capsys.readouterr().err
+    with pytest.raises(DataError, match="--text_extensions=.py"):
+        run_prepare(folder / "pkg", tmp_path / "py_alone")  # nothing it reads: the error names the option
+
+
+def test_prepare_refuses_a_run_folder_and_writes_nothing_there(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "ckpt_best.pt").write_bytes(b"a checkpoint")
+    (tmp_path / "book.txt").write_text("Once upon a time. " * 100)
+    with pytest.raises(DataError, match="holds a training run"):
+        prepare(str(tmp_path / "book.txt"), out_dir=str(run_dir), quiet=True)
+    assert [p.name for p in run_dir.iterdir()] == ["ckpt_best.pt"]
+
+
+def test_a_local_corpus_moves_its_progress_bar_by_the_bytes_read(tmp_path, monkeypatch):
+    """Long documents fill a batch before 256 of them do: the bar, counting the files' bytes against their total,
+    moves as they are read (a corpus of a few large files showed none before)."""
+    bars = []
+
+    class Bar:
+        def __init__(self, **kwargs):
+            self.kwargs, self.updates = kwargs, []
+            bars.append(self)
+
+        def update(self, n):
+            self.updates.append(n)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(prepare_module, "progress_bar", lambda **kwargs: Bar(**kwargs))
+    folder = tmp_path / "big"
+    folder.mkdir()
+    for i in range(6):
+        (folder / f"part{i}.txt").write_text(f"part {i} " + "x" * 700_000)
+    prepare(str(folder), out_dir=str(tmp_path / "out"), quiet=True, num_proc=1)
+    bar, = bars
+    total = sum(p.stat().st_size for p in folder.iterdir())
+    assert bar.kwargs["total"] == total and bar.kwargs["unit"] == "B"
+    assert len(bar.updates) >= 3 and sum(bar.updates) == total
 
 
 def test_an_interrupt_while_the_token_files_are_made_leaves_no_temporary_file(tmp_path, monkeypatch):

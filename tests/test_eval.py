@@ -339,3 +339,15 @@ def test_sample_refuses_a_generation_that_cannot_fit_before_allocating_it(tiny_r
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     fit = int(re.search(r"at most about ([\d,]+) new tokens fit", proc.stderr)[1].replace(",", ""))
     assert 0 < fit < 1_000_000_000 and "lower --max_new_tokens" in proc.stderr
+
+
+@pytest.mark.e2e
+def test_a_learned_position_run_says_how_to_get_one_that_extrapolates(byte_run):
+    """The quick start's learned positions end at its block_size: a longer length is skipped with the option that
+    trains a model that can be scored there, and the README says so where it shows evaluation."""
+    proc = run_eval(byte_run, "--tasks=ppl", "--ppl_lengths=16,64", "--limit=2")
+    skipped = [line for line in proc.stdout.splitlines() if "L=64" in line]
+    assert skipped and "skipped" in skipped[0] and "--pos_embedding=rope" in skipped[0], proc.stdout
+    readme = (REPO / "README.md").read_text()
+    evaluation = readme[readme.index("python -m eval --out_dir=out/quickstart"):]
+    assert "--pos_embedding=rope" in evaluation[:1200] and "--ppl_lengths=256,512,1024" in evaluation[:1200]

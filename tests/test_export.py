@@ -224,3 +224,20 @@ def test_an_export_gets_the_users_umask(tmp_path):
     finally:
         os.umask(mask)
     assert (folder.stat().st_mode & 0o777, (folder / "model.safetensors").stat().st_mode & 0o777) == (0o755, 0o644)
+
+
+def test_a_run_folder_without_a_checkpoint_gets_a_command_that_works_there(tmp_path, capsys):
+    """A run stopped before its first checkpoint: export says so, and the command it suggests is one the run
+    folder accepts (a fresh run over it is refused unless it replaces the old one)."""
+    from run_folder import RunFolderError, claim
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "train_loss": 5.0}\n')
+    (run / "config.json").write_text("{}")
+    assert main([f"--out_dir={run}"]) == 2
+    err = capsys.readouterr().err
+    assert "no checkpoint" in err and "--replace_run=True" in err and "Traceback" not in err
+    with pytest.raises(RunFolderError):
+        claim(run, fresh=True, replace=False)  # what the plain command would meet
+    claim(run, fresh=True, replace=True).release()  # the suggested one is taken

@@ -34,7 +34,7 @@ def test_resume_on_another_tokenizers_data_refuses(byte_run, bpe, tmp_path):
 
 
 @pytest.mark.e2e
-def test_sample_and_lm_eval_refuse_a_tokenizer_file_that_changed_under_its_name(bpe, tmp_path):
+def test_a_run_keeps_its_tokenizer_and_refuses_another_vocabulary_under_its_name(bpe, tmp_path):
     tokenizer = tmp_path / "tok" / "tokenizer.json"
     tokenizer.parent.mkdir()
     shutil.copy(bpe / "a" / "tokenizer.json", tokenizer)
@@ -43,8 +43,12 @@ def test_sample_and_lm_eval_refuse_a_tokenizer_file_that_changed_under_its_name(
             quiet=True)
     out = tmp_path / "run"
     train_subprocess([*TINY, f"--out_dir={out}", "--max_iters=2", "--eval_interval=2", f"--data_dir={data}"])
+    assert (out / "tokenizer.json").exists()  # the run's own copy
     assert run(["sample.py"], f"--out_dir={out}", "--max_new_tokens=4", "--num_samples=1").returncode == 0
-    shutil.copy(bpe / "b" / "tokenizer.json", tokenizer)  # the same path and size, another vocabulary
+    tokenizer.unlink()  # the file it was trained with is gone: the run needs nothing outside its folder
+    assert run(["sample.py"], f"--out_dir={out}", "--max_new_tokens=4", "--num_samples=1").returncode == 0
+    assert run(["export.py"], f"--out_dir={out}", f"--to={tmp_path / 'hf'}").returncode == 0
+    shutil.copy(bpe / "b" / "tokenizer.json", out / "tokenizer.json")  # the run's copy replaced: another vocabulary
     proc = run(["sample.py"], f"--out_dir={out}", "--max_new_tokens=4", "--num_samples=1")
     assert proc.returncode == 1 and "has another vocabulary than the one" in proc.stderr, proc.stderr
     from checkpoint import CheckpointError
@@ -52,6 +56,22 @@ def test_sample_and_lm_eval_refuse_a_tokenizer_file_that_changed_under_its_name(
 
     with pytest.raises(CheckpointError, match="another vocabulary"):
         EfficientAttentionLM(pretrained=str(out), device="cpu")
+    (out / "tokenizer.json").unlink()  # neither the copy nor the file: the fix is that file, not another tokenizer
+    proc = run(["sample.py"], f"--out_dir={out}", "--max_new_tokens=4", "--num_samples=1")
+    assert proc.returncode == 1 and "cannot be loaded" in proc.stderr and str(tokenizer) in proc.stderr
+    assert "--tokenizer" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_file_that_is_no_tokenizer_is_named_as_such(tmp_path):
+    from data.tokenizer import TokenizerUnavailable, get_tokenizer
+
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "vocab": {"a": 0}}')  # JSON, not a tokenizer
+    with pytest.raises(TokenizerUnavailable, match="is not a Hugging Face tokenizer file") as info:
+        get_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert "network" not in str(info.value) and "gated" not in str(info.value)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TokenizerUnavailable, match="folder without a tokenizer.json"):
+        get_tokenizer(str(tmp_path / "empty"))
 
 
 @pytest.mark.e2e

@@ -61,6 +61,32 @@ def test_resume_reproduces_the_uninterrupted_run(reference_run, tmp_path):
 
 
 @pytest.mark.e2e
+def test_a_resumed_run_keeps_every_command_and_says_when_its_best_was_measured_otherwise(tmp_path):
+    run(["--max_iters=4", "--eval_interval=4"], tmp_path)
+    first = json.load(open(tmp_path / "config.json"))["invocations"]
+    assert len(first) == 1 and first[0]["from_step"] == 0 and "--max_iters=4" in first[0]["command"]
+    proc = run(["--max_iters=8", "--eval_interval=4", "--eval_iters=3", "--init_from=resume"], tmp_path)
+    saved = json.load(open(tmp_path / "config.json"))
+    assert [i["command"] for i in saved["invocations"][:1]] == [first[0]["command"]]  # the first command kept
+    second = saved["invocations"][1]
+    assert second["from_step"] == 4 and "--init_from=resume" in second["command"]
+    assert second["changed"]["train.max_iters"] == [4, 8] and second["changed"]["eval.eval_iters"] == [2, 3]
+    assert saved["run"] == {k: v for k, v in second.items() if k not in ("from_step", "changed")}
+    # the best loss of the first invocation was measured over 2 batches, this one's over 3: every line says so
+    assert "that best val loss was measured with eval_iters=2" in proc.stdout
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("step 4: val loss")]
+    assert lines and all("measured before the resume with eval_iters=2" in line or
+                         float(line.split("best ")[1].rstrip(")")) == float(line.split("val loss ")[1].split()[0])
+                         for line in lines), lines
+    assert load_checkpoint(tmp_path / "ckpt_last.pt")["best_val_budget"]["eval_iters"] in (2, 3)
+    # what "auto" became (compare shows it), and the wall time counted over both invocations
+    assert saved["model"]["pos_embedding"] == "auto" and saved["resolved"]["pos_embedding"] == "learned"
+    assert saved["resolved"]["attn_backend"] == "sdpa" and saved["resolved"]["device"] == "cpu"
+    elapsed = metrics(tmp_path, "elapsed_s")
+    assert elapsed[8] > elapsed[4] > 0 and elapsed[5] >= elapsed[4]  # step 5 (resumed) counts on from step 4
+
+
+@pytest.mark.e2e
 def test_sigterm_saves_and_resume_is_exact(reference_run, tmp_path):
     args = ["--max_iters=12", "--eval_interval=4", "--n_embd=256", "--n_layer=4"]  # slow enough to interrupt
     ref = tmp_path / "ref"
