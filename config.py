@@ -55,7 +55,8 @@ class ModelConfig:
     # token mixers: a comma-separated list of registered names, repeated to fill n_layer
     # (e.g. "full", or "swa,swa,swa,full" for 3 local : 1 full); see attention/__init__.py
     attn_pattern: str = "full"
-    attn_backend: str = "auto"  # auto (flex on CUDA, chunked on CPU, sdpa for full) | dense | chunked | flex | sdpa
+    attn_backend: str = "auto"  # auto (CUDA: span where every query's keys are one run, else flex; chunked on CPU;
+    #                             sdpa for full) | dense | chunked | flex | sdpa | span
     attn_gate: bool = False  # sigmoid(W y) * y before the output projection (paper 000's recipe)
 
     @property
