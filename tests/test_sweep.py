@@ -41,3 +41,20 @@ def test_sweep_trains_compares_and_resumes(tmp_path):
     assert "tiny_swa: already finished, kept" in third.stdout and "--replace_run=True" in third.stdout
     assert (out / "tiny_full" / "ckpt_last.pt").exists() and (out / "tiny_full" / "eval" / "summary.md").exists()
     assert [p.name.split(".replaced-")[0] for p in out.glob("*.replaced-*")] == ["tiny_full"]
+
+
+@pytest.mark.e2e  # it runs git
+def test_the_documented_results_name_commits_that_exist():
+    """docs/results.md: a section re-run after the kernels changed names the commit its numbers come from (the
+    embedded-corpus MSWA table, which a user re-ran and found moved), and every commit it names is one of this
+    repository's."""
+    import re
+
+    text = (REPO / "docs" / "results.md").read_text()
+    mswa = text[text.index("### MSWA: multi-scale window attention (paper 002, Tables 2 and 6), CPU scale"):]
+    mswa = mswa[:mswa.index("\n### ", 10)]
+    assert re.search(r"Re-run at commit [0-9a-f]{7}", mswa) and "0.3371" in mswa
+    for commit in set(re.findall(r"\bat commit ([0-9a-f]{7,40})\b|\bat ([0-9a-f]{7,40})\b", text)):
+        name = next(c for c in commit if c)
+        found = subprocess.run(["git", "cat-file", "-e", f"{name}^{{commit}}"], cwd=REPO, capture_output=True)
+        assert found.returncode == 0, f"docs/results.md names commit {name}, which this repository lacks"
