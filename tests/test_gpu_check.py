@@ -132,6 +132,7 @@ def test_a_failing_step_is_recorded_and_the_next_one_still_runs(tmp_path):
     assert len(written["runs"]) == 2
 
 
+@pytest.mark.e2e
 def test_the_check_writes_only_into_a_folder_of_its_own(tmp_path):
     """Its steps remove and remake their run folders inside --out: a folder with anything else in it (a run, a
     user's files) is refused before anything runs, and nothing in it is touched."""
