@@ -111,12 +111,21 @@ class EdgeRule:
 def _count_edges(rule: EdgeRule, n: int, head: int) -> int:
     """Rows in blocks, each against the keys its key_ranges name (each key once): O(edges) for rules that
     name their keys, never an n x n tensor."""
-    total, rows = 0, 256
     h = torch.tensor(head) if rule.per_head else None
-    for start in range(0, n, rows):
-        q = torch.arange(start, min(n, start + rows))
-        total += int(rule.allowed(q[:, None], candidate_keys(rule, start, start + len(q), n)[None, :], h).sum())
-    return total
+    return sum(int(allowed.sum()) for _, _, allowed in edge_blocks(rule, n, h))
+
+
+def edge_blocks(rule: EdgeRule, n: int, h=None, start: int = 0, rows: int = 256):
+    """allowed() of the n queries at positions start.. in blocks of `rows`, each against the candidate keys its
+    key_ranges name among the n keys at the same positions: yields (first row, key positions (K,), allowed (rows,
+    K), or per head (H, rows, K) for h a (H, 1, 1) tensor). The scans that count, bound or lay out a rule's edges
+    read them so: O(edges) for rules that name their keys, never an n x n tensor."""
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        keys = candidate_keys(rule, start + r0, start + r1, start + n)
+        keys = keys[keys >= start]
+        q = torch.arange(start + r0, start + r1)
+        yield r0, keys, rule.allowed(q[:, None], keys[None, :], h)
 
 
 def candidate_keys(rule: EdgeRule, q_lo: int, q_hi: int, n: int) -> torch.Tensor:

@@ -207,8 +207,7 @@ class ChunkTiles:
     def mask(self) -> torch.Tensor:
         """Every chunk's mask, padded to the widest (tests; the kernels read segments)."""
         width = max(m.shape[-1] for _, _, m, _ in self.segments)
-        return torch.cat([torch.nn.functional.pad(m.expand(*self.segments[0][2].shape[:-3], *m.shape[-3:]),
-                                                  (0, width - m.shape[-1])) for _, _, m, _ in self.segments], -3)
+        return torch.cat([F.pad(m, (0, width - m.shape[-1])) for _, _, m, _ in self.segments], -3)
 
     def scores(self, n: int, heads: int = 1) -> int:
         """Scores the kernel evaluates per head over n queries of a batch of one with `heads` heads (query rows
@@ -232,9 +231,10 @@ def plan_attention(rule: EdgeRule, backend: str, n: int, n_head: int, head_dim: 
     if kernel not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}: expected one of {', '.join(BACKENDS)}")
     if kernel == "span":
-        spans = _plan_spans(rule, n, n_head, start, device) if _span_bias(score_mod) is not None else None
+        bias = _span_bias(score_mod)
+        spans = _plan_spans(rule, n, n_head, start, device) if bias is not None else None
         if spans is not None:
-            slopes, offset = _span_bias(score_mod)
+            slopes, offset = bias
             return AttentionPlan("span", rule, n, start, score_mod, activation,
                                  SpanPlan(spans, None if slopes is None else slopes.to(device).float(), float(offset)),
                                  cpu_flash=False)
@@ -874,7 +874,7 @@ def chunked_attention(q, k, v, rule: EdgeRule, start: int = 0, chunk: int = 128,
     if tiles is None:
         tiles_of = _cached_chunk_tiles if rule.static else _chunk_tiles
         tiles = tiles_of(rule, n, start, chunk or rule.chunk_size(), H, str(q.device))
-    c, n_chunks = tiles.chunk, tiles.n_chunks
+    c = tiles.chunk
     plain = score_mod is None and activation == "softmax"
     if fused and _fusable(score_mod) and dropout_p == 0.0:
         if cpu_flash is None:  # not planned: CUDA's branch on CUDA and on the CPU standing in for it
@@ -888,7 +888,6 @@ def chunked_attention(q, k, v, rule: EdgeRule, start: int = 0, chunk: int = 128,
     for first, end, mask, _ in tiles.segments:  # each segment's chunks at once: (B * H, s, c or S c, D) tiles
         group = _TileGroup(first, end, n, tiles)
         q_tiles, k_tiles, v_tiles = group.query_tiles(q), KeyTiles.apply(k, group), KeyTiles.apply(v, group)
-        mask = group.tile_mask()
         if plain:  # one batched fused SDPA over the segment's tiles
             y = _fused_softmax(q_tiles, k_tiles, v_tiles, _per_batch_head(mask, B), dropout_p)
         else:

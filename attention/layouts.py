@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attention.edges import EdgeRule, candidate_keys, head_values
+from attention.edges import EdgeRule, candidate_keys, edge_blocks, head_values
 
 
 def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
@@ -294,12 +294,9 @@ def wide_rows(rule: EdgeRule, n: int, n_head: int) -> torch.Tensor | None:
     widest row, so such rows are run apart (wide_rows_layout)."""
     h = torch.arange(n_head)[:, None, None] if rule.per_head else None
     counts = torch.zeros(n, dtype=torch.long)
-    for q_lo in range(0, n, SURVEY_BLOCK):
-        q_hi = min(n, q_lo + SURVEY_BLOCK)
-        k = candidate_keys(rule, q_lo, q_hi, n)
-        q = torch.arange(q_lo, q_hi)
-        allowed = rule.allowed(q[:, None], k[None, :], h)
-        counts[q_lo:q_hi] = allowed.sum(-1).amax(0) if rule.per_head else allowed.sum(-1)
+    for r0, _, allowed in edge_blocks(rule, n, h, rows=SURVEY_BLOCK):
+        count = allowed.sum(-1)
+        counts[r0:r0 + count.shape[-1]] = count.amax(0) if rule.per_head else count
     typical = int(counts.float().median())
     wide = torch.nonzero(counts > max(WIDE_ROW_KEYS, WIDE_ROW_FACTOR * typical)).flatten()
     if len(wide) == 0 or len(wide) > WIDE_ROWS_AT_MOST * n:
@@ -313,7 +310,7 @@ def wide_rows_layout(n: int, wide: torch.Tensor) -> Layout:
     kept = torch.ones(n, dtype=torch.bool)
     kept[wide] = False
     order = torch.cat([torch.nonzero(kept).flatten(), wide])
-    runs, row = [], 0
+    runs = []
     starts = torch.nonzero(torch.diff(order, prepend=order.new_tensor([-2])) != 1).flatten().tolist() + [n]
     for a, b in zip(starts, starts[1:]):
         runs.append((a, b, int(order[a]), 1))

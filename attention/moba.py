@@ -33,7 +33,7 @@ from attention.cache import KVCache
 from attention.edges import chosen_block_edges
 from attention.kernels import masked_attention, span_available
 from attention.layer import Attention
-from attention.ops.moba.naive import moba_choose  # noqa: F401  (the choice: attention/ops/moba, beside its kernel)
+from attention.ops.moba.naive import chosen_mask, moba_choose  # the choice and its mask, beside their kernels
 from attention.ops.moba.op import moba_attention
 from attention.memory import linear_inputs, padded, rope_tables
 from attention.registry import Setting, refuse_whole_context, register
@@ -47,9 +47,7 @@ OWN_SCORES_PER_CALL = 1 << 22  # scores of the own-block attention computed (and
 
 def moba_dense(q, k, v, q_pos, chosen, block, dropout_p=0.0):
     """The reference: all Tq x Tk scores, masked by the chosen blocks."""
-    k_pos = torch.arange(k.shape[2], device=q.device)
-    mask = chosen_block_edges(q_pos[:, None, None], k_pos[None, :, None], chosen[..., None, :], block).any(-1)
-    return masked_attention(q, k, v, mask, fused=False, dropout_p=dropout_p)
+    return masked_attention(q, k, v, chosen_mask(q_pos, k.shape[2], chosen, block), fused=False, dropout_p=dropout_p)
 
 
 @torch.compiler.disable  # its per-block group sizes are data: a compiled block runs it eagerly (one graph break)

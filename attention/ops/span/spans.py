@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attention.edges import EdgeRule, candidate_keys
+from attention.edges import EdgeRule, edge_blocks
 from attention.ops.span.triton_kernels import KEY_GROUP
 
 ROWS_PER_SCAN = 256
@@ -47,19 +47,15 @@ class Spans:
 def rule_spans(rule: EdgeRule, n: int, n_head: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(lo, hi) (S, n) of a static rule over n rows at positions start.., in row indices, when every row's allowed
     keys among the n keys at the same positions are one contiguous run; None otherwise. One scan of the rule's
-    edges over its key_ranges (O(edges) for rules that name their keys)."""
+    edges over its key_ranges (edges.edge_blocks: O(edges) for rules that name their keys)."""
     heads = [torch.tensor(h) for h in range(n_head)] if rule.per_head else [None]
     los, his = [], []
     for h in heads:
         lo, hi = torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long)
-        for r0 in range(0, n, ROWS_PER_SCAN):
-            r1 = min(n, r0 + ROWS_PER_SCAN)
-            keys = candidate_keys(rule, start + r0, start + r1, start + n)
-            keys = keys[keys >= start]
+        for r0, keys, allowed in edge_blocks(rule, n, h, start, ROWS_PER_SCAN):
             if len(keys) == 0:
                 continue
-            rows = torch.arange(start + r0, start + r1)
-            allowed = rule.allowed(rows[:, None], keys[None, :], h)
+            r1 = r0 + allowed.shape[0]
             count = allowed.sum(1)
             first = keys[allowed.to(torch.int8).argmax(1)]
             last = keys[len(keys) - 1 - allowed.flip(1).to(torch.int8).argmax(1)]
@@ -112,9 +108,12 @@ def spans_problem(rule: EdgeRule) -> str:
 
 @functools.lru_cache(maxsize=256)
 def _static_problem(rule: EdgeRule) -> str:
+    """Judged at a length of several windows, over the heads the rule's head groups name (a per-head rule without
+    them: its first head; plan_attention checks the layer's own heads and falls back to FlexAttention)."""
     reach = rule.lookback if rule.lookback is not None else 256
     n = max(512, min(4096, 4 * (reach + 1)))
-    heads = len(rule.windows) if hasattr(rule, "windows") else 4
+    groups = rule.head_groups() if rule.per_head else None
+    heads = 1 + max((h for heads, _ in groups for h in heads), default=0) if groups else 1
     if rule_spans(rule, n, heads) is None:
         return "some query's allowed keys are not one contiguous run"
     return ""
