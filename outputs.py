@@ -27,6 +27,24 @@ def atomic_write(path: str | os.PathLike, write) -> None:
             tmp.unlink()
 
 
+def own_folder_problem(out: Path, marker: str, tool: str, default: str) -> str:
+    """Why a tool that empties and remakes what it writes inside `out` may not write there ("" when it may): out
+    must be new, empty, or the tool's own from an earlier run (its marker file, which claim_own_folder leaves)."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        return f"--out={out} is a file: give --out a folder"
+    if out.is_dir() and any(out.iterdir()) and not (out / marker).exists():
+        return (f"--out={out} holds files {tool} did not write, and {tool} removes and remakes what it writes "
+                f"inside --out: give --out a new or empty folder (default {default})")
+    return ""
+
+
+def claim_own_folder(out: Path, marker: str) -> None:
+    """Make out (checked by own_folder_problem) and mark it as the tool's own."""
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / marker).touch()
+
+
 def write_json(obj, path) -> None:
     """obj as indented JSON (and a final newline), atomically."""
     atomic_write(path, lambda f: f.write((json.dumps(obj, indent=2) + "\n").encode()))

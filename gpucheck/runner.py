@@ -20,6 +20,7 @@ from gpucheck.memory import step_memory
 from gpucheck.options import FULL, REDUCED, STEPS, CheckConfig
 from gpucheck.processes import now, stop_children, tail
 from gpucheck.report import write_report
+from outputs import claim_own_folder, own_folder_problem
 from gpucheck.steps import (step_bench_attention, step_bench_train, step_compile_check, step_generate,
                             step_gpu_tests, step_multi_gpu, step_preflight, step_pretrained, step_resume,
                             step_train_runs)
@@ -37,12 +38,7 @@ OUTPUT_MARKER = ".gpu_check"  # marks a folder as the check's own: its steps emp
 def output_folder_problem(out: Path) -> str:
     """Why the check may not write into out ("" when it may): each step starts its runs afresh by removing their
     folders inside out, so out must be new, empty, or an earlier check's (its marker file)."""
-    if out.exists() and not out.is_dir():
-        return f"--out={out} is a file: give --out a folder"
-    if out.is_dir() and any(out.iterdir()) and not (out / OUTPUT_MARKER).exists():
-        return (f"--out={out} holds files the GPU check did not write, and its steps remove and remake their run "
-                "folders inside --out: give --out a new or empty folder (default out/gpu_check)")
-    return ""
+    return own_folder_problem(out, OUTPUT_MARKER, "the GPU check", "out/gpu_check")
 
 
 def run_check(cfg: CheckConfig, device: str, argv: list[str]) -> int:
@@ -59,8 +55,7 @@ def run_check(cfg: CheckConfig, device: str, argv: list[str]) -> int:
         (list(STEPS) if reduced else default_steps(gpus, cfg.budget_scale))
     failing = set(filter(None, cfg.fail_steps.split(",")))
     out = Path(cfg.out).resolve()  # subprocesses run in the repository
-    out.mkdir(parents=True, exist_ok=True)
-    (out / OUTPUT_MARKER).touch()
+    claim_own_folder(out, OUTPUT_MARKER)
 
     run = {**environment(device), "command": shlex.join(["python", "-m", "scripts.gpu_check", *argv]),
            "started": now(), "reduced": reduced, "options": asdict(cfg)}

@@ -42,13 +42,14 @@ if not __package__:  # run as a file, the project's modules cannot be imported: 
     sys.exit("run it from the repository root as a module: python -m scripts.gpu_bench ...")
 
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
-from outputs import markdown_table, write_json  # noqa: E402
+from outputs import claim_own_folder, markdown_table, own_folder_problem, write_json  # noqa: E402
 
 PARTS = ("kernels", "train", "nanogpt")
 # VARIANT@MxNxWxS: the variant with span attention's tiles of M query rows x N keys, W warps, S stages
 KERNEL_VARIANTS = ("full,swa,swa:attn_backend=flex,mswa,sa,sa_swa,swat,swat:attn_backend=flex,block,bridge,pbb,"
                    "se_bridge,pbb_union,moba")
 TRAIN_VARIANTS = "full,swa,mswa,sa,sa_swa,swat,pbb,bridge,moba,swax"
+OUTPUT_MARKER = ".gpu_bench"  # marks OUT as the benchmark's own: each run empties its logs and results there
 
 
 @dataclass
@@ -86,6 +87,8 @@ def parse(argv) -> BenchConfig:
     unknown = [p for p in b.parts.split(",") if p not in PARTS]
     if unknown:
         raise ConfigError(f"parts: unknown {', '.join(unknown)}; expected some of {', '.join(PARTS)}")
+    if not b.job and own_folder_problem(Path(b.out), OUTPUT_MARKER, "the GPU benchmark", "out/gpu_bench"):
+        raise ConfigError(own_folder_problem(Path(b.out), OUTPUT_MARKER, "the GPU benchmark", "out/gpu_bench"))
     if b.nanogpt and not Path(b.nanogpt).is_file():
         raise ConfigError(f"nanogpt={b.nanogpt}: no such file; give the path of nanoGPT's model.py (a clone of "
                           "github.com/karpathy/nanoGPT)")
@@ -326,7 +329,6 @@ def jobs(b: BenchConfig) -> list[tuple[str, str]]:
 
 
 GO = "all"  # the driver's file in OUT/ready: every case is warm, timing may begin
-HOLD = "hold"  # a file in OUT that, while it exists, keeps the timing from starting (other GPU work beside)
 
 
 def run_jobs(b: BenchConfig, argv: list[str], out: Path) -> dict:
@@ -348,8 +350,7 @@ def run_jobs(b: BenchConfig, argv: list[str], out: Path) -> dict:
         while pending and len(waiting) < b.jobs:
             start(*pending[0])
             waiting.append(pending.pop(0))
-        held = (out / HOLD).exists()
-        if (not waiting and not pending and not held) or time.time() - started > b.ready_by:
+        if (not waiting and not pending) or time.time() - started > b.ready_by:
             break
         time.sleep(0.5)
     for key in waiting:  # not warm in time: stopped, so that no timing runs beside its warm-up
@@ -431,7 +432,8 @@ def main(argv):
     if b.device == "cuda" and not torch.cuda.is_available():
         sys.exit("error: the GPU benchmark needs CUDA (torch " + torch.__version__ + " sees no GPU): run it on a GPU "
                  "machine; python -m scripts.bench_attention and scripts.bench_train measure on the CPU")
-    for sub in ("logs", "results", "ready"):
+    claim_own_folder(out, OUTPUT_MARKER)
+    for sub in ("logs", "results", "ready"):  # its own files from an earlier run (the folder is its own)
         (out / sub).mkdir(parents=True, exist_ok=True)
         for old in (out / sub).iterdir():
             old.unlink()

@@ -1,0 +1,44 @@
+"""scripts/gpu_bench.py on the CPU (--device=cpu: the script's code at small sizes; its numbers are a GPU's only on
+one): every case in a process of its own, timed only once all are warm, in the tables the GPU run prints."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+
+@pytest.mark.e2e
+def test_the_benchmark_times_each_case_after_all_are_warm_and_prints_its_tables(tmp_path):
+    out = tmp_path / "bench"
+    proc = subprocess.run([sys.executable, "-m", "scripts.gpu_bench", "--device=cpu", "--parts=kernels,nanogpt",
+                           "--kernel_variants=full,swa,block,swa@32x16x4x2", "--lengths=96,160", "--batch=1",
+                           "--heads=2", "--head_dim=16", "--window=32", "--repeats=1", "--jobs=2", f"--out={out}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = (out / "report.md").read_text()
+    assert "a check of the script, not a measurement" in report  # never passed off as a GPU's numbers
+    assert "time per allowed edge / swa" in report and "swa@32x16x4x2" in report
+    assert "nanogpt: left out (give --nanogpt=PATH" in report  # no nanoGPT file: said, not silently dropped
+    results = json.loads((out / "gpu_bench.json").read_text())
+    rows = {(r["variant"], r["n"]) for r in results["kernels"]}
+    assert rows == {(v, n) for v in ("full", "swa", "block", "swa@32x16x4x2") for n in (96, 160)}
+    assert results["errors"] == {}
+    for case in ("kernels_swa", "kernels_block"):  # each waited for every case before timing
+        log = (out / "logs" / f"{case}.log").read_text()
+        assert log.index("ready; waiting for every case") < log.index("timing")
+        assert "warm at n=96" in log and "warm at n=160" in log
+
+
+@pytest.mark.e2e
+def test_the_benchmark_writes_only_into_a_folder_of_its_own(tmp_path):
+    """It empties its logs and results inside --out before each run: a folder holding anything else is refused
+    before anything runs, and left as it was."""
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "mine.log").write_text("a user's log")
+    proc = subprocess.run([sys.executable, "-m", "scripts.gpu_bench", "--device=cpu", f"--out={tmp_path}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "did not write" in proc.stderr, proc.stderr
+    assert [p.name for p in tmp_path.rglob("*")] == ["logs", "mine.log"]
