@@ -45,10 +45,8 @@ from config import ConfigError, apply_args, dataclass_fields, exit_on_config_err
 from outputs import claim_own_folder, markdown_table, own_folder_problem, write_json  # noqa: E402
 
 PARTS = ("kernels", "train", "nanogpt")
-# VARIANT@MxNxWxS: the variant with span attention's tiles of M query rows x N keys, W warps, S stages
-KERNEL_VARIANTS = ("full,swa,swa:attn_backend=flex,mswa,sa,sa_swa,swat,swat:attn_backend=flex,block,bridge,pbb,"
-                   "se_bridge,pbb_union,moba")
-TRAIN_VARIANTS = "full,swa,mswa,sa,sa_swa,swat,pbb,bridge,moba,swax"
+# the kernels FlexAttention also runs, beside the default cases: the baselines span attention is measured against
+FLEX_BASELINES = ("swa:attn_backend=flex", "swat:attn_backend=flex")
 OUTPUT_MARKER = ".gpu_bench"  # marks OUT as the benchmark's own: each run empties its logs and results there
 
 
@@ -57,7 +55,9 @@ class BenchConfig:
     parts: str = "kernels,train,nanogpt"
     out: str = "out/gpu_bench"
     # kernels
-    kernel_variants: str = KERNEL_VARIANTS
+    # cases of the registry (example_cases), CASE:KEY=VALUE for settings, VARIANT@MxNxWxS for span attention's tiles
+    # of M query rows x N keys, W warps, S stages; "": every attention case of the registry and FLEX_BASELINES
+    kernel_variants: str = ""
     lengths: str = "8192,32768"
     batch: int = 4
     heads: int = 16
@@ -65,7 +65,7 @@ class BenchConfig:
     window: int = 256
     repeats: int = 10
     # train
-    train_variants: str = TRAIN_VARIANTS
+    train_variants: str = ""  # mixers or pattern aliases; "": every attention mixer of the registry and every alias
     train_len: int = 8192
     train_window: int = 512
     train_steps: int = 10
@@ -316,13 +316,27 @@ CASES = {"kernels": kernel_case, "train": train_case, "nanogpt": nanogpt_case}
 
 # ---- the driver --------------------------------------------------------------------------------------------------
 
+def default_variants() -> tuple[list[str], list[str]]:
+    """(kernel cases, training variants) from the registry: every case whose layer is attention (its kernel is
+    what the kernels table times) with FlexAttention's baselines, and every attention mixer and pattern alias."""
+    from attention.layer import Attention
+    from attention.registry import MIXERS, PATTERN_ALIASES, example_cases, pattern_names
+
+    attention = lambda names: all(issubclass(MIXERS[n], Attention) for n in names)  # noqa: E731
+    kernels = [name for name, settings in example_cases(256).items()
+               if len(pattern_names(settings["attn_pattern"])) == 1 and attention(pattern_names(settings["attn_pattern"]))]
+    train = [name for name, cls in MIXERS.items() if issubclass(cls, Attention)] + list(PATTERN_ALIASES)
+    return kernels + list(FLEX_BASELINES), train
+
+
 def jobs(b: BenchConfig) -> list[tuple[str, str]]:
     parts = b.parts.split(",")
+    kernels, train = default_variants()
     out = []
     if "kernels" in parts:
-        out += [("kernels", v) for v in b.kernel_variants.split(",")]
+        out += [("kernels", v) for v in (b.kernel_variants.split(",") if b.kernel_variants else kernels)]
     if "train" in parts:
-        out += [("train", v) for v in b.train_variants.split(",")]
+        out += [("train", v) for v in (b.train_variants.split(",") if b.train_variants else train)]
     if "nanogpt" in parts and b.nanogpt:
         out.append(("nanogpt", "gpt2_124m"))
     return out
