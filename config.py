@@ -485,7 +485,7 @@ def validate(cfg: Config) -> None:
     choice("gelu", m.gelu, ("exact", "tanh"))
     choice("dtype", t.dtype, ("auto", "float32", "bfloat16", "float16"))
     choice("wandb_mode", t.wandb_mode, ("online", "offline", "disabled"))
-    from wandb_run import MAX_GROUP, tags_problem
+    from runtime.wandb_run import MAX_GROUP, tags_problem
 
     if len(t.wandb_group) > MAX_GROUP or t.wandb_group != t.wandb_group.strip():
         raise ConfigError(f"wandb_group={t.wandb_group[:40]!r}{'...' if len(t.wandb_group) > 40 else ''}: a group name "

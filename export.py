@@ -13,8 +13,8 @@ Where transformers has a class that computes exactly what the run's layers compu
 Every other run (sa, sa_swa, swat, mswa, moba, the bridges, linear, swax, mlstm, gated_deltanet, mixed
 patterns, attn_gate, ...) is written as this project's model class (hf_gpt.py, model_type
 `efficient_attention_gpt`): config.json carries `auto_map` to a small `modeling_efficient_attention_gpt.py`
-that imports hf_gpt, so `from_pretrained(FOLDER, trust_remote_code=True)` works wherever this project is
-importable, and `import hf_gpt` registers the class without trust_remote_code (docs/pretrained.md says why).
+that imports runtime.hf_gpt, so `from_pretrained(FOLDER, trust_remote_code=True)` works wherever this project is
+importable, and `import runtime.hf_gpt` registers the class without trust_remote_code (docs/pretrained.md says why).
 
 The tokenizer is the run's, as tokenizer.json + tokenizer_config.json: byte and tiktoken tokenizers are
 converted to byte-level BPE; a Hugging Face tokenizer is copied without its post-processor (the run was
@@ -43,12 +43,12 @@ from pathlib import Path
 import torch
 
 MODELING_FILE = "modeling_efficient_attention_gpt.py"
-MODELING_SOURCE = '''"""This folder's model is the efficient-attention codebase's own class (hf_gpt.py there): its attention
+MODELING_SOURCE = '''"""This folder's model is the efficient-attention codebase's own class (runtime/hf_gpt.py there): its attention
 variants and their kernels live in that codebase, which must be importable (a clone of it on PYTHONPATH, or
 the current directory). Loaded by transformers with trust_remote_code=True, through config.json's auto_map."""
 
 try:
-    from hf_gpt import EfficientAttentionConfig, EfficientAttentionForCausalLM  # noqa: F401
+    from runtime.hf_gpt import EfficientAttentionConfig, EfficientAttentionForCausalLM  # noqa: F401
 except ImportError as e:
     raise ImportError(
         f"this model needs the efficient-attention codebase importable ({e}): clone it and add its folder to "
@@ -200,7 +200,7 @@ def native_model(gpt, family: str, tokenizer_ids: dict):
 # this project's class -----------------------------------------------------------------------------------------
 
 def project_model(gpt, tokenizer_ids: dict):
-    from hf_gpt import EfficientAttentionConfig, EfficientAttentionForCausalLM
+    from runtime.hf_gpt import EfficientAttentionConfig, EfficientAttentionForCausalLM
 
     config = EfficientAttentionConfig(gpt=dataclasses.asdict(gpt.config), **tokenizer_ids)
     config.auto_map = {"AutoConfig": f"{MODELING_FILE[:-3]}.EfficientAttentionConfig",
@@ -308,7 +308,7 @@ def destination_problem(to: Path, run_dir: Path, overwrite: bool) -> str:
     """Why the export may not be written at `to` ("" when it may): a file there, a folder that is not empty (without
     --overwrite), or, with --overwrite, a folder that is not an earlier export (the run's folder, a folder holding
     a run, anything with files export.json does not list). Checked before anything is loaded or written."""
-    from run_folder import holds_run
+    from runtime.run_folder import holds_run
 
     if to.exists() and not to.is_dir():
         return f"--to={to} is a file, not a folder: give --to a folder's path"
@@ -354,7 +354,7 @@ def apply_umask(folder: Path) -> None:
 
 
 def export_run(cfg: ExportConfig, command: str = "") -> Path:
-    from checkpoint import git_hash, load_model, run_tokenizer
+    from runtime.checkpoint import git_hash, load_model, run_tokenizer
 
     to = Path(cfg.to or Path(cfg.out_dir) / "hf")
     problem = destination_problem(to, Path(cfg.out_dir), cfg.overwrite)
@@ -416,7 +416,7 @@ def parse(argv) -> ExportConfig:
 
 
 def main(argv=None) -> int:
-    from checkpoint import CheckpointError
+    from runtime.checkpoint import CheckpointError
     from config import exit_on_config_error
     from data.tokenizer import TokenizerUnavailable
 
@@ -433,7 +433,7 @@ def main(argv=None) -> int:
         print(f"reloaded with AutoModelForCausalLM: logits within {record['verified_max_logit_diff']:.2g} of the run's")
     if record["model_type"] == "efficient_attention_gpt":
         print(f"load it with this codebase importable: AutoModelForCausalLM.from_pretrained({str(folder)!r}, "
-              "trust_remote_code=True), or `import hf_gpt` first")
+              "trust_remote_code=True), or `import runtime.hf_gpt` first")
     return 0
 
 

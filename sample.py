@@ -8,14 +8,14 @@
 import sys
 from dataclasses import dataclass
 
-import machine  # first: OpenMP's wait policy is read once, when torch loads it
+from runtime import machine  # first: OpenMP's wait policy is read once, when torch loads it
 
 machine.passive_openmp()
 
 import torch  # noqa: E402
 
 from attention import simulate_cuda
-from checkpoint import CheckpointError, describe_checkpoint, load_model, run_tokenizer
+from runtime.checkpoint import CheckpointError, describe_checkpoint, load_model, run_tokenizer
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error, resolve_device
 from data.tokenizer import TokenizerUnavailable
 

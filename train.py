@@ -22,7 +22,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
-import machine  # first: OpenMP's wait policy is read once, when torch loads it
+from runtime import machine  # first: OpenMP's wait policy is read once, when torch loads it
 
 machine.passive_openmp()
 
@@ -30,7 +30,7 @@ import torch  # noqa: E402
 import torch.distributed as dist
 
 from attention import simulate_cuda
-from checkpoint import (CheckpointError, atomic_write, checkpoint_tokenizer_identity, keep_tokenizer, load_checkpoint,
+from runtime.checkpoint import (CheckpointError, atomic_write, checkpoint_tokenizer_identity, keep_tokenizer, load_checkpoint,
                         load_sharded_meta,
                         load_sharded_training_state, remove_stale_temp_files, run_info, save_checkpoint,
                         save_sharded_checkpoint, sharded_training_state, write_json)
@@ -40,15 +40,15 @@ from data.meta import (DataError, check_vocabulary, load_meta, open_tokens, prep
                        split_fingerprint, tokenizer_mismatch, unigram_entropy)
 from data.tokenizer import TokenizerUnavailable, get_tokenizer
 from eval.probes import training_probes
-from machine import openmp_note
+from runtime.machine import openmp_note
 from model import GPT
-from run_folder import RunFolderError
-from run_folder import claim as claim_run_folder
-from parallelize import parallelize
-from pretrained import (GPT2_NAMES, PretrainedError, load_hf_model, load_pretrained_weights, pretrained_model_config,
+from runtime.run_folder import RunFolderError
+from runtime.run_folder import claim as claim_run_folder
+from runtime.parallelize import parallelize
+from runtime.pretrained import (GPT2_NAMES, PretrainedError, load_hf_model, load_pretrained_weights, pretrained_model_config,
                         pretrained_source)
-from pretrained import tokenizer_identity as pretrained_tokenizer_identity
-from wandb_run import X_AXIS, package_problem, resolved_mode, start_run, wandb_problem
+from runtime.pretrained import tokenizer_identity as pretrained_tokenizer_identity
+from runtime.wandb_run import X_AXIS, package_problem, resolved_mode, start_run, wandb_problem
 
 # dense (no sparsity) bf16 tensor-core peak FLOP/s with float32 accumulation by device name, for MFU (float32
 # runs use the TF32 peak: half of it). GeForce cards accumulate in float32 at half their fp16-accumulate rate:

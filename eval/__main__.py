@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import machine  # first: OpenMP's wait policy is read once, when torch loads it
+from runtime import machine  # first: OpenMP's wait policy is read once, when torch loads it
 
 machine.passive_openmp()
 
@@ -44,7 +44,7 @@ import torch  # noqa: E402
 
 from attention import simulate_cuda
 from attention.registry import used_settings
-from checkpoint import (CheckpointError, atomic_write, checkpoint_path, checkpoint_tokenizer_identity,
+from runtime.checkpoint import (CheckpointError, atomic_write, checkpoint_path, checkpoint_tokenizer_identity,
                         describe_checkpoint, git_hash, load_model, run_tokenizer, write_json)
 from config import Config, ConfigError, apply_args, coerce, dataclass_fields, exit_on_config_error, resolve_device
 from data.meta import DataError, load_meta, open_tokens, split_fingerprint, tokenizer_identity, tokenizer_mismatch
@@ -54,8 +54,8 @@ from eval import niah as niah_task
 from eval import ppl as ppl_task
 from eval import recall as recall_task
 from eval.results import describe_settings, merged_report
-from run_folder import held, holds_run, writable_folder_problem
-from wandb_run import report_evaluation
+from runtime.run_folder import held, holds_run, writable_folder_problem
+from runtime.wandb_run import report_evaluation
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -438,7 +438,7 @@ def load_hf(e: EvalRunConfig, settings: dict, device: str, dtype_name: str):
 
 
 def main(argv):
-    from pretrained import PretrainedError
+    from runtime.pretrained import PretrainedError
 
     # --wandb is where results go, not how they are computed: outside EvalRunConfig, whose fields make the setting
     wandb_args = [arg for arg in argv if arg.partition("=")[0] == "--wandb"]

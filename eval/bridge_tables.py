@@ -10,8 +10,8 @@ from pathlib import Path
 
 from eval.results import setting_items, setting_results, standing_setting
 from eval.stats import format_p, paired_comparison
-from outputs import save_figure
-from run_folder import read_metrics
+from runtime.outputs import save_figure
+from runtime.run_folder import read_metrics
 
 FAMILIES = ["full", "swa", "se_bridge", "pbb", "bridge", "block"]  # Table 3's row order
 LOCAL = FAMILIES[1:]

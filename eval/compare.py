@@ -25,12 +25,12 @@ from pathlib import Path
 
 import numpy as np
 
-import outputs
+from runtime import outputs
 from eval.results import (data_label, describe_settings, own_data, reads_validation_text,
                           setting_items, setting_options, standing_setting)
 from eval.stats import format_p, mean_std, paired_comparison
-from outputs import save_figure
-from run_folder import read_metrics
+from runtime.outputs import save_figure
+from runtime.run_folder import read_metrics
 
 
 STANDARD_METRICS = {"step", "train_loss", "val_loss", "best_val_loss", "lr", "tokens_per_s", "mfu", "tokens_seen",

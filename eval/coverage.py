@@ -163,7 +163,7 @@ def main(argv):
           f"(SWA only at (d, r) = {out['swa_not_se_witness_d_r']}, SE only at {out['se_not_swa_witness_d_r']})")
     print(f"PBB's coverage inside SE-Bridge's (e = h): {out['pbb_coverage_inside_se']}")
     if args.json:
-        from checkpoint import write_json
+        from runtime.checkpoint import write_json
 
         write_json(out, args.json)
     ok = all(c["equals_closed_form"] for c in out["variants"].values())

@@ -19,7 +19,7 @@ from torch import nn
 from attention.capabilities import set_window
 from attention.hf import use_variant_attention, variant_config
 from model import sample_next
-from pretrained import PretrainedError
+from runtime.pretrained import PretrainedError
 
 
 class VariantLM(nn.Module):
@@ -89,7 +89,7 @@ def load_pretrained_lm(source: str, settings: dict, dtype: str = "float32", devi
         from transformers import AutoModelForCausalLM
     except ImportError:
         raise PretrainedError("--hf needs transformers: pip install -r requirements.txt") from None
-    import hf_gpt
+    from runtime import hf_gpt
 
     try:
         hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype))

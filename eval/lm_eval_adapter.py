@@ -89,9 +89,9 @@ class EfficientAttentionLM(HFLM):
             if settings:
                 raise ValueError(f"{', '.join(sorted(settings))}: a run is evaluated with the attention it was trained "
                                  "with; attention settings go with a Hugging Face model (pretrained=NAME_OR_FOLDER)")
-            from checkpoint import run_tokenizer
+            from runtime.checkpoint import run_tokenizer
             from export import hf_tokenizer
-            from hf_gpt import EfficientAttentionForCausalLM
+            from runtime.hf_gpt import EfficientAttentionForCausalLM
 
             model, raw = EfficientAttentionForCausalLM.from_run(pretrained, ckpt, device or "cpu")
             dtype = kwargs.pop("dtype", None)
@@ -158,7 +158,7 @@ class EfficientAttentionLM(HFLM):
         mask = generation_kwargs.get("attention_mask")
         if (self._variant is None and not self._run_info) or mask is None or bool(mask.all()):
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
-        from hf_gpt import generate_rows
+        from runtime.hf_gpt import generate_rows
 
         def generate_one(input_ids, attention_mask, max_length, **kwargs):
             return super(EfficientAttentionLM, self)._model_generate(input_ids, max_length, stop,

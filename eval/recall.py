@@ -13,7 +13,7 @@ import math
 import torch
 
 from data.recall import VALUES, document, document_parts
-from progress import progress_bar
+from runtime.progress import progress_bar
 
 EVAL_SEED_OFFSET = 1_000  # evaluation documents come from seeds the training corpus (seed 0) never uses
 

@@ -41,10 +41,10 @@ if not __package__:  # run as a file, the project's modules cannot be imported: 
 from attention.capabilities import EdgeCounts, KernelBench  # noqa: E402
 from attention.kernels import AttentionPlan, layer_scores  # noqa: E402
 from attention.registry import build_mixer, example_cases  # noqa: E402
-from checkpoint import write_json  # noqa: E402
+from runtime.checkpoint import write_json  # noqa: E402
 from config import (ConfigError, ModelConfig, apply_args, dataclass_fields, exit_on_config_error,  # noqa: E402
                     set_value, validate)
-from machine import busy_note  # noqa: E402
+from runtime.machine import busy_note  # noqa: E402
 
 
 @dataclass

@@ -22,12 +22,12 @@ import torch
 if not __package__:  # run as a file, the project's modules cannot be imported: say how to run it
     sys.exit("run it from the repository root as a module: python -m scripts.bench_train ...")
 
-from checkpoint import write_json  # noqa: E402
+from runtime.checkpoint import write_json  # noqa: E402
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error, load_config  # noqa: E402
 from model import GPT  # noqa: E402
-from parallelize import ACTIVATION_CHECKPOINTING, parallelize  # noqa: E402
+from runtime.parallelize import ACTIVATION_CHECKPOINTING, parallelize  # noqa: E402
 from train import peak_flops  # noqa: E402
-from machine import busy_note  # noqa: E402
+from runtime.machine import busy_note  # noqa: E402
 
 
 @dataclass

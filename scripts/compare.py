@@ -25,7 +25,7 @@ from config import ConfigError, apply_args, dataclass_fields, exit_on_config_err
 from eval.compare import (CompareError, build_tables, load_local_run, load_wandb_runs, paired,  # noqa: E402
                           plot_all, plot_position_gain, position_gain, render, render_paired,
                           render_position_gain, seed_group_records, warn)
-from outputs import atomic_write, write_json  # noqa: E402
+from runtime.outputs import atomic_write, write_json  # noqa: E402
 
 
 @dataclass

@@ -38,7 +38,7 @@ from attention.capabilities import expected_graph_breaks  # noqa: E402
 from attention.registry import example_cases, has_window_layers  # noqa: E402
 from config import ConfigError, ModelConfig, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
 from model import GPT  # noqa: E402
-from parallelize import compile_blocks  # noqa: E402
+from runtime.parallelize import compile_blocks  # noqa: E402
 
 WINDOW = 32  # the cases' windows and blocks (example_cases)
 

@@ -42,7 +42,7 @@ if not __package__:  # run as a file, the project's modules cannot be imported: 
     sys.exit("run it from the repository root as a module: python -m scripts.gpu_bench ...")
 
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
-from outputs import claim_own_folder, markdown_table, own_folder_problem, write_json  # noqa: E402
+from runtime.outputs import claim_own_folder, markdown_table, own_folder_problem, write_json  # noqa: E402
 
 PARTS = ("kernels", "train", "nanogpt")
 # the kernels FlexAttention also runs, beside the default cases: the baselines span attention is measured against
@@ -208,7 +208,7 @@ def train_settings(variant: str, b: BenchConfig) -> list[str]:
 def train_case(name: str, b: BenchConfig, out: Path) -> list[dict]:
     from config import load_config
     from model import GPT
-    from parallelize import parallelize
+    from runtime.parallelize import parallelize
     from train import peak_flops
 
     device, dtype = torch.device(b.device), torch.bfloat16
@@ -255,7 +255,7 @@ def nanogpt_case(name: str, b: BenchConfig, out: Path) -> list[dict]:
     """train.py's layout, our model compiled whole and nanoGPT's compiled whole, on the same batches, alternating."""
     from config import load_config
     from model import GPT
-    from parallelize import parallelize
+    from runtime.parallelize import parallelize
 
     device, dtype = torch.device(b.device), torch.bfloat16
     spec = importlib.util.spec_from_file_location("nanogpt_model", b.nanogpt)

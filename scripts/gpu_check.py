@@ -63,12 +63,12 @@ if not __package__:  # run as a file, the project's modules cannot be imported: 
     sys.exit("run it from the repository root as a module: python -m scripts.gpu_check ...")
 
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
-from gpucheck.backends import backends_worker  # noqa: E402
-from gpucheck.budgets import default_steps, plan_parts, step_budget, step_estimate  # noqa: E402
-from gpucheck.memory import memory_worker  # noqa: E402
-from gpucheck.options import (CALL_LIMIT_S, COMPILE_S, MARGIN, PROCESS_S, REDUCED, STEPS, TOTAL_LIMIT_S,  # noqa: E402
+from scripts.gpucheck.backends import backends_worker  # noqa: E402
+from scripts.gpucheck.budgets import default_steps, plan_parts, step_budget, step_estimate  # noqa: E402
+from scripts.gpucheck.memory import memory_worker  # noqa: E402
+from scripts.gpucheck.options import (CALL_LIMIT_S, COMPILE_S, MARGIN, PROCESS_S, REDUCED, STEPS, TOTAL_LIMIT_S,  # noqa: E402
                               CheckConfig, train_runs)
-from gpucheck.runner import output_folder_problem, run_check  # noqa: E402
+from scripts.gpucheck.runner import output_folder_problem, run_check  # noqa: E402
 
 
 def parse(argv) -> CheckConfig:

@@ -262,7 +262,7 @@ def bpe(tmp_path_factory):
     """Text, two different BPE tokenizer.json files (300 tokens each) and data prepared with the first."""
     from data.embedded import documents
     from data.prepare import prepare
-    from gpucheck import tiny_hf
+    from scripts.gpucheck import tiny_hf
 
     root = tmp_path_factory.mktemp("bpe")
     text = "\n\n".join(documents(40, seed=0))

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-import memory_plan
+from runtime import memory_plan
 from attention import capabilities
 from attention.capabilities import (ActivationMemory, BoundaryWriteBack, EdgeCounts, HeadWindows, KernelBench,
                                     PretrainedAttention, Reachability, WindowSchedule)

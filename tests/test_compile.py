@@ -15,7 +15,7 @@ from attention.kernels import attend, dense_attention, flex_block_mask, plan_att
 from config import ModelConfig
 from conftest import REPO
 from model import GPT
-from parallelize import compile_blocks
+from runtime.parallelize import compile_blocks
 from test_attention import RULES, qkv
 
 pytestmark = [pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),

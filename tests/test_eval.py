@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from checkpoint import load_model
+from runtime.checkpoint import load_model
 from config import ModelConfig
 from conftest import REPO
 from data.meta import load_meta, open_tokens

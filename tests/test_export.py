@@ -51,7 +51,7 @@ def test_an_export_is_the_run_in_transformers(case, tmp_path, offline):
     assert type(hf).__name__ == expected_class
     if project:  # its layers are this project's already: python -m eval --hf= says to evaluate the run itself
         from eval.hf_model import load_pretrained_lm
-        from pretrained import PretrainedError
+        from runtime.pretrained import PretrainedError
 
         with pytest.raises(PretrainedError, match="evaluate the run's folder"):
             load_pretrained_lm(str(folder), {"attn_pattern": "full"})
@@ -75,7 +75,7 @@ def test_an_export_is_the_run_in_transformers(case, tmp_path, offline):
     assert tokenizer.bos_token_id == tokenizer.eos_token_id == 256
 
     # init_from=hf:FOLDER builds the same model as train.py does
-    from pretrained import load_hf_model, load_pretrained_weights, pretrained_model_config
+    from runtime.pretrained import load_hf_model, load_pretrained_weights, pretrained_model_config
 
     m = ModelConfig(**{**SHAPE, **({"attn_pattern": "swa", "swa_window": 8} if case in ("mistral", "qwen2_swa") else {})})
     pretrained_model_config(load_hf_model(str(folder)).config, m)
@@ -229,7 +229,7 @@ def test_an_export_gets_the_users_umask(tmp_path):
 def test_a_run_folder_without_a_checkpoint_gets_a_command_that_works_there(tmp_path, capsys):
     """A run stopped before its first checkpoint: export says so, and the command it suggests is one the run
     folder accepts (a fresh run over it is refused unless it replaces the old one)."""
-    from run_folder import RunFolderError, claim
+    from runtime.run_folder import RunFolderError, claim
 
     run = tmp_path / "run"
     run.mkdir()

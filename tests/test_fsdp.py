@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from checkpoint import load_model, load_sharded_meta, remove_stale_temp_files, sharded_checkpoint_path
+from runtime.checkpoint import load_model, load_sharded_meta, remove_stale_temp_files, sharded_checkpoint_path
 from conftest import REPO, read_metrics, sigterm_after_two_steps, train_subprocess
 
 # a small llama with swa and mlstm layers (swax), dropout off: runs on 1 and 2 processes must agree

@@ -15,7 +15,7 @@ import pytest
 from attention.layer import MaskedAttention
 from attention.registry import MIXERS
 from conftest import REPO
-from gpucheck import backends, budgets, context, environment, memory, options, processes, report, steps
+from scripts.gpucheck import backends, budgets, context, environment, memory, options, processes, report, steps
 
 
 
@@ -136,7 +136,7 @@ def test_a_failing_step_is_recorded_and_the_next_one_still_runs(tmp_path):
 def test_the_check_writes_only_into_a_folder_of_its_own(tmp_path):
     """Its steps remove and remake their run folders inside --out: a folder with anything else in it (a run, a
     user's files) is refused before anything runs, and nothing in it is touched."""
-    from gpucheck.runner import OUTPUT_MARKER, output_folder_problem
+    from scripts.gpucheck.runner import OUTPUT_MARKER, output_folder_problem
 
     (tmp_path / "runs" / "swa").mkdir(parents=True)
     (tmp_path / "runs" / "swa" / "ckpt_best.pt").write_bytes(b"a user's checkpoint")

@@ -19,9 +19,9 @@ from attention.kernels import plans_in, resolve_backend
 from attention.registry import MIXERS, example_cases, pattern_names
 from config import ModelConfig
 from conftest import REPO, read_metrics
-from gpucheck import options
+from scripts.gpucheck import options
 from model import GPT
-from parallelize import compile_blocks
+from runtime.parallelize import compile_blocks
 
 pytestmark = [pytest.mark.gpu_sim,
               pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated")]

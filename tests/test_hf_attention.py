@@ -11,7 +11,7 @@ from attention.kernels import attend
 from attention.moba import MixtureOfBlockAttention, moba_choose, moba_dense
 from attention.stochastic import StochasticAttention, stochastic_attention
 from conftest import run_python as run, train_subprocess
-from gpucheck import tiny_hf
+from scripts.gpucheck import tiny_hf
 
 LLAMA_LIKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=100)

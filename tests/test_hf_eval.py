@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from conftest import REPO
-from gpucheck import tiny_hf
+from scripts.gpucheck import tiny_hf
 from data.meta import open_tokens
 from eval import ppl as ppl_task
 from eval.hf_model import load_pretrained_lm

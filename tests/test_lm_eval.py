@@ -103,7 +103,7 @@ def reference_generate(model, tok, context_ids, max_new, until):
 
 def save_run(model, folder, step=7):
     """A run folder holding the model as its best checkpoint (byte tokenizer), as train.py writes one."""
-    from checkpoint import save_checkpoint
+    from runtime.checkpoint import save_checkpoint
     from config import Config
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -171,7 +171,7 @@ def test_cached_generation_of_a_run_equals_uncached(tok, tmp_path):
     torch.manual_seed(3)
     gpt = GPT(ModelConfig(arch="llama", n_layer=2, n_head=2, n_embd=32, block_size=BLOCK, vocab_size=320,
                           attn_pattern="swa,mlstm", swa_window=8, bias=False)).eval()
-    from hf_gpt import EfficientAttentionForCausalLM
+    from runtime.hf_gpt import EfficientAttentionForCausalLM
 
     hf, _ = EfficientAttentionForCausalLM.from_run(save_run(gpt, tmp_path / "run"))
     ids = torch.tensor([tok.encode("the cat sat on")])

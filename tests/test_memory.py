@@ -12,7 +12,7 @@ import torch
 from config import ModelConfig
 from conftest import REPO
 from model import GPT, chunked_cross_entropy, token_nll
-from parallelize import apply_activation_checkpointing
+from runtime.parallelize import apply_activation_checkpointing
 
 FAMILIES = ["full", "swa", "block", "mswa", "sa", "sa_swa", "swat", "linear", "mlstm", "gated_deltanet", "pbb",
             "se_bridge", "swax", "moba"]

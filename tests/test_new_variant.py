@@ -116,7 +116,7 @@ def test_a_variant_in_one_new_file_reaches_every_tool(repo_with_variant, tmp_pat
     assert "4 passed" in simulated.stdout, simulated.stdout[-2000:]
     # inside a small Hugging Face model
     folder, data = (tmp_path / "hf" / "tiny-qwen3", tmp_path / "hf" / "corpus_tok")
-    run(copy, "-c", "from pathlib import Path; from gpucheck.tiny_hf import build_tiny_hf_model; "
+    run(copy, "-c", "from pathlib import Path; from scripts.gpucheck.tiny_hf import build_tiny_hf_model; "
                     f"build_tiny_hf_model(Path({str(tmp_path / 'hf')!r}))")
     run(copy, "-m", "eval", f"--hf={folder}", f"--data_dir={data}", "--attn_pattern=sinkwin", "--swa_window=16",
         "--sink_keys=2", "--tasks=ppl", "--ppl_lengths=64", "--limit=2", "--progress=False",

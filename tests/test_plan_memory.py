@@ -11,8 +11,8 @@ import torch
 from config import ModelConfig
 from conftest import REPO
 from model import GPT
-from parallelize import apply_activation_checkpointing
-from memory_plan import GIB, Kernels, PlanOptions, block_activations, head_saved, plan
+from runtime.parallelize import apply_activation_checkpointing
+from runtime.memory_plan import GIB, Kernels, PlanOptions, block_activations, head_saved, plan
 
 SMALL = dict(arch="llama", n_layer=2, n_head=4, n_embd=96, block_size=256, bias=False, dropout=0.0, vocab_size=320,
              swa_window=32, block_len=32, bridge_width=32, bridge_extension=16)

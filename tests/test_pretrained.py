@@ -14,7 +14,7 @@ import transformers
 from config import ModelConfig
 from conftest import REPO, train_subprocess
 from model import GPT
-from pretrained import PretrainedError, load_hf_model, load_pretrained_weights, pretrained_model_config
+from runtime.pretrained import PretrainedError, load_hf_model, load_pretrained_weights, pretrained_model_config
 
 SMALL = dict(n_layer=2, n_head=4, n_embd=64, n_positions=64, vocab_size=320)  # vocab: the byte corpus fits
 

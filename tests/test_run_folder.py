@@ -29,7 +29,7 @@ def test_two_trainings_started_on_one_folder_leave_exactly_one_running(tmp_path)
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
              if "train_loss" in line]
     assert steps == list(range(1, 31))  # one run's log: strictly increasing, nothing interleaved
-    from checkpoint import load_checkpoint
+    from runtime.checkpoint import load_checkpoint
 
     assert load_checkpoint(out / "ckpt_last.pt")["step"] == 30 and load_checkpoint(out / "ckpt_best.pt")
 
@@ -47,7 +47,7 @@ def test_a_killed_run_leaves_no_lock_behind(tmp_path):
         time.sleep(0.1)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    from run_folder import claim
+    from runtime.run_folder import claim
 
     claim(out, fresh=False).release()  # the kernel dropped the dead process's lock
     resumed = train_subprocess([*TINY, f"--out_dir={out}", "--max_iters=12", "--eval_interval=5",
@@ -75,7 +75,7 @@ def test_a_fresh_run_never_starts_over_an_old_one_unless_asked(byte_run, tmp_pat
 
 def test_replacing_twice_in_one_second_keeps_both_old_runs_and_an_unused_folder_goes_under_its_lock(tmp_path,
                                                                                                       monkeypatch):
-    import run_folder
+    from runtime import run_folder
 
     monkeypatch.setattr(run_folder.time, "strftime", lambda *_: "20260101-000000")
     path = tmp_path / "run"
@@ -176,7 +176,7 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_naming_what_is_intact(tmp_p
     assert error.startswith("error: could not write ckpt_") and "is full" in error
     assert "ckpt_best.pt (step 4)" in error and "ckpt_last.pt (step 4)" in error and "intact" in error
     assert f"python train.py {out / 'config.json'} --init_from=resume" in error
-    from checkpoint import load_checkpoint
+    from runtime.checkpoint import load_checkpoint
 
     assert load_checkpoint(out / "ckpt_last.pt")["step"] == 4  # the previous checkpoint, whole
 
@@ -214,7 +214,7 @@ train.main({[*TINY, f"--out_dir={out}", "--max_iters=4", "--eval_interval=4", "-
 def test_a_folder_that_cannot_take_the_old_run_aside_is_one_line(tmp_path, monkeypatch):
     import errno
 
-    import run_folder
+    from runtime import run_folder
 
     path = tmp_path / "run"
     path.mkdir()

@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from conftest import TINY, read_metrics, run_python as run, train_subprocess
-from gpucheck import tiny_hf
+from scripts.gpucheck import tiny_hf
 from data.prepare import prepare
 
 
@@ -51,7 +51,7 @@ def test_a_run_keeps_its_tokenizer_and_refuses_another_vocabulary_under_its_name
     shutil.copy(bpe / "b" / "tokenizer.json", out / "tokenizer.json")  # the run's copy replaced: another vocabulary
     proc = run(["sample.py"], f"--out_dir={out}", "--max_new_tokens=4", "--num_samples=1")
     assert proc.returncode == 1 and "has another vocabulary than the one" in proc.stderr, proc.stderr
-    from checkpoint import CheckpointError
+    from runtime.checkpoint import CheckpointError
     from eval.lm_eval_adapter import EfficientAttentionLM
 
     with pytest.raises(CheckpointError, match="another vocabulary"):

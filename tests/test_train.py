@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from checkpoint import atomic_write, load_checkpoint
+from runtime.checkpoint import atomic_write, load_checkpoint
 from conftest import REPO, read_metrics, sigterm_after_two_steps, train_subprocess
 
 TINY = ["configs/quickstart.py", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
@@ -235,7 +235,7 @@ def test_evaluation_builds_no_autograd_graph():
 
 def test_rng_restore_refuses_states_that_are_not_cpu_byte_tensors():
     # a checkpoint loaded with map_location=cuda holds GPU tensors; torch.set_rng_state takes CPU ByteTensors only
-    from checkpoint import CheckpointError
+    from runtime.checkpoint import CheckpointError
     from train import rng_state, set_rng_state
 
     state = rng_state()

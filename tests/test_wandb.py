@@ -12,7 +12,7 @@ import sys
 import pytest
 from wandb.proto import wandb_internal_pb2
 
-import wandb_run
+from runtime import wandb_run
 from config import ConfigError, load_config
 from conftest import REPO, train_subprocess
 

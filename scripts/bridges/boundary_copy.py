@@ -110,7 +110,7 @@ def main(argv):
         print(f"{pattern:<10} {r['accuracy']:>9.3f} {r['loss']:>8.3f} {r['max_logit_change_across_labels']:>32.3g}",
               flush=True)
     if args.json:
-        from checkpoint import write_json
+        from runtime.checkpoint import write_json
 
         write_json({"args": asdict(args), "results": results}, args.json)
 

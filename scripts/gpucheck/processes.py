@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psutil
 
-from gpucheck.options import REPO
+from scripts.gpucheck.options import REPO
 
 
 def now() -> str:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import git_hash
-from gpucheck.options import gpu_kernel_mixers
+from runtime.checkpoint import git_hash
+from scripts.gpucheck.options import gpu_kernel_mixers
 
 
 def torch_triton_pin() -> str:

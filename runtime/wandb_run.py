@@ -20,7 +20,7 @@ import re
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parent.parent
 RECORD = "wandb.json"  # in the run folder: the wandb run's id, project, mode, group and tags
 X_AXIS = "tokens_seen"
 # wandb's own limits (it refuses a longer tag; the server a longer group name)
@@ -195,7 +195,7 @@ def start_run(cfg, out_dir: Path, argv, mode: str, run_id: str | None = None, re
     are plotted against tokens_seen. Writes the folder's wandb.json (an OSError says the folder cannot be written)."""
     import wandb
 
-    from checkpoint import write_json
+    from runtime.checkpoint import write_json
 
     t = cfg.train
     recorded = (read_record(out_dir) or {}) if resuming else {}

@@ -12,16 +12,16 @@ from pathlib import Path
 import torch
 
 from attention import simulate_cuda
-from gpucheck.backends import step_backends
-from gpucheck.budgets import default_steps, step_budget
-from gpucheck.context import StepContext
-from gpucheck.environment import environment
-from gpucheck.memory import step_memory
-from gpucheck.options import FULL, REDUCED, STEPS, CheckConfig
-from gpucheck.processes import now, stop_children, tail
-from gpucheck.report import write_report
-from outputs import claim_own_folder, own_folder_problem
-from gpucheck.steps import (step_bench_attention, step_bench_train, step_compile_check, step_generate,
+from scripts.gpucheck.backends import step_backends
+from scripts.gpucheck.budgets import default_steps, step_budget
+from scripts.gpucheck.context import StepContext
+from scripts.gpucheck.environment import environment
+from scripts.gpucheck.memory import step_memory
+from scripts.gpucheck.options import FULL, REDUCED, STEPS, CheckConfig
+from scripts.gpucheck.processes import now, stop_children, tail
+from scripts.gpucheck.report import write_report
+from runtime.outputs import claim_own_folder, own_folder_problem
+from scripts.gpucheck.steps import (step_bench_attention, step_bench_train, step_compile_check, step_generate,
                             step_gpu_tests, step_multi_gpu, step_preflight, step_pretrained, step_resume,
                             step_train_runs)
 

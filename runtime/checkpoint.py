@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 
 from config import Config
-from outputs import atomic_write, write_json  # noqa: F401  (the run records' writers; imported from here too)
+from runtime.outputs import atomic_write, write_json  # noqa: F401  (the run records' writers; imported from here too)
 
-REPO = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parent.parent
 
 
 class CheckpointError(Exception):
@@ -177,7 +177,7 @@ def load_model(out_dir, which: str = "best", device="cpu"):
     other = "last" if which == "best" else "best"
     if not checkpoint_exists(path):
         if not checkpoint_exists(checkpoint_path(out_dir, other)):
-            from run_folder import holds_run
+            from runtime.run_folder import holds_run
 
             held = holds_run(Path(out_dir)) if Path(out_dir).is_dir() else []
             if held:  # a run that stopped before its first checkpoint, or one still training

@@ -2,9 +2,9 @@
 
 from pathlib import Path
 
-from checkpoint import atomic_write, write_json
-from outputs import markdown_table
-from gpucheck.options import STEPS, TOLERANCE
+from runtime.checkpoint import atomic_write, write_json
+from runtime.outputs import markdown_table
+from scripts.gpucheck.options import STEPS, TOLERANCE
 
 
 def write_report(report: dict, out: Path) -> None:

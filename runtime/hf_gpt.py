@@ -1,7 +1,7 @@
 """This project's GPT as a transformers model, so the field's tools take it as they take any causal LM:
 `AutoModelForCausalLM`, `generate`, lm-eval's `HFLM` (`lm_eval --model hf`), the Hub.
 
-    import hf_gpt  # registers model_type "efficient_attention_gpt" with AutoConfig / AutoModelForCausalLM
+    from runtime import hf_gpt  # registers model_type "efficient_attention_gpt" with AutoConfig / AutoModelForCausalLM
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained("out/run/hf")                  # a folder written by export.py
     model = hf_gpt.EfficientAttentionForCausalLM.from_run("out/run", "best")    # a run folder, in memory
@@ -87,7 +87,7 @@ class EfficientAttentionForCausalLM(PreTrainedModel, GenerationMixin):
         """The trained model of a run folder (checkpoint.load_model), wrapped without copying its weights."""
         import dataclasses
 
-        from checkpoint import load_model
+        from runtime.checkpoint import load_model
 
         gpt, _, raw = load_model(out_dir, ckpt, device)
         config = EfficientAttentionConfig(gpt=dataclasses.asdict(gpt.config), name_or_path=str(out_dir))

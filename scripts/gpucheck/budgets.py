@@ -9,10 +9,10 @@ from dataclasses import dataclass
 import torch
 
 from attention import simulate_cuda
-from gpucheck.backends import backend_cases
-from gpucheck.options import (CALL_LIMIT_S, COMPILE_S, FULL, MARGIN, PROCESS_S, REDUCED_BUDGET_S, REPO, STEPS,
+from scripts.gpucheck.backends import backend_cases
+from scripts.gpucheck.options import (CALL_LIMIT_S, COMPILE_S, FULL, MARGIN, PROCESS_S, REDUCED_BUDGET_S, REPO, STEPS,
                               TOTAL_LIMIT_S, gpu_kernel_mixers, grid_runs, train_runs)
-from gpucheck.steps import GPU_TESTS
+from scripts.gpucheck.steps import GPU_TESTS
 
 
 @dataclass(frozen=True)

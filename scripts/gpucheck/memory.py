@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import write_json
-from gpucheck.context import StepContext, outcome
-from gpucheck.options import FULL, MEMORY_HEADROOM, MEMORY_RATIO, REDUCED, CheckConfig
+from runtime.checkpoint import write_json
+from scripts.gpucheck.context import StepContext, outcome
+from scripts.gpucheck.options import FULL, MEMORY_HEADROOM, MEMORY_RATIO, REDUCED, CheckConfig
 
 
 def step_memory(ctx: StepContext) -> dict:
@@ -47,7 +47,7 @@ def memory_worker(cfg: CheckConfig, device: str) -> None:
     from config import load_config
     from model import GPT
 
-    import memory_plan
+    from runtime import memory_plan
 
     size = (FULL if device == "cuda" and not cfg.quick else REDUCED)["memory"]
     overrides = [f"--{key}={value}" for key, value in size.items() if key not in ("config", "n_layer") and value]

@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 
 from attention import simulate_cuda
-from checkpoint import write_json
-from gpucheck.context import StepContext, outcome
-from gpucheck.options import (BACKEND_CONTEXT, BACKEND_HEADS, BACKEND_WINDOW, FULL, REDUCED, TOLERANCE,
+from runtime.checkpoint import write_json
+from scripts.gpucheck.context import StepContext, outcome
+from scripts.gpucheck.options import (BACKEND_CONTEXT, BACKEND_HEADS, BACKEND_WINDOW, FULL, REDUCED, TOLERANCE,
                               CheckConfig)
-from gpucheck.processes import tail
+from scripts.gpucheck.processes import tail
 
 
 def step_backends(ctx: StepContext) -> dict:

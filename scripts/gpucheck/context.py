@@ -7,8 +7,8 @@ from pathlib import Path
 
 
 from attention import simulate_cuda
-from gpucheck.options import CheckConfig
-from gpucheck.processes import Completed, run_command
+from scripts.gpucheck.options import CheckConfig
+from scripts.gpucheck.processes import Completed, run_command
 
 
 @dataclass

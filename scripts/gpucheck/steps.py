@@ -12,13 +12,13 @@ from pathlib import Path
 
 import torch
 
-from run_folder import read_metrics
-from gpucheck.context import StepContext, outcome
-from gpucheck.options import (PAPER_000_TABLE_2, REPO, RESUME_TOLERANCE, cuda_only_runs, gpu_kernel_mixers, grid_runs,
+from runtime.run_folder import read_metrics
+from scripts.gpucheck.context import StepContext, outcome
+from scripts.gpucheck.options import (PAPER_000_TABLE_2, REPO, RESUME_TOLERANCE, cuda_only_runs, gpu_kernel_mixers, grid_runs,
                               train_runs)
-from gpucheck.processes import stopping
-from gpucheck.environment import environment, gpu_kernel_problems
-from gpucheck.tiny_hf import build_tiny_hf_model
+from scripts.gpucheck.processes import stopping
+from scripts.gpucheck.environment import environment, gpu_kernel_problems
+from scripts.gpucheck.tiny_hf import build_tiny_hf_model
 
 
 # ---- step: preflight --------------------------------------------------------------------------------------

@@ -56,7 +56,7 @@ def load_hf_model(source: str):
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
         raise PretrainedError("init_from with pretrained weights needs transformers: pip install transformers") from None
-    import hf_gpt  # noqa: F401  (registers this project's model type, which export.py writes)
+    from runtime import hf_gpt  # noqa: F401  (registers this project's model type, which export.py writes)
 
     try:
         hf_config = AutoConfig.from_pretrained(source)
