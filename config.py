@@ -464,6 +464,30 @@ def config_files(argv: list[str]) -> list[str]:
     return files
 
 
+MAX_TAG, MAX_GROUP = 64, 128  # wandb's own limits (it refuses a longer tag; the server a longer group name)
+
+
+def split_tags(text: str) -> list[str]:
+    """wandb_tags as a list: comma-separated, a leading + (adding to the derived tags) removed."""
+    text = text[1:] if text.startswith("+") else text
+    return [tag.strip() for tag in text.split(",")] if text.strip() else []
+
+
+def tags_problem(text: str) -> str:
+    """Why a wandb_tags value cannot be used ("" when it can), with the fix."""
+    if not text.strip():
+        return ""
+    tags = split_tags(text)
+    if not tags:
+        return "a lone '+' adds no tag: give the tags after it, e.g. +ablation,lr_sweep"
+    if not all(tags):
+        return "has an empty tag (two commas in a row, or one at an end): write the tags as a,b,c"
+    long = next((tag for tag in tags if len(tag) > MAX_TAG), None)
+    if long:
+        return f"the tag {long[:24]!r}... is {len(long)} characters long; wandb takes at most {MAX_TAG}"
+    return ""
+
+
 def validate(cfg: Config) -> None:
     """Check values that a type alone does not constrain; raise ConfigError naming the fix."""
     m, t = cfg.model, cfg.train
@@ -485,8 +509,6 @@ def validate(cfg: Config) -> None:
     choice("gelu", m.gelu, ("exact", "tanh"))
     choice("dtype", t.dtype, ("auto", "float32", "bfloat16", "float16"))
     choice("wandb_mode", t.wandb_mode, ("online", "offline", "disabled"))
-    from runtime.wandb_run import MAX_GROUP, tags_problem
-
     if len(t.wandb_group) > MAX_GROUP or t.wandb_group != t.wandb_group.strip():
         raise ConfigError(f"wandb_group={t.wandb_group[:40]!r}{'...' if len(t.wandb_group) > 40 else ''}: a group name "
                           f"has at most {MAX_GROUP} characters and no spaces at its ends (empty: the recipe, data and "

@@ -20,11 +20,11 @@ import re
 import sys
 from pathlib import Path
 
+from config import MAX_GROUP, split_tags
+
 REPO = Path(__file__).resolve().parent.parent
 RECORD = "wandb.json"  # in the run folder: the wandb run's id, project, mode, group and tags
 X_AXIS = "tokens_seen"
-# wandb's own limits (it refuses a longer tag; the server a longer group name)
-MAX_TAG, MAX_GROUP = 64, 128
 
 
 def package_problem() -> str:
@@ -113,27 +113,6 @@ def default_tags(attn_pattern: str) -> list[str]:
     written = [name.strip() for name in attn_pattern.split(",")]
     return list(dict.fromkeys([*written, *pattern_names(attn_pattern)])) + \
         [f"paper-{paper}" for paper in pattern_papers(attn_pattern)]
-
-
-def split_tags(text: str) -> list[str]:
-    """wandb_tags as a list: comma-separated, a leading + (adding to the derived tags) removed."""
-    text = text[1:] if text.startswith("+") else text
-    return [tag.strip() for tag in text.split(",")] if text.strip() else []
-
-
-def tags_problem(text: str) -> str:
-    """Why a wandb_tags value cannot be used ("" when it can), with the fix."""
-    if not text.strip():
-        return ""
-    tags = split_tags(text)
-    if not tags:
-        return "a lone '+' adds no tag: give the tags after it, e.g. +ablation,lr_sweep"
-    if not all(tags):
-        return "has an empty tag (two commas in a row, or one at an end): write the tags as a,b,c"
-    long = next((tag for tag in tags if len(tag) > MAX_TAG), None)
-    if long:
-        return f"the tag {long[:24]!r}... is {len(long)} characters long; wandb takes at most {MAX_TAG}"
-    return ""
 
 
 def run_tags(cfg, recorded: list[str] | None = None) -> list[str]:
