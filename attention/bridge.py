@@ -16,7 +16,7 @@ added. bridge_fusion=union (the paper's 7B probe): one softmax over the union of
 
 Kernels (attention/kernels.py), never n x n: in the branch form the block path runs block by block (the
 chunked kernel's b x b tiles on CPU, FlexAttention's block mask on CUDA) and the bridge path window by window
-(window_attention: one batched SDPA call over one tile per boundary, its write-back rows by its sources:
+(attention/ops/window.py: one batched SDPA call over one tile per boundary, its write-back rows by its sources:
 (w/2) x w for pbb, e x (b + e) for se_bridge, w x w for bridge), on every backend but the dense reference.
 The union form runs the chunked kernel's band on CPU and FlexAttention on CUDA.
 """

@@ -30,6 +30,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from attention.kernels import layer_scores
+
 
 @runtime_checkable
 class EdgeCounts(Protocol):
@@ -139,8 +141,6 @@ def resolved_settings(mixer, seq_len: int, device, dtype) -> dict:
     if declared is not None:
         return declared(seq_len, device, dtype)
     if getattr(mixer, "backend", None) == "auto" and hasattr(mixer, "plan"):
-        from attention.kernels import layer_scores
-
         kernels, _ = layer_scores(mixer, seq_len, device)
         if kernels != "its own kernel":
             return {"attn_backend": kernels}

@@ -6,7 +6,7 @@ that single predicate, never written again:
 
     dense_mask(positions)      the reference mask of the dense backend and of cached decoding
     mask_mod()                 FlexAttention's mask_mod(b, h, q_idx, kv_idx) for block masks
-    the block-sparse tiles     attention/kernels.py evaluates allowed() on each query block's candidate key
+    the block-sparse tiles     attention/ops/blocks.py evaluates allowed() on each query block's candidate key
                                blocks (the chunked kernel's tiles, FlexAttention's block masks)
     count_edges(n)             score accounting (scripts/mask_stats.py)
 

@@ -2,20 +2,21 @@
 004 §6.9), through transformers' attention-function registry (`AttentionInterface`).
 
     from transformers import AutoModelForCausalLM
-    from attention.hf import use_variant_attention
+    from eval.hf_model import use_variant_attention
 
     model = AutoModelForCausalLM.from_pretrained("Qwen/Qwen3-8B", torch_dtype="bfloat16")
     use_variant_attention(model, attn_pattern="pbb,pbb,pbb,full", block_len=128, bridge_width=128)
     use_variant_attention(model, attn_pattern="sa", swa_window=256)          # or swa, block, mswa, se_bridge, ...
     use_variant_attention(model, attn_pattern="moba", moba_block=128, moba_topk=2)
 
-The layer pattern comes from the training config's keys (`attn_pattern` repeated over the model's layers,
-`swa_window`, `block_len`, `bridge_width`, `bridge_fusion`, `sa_mode`, `sa_seed`, `moba_block`, ...), mapped by each HF
-attention module's `layer_idx`; the model's own projections, RoPE, norms and scaling stay its own. q and k arrive
-rotated at their original positions (what sa needs), k and v are repeated for grouped-query attention, and a
-`scaling` other than 1/sqrt(head_dim) is folded into q. What the variants cannot honour is refused: logit
-soft-capping, attention sinks, padded batches (score sequences one at a time, or batch equal lengths), mixers
-with trained parameters of their own (sa_swa's gates, attn_gate, the recurrent mixers).
+use_variant_attention (eval/hf_model.py) builds the layers' ModelConfig over the model's own shape (variant_config)
+and hands it to use_variant_layers here. The layer pattern comes from the training config's keys (`attn_pattern`
+repeated over the model's layers, `swa_window`, `block_len`, `bridge_width`, `bridge_fusion`, `sa_mode`, `sa_seed`,
+`moba_block`, ...), mapped by each HF attention module's `layer_idx`; the model's own projections, RoPE, norms and
+scaling stay its own. q and k arrive rotated at their original positions (what sa needs), k and v are repeated for
+grouped-query attention, and a `scaling` other than 1/sqrt(head_dim) is folded into q. What the variants cannot
+honour is refused: logit soft-capping, attention sinks, padded batches (score sequences one at a time, or batch
+equal lengths), mixers with trained parameters of their own (sa_swa's gates, attn_gate, the recurrent mixers).
 
 Decoding (`hf_decode`): `full` (paper 000's protocol) applies the variant to the prompt's forward only and
 decodes over the full KV cache; `variant` keeps each layer's rule while decoding (recomputed over the cache
@@ -31,44 +32,26 @@ import math
 import torch
 
 from attention.capabilities import pretrained_problem
-from attention.kernels import masked_attention, repeat_kv
-from attention.registry import build_mixer, validate_config
+from attention.ops.dense import masked_attention, repeat_kv
+from attention.registry import build_mixer
 
 HF_ATTENTION = "efficient_attention"  # the name under which the function is registered in transformers
 HF_DECODE = ("full", "variant")
 
 
-def variant_config(model, **settings):
-    """The ModelConfig of `settings` (attention keys) over the transformers model's own shape."""
-    from config import ModelConfig
-
-    text = model.config.get_text_config()
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(text, key, None):
-            raise ValueError(f"the model sets {key}={getattr(text, key)}: the variants' kernels have no logit "
-                             "soft-capping, and ignoring it would change the model")
-    heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    shape = {"n_layer": text.num_hidden_layers, "n_head": heads, "n_embd": heads * head_dim, "pos_embedding": "none",
-             "vocab_size": 1}
-    unknown = set(settings) - set(ModelConfig.__dataclass_fields__) | set(settings) & set(shape)
-    if unknown:
-        raise ValueError(f"{', '.join(sorted(unknown))}: not an attention setting here (the model's own shape is used)")
-    # block_size: the context the bridges' boundaries are laid over (theirs are those of the model's context)
-    config = ModelConfig(**shape, **{"block_size": getattr(text, "max_position_embeddings", 1 << 20), **settings})
-    validate_config(config)
-    return config
+def check_hf_decode(hf_decode: str) -> None:
+    if hf_decode not in HF_DECODE:
+        raise ValueError(f"hf_decode={hf_decode!r}: expected one of {', '.join(HF_DECODE)}")
 
 
-def use_variant_attention(model, hf_decode: str = "full", **settings) -> list:
-    """Make every attention layer of a transformers causal LM run the variant of `settings` (ModelConfig keys)
-    for its layer index; returns the per-layer mixers (their rules, and sa's `last_order` after a forward)."""
+def use_variant_layers(model, config, hf_decode: str = "full") -> list:
+    """Make every attention layer of a transformers causal LM run the layer that `config` (a ModelConfig over the
+    model's own shape: eval/hf_model.py's variant_config) builds at its layer index; returns the per-layer mixers
+    (their rules, and sa's `last_order` after a forward)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    if hf_decode not in HF_DECODE:
-        raise ValueError(f"hf_decode={hf_decode!r}: expected one of {', '.join(HF_DECODE)}")
-    config = variant_config(model, **settings)
+    check_hf_decode(hf_decode)
     n_layer = config.n_layer
     with torch.device("meta"):  # the mixers' own projections are never used: only their rules and kernels
         mixers = [build_mixer(config, i) for i in range(n_layer)]

@@ -13,8 +13,10 @@ from torch import nn
 
 from attention.cache import KVCache, RollingKVCache
 from attention.capabilities import EdgeCounts, own_state_problem
-from attention.edges import EdgeRule
-from attention.kernels import BACKENDS, attend_planned, masked_attention, plan_attention, repeat_kv
+from attention.edges import AnyOf, EdgeRule
+from attention.kernels import BACKENDS, attend_planned, plan_attention
+from attention.memory import attention_saved
+from attention.ops.dense import masked_attention, repeat_kv
 from attention.registry import Mixer
 from attention.rope import apply_rope
 
@@ -116,7 +118,7 @@ class MaskedAttention(Attention):
 
     def score_mod(self, device):
         """FlexAttention-style score_mod(score, b, h, q_idx, kv_idx) for tensors on device, or None (see
-        attention/kernels.py). Return the same function object at every call: compiled flex recompiles for a
+        attention/ops/score_mod.py). Return the same function object at every call: compiled flex recompiles for a
         new one."""
         return None
 
@@ -153,8 +155,6 @@ class MaskedAttention(Attention):
 
     def edge_rule(self) -> EdgeRule:
         """Every edge of the layer as one rule (the union of its paths): for coverage and reachability."""
-        from attention.edges import AnyOf
-
         paths = self.paths()
         return paths[0] if len(paths) == 1 else AnyOf(paths)
 
@@ -178,6 +178,4 @@ class MaskedAttention(Attention):
 
     def saved_activations(self, config, kernels, B, T):
         # derived from the rules and kernels: a new variant under edge rules has its estimate for free
-        from attention.memory import attention_saved
-
         return attention_saved(self, config, kernels, B, T)

@@ -178,9 +178,9 @@ class KeyPrefixRule(EdgeRule):
     """`rule` over a key sequence with a prefix: key slots 0 .. P - 1 hold copies of the keys `prefix_keys` (P a
     multiple of `block`, padded with -1), slots P .. P + n - 1 every key in order. A (query block, key block)
     pair marked in `from_prefix` (nb x nb) reads its edges from the prefix copies, every other pair from the
-    keys in place, so each edge is attended once. FlexAttention's compacted order (attention/kernels.py:
-    key_prefix): the few keys far queries attend (summary columns, sinks) cost each query block one block of
-    copies instead of every key block that holds one."""
+    keys in place, so each edge is attended once. FlexAttention's compacted order
+    (attention/ops/flex/block_mask.py: key_prefix): the few keys far queries attend (summary columns, sinks)
+    cost each query block one block of copies instead of every key block that holds one."""
 
     rule: EdgeRule = None
     prefix_keys: torch.Tensor = None

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from attention.edges import Causal
-from attention.kernels import block_structure, resolve_backend
+from attention.kernels import resolve_backend
+from attention.ops.blocks import block_structure
 
 F32 = 4  # bytes of a float32 element: the residual stream, norms' statistics, recurrent states, the loss
 
@@ -117,7 +118,7 @@ def attention_saved(mixer, m, k: Kernels, B: int, T: int) -> tuple[dict[str, int
 
 
 def window_path_saved(rule, k: Kernels, B: int, H: int, D: int, T: int) -> dict[str, int]:
-    """The bridge path of branch fusion (attention/kernels.py: window_attention): one (R rows x K keys) tile
+    """The bridge path of branch fusion (attention/ops/window.py: window_attention): one (R rows x K keys) tile
     per boundary window j < J, gathered by index_select and run through one masked SDPA call, then scattered
     back by index_copy, which keeps its source (the tile rows inside the sequence) for backward.
 

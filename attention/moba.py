@@ -31,8 +31,9 @@ import torch.nn.functional as F
 from attention import simulate_cuda
 from attention.cache import KVCache
 from attention.edges import chosen_block_edges
-from attention.kernels import masked_attention, span_available
+from attention.kernels import span_available
 from attention.layer import Attention
+from attention.ops.dense import masked_attention
 from attention.ops.moba.naive import chosen_mask, moba_choose  # the choice and its mask, beside their kernels
 from attention.ops.moba.op import moba_attention
 from attention.memory import linear_inputs, padded, rope_tables

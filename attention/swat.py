@@ -18,8 +18,8 @@ each sign (under `paper` the first `neg` heads are negative). Magnitudes:
            SWAT (-)/(+)). Their code's slopes are flash-attention's, which subtract slope * (i - j): its
            negative values are this module's positive slopes.
     none   no ALiBi (RoPE alone, or no position information at all)
-The bias lives in the kernels as a ScoreBias (attention/kernels.py), computed inside each chunk, never as an
-n x n matrix. Sliding-window training is plain: block_size (the training length T) is independent of
+The bias lives in the kernels as a ScoreBias (attention/ops/score_mod.py), computed inside each chunk, never as
+an n x n matrix. Sliding-window training is plain: block_size (the training length T) is independent of
 swa_window (w), and evaluation may use other lengths and windows (python -m eval --ppl_windows).
 """
 
@@ -29,8 +29,8 @@ import math
 
 import torch
 
-from attention.kernels import ScoreBias
 from attention.local import SlidingWindowAttention
+from attention.ops.score_mod import ScoreBias
 from attention.registry import Setting, register
 
 SWAT_ACTIVATION = Setting("swat_activation", str, "sigmoid", "swat: sigmoid (paper 001, no normalisation) | softmax "

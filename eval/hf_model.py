@@ -17,9 +17,39 @@ import torch
 from torch import nn
 
 from attention.capabilities import set_window
-from attention.hf import use_variant_attention, variant_config
+from attention.hf import check_hf_decode, use_variant_layers
+from attention.registry import validate_config
+from config import ModelConfig
+from data.tokenizer import TokenizerUnavailable, get_tokenizer
 from model import sample_next
 from runtime.pretrained import PretrainedError
+
+
+def variant_config(model, **settings):
+    """The ModelConfig of `settings` (attention keys) over the transformers model's own shape."""
+    text = model.config.get_text_config()
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(text, key, None):
+            raise ValueError(f"the model sets {key}={getattr(text, key)}: the variants' kernels have no logit "
+                             "soft-capping, and ignoring it would change the model")
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    shape = {"n_layer": text.num_hidden_layers, "n_head": heads, "n_embd": heads * head_dim, "pos_embedding": "none",
+             "vocab_size": 1}
+    unknown = set(settings) - set(ModelConfig.__dataclass_fields__) | set(settings) & set(shape)
+    if unknown:
+        raise ValueError(f"{', '.join(sorted(unknown))}: not an attention setting here (the model's own shape is used)")
+    # block_size: the context the bridges' boundaries are laid over (theirs are those of the model's context)
+    config = ModelConfig(**shape, **{"block_size": getattr(text, "max_position_embeddings", 1 << 20), **settings})
+    validate_config(config)
+    return config
+
+
+def use_variant_attention(model, hf_decode: str = "full", **settings) -> list:
+    """Make every attention layer of a transformers causal LM run the variant of `settings` (ModelConfig keys)
+    for its layer index; returns the per-layer mixers (their rules, and sa's `last_order` after a forward)."""
+    check_hf_decode(hf_decode)  # a wrong mode is named before the settings are checked
+    return use_variant_layers(model, variant_config(model, **settings), hf_decode)
 
 
 class VariantLM(nn.Module):
@@ -83,13 +113,11 @@ def load_pretrained_lm(source: str, settings: dict, dtype: str = "float32", devi
                        context: int = 2048, hf_decode: str = "full", tokenizer: str = ""):
     """(VariantLM, tokenizer) of a hub name or a folder written by save_pretrained. The tokenizer (data.tokenizer
     interface) is the model's own tokenizer.json unless `tokenizer` names another."""
-    from data.tokenizer import TokenizerUnavailable, get_tokenizer
-
     try:
         from transformers import AutoModelForCausalLM
     except ImportError:
         raise PretrainedError("--hf needs transformers: pip install -r requirements.txt") from None
-    from runtime import hf_gpt
+    from runtime import hf_gpt  # imports transformers, checked above
 
     try:
         hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype))

@@ -41,10 +41,10 @@ if not __package__:  # run as a file, the project's modules cannot be imported: 
 from attention.capabilities import EdgeCounts, KernelBench  # noqa: E402
 from attention.kernels import AttentionPlan, layer_scores  # noqa: E402
 from attention.registry import build_mixer, example_cases  # noqa: E402
-from runtime.checkpoint import write_json  # noqa: E402
-from config import (ConfigError, ModelConfig, apply_args, dataclass_fields, exit_on_config_error,  # noqa: E402
-                    set_value, validate)
+from config import (Config, ConfigError, ModelConfig, apply_args, dataclass_fields,  # noqa: E402
+                    exit_on_config_error, set_value, validate)
 from runtime.machine import busy_note  # noqa: E402
+from runtime.outputs import write_json  # noqa: E402
 
 
 @dataclass
@@ -69,8 +69,6 @@ class BenchConfig:
 
 def variant_config(spec: str, b: BenchConfig, n: int) -> ModelConfig:
     """The model of a variant spec (CASE[:KEY=VALUE...]), checked as a training config is (n: the length)."""
-    from config import Config
-
     name, *pairs = spec.split(":")
     cases = example_cases(b.window)
     if name not in cases:

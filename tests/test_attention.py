@@ -13,7 +13,10 @@ from torch.utils._pytree import tree_flatten
 
 from attention.edges import (AnyOf, BoundaryWindows, Causal, EdgeRule, FixedBlock, GlobalKeys, SlidingWindow,
                              head_values)
-from attention.kernels import FLEX_MIN_HEAD_DIM, attend, chunked_attention, dense_attention, resolve_backend
+from attention.kernels import attend, resolve_backend
+from attention.ops.chunked.op import chunked_attention
+from attention.ops.dense import dense_attention
+from attention.ops.flex.op import FLEX_MIN_HEAD_DIM
 from config import ConfigError, ModelConfig, load_config
 from conftest import REPO, generator
 from model import GPT
@@ -204,7 +207,7 @@ def test_auto_backend():
 
 
 def test_block_sparse_layout_keeps_only_key_blocks_with_edges():
-    from attention.kernels import block_structure
+    from attention.ops.blocks import block_structure
 
     n, c = 1024, 64
     window = block_structure(SlidingWindow(128), n, c, 1, "cpu")
@@ -360,7 +363,8 @@ def test_the_kernels_scores_are_counted_against_the_edges_so_a_costly_rule_shows
     swa's band costs 1.5x its edges, plain causal attention 1.0x, and a rule written as allowed() alone whose
     far keys a block layout cannot skip (a summary column in every earlier block) about as much, compacted;
     scripts/mask_stats.py prints the same ratios for a config's layers."""
-    from attention.kernels import _flex_scores, computed_scores, flex_block_mask, plan_attention
+    from attention.kernels import _flex_scores, computed_scores, plan_attention
+    from attention.ops.flex.block_mask import flex_block_mask
 
     n, heads = 4096, 2
     ratios = {}
@@ -468,15 +472,15 @@ def test_eager_flex_runs_compiled_even_where_the_caller_forces_eager(monkeypatch
     # train.py's probes run the model under torch.compiler.set_stance("force_eager") (its compiled blocks would
     # recompile for every probe length); the flex call inside must still run compiled, or on a GPU it would
     # build (B, H, n, n) scores. Compiled flex runs on CPU too, forward only, which this checks
-    import attention.kernels as kernels
+    import attention.ops.flex.op as flex_op
     from torch._dynamo.utils import counters
 
-    monkeypatch.setattr(kernels, "COMPILE_EAGER_FLEX", True)
+    monkeypatch.setattr(flex_op, "COMPILE_EAGER_FLEX", True)
     torch._dynamo.reset()
     counters.clear()
     q, k, v = (t.detach() for t in qkv(200, heads=2, dim=16, dtype=torch.float32))
     with torch.compiler.set_stance("force_eager"):
-        out = kernels.flex(q, k, v, SlidingWindow(32))
+        out = flex_op.flex(q, k, v, SlidingWindow(32))
     assert counters["frames"]["ok"] >= 1  # flex_attention was compiled, not run eagerly
     torch.testing.assert_close(out, dense_attention(q, k, v, SlidingWindow(32), torch.arange(200)), atol=1e-5,
                                rtol=1e-4)

@@ -10,7 +10,9 @@ import torch
 
 from attention import validate_config
 from attention.edges import AnyOf, BoundaryWindows, FixedBlock
-from attention.kernels import _window_plan, attend, dense_attention
+from attention.kernels import attend
+from attention.ops.dense import dense_attention
+from attention.ops.window import _window_plan
 from config import ModelConfig
 from conftest import REPO, load_script
 from model import GPT

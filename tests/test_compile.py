@@ -9,9 +9,11 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
-import attention.kernels as kernels
+import attention.ops.flex.op as kernels
 from attention.edges import AnyOf, BoundaryWindows, FixedBlock, HeadWindows, SlidingWindow
-from attention.kernels import attend, dense_attention, flex_block_mask, plan_attention
+from attention.kernels import attend, plan_attention
+from attention.ops.dense import dense_attention
+from attention.ops.flex.block_mask import flex_block_mask
 from config import ModelConfig
 from conftest import REPO
 from model import GPT

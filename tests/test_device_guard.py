@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from attention.edges import SlidingWindow
-from attention.kernels import attend, dense_attention
+from attention.kernels import attend
+from attention.ops.dense import dense_attention
 from conftest import DeviceGuard, generator
 
 

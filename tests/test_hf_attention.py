@@ -6,11 +6,11 @@ import pytest
 import torch
 import transformers
 
-from attention.hf import use_variant_attention
 from attention.kernels import attend
 from attention.moba import MixtureOfBlockAttention, moba_choose, moba_dense
 from attention.stochastic import StochasticAttention, stochastic_attention
 from conftest import run_python as run, train_subprocess
+from eval.hf_model import use_variant_attention
 from scripts.gpucheck import tiny_hf
 
 LLAMA_LIKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from attention.edges import AnyOf, EdgeRule, GlobalKeys, SlidingWindow, head_values
-from attention.kernels import attend, attend_planned, computed_scores, dense_attention, plan_attention
+from attention.kernels import attend, attend_planned, computed_scores, plan_attention
 from attention.layouts import Layout, from_layout, layout_groups, residue_layout, to_layout
+from attention.ops.dense import dense_attention
 from conftest import REPO
 from model import GPT
 from config import ModelConfig

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from attention.edges import HeadWindows
-from attention.kernels import attend, dense_attention
+from attention.kernels import attend
 from attention.mswa import mswa_windows
+from attention.ops.dense import dense_attention
 from config import ConfigError, ModelConfig, load_config
 from conftest import REPO
 from model import GPT

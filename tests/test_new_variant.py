@@ -22,7 +22,8 @@ VARIANT = DOC.read_text().split("## One file", 1)[1].split("```python\n", 1)[1].
 # run inside the copy: the kernels against dense (forward and backward), cached generation, no n x n tensor
 CHECKS = '''
 import torch
-from attention.kernels import attend, dense_attention
+from attention.kernels import attend
+from attention.ops.dense import dense_attention
 from attention.registry import MIXERS
 from config import ModelConfig
 from model import GPT

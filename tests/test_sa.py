@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from attention.edges import PermutedWindow, SlidingWindow, StochasticWindow, stochastic_halo
-from attention.kernels import flex_block_mask
+from attention.ops.flex.block_mask import flex_block_mask
 from attention.stochastic import inverse_permutation, stochastic_attention, stochastic_edge_count
 from config import ModelConfig, load_config
 from conftest import REPO, generator

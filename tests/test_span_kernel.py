@@ -1,6 +1,6 @@
 """Span attention (attention/ops/span): its Triton kernels, run here under Triton's interpreter on CPU tensors
 (conftest sets TRITON_INTERPRET=1 without a GPU), against the project's dense reference over the rule's own edges
-(attention/kernels.py: dense_attention), forward and backward, at odd sizes; and the spans it derives from rules."""
+(attention/ops/dense.py: dense_attention), forward and backward, at odd sizes; and the spans it derives from rules."""
 
 import math
 
@@ -9,7 +9,8 @@ import torch
 
 from attention.edges import (AnyOf, BoundaryWindows, Causal, FixedBlock, GlobalKeys, HeadWindows, PermutedWindow,
                              SlidingWindow)
-from attention.kernels import dense_attention, plan_attention, attend_planned
+from attention.kernels import attend_planned, plan_attention
+from attention.ops.dense import dense_attention
 from attention.ops.span import op
 from attention.ops.span.naive import span_attention_naive, span_mask
 from attention.ops.span.spans import KEY_GROUP, band_spans, rule_spans, span_scores, spans_problem, static_spans

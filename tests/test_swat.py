@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from attention.edges import SlidingWindow
-from attention.kernels import ScoreBias, attend, chunked_attention
+from attention.kernels import attend
+from attention.ops.chunked.op import chunked_attention
+from attention.ops.score_mod import ScoreBias
 from attention.swat import AlibiBias, parse_bias, swat_slopes
 from config import ConfigError, ModelConfig, load_config
 from conftest import REPO, generator
@@ -324,7 +326,7 @@ def test_flex_sigmoid_score_mod_is_logsigmoid_without_its_cuda_buffer_op():
     # cannot batch (swat failed so under aot_eager on an H200). The score_mod is log(sigmoid) from pointwise ops
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from attention.kernels import _flex_score_mod
+    from attention.ops.flex.op import _flex_score_mod
 
     mod = _flex_score_mod(None, 0, "sigmoid")
     s = torch.cat([torch.linspace(-120, 120, 2001), torch.tensor([0.0, -1e-8, 1e-8, 88.0, -88.0])])

@@ -11,10 +11,16 @@ from pathlib import Path
 import torch
 
 from attention import simulate_cuda
-from runtime.checkpoint import write_json
+from attention.edges import Causal
+from attention.kernels import plans_in, span_available
+from attention.layer import Attention
+from attention.ops.span.spans import spans_problem
+from attention.registry import build_mixer, example_cases, pattern_names
+from config import ModelConfig
+from runtime.outputs import write_json
 from scripts.gpucheck.context import StepContext, outcome
 from scripts.gpucheck.options import (BACKEND_CONTEXT, BACKEND_HEADS, BACKEND_WINDOW, FULL, REDUCED, TOLERANCE,
-                              CheckConfig)
+                                      CheckConfig)
 from scripts.gpucheck.processes import tail
 
 
@@ -55,10 +61,6 @@ def backend_families() -> dict[str, dict]:
     """The cases of the registry (example_cases) whose layers are attention that plans its kernels by backend
     (attention under edge rules, and sa's permuted window: Mixer.plan), each with its settings: the backends
     step compares every backend of each with the dense reference."""
-    from attention.kernels import plans_in
-    from attention.layer import Attention
-    from attention.registry import example_cases
-
     families = {}
     for name, settings in example_cases(BACKEND_WINDOW).items():
         mixers = family_mixers(settings, "dense")
@@ -71,11 +73,6 @@ def backend_families() -> dict[str, dict]:
 def family_mixers(settings: dict, backend: str, head_dim: int = 16, device="meta") -> list:
     """The layers of a case's model with attn_backend=backend, in evaluation mode, sa with its deterministic
     permutation (the same one under every backend)."""
-    from attention.registry import build_mixer
-    from config import ModelConfig
-
-    from attention.registry import pattern_names
-
     layers = len(pattern_names(settings["attn_pattern"]))
     config = ModelConfig(**{"arch": "llama", "n_layer": layers, "n_head": BACKEND_HEADS, "n_embd": BACKEND_HEADS * head_dim,
                             "block_size": BACKEND_CONTEXT, "bias": False, **settings, "attn_backend": backend,
@@ -87,10 +84,6 @@ def family_mixers(settings: dict, backend: str, head_dim: int = 16, device="meta
 def backend_cases(device: str, sizes: dict) -> list[tuple]:
     """(family, backend, dtype, n) of every comparison: float32 at its first length, then bfloat16, then the
     other float32 lengths (the broadest coverage first, in case the budget runs out)."""
-    from attention.edges import Causal
-    from attention.kernels import span_available
-    from attention.ops.span.spans import spans_problem
-
     plan = [("float32", n) for n in sizes["float32"][:1]] + [("bfloat16", n) for n in sizes["bfloat16"]] \
         + [("float32", n) for n in sizes["float32"][1:]]
     families = backend_families()

@@ -9,9 +9,14 @@ from dataclasses import dataclass
 import torch
 
 from attention import simulate_cuda
+from attention.capabilities import gpu_kernel
+from attention.kernels import plans_in
+from attention.registry import MIXERS, example_cases, layer_names
+from config import load_config
+from model import GPT
 from scripts.gpucheck.backends import backend_cases
 from scripts.gpucheck.options import (CALL_LIMIT_S, COMPILE_S, FULL, MARGIN, PROCESS_S, REDUCED_BUDGET_S, REPO, STEPS,
-                              TOTAL_LIMIT_S, gpu_kernel_mixers, grid_runs, train_runs)
+                                      TOTAL_LIMIT_S, gpu_kernel_mixers, grid_runs, train_runs)
 from scripts.gpucheck.steps import GPU_TESTS
 
 
@@ -56,12 +61,6 @@ def run_compiles(name: str) -> tuple[frozenset, frozenset, frozenset]:
     kernels (per specialisation: activation, order, ALiBi, dtype) and the GPU kernel
     packages it runs. The kernels each layer plans are read from the model as the CPU standing in for CUDA plans
     it (attention/simulate_cuda.py): no GPU is needed to count them."""
-    from attention.kernels import plans_in
-    from attention.capabilities import gpu_kernel
-    from attention.registry import MIXERS, layer_names
-    from config import load_config
-    from model import GPT
-
     size = FULL["train_runs"]
     options = dict(o[2:].split("=", 1) for o in train_runs(size["window"])[name])
     cfg = load_config(["configs/quickstart.py", "--arch=llama", "--bias=False", "--n_layer=2",
@@ -136,8 +135,6 @@ def step_estimate(name: str, gpus: int = 1, runs: str = "", after: frozenset = f
     """What step `name` compiles and runs at full size on one H100. gpus: how many the machine has; runs: train_runs'
     --runs; after: the steps run before it by the same command (whose compilations it then finds in the caches
     on disk: gpu_tests autotunes the GPU kernels' packages, train_runs compiles the riskiest run resume repeats)."""
-    from attention.registry import example_cases
-
     packages = len({kernel[2] for kernel in gpu_kernel_mixers().values()})
     window = FULL["train_runs"]["window"]
     if name == "preflight":

@@ -10,6 +10,7 @@ rowsum(dO * O), as FlashAttention's backward does for any split of the keys."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -36,8 +37,17 @@ def _block_d(D):
     return max(16, 1 << (D - 1).bit_length())
 
 
+@functools.cache
+def triton_kernels():
+    """The Triton kernels' module, imported on first use: Triton may be absent (span_available), and its
+    interpreter reads TRITON_INTERPRET as the kernels are defined."""
+    from attention.ops.moba import triton_kernels as kernels
+
+    return kernels
+
+
 def triton_choose(q, k, block: int, topk: int):
-    from attention.ops.moba.triton_kernels import moba_choose_kernel
+    moba_choose_kernel = triton_kernels().moba_choose_kernel
 
     B, H, n, D = q.shape
     n_blocks = -(-n // block)
@@ -82,7 +92,7 @@ class PairTiles:
 
 
 def triton_forward(q, k, v, chosen, block: int):
-    from attention.ops.moba.triton_kernels import moba_pairs_forward_kernel
+    moba_pairs_forward_kernel = triton_kernels().moba_pairs_forward_kernel
 
     B, H, n, D = q.shape
     spans = static_spans(FixedBlock(block), n, 1, 0, str(q.device))
@@ -108,7 +118,7 @@ def triton_forward(q, k, v, chosen, block: int):
 
 
 def triton_backward(grad, q, k, v, out, lse, chosen, block: int):
-    from attention.ops.moba.triton_kernels import moba_pairs_backward_kernel
+    moba_pairs_backward_kernel = triton_kernels().moba_pairs_backward_kernel
 
     B, H, n, D = q.shape
     grad = span_op.unit_stride(grad)

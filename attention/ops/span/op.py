@@ -13,7 +13,9 @@ import os
 import torch
 
 from attention import simulate_cuda
+from attention.edges import SlidingWindow
 from attention.ops.span.naive import span_attention_naive
+from attention.ops.span.spans import KEY_GROUP, static_spans
 
 TILES_ENV = "EFFICIENT_ATTENTION_SPAN_TILES"  # "BLOCK_M,BLOCK_N,WARPS,STAGES": another tiling, for benchmarks
 
@@ -75,8 +77,17 @@ def _common(q, k, spans_lo, order, slopes):
                 BLOCK_D=max(16, 1 << (D - 1).bit_length()))
 
 
+@functools.cache
+def triton_kernels():
+    """The Triton kernels' module, imported on first use: Triton may be absent (span_available), and its
+    interpreter reads TRITON_INTERPRET as the kernels are defined."""
+    from attention.ops.span import triton_kernels as kernels
+
+    return kernels
+
+
 def triton_forward(q, k, v, lo, hi, order, slopes, offset: float, sigmoid: bool):
-    from attention.ops.span.triton_kernels import span_forward_kernel
+    span_forward_kernel = triton_kernels().span_forward_kernel
 
     B, H, n, D = q.shape
     out = _layout_like_q(q)
@@ -96,7 +107,7 @@ def triton_forward(q, k, v, lo, hi, order, slopes, offset: float, sigmoid: bool)
 
 def triton_delta(grad, out):
     """rowsum(dO * O) (B, H, n) in float32: FlashAttention's backward preprocessing."""
-    from attention.ops.span.triton_kernels import span_delta_kernel
+    span_delta_kernel = triton_kernels().span_delta_kernel
 
     B, H, n, D = out.shape
     grad = unit_stride(grad)
@@ -110,7 +121,8 @@ def triton_delta(grad, out):
 
 def triton_backward(grad, q, k, v, out, lse, lo, hi, key_first, key_end, order, slopes, offset: float,
                     sigmoid: bool, delta=None):
-    from attention.ops.span.triton_kernels import KEY_GROUP, span_backward_kv_kernel, span_backward_q_kernel
+    span_backward_kv_kernel = triton_kernels().span_backward_kv_kernel
+    span_backward_q_kernel = triton_kernels().span_backward_q_kernel
 
     B, H, n, D = q.shape
     H_kv = k.shape[1]
@@ -231,9 +243,6 @@ def span_attention(q, k, v, spans, slopes=None, offset: float = 0.0, sigmoid: bo
 
 def _samples():
     """Arguments laid out as the layers pass them (heads-first views of (B, n, H, D) projections)."""
-    from attention.edges import SlidingWindow
-    from attention.ops.span.spans import static_spans
-
     generator = torch.Generator().manual_seed(0)
     B, H, n, D = 1, 2, 40, 16
     spans = static_spans(SlidingWindow(9), n, H, 0, "cpu")

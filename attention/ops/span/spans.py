@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from attention.edges import EdgeRule, edge_blocks
-from attention.ops.span.triton_kernels import KEY_GROUP
 
+KEY_GROUP = 16  # the granularity of the backward's plan: every block size of the kernels is a multiple of it
 ROWS_PER_SCAN = 256
 
 

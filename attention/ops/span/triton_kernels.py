@@ -20,7 +20,6 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-KEY_GROUP = 16  # the granularity of the backward's plan (spans.py): every block size is a multiple of it
 
 
 @triton.jit

@@ -1,0 +1,85 @@
+"""The dense reference every kernel is held to: explicit (B, H, Tq, Tk) scores under a rule's mask (or any boolean
+mask), in float32 or better, on any device, O(n^2); and SDPA under a boolean mask, through which the block-sparse
+kernels also run their tiles."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from attention import simulate_cuda
+from attention.edges import EdgeRule
+
+
+def repeat_kv(q, k, v):
+    """Grouped-query attention's k and v (B, H_kv, T, D) repeated to q's heads (each k/v head serves
+    H / H_kv consecutive query heads), for kernels that take one k/v head per query head."""
+    groups = q.shape[1] // k.shape[1]
+    if groups == 1:
+        return k, v
+    return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+
+
+def _apply_score_mod(scores, score_mod, q_pos, k_pos):
+    """scores (B, H, ..., Tq, Tk); q_pos (..., Tq, 1) and k_pos (..., 1, Tk) broadcast against its tail."""
+    B, H = scores.shape[:2]
+    extra = scores.dim() - 2
+    b = torch.arange(B, device=scores.device).view(B, *([1] * (extra + 1)))
+    h = torch.arange(H, device=scores.device).view(1, H, *([1] * extra))
+    return score_mod(scores, b, h, q_pos, k_pos)
+
+
+def masked_attention(q, k, v, mask, q_pos=None, k_pos=None, score_mod=None, activation="softmax",
+                     dropout_p: float = 0.0, fused: bool = True):
+    """Attention of q over k, v under a boolean mask broadcastable to (B, H, Tq, Tk) (or tiles of it).
+
+    fused: plain softmax goes through SDPA; otherwise explicit math in float32 (float64 for float64 inputs; under
+    autocast its matmuls in the autocast dtype), where a query with no allowed key gets a zero output (never NaN).
+    """
+    if fused and score_mod is None and activation == "softmax":
+        return _fused_softmax(q, k, v, mask, dropout_p)
+    k, v = repeat_kv(q, k, v)
+    compute = torch.promote_types(q.dtype, torch.float32)  # at least float32, float64 when given
+    scores = (q.to(compute) @ k.to(compute).transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if score_mod is not None:
+        scores = _apply_score_mod(scores, score_mod, q_pos.unsqueeze(-1), k_pos.unsqueeze(-2))
+    if activation == "softmax":
+        # the finite minimum (not -inf) keeps rows without any allowed key at exactly zero instead of NaN; of the
+        # scores' dtype, which autocast makes its own
+        probs = torch.softmax(scores.masked_fill(~mask, torch.finfo(scores.dtype).min), dim=-1) * mask
+    elif activation == "sigmoid":
+        probs = torch.sigmoid(scores) * mask
+    else:
+        raise ValueError(f"unknown attention activation {activation!r}: expected softmax or sigmoid")
+    if dropout_p > 0:
+        probs = F.dropout(probs, dropout_p)
+    return (probs @ v.to(compute)).to(q.dtype)
+
+
+def _sdpa(q, k, v, **options):
+    """F.scaled_dot_product_attention (grouped keys as needed); its output is laid out as CUDA's kernels lay it
+    out (not contiguous) on CUDA and on the CPU standing in for it."""
+    y = F.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[1] != q.shape[1], **options)
+    return simulate_cuda.sdpa_output_layout(y) if simulate_cuda.simulated(q.device) else y
+
+
+def _fused_softmax(q, k, v, mask, dropout_p=0.0):
+    """SDPA under a boolean mask; a query with no allowed key gets a zero output, as in the explicit path.
+
+    (SDPA alone returns NaN for such rows: here they attend to every key and their output is zeroed.)
+    """
+    has_key = mask.any(-1, keepdim=True)  # applied unconditionally: a data-dependent branch would sync GPUs
+    y = _sdpa(q, k, v, attn_mask=mask | ~has_key, dropout_p=dropout_p)
+    return y * has_key
+
+
+def dense_attention(q, k, v, rule: EdgeRule, q_pos, k_pos=None, key_valid=None, score_mod=None,
+                    activation="softmax", dropout_p: float = 0.0, fused: bool = False):
+    """The reference: explicit scores over all (query, key) pairs, masked by the rule."""
+    k_pos = q_pos if k_pos is None else k_pos
+    mask = rule.dense_mask(q_pos, k_pos, n_head=q.shape[1])
+    if key_valid is not None:
+        mask = mask & key_valid
+    return masked_attention(q, k, v, mask, q_pos, k_pos, score_mod, activation, dropout_p, fused=fused)

@@ -1,0 +1,46 @@
+"""The window kernel: softmax attention under a rule made of disjoint windows (EdgeRule.window_tiles: paper 004's
+bridge path), one batched SDPA call over one tile per window, its rows by its keys. Its reference is the dense
+one (attention/ops/dense.py)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from attention.edges import EdgeRule
+from attention.ops.dense import _fused_softmax
+
+
+def window_attention(q, k, v, rule: EdgeRule, dropout_p: float = 0.0, tiles=None):
+    """Softmax attention under a rule made of disjoint windows (EdgeRule.window_tiles), one (rows x keys) tile per
+    window, batched in one SDPA call: the cost is the windows' tiles, whatever n. Rows outside every window get
+    zero. The tiles' mask is the rule's allowed() at their positions. tiles: _window_plan(rule, n, device)."""
+    B, H, n, D = q.shape
+    q_index, k_index, mask, rows = _window_plan(rule, n, str(q.device)) if tiles is None else tiles
+    J, R, K = mask.shape
+    if J == 0:  # a sequence shorter than the first window's rows
+        return q * 0  # zero, with q's graph
+    tiles = lambda x, index, size: x.index_select(2, index).view(B, H * J, size, D)  # noqa: E731
+    y = _fused_softmax(tiles(q, q_index, R), tiles(k, k_index, K), tiles(v, k_index, K),
+                       mask.expand(H, J, R, K).reshape(H * J, R, K), dropout_p)
+    y = y.reshape(B, H, J * R, D).index_select(2, rows)  # the tiles' rows inside the sequence, in order
+    return q.new_zeros(B, H, n, D).index_copy(2, q_index.view(J * R).index_select(0, rows), y)
+
+
+@functools.lru_cache(maxsize=64)
+def _window_plan(rule: EdgeRule, n: int, device: str):
+    """Row and key positions of every window's tile (clamped into the sequence), the tiles' mask, and which
+    tile rows lie inside the sequence and are written back; built once per (rule, length, device), on the CPU
+    (no device sync)."""
+    first_row, first_key, R, K = rule.window_tiles(n)
+    q_pos = first_row[:, None] + torch.arange(R)  # (J, R)
+    k_pos = first_key[:, None] + torch.arange(K)  # (J, K)
+    mask = rule.allowed(q_pos[:, :, None], k_pos[:, None, :]) & (k_pos < n)[:, None, :]
+    # rows past the end or not written back by their window (the bridge kind's pre-boundary half at the
+    # configured context's end): any key keeps the fused kernel's rows non-empty; their output stays zero
+    dropped = (q_pos >= n) | ~mask.any(-1)
+    mask = mask | dropped[:, :, None]
+    rows = torch.nonzero(~dropped.flatten()).flatten()
+    to = lambda t: t.to(device)  # noqa: E731
+    return to(q_pos.clamp(max=n - 1).flatten()), to(k_pos.clamp(max=n - 1).flatten()), to(mask), to(rows)
