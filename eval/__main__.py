@@ -44,18 +44,25 @@ import torch  # noqa: E402
 
 from attention import simulate_cuda
 from attention.registry import used_settings
-from runtime.checkpoint import (CheckpointError, atomic_write, checkpoint_path, checkpoint_tokenizer_identity,
-                        describe_checkpoint, git_hash, load_model, run_tokenizer, write_json)
-from config import Config, ConfigError, apply_args, coerce, dataclass_fields, exit_on_config_error, resolve_device
+from config import (Config, ConfigError, ModelConfig, apply_args, coerce, dataclass_fields, exit_on_config_error,
+                    resolve_device)
+from data.embedded import documents
 from data.meta import DataError, load_meta, open_tokens, split_fingerprint, tokenizer_identity, tokenizer_mismatch
 from data.tokenizer import TokenizerUnavailable
 from eval import diagnostics as diagnostics_task
 from eval import niah as niah_task
 from eval import ppl as ppl_task
 from eval import recall as recall_task
+from eval.hf_model import load_pretrained_lm
 from eval.results import describe_settings, merged_report
+from eval.summaries import evaluation_summary
+from model import GPT
+from runtime.checkpoint import (CheckpointError, checkpoint_path, checkpoint_tokenizer_identity, describe_checkpoint,
+                                git_hash, load_model, run_tokenizer)
+from runtime.outputs import atomic_write, write_json
+from runtime.pretrained import PretrainedError
 from runtime.run_folder import held, holds_run, writable_folder_problem
-from runtime.wandb_run import report_evaluation
+from runtime.wandb_run import read_record, report_evaluation
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -117,8 +124,6 @@ def ints(text: str) -> list[int]:
 
 def parse(argv) -> tuple[EvalRunConfig, dict]:
     """The evaluation's settings, and the attention settings (model config keys) given for --hf."""
-    from config import ModelConfig
-
     model_fields = dataclass_fields(ModelConfig)
     is_setting = lambda arg: arg.startswith("--") and arg[2:].partition("=")[0].replace("-", "_") in model_fields
     e = EvalRunConfig()
@@ -238,8 +243,6 @@ def filler_text(tokens, eot_id: int, limit: int = 2_000_000) -> np.ndarray:
 def essay_text(e: EvalRunConfig, ctx, tokens_needed: int) -> str:
     """The natural text of the essay haystack: the run's validation text, the embedded corpus or a file."""
     if e.niah_haystack == "embedded":
-        from data.embedded import documents
-
         return "\n".join(documents(200, seed=e.seed))
     if e.niah_haystack != "val":
         return Path(e.niah_haystack).read_text(errors="replace")
@@ -387,8 +390,6 @@ def load_run(e: EvalRunConfig, device: str, dtype):
         """The same weights under a changed model config (e.g. another evaluation window)."""
         if not changes:
             return model
-        from model import GPT
-
         other = GPT(dataclasses.replace(cfg.model, **changes))
         other.load_state_dict(model.state_dict())
         return other.to(device=device, dtype=dtype).eval()
@@ -423,9 +424,6 @@ def data_record(e: EvalRunConfig, cfg: Config, data_dir, meta: dict) -> dict:
 
 def load_hf(e: EvalRunConfig, settings: dict, device: str, dtype_name: str):
     """The same for a Hugging Face model with a variant in its attention (eval/hf_model.py)."""
-    from config import Config
-    from eval.hf_model import load_pretrained_lm
-
     if e.window:
         settings = {**settings, e.window_key: e.window}
     model, tokenizer = load_pretrained_lm(e.hf, settings, dtype_name, device, e.hf_context, e.hf_decode,
@@ -438,8 +436,6 @@ def load_hf(e: EvalRunConfig, settings: dict, device: str, dtype_name: str):
 
 
 def main(argv):
-    from runtime.pretrained import PretrainedError
-
     # --wandb is where results go, not how they are computed: outside EvalRunConfig, whose fields make the setting
     wandb_args = [arg for arg in argv if arg.partition("=")[0] == "--wandb"]
     to_wandb = exit_on_config_error(coerce, "wandb", wandb_args[-1].partition("=")[2], bool) if wandb_args else True
@@ -504,8 +500,9 @@ def main(argv):
     atomic_write(eval_dir / "summary.md", lambda f: f.write(summary_markdown(eval_dir).encode()))
     done = [t for t in e.tasks.split(",") if t not in failed]
     print(f"wrote {', '.join(f'{t}.json' for t in done) or 'no task result'}; summary.md in {eval_dir}")
-    if to_wandb and done:  # into the summary of the wandb run the run trained in, if it logged to one
-        report_evaluation(e.out_dir, done)
+    # into the summary of the wandb run the run trained in, if it logged to one (only then are the results reread)
+    if to_wandb and done and read_record(e.out_dir) is not None:
+        report_evaluation(e.out_dir, evaluation_summary(e.out_dir, done))
     if failed:
         sys.exit(2)
 

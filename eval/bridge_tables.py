@@ -8,8 +8,12 @@ import json
 import math
 from pathlib import Path
 
+import torch
+
+from config import ModelConfig
 from eval.results import setting_items, setting_results, standing_setting
 from eval.stats import format_p, paired_comparison
+from model import GPT
 from runtime.outputs import save_figure
 from runtime.run_folder import read_metrics
 
@@ -54,11 +58,6 @@ def write_back(model_config: dict, family: str, n: int) -> int | None:
     """Positions given a bridge output (Table 2's coverage), from the layer itself."""
     if family not in ("bridge", "pbb", "se_bridge"):
         return None
-    import torch
-
-    from config import ModelConfig
-    from model import GPT
-
     cfg = ModelConfig(**{**model_config, "attn_pattern": family, "n_layer": 1, "vocab_size": 64})
     with torch.device("meta"):  # the layer's rule only: no weights
         mixer = GPT(cfg).blocks[0].mixer

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from attention.edges import BoundaryWindows, EdgeRule, FixedBlock
-from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error
+from attention.registry import build_mixer
+from config import ConfigError, ModelConfig, apply_args, dataclass_fields, exit_on_config_error
+from runtime.outputs import write_json
 
 VARIANTS = ("block", "swa", "bridge", "pbb", "se_bridge")
 
@@ -32,9 +34,6 @@ VARIANTS = ("block", "swa", "bridge", "pbb", "se_bridge")
 def rules(block: int, width: int, extension: int, context: int) -> dict[str, EdgeRule]:
     """Each variant's edges in one layer, as its mixer builds them (Mixer.edge_rule: bridges in their union
     form, every edge either path has)."""
-    from attention.registry import build_mixer
-    from config import ModelConfig
-
     settings = {"block_len": block, "swa_window": width, "bridge_width": width, "bridge_extension": extension}
     out = {}
     for name in VARIANTS:
@@ -163,8 +162,6 @@ def main(argv):
           f"(SWA only at (d, r) = {out['swa_not_se_witness_d_r']}, SE only at {out['se_not_swa_witness_d_r']})")
     print(f"PBB's coverage inside SE-Bridge's (e = h): {out['pbb_coverage_inside_se']}")
     if args.json:
-        from runtime.checkpoint import write_json
-
         write_json(out, args.json)
     ok = all(c["equals_closed_form"] for c in out["variants"].values())
     sys.exit(0 if ok else 1)

@@ -3,8 +3,8 @@
 `EfficientAttentionLM` is lm_eval's `HFLM` (`lm_eval --model hf`): tokenization, BOS and prefix tokens, context
 length and truncation, batching, rolling windows and generation are lm_eval's, so numbers are comparable with
 published lm_eval numbers. Only the model is this project's:
-- a training run's folder: its checkpoint as this project's transformers model (hf_gpt.py), its tokenizer as a
-  transformers tokenizer (export.hf_tokenizer: BOS = EOS = the run's end-of-text token, nothing added);
+- a training run's folder: its checkpoint as this project's transformers model (runtime/hf_gpt.py), its tokenizer as a
+  transformers tokenizer (runtime/hf_tokenizer.py: BOS = EOS = the run's end-of-text token, nothing added);
 - a Hugging Face model (hub name or folder) loaded by HFLM itself, with a variant in its attention layers
   (attention/hf.py, paper 000 §4.2) when attention settings are given; without them it is stock HFLM.
 
@@ -51,6 +51,12 @@ except ImportError as e:
         f"the lm-evaluation-harness adapter needs lm_eval ({e}): pip install -r requirements-eval.txt"
     ) from e
 
+from config import ModelConfig, dataclass_fields, set_value
+from eval.hf_model import use_variant_attention
+from runtime.checkpoint import run_tokenizer
+from runtime.hf_gpt import EfficientAttentionForCausalLM, generate_rows
+from runtime.hf_tokenizer import hf_tokenizer
+
 logger = logging.getLogger(__name__)
 
 MODEL_NAME = "efficient-attention-gpt"
@@ -65,8 +71,6 @@ def is_run_folder(path) -> bool:
 def attention_settings(raw: dict) -> dict:
     """The attention settings among model_args, typed as the model config types them (lm_eval passes strings or
     guessed types; a layer pattern comes with colons, since model_args is split at commas)."""
-    from config import ModelConfig, dataclass_fields, set_value
-
     typed, fields = ModelConfig(), dataclass_fields(ModelConfig)
     for key, value in raw.items():
         value = str(value).replace(":", ",") if key == "attn_pattern" else str(value)
@@ -78,8 +82,6 @@ def attention_settings(raw: dict) -> dict:
 class EfficientAttentionLM(HFLM):
     def __init__(self, pretrained, ckpt: str = "best", hf_decode: str = "full", device: str | None = "cuda",
                  **kwargs):
-        from config import ModelConfig, dataclass_fields
-
         model_keys = set(dataclass_fields(ModelConfig))
         settings = attention_settings({key: kwargs.pop(key) for key in list(kwargs) if key in model_keys})
         device = self._resolve_device(device)
@@ -89,10 +91,6 @@ class EfficientAttentionLM(HFLM):
             if settings:
                 raise ValueError(f"{', '.join(sorted(settings))}: a run is evaluated with the attention it was trained "
                                  "with; attention settings go with a Hugging Face model (pretrained=NAME_OR_FOLDER)")
-            from runtime.checkpoint import run_tokenizer
-            from export import hf_tokenizer
-            from runtime.hf_gpt import EfficientAttentionForCausalLM
-
             model, raw = EfficientAttentionForCausalLM.from_run(pretrained, ckpt, device or "cpu")
             dtype = kwargs.pop("dtype", None)
             if dtype not in (None, "auto"):
@@ -147,8 +145,6 @@ class EfficientAttentionLM(HFLM):
 
     def use_variant(self, hf_decode: str = "full", **settings):
         """Put the variant of these settings (model config keys) in the Hugging Face model's attention layers."""
-        from attention.hf import use_variant_attention
-
         mixers = use_variant_attention(self.model, hf_decode=hf_decode, **settings)
         self._variant = {"hf_decode": hf_decode, **settings}
         self._one_at_a_time_if_length_dependent(mixers)
@@ -158,8 +154,6 @@ class EfficientAttentionLM(HFLM):
         mask = generation_kwargs.get("attention_mask")
         if (self._variant is None and not self._run_info) or mask is None or bool(mask.all()):
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
-        from runtime.hf_gpt import generate_rows
-
         def generate_one(input_ids, attention_mask, max_length, **kwargs):
             return super(EfficientAttentionLM, self)._model_generate(input_ids, max_length, stop,
                                                                      attention_mask=attention_mask, **kwargs)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from data.tokenizer import get_tokenizer
 from eval import niah as niah_task
 from eval import ppl as ppl_task
 
@@ -25,8 +26,6 @@ def training_probes(model, tasks: list[str], lengths: list[int], val_tokens: np.
         for L in lengths:
             values[f"ppl@{L}"] = ppl_task.perplexity(model, docs, L, device=device, progress=False)["ppl"]
     if "niah" in tasks:  # RULER's niah_single_2 over the validation text, scored by ranking (no generation)
-        from data.tokenizer import get_tokenizer
-
         tokenizer = get_tokenizer(tokenizer_name)
         text = np.asarray(val_tokens[:4 * max(lengths, default=0) + 20_000], dtype=np.int64)
         essay = tokenizer.decode(text[text != eot_id])

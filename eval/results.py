@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from eval.niah import PROMPT_VERSION, average_rows
+
 
 # a cell: what one call computes as a unit, and may compute for several values at once (lengths, windows,
 # subtasks, probes); every row, per-example item and position profile of a task carries these keys
@@ -42,8 +44,6 @@ def evaluation_setting(task: str, e, data_dir, attention: dict | None = None) ->
     setting = {key: value for key, value in options.items() if key not in NOT_SETTINGS and own(key)}
     setting["data_dir"] = os.path.realpath(str(data_dir))
     if task == "niah":  # RULER's exact prompts (version 2) are another setting than the earlier wording
-        from eval.niah import PROMPT_VERSION
-
         setting["niah_prompt_version"] = PROMPT_VERSION
     if attention:
         setting["attention"] = attention
@@ -169,8 +169,6 @@ def merged_report(path: Path, task: str, result: dict, e, data_dir, provenance: 
             item.setdefault("setting", legacy)
         merged[key] = kept + new[key]
     if task == "niah":  # the subtask averages of this setting, over its cells as merged
-        from eval.niah import average_rows
-
         rows = [r for r in merged["rows"] if not (r.get("setting") == sid and r.get("kind") == "average")]
         merged["rows"] = rows + [{**r, "setting": sid} for r in average_rows([r for r in rows if r["setting"] == sid])]
     # results besides the items (the diagnostics' NLL profiles, the trained window): per setting; one this call

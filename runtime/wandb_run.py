@@ -2,7 +2,7 @@
 of it in the run folder (wandb.json), and evaluation results written back into it.
 
     run = start_run(cfg, out_dir, argv, mode, run_id=None, run=info, n_params=n)   # train.py, rank 0
-    report_evaluation(out_dir, ["ppl", "niah"])                                      # python -m eval
+    report_evaluation(out_dir, {"eval/ppl/ppl@L=1024": 21.3, ...})                 # python -m eval
 
 Runs are grouped by their recipe and scale and tagged with their variants and the papers those come from, so a
 project's runs can be filtered and grouped without naming each one; every row carries tokens_seen, the x-axis that
@@ -20,7 +20,9 @@ import re
 import sys
 from pathlib import Path
 
+from attention.registry import MIXERS, mixer_settings, pattern_names, used_settings
 from config import MAX_GROUP, split_tags
+from runtime.outputs import write_json
 
 REPO = Path(__file__).resolve().parent.parent
 RECORD = "wandb.json"  # in the run folder: the wandb run's id, project, mode, group and tags
@@ -96,8 +98,6 @@ def default_group(cfg, argv) -> str:
 def pattern_papers(attn_pattern: str) -> list[str]:
     """The papers (000 ... 004) a layer pattern comes from, as the registry's mixers say (Mixer.paper): the papers
     every one of its variants belongs to (swa,mlstm: 003, though swa alone is in 001, 002 and 003), else any of them."""
-    from attention.registry import MIXERS, pattern_names
-
     sets = [set(re.findall(r"\b\d{3}\b", MIXERS[name].paper)) for name in dict.fromkeys(pattern_names(attn_pattern))
             if name in MIXERS]
     sets = [papers for papers in sets if papers]  # full attention belongs to no paper in particular
@@ -108,8 +108,6 @@ def pattern_papers(attn_pattern: str) -> list[str]:
 
 def default_tags(attn_pattern: str) -> list[str]:
     """The variants of a pattern as written and as its layers run them (swax: swax, swa, mlstm), and its papers."""
-    from attention.registry import pattern_names
-
     written = [name.strip() for name in attn_pattern.split(",")]
     return list(dict.fromkeys([*written, *pattern_names(attn_pattern)])) + \
         [f"paper-{paper}" for paper in pattern_papers(attn_pattern)]
@@ -132,8 +130,6 @@ def run_config(cfg, **extra) -> dict:
     layers read (a swa run has swa_window and no moba_block), so the runs table's columns mean something for every
     run. config.json keeps every setting; scripts/compare.py reads either (a setting missing here is one no layer
     reads, which its tables leave out for such a run anyway)."""
-    from attention.registry import mixer_settings, used_settings
-
     config = cfg.to_dict()
     unread = mixer_settings() - used_settings(cfg.model)
     config["model"] = {key: value for key, value in config["model"].items() if key not in unread}
@@ -172,9 +168,7 @@ def start_run(cfg, out_dir: Path, argv, mode: str, run_id: str | None = None, re
     """wandb.init for a training run (rank 0): a resumed run continues its wandb run (the checkpoint's id, else the
     folder's record) with the group and tags it started with unless wandb_group / wandb_tags say otherwise; rows
     are plotted against tokens_seen. Writes the folder's wandb.json (an OSError says the folder cannot be written)."""
-    import wandb
-
-    from runtime.checkpoint import write_json
+    import wandb  # optional, and slow to import: only a run that logs to wandb needs it
 
     t = cfg.train
     recorded = (read_record(out_dir) or {}) if resuming else {}
@@ -195,35 +189,19 @@ def start_run(cfg, out_dir: Path, argv, mode: str, run_id: str | None = None, re
 
 # ---- evaluation results ------------------------------------------------------------------------------------------
 
-def evaluation_summary(out_dir, tasks) -> dict:
-    """{"eval/<task>/<column>": value}: each task's headline numbers as eval/compare.py summarises them (ppl per
-    length and window, niah's RULER score and rank accuracy per length, other tasks' metrics per length or overall).
-    Results on other data than the run's own validation split, or on --limit'ed examples, carry the label compare
-    gives them in the key ("ppl@L=1024 (data essay)"): never the run's own numbers."""
-    from eval import compare  # its summaries of eval/<task>.json are the numbers written (its tables' columns)
-
-    evals = compare.load_evals(Path(out_dir))
-    values = {}
-    for task in tasks:
-        if task in evals:
-            for column, (_, value) in compare.eval_summaries({task: evals[task]}).items():
-                values[f"eval/{task}/{column}"] = value
-    return values
-
-
 def note(message: str) -> None:
     print(f"note: {message}", file=sys.stderr)
 
 
-def report_evaluation(out_dir, tasks) -> None:
-    """Write the tasks' results (evaluation_summary) into the summary of the wandb run the run folder logged to,
-    resumed by id, in the mode it trained in (an online run that cannot be reached now: an offline copy to sync).
-    Nothing for a run that did not log to wandb; a note, and the local results only, when wandb cannot be used."""
+def report_evaluation(out_dir, values: dict) -> None:
+    """Write evaluation results, {"eval/<task>/<column>": value} (eval/summaries.py's evaluation_summary), into the
+    summary of the wandb run the run folder logged to, resumed by id, in the mode it trained in (an online run that
+    cannot be reached now: an offline copy to sync). Nothing for a run that did not log to wandb; a note, and the
+    local results only, when wandb cannot be used."""
     out_dir = Path(out_dir)
     record = read_record(out_dir)
     if record is None:
         return
-    values = evaluation_summary(out_dir, tasks)
     mode = resolved_mode(record.get("mode") or "online")
     if not values or mode == "disabled":
         return
@@ -237,7 +215,7 @@ def report_evaluation(out_dir, tasks) -> None:
     if problem:
         note(f"wandb is not reachable ({problem}): the results go to an offline copy of run {record['id']} instead")
         mode = "offline"
-    import wandb
+    import wandb  # optional: imported once package_problem has found it installed
 
     try:
         run = wandb.init(id=record["id"], project=record.get("project") or None, entity=record.get("entity") or None,

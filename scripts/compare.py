@@ -11,7 +11,7 @@ A run folder is a train.py out_dir (config.json, metrics.jsonl, eval/<task>.json
 keys that differ across the runs, parameters, tokens seen, the best validation and final training losses and one
 column per evaluation result; runs that differ only in `seed` form a group (mean +- std). What each column
 means, and how local folders and wandb runs become the same record: eval/compare.py, the library this is the
-command line of.
+command line of, and the modules it names.
 """
 
 import sys
@@ -22,9 +22,11 @@ if not __package__:  # run as a file, the project's modules cannot be imported: 
     sys.exit("run it from the repository root as a module: python -m scripts.compare ...")
 
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
-from eval.compare import (CompareError, build_tables, load_local_run, load_wandb_runs, paired,  # noqa: E402
-                          plot_all, plot_position_gain, position_gain, render, render_paired,
-                          render_position_gain, seed_group_records, warn)
+from eval.compare import CompareError, warn  # noqa: E402
+from eval.paired import paired, position_gain, render_paired, render_position_gain  # noqa: E402
+from eval.plots import plot_all, plot_position_gain, seed_group_records  # noqa: E402
+from eval.records import load_local_run, load_wandb_runs  # noqa: E402
+from eval.tables import build_tables, render  # noqa: E402
 from runtime.outputs import atomic_write, write_json  # noqa: E402
 
 

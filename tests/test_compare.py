@@ -12,7 +12,12 @@ import pytest
 
 from config import Config
 from conftest import load_script
+from eval.paired import paired, render_paired
+from eval.plots import plot_all, seed_group_records
+from eval.records import load_local_run, wandb_record
 from eval.stats import mcnemar_exact, mean_std, paired_bootstrap_ci, paired_comparison
+from eval.summaries import eval_summaries
+from eval.tables import build_tables, render
 
 REPO = Path(__file__).resolve().parent.parent
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -93,13 +98,6 @@ def table_rows(text, section="## Runs"):
         cells = [c.strip() for c in line.strip("|").split("|")]
         rows[cells[0]] = dict(zip(header, cells))
     return header, rows
-
-
-def load_compare():
-    """The comparison library (eval/compare.py); scripts/compare.py is its command line."""
-    from eval import compare
-
-    return compare
 
 
 # ---- stats ------------------------------------------------------------------------------------------------
@@ -316,14 +314,13 @@ def test_wandb_path_with_fake_api(monkeypatch, capsys, tmp_path):
     assert groups["full"]["best val loss"] == "2.1000 ± 0.1414"
     assert (tmp_path / "w" / "loss_curves.png").read_bytes()[:8] == PNG_SIGNATURE
     # the record is the same shape as a local run's: the table code takes plain dicts
-    record = load_compare().wandb_record(fake_runs[2])
+    record = wandb_record(fake_runs[2])
     assert record["train"] == [(10, 3.0), (20, 2.8), (30, 2.7)] and record["best_val_loss"] == 2.6
     with pytest.raises(compare.CompareError, match="no wandb runs"):
         compare.main(["--wandb", "ent/proj", "--runs", "missing"])
 
 
 def test_eval_summaries_are_per_length_and_generic():
-    compare = load_compare()
     evals = {
         "niah": {"rows": [{"kind": "single", "length": 64, "depth": 0.0, "n": 4, "acc_generate": 0.0, "acc_rank": 1.0},
                           {"kind": "multikey", "length": 64, "depth": 0.5, "n": 12, "acc_generate": 0.0,
@@ -337,7 +334,7 @@ def test_eval_summaries_are_per_length_and_generic():
                             {"kind": "copy", "length": 256, "acc": 0.25, "n": 10},
                             {"name": "overall", "score": 0.3}]},
     }
-    values = {k: v for k, (_, v) in compare.eval_summaries(evals).items()}
+    values = {k: v for k, (_, v) in eval_summaries(evals).items()}
     assert values == {"niah_rank@L=64": pytest.approx((4 * 1.0 + 12 * 0.5) / 16), "ppl@L=128": 2.5,
                       "probes_acc@L=128": pytest.approx(0.875), "probes_acc@L=256": 0.25, "probes_score": 0.3}
 
@@ -346,7 +343,6 @@ def test_what_a_new_user_should_not_be_misled_by(runs, tmp_path, capsys):
     """An unfinished run is marked; a step-0 loss is never "best"; the trained window's perplexity is the plain
     column; a setting is shown only for the runs whose mixers read it; the validation plot starts after step 0
     with the unigram baseline; no plot is written without data."""
-    compare = load_compare()
     full, _, swa = runs
     config = json.loads((swa / "config.json").read_text())
     config["model"].update({"swat_split": "8:4"})  # a swat setting: neither run's mixers read it
@@ -357,20 +353,20 @@ def test_what_a_new_user_should_not_be_misled_by(runs, tmp_path, capsys):
     ppl = json.loads((swa / "eval" / "ppl.json").read_text())
     ppl["results"]["trained_window"] = 32
     (swa / "eval" / "ppl.json").write_text(json.dumps(ppl))
-    full_record, swa_record = compare.load_local_run(full), compare.load_local_run(swa)
+    full_record, swa_record = load_local_run(full), load_local_run(swa)
     assert full_record["best_val_loss"] is None and "stopped at step 10 of 100" in full_record["incomplete"]
     assert swa_record["incomplete"] == ""
-    tables = compare.build_tables([full_record, swa_record])
+    tables = build_tables([full_record, swa_record])
     # swat_split: no run reads it; swa_window: only swa's layers read it, which tells it from full
     assert "swat_split" not in tables["diff_keys"] and "swa_window" in tables["diff_keys"]
     assert "swa_window" not in tables["rows"][0]["flat"] and tables["rows"][1]["flat"]["swa_window"] == 16
     assert "ppl@L=64" in tables["rows"][1]["cells"] and "ppl@L=64,w=32" not in tables["rows"][1]["cells"]
-    text = compare.render(tables)
+    text = render(tables)
     assert "full_s1 (incomplete: stopped at step 10 of 100)" in text
-    written = compare.plot_all([swa_record], tmp_path)
+    written = plot_all([swa_record], tmp_path)
     assert tmp_path / "loss_curves.png" in written
     empty = {**swa_record, "train": [], "val": [(0, 5.0)], "evals": {}}
-    assert compare.plot_all([empty], tmp_path / "none") == [] and not (tmp_path / "none" / "loss_curves.png").exists()
+    assert plot_all([empty], tmp_path / "none") == [] and not (tmp_path / "none" / "loss_curves.png").exists()
     assert "no training or validation losses to plot" in capsys.readouterr().err
 
 
@@ -433,10 +429,9 @@ def test_paired_cli_on_per_window_losses(runs, tmp_path):
 
 
 def test_plots_draw_a_seed_group_as_its_mean_over_seeds(runs, tmp_path):
-    compare = load_compare()
-    records = [compare.load_local_run(r) for r in runs]
-    tables = compare.build_tables(records)
-    plotted = {r["name"]: r for r in compare.seed_group_records(records, tables)}
+    records = [load_local_run(r) for r in runs]
+    tables = build_tables(records)
+    plotted = {r["name"]: r for r in seed_group_records(records, tables)}
     assert set(plotted) == {"full (2 seeds)", "swa_s1"}  # a group of several seeds is one series
     group = plotted["full (2 seeds)"]
     assert group["val"] == [(0, 5.0), (50, pytest.approx(1.8)), (100, pytest.approx(1.6))]  # VAL's means
@@ -444,7 +439,7 @@ def test_plots_draw_a_seed_group_as_its_mean_over_seeds(runs, tmp_path):
     at_64 = next(r for r in group["evals"]["ppl"]["rows"] if r["length"] == 64 and r["window"] is None)
     assert at_64["ppl"] == pytest.approx(3.15 + 64 / 512) and at_64["ppl_std"] == pytest.approx(mean_std([3.1, 3.2])[1])
     assert plotted["swa_s1"] is records[2]
-    written = compare.plot_all(list(plotted.values()), tmp_path)
+    written = plot_all(list(plotted.values()), tmp_path)
     assert {p.name for p in written} == {"loss_curves.png", "ppl_vs_length.png", "retrieval_vs_distance.png"}
 
 
@@ -452,7 +447,6 @@ def test_ppl_plot_keeps_every_marker_visible_at_one_length(runs, tmp_path, monke
     """Windows evaluated at one length are drawn at that length (never moved along the axis), as nested hollow
     markers of decreasing size so none hides another, and the trained window is the model as trained: one
     series, labelled as both."""
-    compare = load_compare()
     swa = runs[2]
     rows = [{"length": 256, "window": w, "ppl": p, "nll": 1.0, "tokens": 1000, "windows": 40}
             for w, p in ((None, 3.0), (8, 3.4), (16, 3.0), (32, 3.1))]
@@ -465,8 +459,8 @@ def test_ppl_plot_keeps_every_marker_visible_at_one_length(runs, tmp_path, monke
                             for line in axes[0].get_lines() if not line.get_label().startswith("training length")]
         return path
 
-    monkeypatch.setattr(compare, "_save", keep)
-    compare.plot_all([compare.load_local_run(swa)], tmp_path)
+    monkeypatch.setattr("eval.plots._save", keep)
+    plot_all([load_local_run(swa)], tmp_path)
     series = drawn["ppl_vs_length.png"]
     assert [s[0] for s in series] == ["swa_s1 (as trained, window 16)", "swa_s1 (window 8)", "swa_s1 (window 32)"]
     assert [s[1] for s in series] == [[256]] * 3  # each at its own length
@@ -478,7 +472,6 @@ def test_the_table_shows_what_ran_its_speed_and_its_wall_time(tmp_path):
     """Settings given as auto show what they became (config.json's resolved), and the training speed and wall time
     come from metrics.jsonl: the median tokens/s and MFU of the logged steps after each invocation's first, and
     the last elapsed_s."""
-    compare = load_compare()
     runs = [make_run(tmp_path, "full_s1", 1), make_run(tmp_path, "swa_s1", 1)]
     for run, positions, kernel, speeds in ((runs[0], "learned", "sdpa", [50.0, 900.0, 1000.0, 1100.0]),
                                            (runs[1], "rope", "chunked", [60.0, 1900.0, 2000.0, 2100.0])):
@@ -489,13 +482,13 @@ def test_the_table_shows_what_ran_its_speed_and_its_wall_time(tmp_path):
         lines = [{"step": 10 * (i + 1), "train_loss": 2.0, "tokens_per_s": v, "mfu": v / 1e4, "elapsed_s": 30.0 * i}
                  for i, v in enumerate(speeds)]
         (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    tables = compare.build_tables([compare.load_local_run(r) for r in runs])
+    tables = build_tables([load_local_run(r) for r in runs])
     assert "pos_embedding" in tables["diff_keys"] and "attn_backend" in tables["diff_keys"]
     rows = {row["run"]: row for row in tables["rows"]}
     assert rows["full_s1"]["flat"]["pos_embedding"] == "learned" and rows["swa_s1"]["flat"]["pos_embedding"] == "rope"
     assert rows["full_s1"]["cells"]["tokens/s"] == 1000.0 and rows["swa_s1"]["cells"]["tokens/s"] == 2000.0
     assert rows["full_s1"]["cells"]["MFU"] == pytest.approx(0.1) and rows["full_s1"]["cells"]["wall time"] == 90.0
-    text = compare.render(tables)
+    text = render(tables)
     assert "learned" in text and "rope" in text and "tokens/s" in text and "1,000" in text and "1.5 min" in text
     assert "auto" not in text.split("## Runs")[1].splitlines()[2]  # the header's first row: no "auto" value
 
@@ -505,18 +498,17 @@ def test_pooled_perplexity_cells_are_no_test_and_tiny_p_values_are_bounds(tmp_pa
     pooled row is labelled as no test and each length is a test of its own; a p-value under 1e-16 is a bound."""
     from eval.stats import format_p
 
-    compare = load_compare()
     runs = [make_run(tmp_path, "full_s1", 1), make_run(tmp_path, "swa_s1", 1)]
     for run, shift in zip(runs, (0.0, 0.05)):
         data = json.loads((run / "eval" / "ppl.json").read_text())
         data["per_example"] = [{"id": f"L{n}/{i}", "cell": f"L{n}", "length": n, "nll": 1.0 + shift + 0.001 * (i % 7)}
                                for n in (128, 256) for i in range(64)]
         (run / "eval" / "ppl.json").write_text(json.dumps(data))
-    records = [compare.load_local_run(r) for r in runs]
-    result = compare.paired(records[0], records[1], "ppl", key="nll", n_boot=200)
+    records = [load_local_run(r) for r in runs]
+    result = paired(records[0], records[1], "ppl", key="nll", n_boot=200)
     assert result["by"] == "cell" and set(result["groups"]) == {"L128", "L256"}
     assert "not independent" in result["all"]["not_a_test"] and result["all"]["n"] == 128
-    text = compare.render_paired(result)
+    text = render_paired(result)
     all_row = next(line for line in text.splitlines() if "| all " in line)
     assert "not a test" in all_row and "e-" not in all_row.split("|")[-3]
     assert format_p(0.0) == "< 1e-16" and format_p(3e-20) == "< 1e-16" and format_p(0.0123) == "0.0123"

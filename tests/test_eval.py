@@ -274,7 +274,11 @@ def other_data(tmp_path_factory):
 def test_evaluations_on_other_data_are_labelled_and_never_the_runs_own(tiny_run, other_data, tmp_path):
     """Perplexity on other data than the run's own validation split never sits in the plain column, in the
     summary, in the plots or in a paired test: it is named by its data, however recently it was computed."""
-    from eval import compare
+    from eval.compare import CompareError
+    from eval.paired import paired
+    from eval.plots import ppl_series
+    from eval.records import load_local_run
+    from eval.summaries import eval_summaries
 
     run = copy_run(tiny_run, tmp_path / "run")
     run_eval(run, "--tasks=ppl", "--ppl_lengths=32")
@@ -287,26 +291,27 @@ def test_evaluations_on_other_data_are_labelled_and_never_the_runs_own(tiny_run,
     ppl = {name: next(r["ppl"] for r in report["results"]["rows"] if r["setting"] == sid)
            for name, (sid, _) in by_data.items()}
     assert ppl["essay"] != ppl["embedded_byte"]
-    columns = {k: v for k, (_, v) in compare.eval_summaries(compare.load_local_run(run)["evals"]).items()}
+    columns = {k: v for k, (_, v) in eval_summaries(load_local_run(run)["evals"]).items()}
     assert columns == {"ppl@L=32": ppl["embedded_byte"], "ppl@L=32 (data essay)": ppl["essay"]}
-    rows, label = compare.ppl_series(compare.load_local_run(run)["evals"]["ppl"])
+    rows, label = ppl_series(load_local_run(run)["evals"]["ppl"])
     assert [r["ppl"] for r in rows] == [ppl["embedded_byte"]] and "data" not in label
     assert "data=essay" in (run / "eval" / "summary.md").read_text()
     # a run evaluated on the other data only: its plots say so, and it never pairs with the run's own windows
     other = copy_run(tiny_run, tmp_path / "other_only")
     run_eval(other, "--tasks=ppl", "--ppl_lengths=32", f"--data_dir={other_data}")
-    assert compare.ppl_series(compare.load_local_run(other)["evals"]["ppl"])[1]["data"] == " (data essay)"
+    assert ppl_series(load_local_run(other)["evals"]["ppl"])[1]["data"] == " (data essay)"
     own = copy_run(tiny_run, tmp_path / "own_only")
     run_eval(own, "--tasks=ppl", "--ppl_lengths=32")
-    with pytest.raises(compare.CompareError, match="on different text"):
-        compare.paired(compare.load_local_run(own), compare.load_local_run(other), "ppl", key="nll")
+    with pytest.raises(CompareError, match="on different text"):
+        paired(load_local_run(own), load_local_run(other), "ppl", key="nll")
 
 
 @pytest.mark.e2e
 def test_every_perplexity_cell_says_how_much_text_it_scored(tiny_run, tmp_path):
     """Tokens, windows and the standard error of each cell, printed and saved; a cell of fewer than MIN_WINDOWS
     windows is a warning on screen, a flag in the results and a mark in compare's table."""
-    from eval import compare
+    from eval.records import load_local_run
+    from eval.tables import build_tables, render
 
     run = copy_run(tiny_run, tmp_path / "run")
     proc = run_eval(run, "--tasks=ppl", "--ppl_lengths=64", "--ppl_max_tokens=700")
@@ -323,7 +328,7 @@ def test_every_perplexity_cell_says_how_much_text_it_scored(tiny_run, tmp_path):
     assert f"{row['tokens']:,} tokens in {row['windows']} windows" in proc.stdout and "±" in proc.stdout
     assert f"scores the first 700 of the {row['val_tokens']:,} validation tokens" in proc.stdout
     assert f"only {row['windows']} windows" in proc.stderr and "warning" in proc.stderr
-    text = compare.render(compare.build_tables([compare.load_local_run(run)]))
+    text = render(build_tables([load_local_run(run)]))
     assert f"{row['ppl']:.3f} †" in text and f"ppl@L=64: {row['windows']} windows" in text
     # enough windows: no flag
     run_eval(run, "--tasks=ppl", "--ppl_lengths=16", "--ppl_max_tokens=3000")

@@ -43,7 +43,7 @@ def evaluate(run_dir, task, result, provenance=None, **options):
     """What a call of python -m eval leaves in run_dir/eval/TASK.json, for a result computed under options."""
     import dataclasses
 
-    from runtime.checkpoint import write_json
+    from runtime.outputs import write_json
     from eval.__main__ import EvalRunConfig
     from eval.results import merged_report
 
@@ -77,7 +77,8 @@ def test_paired_runs_are_paired_under_one_setting_both_were_evaluated_under(tmp_
 
     clock = itertools.count(1000)
     monkeypatch.setattr(eval.results.time, "time", lambda: next(clock))
-    from eval import compare
+    from eval.paired import paired
+    from eval.records import load_evals
 
     # A evaluated with seed 1 then 2, B with seed 2 then 1: each file's newest setting differs, the pair must not
     a, b = tmp_path / "a", tmp_path / "b"
@@ -85,8 +86,8 @@ def test_paired_runs_are_paired_under_one_setting_both_were_evaluated_under(tmp_
     evaluate(a, "recall", recall_result([True] * 4 + [False] * 4), seed=2)
     evaluate(b, "recall", recall_result([False] * 8), seed=2)
     evaluate(b, "recall", recall_result([True] * 8), seed=1)
-    records = [{"name": d.name, "source": str(d), "evals": compare.load_evals(d)} for d in (a, b)]
-    out = compare.paired(*records, "recall")
+    records = [{"name": d.name, "source": str(d), "evals": load_evals(d)} for d in (a, b)]
+    out = paired(*records, "recall")
     assert (out["all"]["acc_a"], out["all"]["acc_b"]) == (0.5, 0.0)  # seed 2 on both sides (evaluated most recently)
 
 
@@ -131,11 +132,13 @@ def test_another_checkpoint_moves_the_earlier_results_aside_and_hf_attention_is_
 
 
 def test_the_standing_setting_has_the_plain_column_and_the_bridge_sweep_reads_it(tmp_path):
-    from eval import bridge_tables, compare
+    from eval import bridge_tables
+    from eval.records import load_evals
+    from eval.summaries import eval_summaries
 
     evaluate(tmp_path, "recall", recall_result([True] * 4), seed=1)
     evaluate(tmp_path, "recall", recall_result([False] * 4), seed=2)
-    columns = compare.eval_summaries(compare.load_evals(tmp_path))
+    columns = eval_summaries(load_evals(tmp_path))
     assert columns["recall_accuracy@L=64"][1] == 0.0  # the latest full setting
     assert [c for c in columns if "[setting" in c] == [next(c for c in columns if c != "recall_accuracy@L=64")]
     diag = {"rows": [{"probe": "needle", "cell": "all", "n": 2, "accuracy": 1.0}], "prompt_nll": [],
@@ -168,7 +171,8 @@ def test_a_prompt_beyond_the_training_length_is_said(byte_run):
 
 @pytest.mark.e2e
 def test_compare_says_repeated_seeds_and_marks_the_training_length(byte_run, tmp_path):
-    from eval import compare
+    from eval import plots
+    from eval.records import load_local_run
 
     runs = [tmp_path / name for name in ("a", "b")]
     for run_dir in runs:
@@ -178,16 +182,16 @@ def test_compare_says_repeated_seeds_and_marks_the_training_length(byte_run, tmp
     proc = run(["-m", "scripts.compare", *map(str, runs), "--plot", "--out", str(tmp_path / "cmp")])
     assert proc.returncode == 0, proc.stderr
     assert "2 runs, 1 seed (1337: repeated, not independent)" in proc.stdout and "2 seeds (1337, 1337)" not in proc.stdout
-    records = [compare.load_local_run(r) for r in runs]
-    labels, save = {}, compare._save
+    records = [load_local_run(r) for r in runs]
+    labels, save = {}, plots._save
 
     def remember_lines(fig, axes, path):  # the figures are closed once saved: read their lines first
         labels[path.name] = [line.get_label() for ax in axes for line in ax.get_lines()]
         return save(fig, axes, path)
 
-    compare._save = remember_lines
+    plots._save = remember_lines
     (tmp_path / "plots").mkdir()
-    compare.plot_all(records, tmp_path / "plots")
+    plots.plot_all(records, tmp_path / "plots")
     assert "training length (32)" in labels["ppl_vs_length.png"]
 
 

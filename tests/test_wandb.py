@@ -14,6 +14,7 @@ from wandb.proto import wandb_internal_pb2
 
 from runtime import wandb_run
 from config import ConfigError, load_config
+from eval.summaries import evaluation_summary
 from conftest import REPO, train_subprocess
 
 TOKENS_PER_STEP = 4 * 2 * 32  # batch_size x gradient_accumulation_steps x block_size
@@ -192,7 +193,8 @@ def test_evaluation_results_go_into_the_training_runs_summary(swa_run, tmp_path)
     assert len(segments(run, run_id)) == 3
 
     # scripts/compare.py reads the run back from wandb: its config, curves and these results
-    from eval import compare
+    from eval.records import wandb_record
+    from eval.tables import build_tables
 
     parts = segments(run, run_id)
 
@@ -203,10 +205,10 @@ def test_evaluation_results_go_into_the_training_runs_summary(swa_run, tmp_path)
         def history(self, keys, samples, pandas):
             return [row for part in parts for row in part["history"] if keys[0] in row]
 
-    record = compare.wandb_record(Run())
+    record = wandb_record(Run())
     assert record["config"]["model"]["attn_pattern"] == "swa" and record["extra"]["eval/ppl/ppl@L=32"] == own
     assert [step for step, _ in record["train"]] == [1, 2, 3]
-    row = compare.build_tables([record])["rows"][0]
+    row = build_tables([record])["rows"][0]
     assert row["cells"]["tokens"] == 3 * TOKENS_PER_STEP and row["flat"]["swa_window"] == 16
 
 
@@ -224,11 +226,11 @@ def test_an_unreachable_or_missing_wandb_is_a_note_and_the_results_stay_local(sw
     assert segments(run, record["id"])[-1]["summary"]["eval/ppl/ppl@L=32"] == ppl_of(run, "embedded_byte")
 
     monkeypatch.setattr(wandb_run, "package_problem", lambda: "the wandb package is not installed")
-    wandb_run.report_evaluation(run, ["ppl"])
+    wandb_run.report_evaluation(run, evaluation_summary(run, ["ppl"]))
     assert "not installed: its results are in" in capsys.readouterr().err
     assert len(segments(run, record["id"])) == 2
 
     plain = tmp_path / "plain"  # a run that did not log to wandb: nothing to say
     plain.mkdir()
-    wandb_run.report_evaluation(plain, ["ppl"])
+    wandb_run.report_evaluation(plain, evaluation_summary(plain, ["ppl"]))
     assert capsys.readouterr() == ("", "") and not (plain / "wandb").exists()
