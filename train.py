@@ -11,10 +11,12 @@ best checkpoint:
 """
 
 import dataclasses
+import errno
 import json
 import math
 import os
 import random
+import shutil
 import signal
 import sys
 import time
@@ -26,41 +28,33 @@ from runtime import machine  # first: OpenMP's wait policy is read once, when to
 
 machine.passive_openmp()
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist
 
 from attention import simulate_cuda
-from runtime.checkpoint import (CheckpointError, atomic_write, checkpoint_tokenizer_identity, keep_tokenizer, load_checkpoint,
-                        load_sharded_meta,
-                        load_sharded_training_state, remove_stale_temp_files, run_info, save_checkpoint,
-                        save_sharded_checkpoint, sharded_training_state, write_json)
+from attention.capabilities import resolved_settings as mixer_resolved_settings
 from config import Config, ConfigError, exit_on_config_error, load_config, process_device, resolve_device, validate
 from data.loader import WindowSampler
-from data.meta import (DataError, check_vocabulary, load_meta, open_tokens, prepare_generated_if_missing,
-                       split_fingerprint, tokenizer_mismatch, unigram_entropy)
+from data.meta import (DataError, check_vocabulary, load_meta, open_tokens, split_fingerprint, tokenizer_mismatch,
+                       unigram_entropy)
+from data.prepare import prepare_generated_if_missing
 from data.tokenizer import TokenizerUnavailable, get_tokenizer
 from eval.probes import training_probes
-from runtime.machine import openmp_note
 from model import GPT
+from runtime.checkpoint import (CheckpointError, checkpoint_tokenizer_identity, keep_tokenizer, load_checkpoint,
+                                load_sharded_meta, load_sharded_training_state, remove_stale_temp_files, run_info,
+                                save_checkpoint, save_sharded_checkpoint, sharded_training_state)
+from runtime.flops import peak_flops
+from runtime.machine import openmp_note
+from runtime.outputs import atomic_write, write_json
+from runtime.parallelize import parallelize
+from runtime.pretrained import (GPT2_NAMES, PretrainedError, load_hf_model, load_pretrained_weights,
+                                pretrained_model_config, pretrained_source)
+from runtime.pretrained import tokenizer_identity as pretrained_tokenizer_identity
 from runtime.run_folder import RunFolderError
 from runtime.run_folder import claim as claim_run_folder
-from runtime.parallelize import parallelize
-from runtime.pretrained import (GPT2_NAMES, PretrainedError, load_hf_model, load_pretrained_weights, pretrained_model_config,
-                        pretrained_source)
-from runtime.pretrained import tokenizer_identity as pretrained_tokenizer_identity
 from runtime.wandb_run import X_AXIS, package_problem, resolved_mode, start_run, wandb_problem
-
-# dense (no sparsity) bf16 tensor-core peak FLOP/s with float32 accumulation by device name, for MFU (float32
-# runs use the TF32 peak: half of it). GeForce cards accumulate in float32 at half their fp16-accumulate rate:
-# the RTX 3090's 71 TFLOP/s (GA102 whitepaper: bf16 and fp16 with fp32 accumulate 71, fp16 accumulate 142,
-# TF32 35.6) and the RTX 4090's 165 are those figures. The first entry whose key is in torch.cuda.get_device_name() wins, so the H100's form
-# factors come before the plain "H100" (the SXM part, e.g. "NVIDIA H100 80GB HBM3"): the PCIe card and
-# the NVL part run at lower clocks and power.
-PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12),
-              ("GH200", 989e12), ("H800", 989e12), ("B200", 2250e12), ("A100", 312e12), ("A800", 312e12),
-              ("L40S", 362e12), ("L40", 181e12), ("L4", 121e12), ("A10G", 125e12), ("RTX 4090", 165e12),
-              ("RTX 3090", 71e12), ("V100", 125e12), ("A6000", 155e12))
-
 
 def schedule_warning(t) -> str:
     """A line when an explicit lr_decay_iters leaves the decay far from max_iters ("" otherwise): then much of
@@ -80,9 +74,6 @@ def write_failure(error: Exception, out_dir: Path, name: str, sharded: bool, sav
     """The one-line error when a file of the run (a checkpoint, the log, the config) could not be written
     (checkpoint writes are atomic: the previous files are intact): why (a full disk, said as such), which
     checkpoints remain, and the command that resumes, or that starts again when there is none."""
-    import errno
-    import shutil
-
     reasons, cause = [], error
     while cause is not None and len(reasons) < 4:
         reasons.append(getattr(cause, "strerror", None) or str(cause).splitlines()[0][:160])
@@ -141,23 +132,7 @@ def window_for_step(step: int, t, long_window: int) -> int:
     return t.swax_short_window if draw < t.swax_short_prob else long_window
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
-    if device.type != "cuda":
-        return None  # CPU peaks vary too much to be worth a table: report tokens/s only
-    return peak_flops_of(torch.cuda.get_device_name(device), dtype)
-
-
-def peak_flops_of(device_name: str, dtype: torch.dtype) -> float | None:
-    """Peak FLOP/s of a GPU by its name (None when unknown: MFU is then not reported)."""
-    peak = next((v for k, v in PEAK_FLOPS if k in device_name), None)
-    return peak if peak is None or dtype != torch.float32 else peak / 2
-
-
 def rng_state() -> dict:
-    import random
-
-    import numpy as np
-
     name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {"python": random.getstate(), "numpy": (name, keys.tolist(), pos, has_gauss, cached),
              "torch": torch.get_rng_state()}
@@ -170,10 +145,6 @@ def set_rng_state(state: dict) -> None:
     """Restore rng_state()'s output. Generator states must be CPU ByteTensors (torch.set_rng_state and
     torch.cuda.set_rng_state take nothing else): a checkpoint loaded onto a GPU (map_location=cuda) is refused
     with the fix instead of failing inside torch."""
-    import random
-
-    import numpy as np
-
     for key in ("torch", "cuda"):
         value = state.get(key)
         if value is not None and not (isinstance(value, torch.Tensor) and value.device.type == "cpu"
@@ -569,13 +540,11 @@ class RunFolder:
 def resolved_settings(cfg: Config, rt: Runtime, raw_model) -> dict:
     """What the run's "auto" settings became here (the device, the dtype, the positions, each layer's kernels:
     attention/capabilities.py resolved_settings), for config.json: compare shows what ran, not "auto"."""
-    from attention.capabilities import resolved_settings as mixer_resolved
-
     values = {"device": str(rt.device), "dtype": str(rt.dtype).removeprefix("torch."),
               "pos_embedding": cfg.model.resolved_pos_embedding}
     per_setting: dict = {}
     for block in raw_model.blocks:
-        for key, value in mixer_resolved(block.mixer, cfg.model.block_size, rt.device, rt.dtype).items():
+        for key, value in mixer_resolved_settings(block.mixer, cfg.model.block_size, rt.device, rt.dtype).items():
             per_setting.setdefault(key, [])
             if value not in per_setting[key]:
                 per_setting[key].append(value)
@@ -699,10 +668,28 @@ def catch_stop_signals() -> list:
     return received
 
 
-def save(which: str, cfg: Config, rt: Runtime, data: RunData, folder: RunFolder, progress: Progress, raw_model,
-         optimizer, scaler) -> None:
+# ---- the loop's steps ---------------------------------------------------------------------------------------
+
+@dataclass
+class Run:
+    """What the set-up built, as the loop's steps share it: the config, the processes, the data, the run folder,
+    the model and the optimizer that train it, and where training stands."""
+    cfg: Config
+    rt: Runtime
+    data: RunData
+    folder: RunFolder
+    raw_model: GPT  # the model's own parameters and methods (checkpoints, hooks, probes)
+    model: torch.nn.Module  # what trains and evaluates: DDP around raw_model under torchrun, else raw_model itself
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    progress: Progress
+
+
+def save(run: Run, which: str) -> None:
     """Checkpoint ckpt_{which} (every rank takes part: RNG states are gathered): one file written by rank 0 under
     DDP, a folder of every rank's shards under FSDP."""
+    cfg, rt, data, folder, progress = run.cfg, run.rt, run.data, run.folder, run.progress
+    raw_model, optimizer = run.raw_model, run.optimizer
     states = [None] * rt.world_size
     if rt.distributed:
         dist.all_gather_object(states, rng_state())
@@ -722,7 +709,7 @@ def save(which: str, cfg: Config, rt: Runtime, data: RunData, folder: RunFolder,
                                     meta, rt.rank)
         elif rt.master:
             save_checkpoint({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
-                             "scaler": scaler.state_dict(), **meta}, out_dir / f"ckpt_{which}.pt")
+                             "scaler": run.scaler.state_dict(), **meta}, out_dir / f"ckpt_{which}.pt")
     except (OSError, RuntimeError) as e:  # a full disk, a quota: the writes are atomic, nothing is half-written
         fail(write_failure(e, out_dir, f"ckpt_{which}" + ("" if rt.fsdp else ".pt"), rt.fsdp, folder.saved_steps))
     folder.saved_steps[which] = step
@@ -751,15 +738,15 @@ def step_hooks(cfg: Config) -> list:
     return [WindowSchedule(cfg.train, cfg.model.swa_window)] if cfg.train.window_schedule != "fixed" else []
 
 
-def evaluate_and_log(cfg: Config, rt: Runtime, data: RunData, folder: RunFolder, progress: Progress, model,
-                     raw_model, hooks: list) -> bool:
+def evaluate_and_log(run: Run, hooks: list) -> bool:
     """The validation loss (and the training probes when due) at this step, logged by rank 0; whether it improved
     on the best so far."""
+    cfg, rt, data, folder, progress = run.cfg, run.rt, run.data, run.folder, run.progress
     t, ev, step = cfg.train, cfg.eval, progress.step
     for hook in hooks:
-        hook.before_eval(raw_model)
+        hook.before_eval(run.raw_model)
     with isolated_rng(t.seed + rt.rank, rt.device):
-        val_loss = evaluate(model, data.val, ev.eval_iters, rt.rank, rt.world_size, rt.autocast, rt.device,
+        val_loss = evaluate(run.model, data.val, ev.eval_iters, rt.rank, rt.world_size, rt.autocast, rt.device,
                             t.loss_chunk, sharded=rt.fsdp)
         improved = val_loss < progress.best_val_loss
         budget = eval_budget(cfg)
@@ -781,7 +768,7 @@ def evaluate_and_log(cfg: Config, rt: Runtime, data: RunData, folder: RunFolder,
             lengths = [int(x) for x in ev.eval_task_lengths.split(",") if x.strip()] or [cfg.model.block_size]
             if rt.master or rt.fsdp:
                 with rt.autocast, torch.compiler.set_stance("force_eager"):
-                    probes = training_probes(raw_model, ev.eval_tasks.split(","), lengths,
+                    probes = training_probes(run.raw_model, ev.eval_tasks.split(","), lengths,
                                              open_tokens(data.data_dir, "val"), data.meta["eot_id"],
                                              data.meta["tokenizer"], t.seed, rt.device)
             if rt.master:
@@ -792,18 +779,18 @@ def evaluate_and_log(cfg: Config, rt: Runtime, data: RunData, folder: RunFolder,
     return improved
 
 
-def train_step(cfg: Config, rt: Runtime, data: RunData, folder: RunFolder, progress: Progress, model, raw_model,
-               optimizer, scaler, stop_signals: list) -> tuple[float, bool]:
+def train_step(run: Run, stop_signals: list) -> tuple[float, bool]:
     """One optimizer step over the local micro-batches (gradients synchronised on the last one only); returns the
     mean training loss over ranks and whether any rank was asked to stop. A loss that is not finite ends the run
     without saving."""
-    t, step = cfg.train, progress.step
+    rt, data, model, optimizer, scaler = run.rt, run.data, run.model, run.optimizer, run.scaler
+    t, step = run.cfg.train, run.progress.step
     micro_steps = data.train.local_micro_steps
     loss_sum = torch.zeros((), device=rt.device)
     for micro_step in range(micro_steps):
         x, y = data.train.get(step, micro_step)
         if rt.fsdp:  # gradients are reduce-scattered only on the last micro-step
-            raw_model.set_requires_gradient_sync(micro_step == micro_steps - 1)
+            run.raw_model.set_requires_gradient_sync(micro_step == micro_steps - 1)
         elif rt.distributed:  # gradients are all-reduced only on the last micro-step
             model.require_backward_grad_sync = micro_step == micro_steps - 1
         with rt.autocast:
@@ -816,8 +803,9 @@ def train_step(cfg: Config, rt: Runtime, data: RunData, folder: RunFolder, progr
         dist.all_reduce(status)
     train_loss, stopping = status[0].item() / rt.world_size, status[1].item() > 0
     if not math.isfinite(train_loss):
-        saved = [p.name for p in sorted(folder.out_dir.glob("ckpt_*")) if not p.name.startswith(".")]
-        kept = (f"the checkpoints in {folder.out_dir} ({', '.join(saved)}) are from the last good step" if saved
+        out_dir = run.folder.out_dir
+        saved = [p.name for p in sorted(out_dir.glob("ckpt_*")) if not p.name.startswith(".")]
+        kept = (f"the checkpoints in {out_dir} ({', '.join(saved)}) are from the last good step" if saved
                 else "no checkpoint was written before it")
         fix = "use --dtype=bfloat16 or float32 instead of float16, " if rt.dtype == torch.float16 else ""
         fail(f"the training loss is {train_loss} at step {step}: stopping without saving; {kept}. Lower "
@@ -835,14 +823,15 @@ class StepLog:
     """The log line and metrics of every log_interval-th step: loss, learning rate, tokens/s, the hooks'
     values, MFU against the device's peak, peak GPU memory, time per step and the time left."""
 
-    def __init__(self, cfg: Config, rt: Runtime, raw_model, progress: Progress):
-        self.t, self.rt, self.tokens_per_step = cfg.train, rt, progress.tokens_per_step
-        self.flops_per_token = raw_model.flops_per_token(cfg.model.block_size)
-        self.peak = peak_flops(rt.device, rt.dtype)
-        self.start_step, self.t_start, self.t_last = progress.step, time.time(), time.time()
-        self.progress = progress
+    def __init__(self, run: Run):
+        # not the Run itself: main drops the DDP model before closing the process group (close_process_group)
+        self.t, self.rt, self.folder, self.progress = run.cfg.train, run.rt, run.folder, run.progress
+        self.tokens_per_step = run.progress.tokens_per_step
+        self.flops_per_token = run.raw_model.flops_per_token(run.cfg.model.block_size)
+        self.peak = peak_flops(run.rt.device, run.rt.dtype)
+        self.start_step, self.t_start, self.t_last = run.progress.step, time.time(), time.time()
 
-    def __call__(self, folder: RunFolder, step: int, train_loss: float, lr: float, hooked: dict) -> None:
+    def __call__(self, step: int, train_loss: float, lr: float, hooked: dict) -> None:
         t, rt = self.t, self.rt
         now = time.time()
         dt = (now - self.t_last) / (step - max(self.start_step, step - t.log_interval) or 1)
@@ -861,11 +850,12 @@ class StepLog:
         elapsed_per_step = (now - self.t_start) / (step - self.start_step)
         line += f" | {1000 * dt:.0f} ms/step | eta {format_eta(elapsed_per_step * (t.max_iters - step))}"
         print(line, flush=True)
-        folder.metrics.log(step, **values)
+        self.folder.metrics.log(step, **values)
 
 
-def finish(rt: Runtime, folder: RunFolder, progress: Progress, t, stopping: bool, signum: int) -> None:
+def finish(run: Run, stopping: bool, signum: int) -> None:
     """Say how the run ended (stopped by a signal, done with its checkpoints, or nothing trained) and close wandb."""
+    rt, folder, progress, t = run.rt, run.folder, run.progress, run.cfg.train
     if not rt.master:
         return
     step, saved_steps = progress.step, folder.saved_steps
@@ -913,10 +903,10 @@ def main(argv):
         del model  # DDP's reducer first (close_process_group)
         return close_process_group()
     folder = open_run_folder(cfg, rt, data, raw_model, progress, argv)
+    run = Run(cfg, rt, data, folder, raw_model, model, optimizer, scaler, progress)
     stop_signals, stopping = catch_stop_signals(), False
     hooks = step_hooks(cfg)  # e.g. paper 003's window schedule
-    log_step = StepLog(cfg, rt, raw_model, progress)
-    checkpoint = lambda which: save(which, cfg, rt, data, folder, progress, raw_model, optimizer, scaler)  # noqa: E731
+    log_step = StepLog(run)
     start_step, ckpt_interval = progress.step, t.ckpt_interval or ev.eval_interval
 
     # ---- the training loop ----------------------------------------------------------------------------------
@@ -926,29 +916,28 @@ def main(argv):
         for group in optimizer.param_groups:
             group["lr"] = lr
         if step % ev.eval_interval == 0 or step == t.max_iters or ev.eval_only:
-            improved = evaluate_and_log(cfg, rt, data, folder, progress, model, raw_model, hooks)
+            improved = evaluate_and_log(run, hooks)
             if ev.eval_only:
                 break
             if improved and step > start_step:
-                checkpoint("best")
+                save(run, "best")
         if step > start_step and (step % ckpt_interval == 0 or step == t.max_iters or stopping):
-            checkpoint("last")
+            save(run, "last")
         if step >= t.max_iters or stopping:
             break
         hooked = {}  # what the hooks set for this step (the window), logged with it
         for hook in hooks:
             hooked.update(hook.before_step(step, raw_model))
-        train_loss, stopping = train_step(cfg, rt, data, folder, progress, model, raw_model, optimizer, scaler,
-                                          stop_signals)
+        train_loss, stopping = train_step(run, stop_signals)
         progress.step = step = step + 1
         if rt.master and hooked:
             folder.metrics.log(step, **hooked)  # every step's values, under the step number its loss is logged with
         if rt.master and (step % t.log_interval == 0 or step == t.max_iters):
-            log_step(folder, step, train_loss, lr, hooked)
+            log_step(step, train_loss, lr, hooked)
 
     signum = stop_signals[0] if stop_signals else signal.SIGTERM  # another rank may have received it
-    finish(rt, folder, progress, t, stopping, signum)
-    del model  # DDP's reducer first (close_process_group)
+    finish(run, stopping, signum)
+    del run, model  # DDP's reducer first (close_process_group)
     close_process_group()
     if stopping and progress.step < t.max_iters:
         sys.exit(128 + signum)

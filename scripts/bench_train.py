@@ -8,7 +8,7 @@
 
 Each step is a forward, backward and AdamW update at the config's block_size; the first warmup steps are
 not timed (they include compilation). n_layer=0 keeps each config's own depth. The model is laid out as
-train.py lays it out (parallelize.py): activation checkpointing per block, then each block compiled on its
+train.py lays it out (runtime/parallelize.py): activation checkpointing per block, then each block compiled on its
 own; loss_chunk computes the LM head and the loss that many tokens at a time, as train.py's option does.
 """
 
@@ -22,12 +22,12 @@ import torch
 if not __package__:  # run as a file, the project's modules cannot be imported: say how to run it
     sys.exit("run it from the repository root as a module: python -m scripts.bench_train ...")
 
-from runtime.checkpoint import write_json  # noqa: E402
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error, load_config  # noqa: E402
 from model import GPT  # noqa: E402
-from runtime.parallelize import ACTIVATION_CHECKPOINTING, parallelize  # noqa: E402
-from train import peak_flops  # noqa: E402
+from runtime.flops import peak_flops  # noqa: E402
 from runtime.machine import busy_note  # noqa: E402
+from runtime.outputs import write_json  # noqa: E402
+from runtime.parallelize import ACTIVATION_CHECKPOINTING, parallelize  # noqa: E402
 
 
 @dataclass

@@ -41,8 +41,18 @@ import torch
 if not __package__:  # run as a file, the project's modules cannot be imported: say how to run it
     sys.exit("run it from the repository root as a module: python -m scripts.gpu_bench ...")
 
-from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
+from attention.capabilities import EdgeCounts  # noqa: E402
+from attention.kernels import layer_scores  # noqa: E402
+from attention.layer import Attention  # noqa: E402
+from attention.ops.span.op import TILES_ENV  # noqa: E402
+from attention.registry import MIXERS, PATTERN_ALIASES, build_mixer, example_cases, pattern_names  # noqa: E402
+from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error, load_config  # noqa: E402
+from model import GPT  # noqa: E402
+from runtime.flops import peak_flops  # noqa: E402
 from runtime.outputs import claim_own_folder, markdown_table, own_folder_problem, write_json  # noqa: E402
+from runtime.parallelize import parallelize  # noqa: E402
+from scripts.bench_attention import BenchConfig as AttentionConfig  # noqa: E402
+from scripts.bench_attention import backend_of, variant_config  # noqa: E402
 
 PARTS = ("kernels", "train", "nanogpt")
 # the kernels FlexAttention also runs, beside the default cases: the baselines span attention is measured against
@@ -140,12 +150,6 @@ class TurnToTime:
 
 
 def kernel_case(name: str, b: BenchConfig, out: Path) -> list[dict]:
-    from attention.capabilities import EdgeCounts
-    from attention.kernels import layer_scores
-    from attention.registry import build_mixer
-    from scripts.bench_attention import BenchConfig as AttentionConfig
-    from scripts.bench_attention import backend_of, variant_config
-
     device = torch.device(b.device)
     a = AttentionConfig(batch=b.batch, heads=b.heads, head_dim=b.head_dim, window=b.window, dtype="bfloat16")
     steps = []
@@ -206,11 +210,6 @@ def train_settings(variant: str, b: BenchConfig) -> list[str]:
 
 
 def train_case(name: str, b: BenchConfig, out: Path) -> list[dict]:
-    from config import load_config
-    from model import GPT
-    from runtime.parallelize import parallelize
-    from train import peak_flops
-
     device, dtype = torch.device(b.device), torch.bfloat16
     layers = [f"--n_layer={b.train_layers}"] if b.train_layers else []
     cfg = load_config(["configs/bridges/owt_124m_full.py", *train_settings(name, b), *layers, "--compile=True",
@@ -253,10 +252,6 @@ def train_case(name: str, b: BenchConfig, out: Path) -> list[dict]:
 
 def nanogpt_case(name: str, b: BenchConfig, out: Path) -> list[dict]:
     """train.py's layout, our model compiled whole and nanoGPT's compiled whole, on the same batches, alternating."""
-    from config import load_config
-    from model import GPT
-    from runtime.parallelize import parallelize
-
     device, dtype = torch.device(b.device), torch.bfloat16
     spec = importlib.util.spec_from_file_location("nanogpt_model", b.nanogpt)
     nano = importlib.util.module_from_spec(spec)
@@ -319,9 +314,6 @@ CASES = {"kernels": kernel_case, "train": train_case, "nanogpt": nanogpt_case}
 def default_variants() -> tuple[list[str], list[str]]:
     """(kernel cases, training variants) from the registry: every case whose layer is attention (its kernel is
     what the kernels table times) with FlexAttention's baselines, and every attention mixer and pattern alias."""
-    from attention.layer import Attention
-    from attention.registry import MIXERS, PATTERN_ALIASES, example_cases, pattern_names
-
     attention = lambda names: all(issubclass(MIXERS[n], Attention) for n in names)  # noqa: E731
     kernels = [name for name, settings in example_cases(256).items()
                if len(pattern_names(settings["attn_pattern"])) == 1 and attention(pattern_names(settings["attn_pattern"]))]
@@ -354,6 +346,11 @@ def run_jobs(b: BenchConfig, argv: list[str], out: Path) -> dict:
         log = open(out / "logs" / f"{part}_{safe(name)}.log", "w")
         env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1", "PYTHONUNBUFFERED": "1",
                "GPU_BENCH_JOB": f"{part}_{name}"}
+        # VARIANT@MxNxWARPSxSTAGES: span attention's tiles for this case, which attention/ops/span/op.py reads when
+        # it is imported (as config is, before main runs): set in the case's environment before it starts
+        tiles = name.partition("@")[2]
+        if tiles:
+            env[TILES_ENV] = tiles.replace("x", ",")
         procs[(part, name)] = (subprocess.Popen([sys.executable, "-m", "scripts.gpu_bench", *argv,
                                                  f"--job={part}:{name}"], stdout=log, stderr=subprocess.STDOUT,
                                                 env=env), log)
@@ -434,9 +431,7 @@ def main(argv):
     out = Path(b.out)
     if b.job:
         part, _, job = b.job.partition(":")
-        name, _, tiles = job.partition("@")  # VARIANT@MxNxWARPSxSTAGES: span attention's tiles for this case
-        if tiles:
-            os.environ["EFFICIENT_ATTENTION_SPAN_TILES"] = tiles.replace("x", ",")
+        name, _, tiles = job.partition("@")  # VARIANT@MxNxWARPSxSTAGES: tiles set by the driver (run_jobs)
         results = CASES[part](name, b, out)
         if tiles:
             for row in results:

@@ -12,7 +12,8 @@ import time
 import pytest
 import torch
 
-from runtime.checkpoint import atomic_write, load_checkpoint
+from runtime.checkpoint import load_checkpoint
+from runtime.outputs import atomic_write
 from conftest import REPO, read_metrics, sigterm_after_two_steps, train_subprocess
 
 TINY = ["configs/quickstart.py", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
@@ -214,7 +215,8 @@ def test_evaluation_builds_no_autograd_graph():
 
     from config import ModelConfig
     from data.loader import WindowSampler
-    from data.meta import load_meta, open_tokens, prepare_generated_if_missing
+    from data.meta import load_meta, open_tokens
+    from data.prepare import prepare_generated_if_missing
     from eval.probes import training_probes
     from model import GPT
     from train import evaluate
@@ -289,7 +291,7 @@ def test_a_runs_saved_config_json_trains_the_same_run(reference_run, tmp_path):
 def test_a_meta_that_does_not_describe_its_data_is_refused_before_anything_is_written(tmp_path, vocab_size, message):
     import shutil
 
-    from data.meta import prepare_generated_if_missing
+    from data.prepare import prepare_generated_if_missing
 
     source = REPO / "data" / "embedded_byte"
     prepare_generated_if_missing(str(source))
