@@ -16,12 +16,20 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import inspect
+import io
 import json
 import os
 import sys
+import tokenize
 import types
 import typing
 from dataclasses import dataclass, field
+
+import attention  # noqa: F401  (imports every variant module: each registers its mixer and settings)
+from attention import has_window_layers
+from attention import validate_config as validate_attention
+from attention.registry import SETTINGS
 
 
 class ConfigError(ValueError):
@@ -47,7 +55,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     init_std: float = 0.02
-    # attention shapes of pretrained Llama-family checkpoints (pretrained.py); attention mixers only
+    # attention shapes of pretrained Llama-family checkpoints (runtime/pretrained.py); attention mixers only
     n_kv_head: int = 0  # key/value heads, each shared by n_head / n_kv_head query heads (grouped-query); 0: n_head
     attn_head_dim: int = 0  # width of each q, k, v head; 0: n_embd // n_head (Qwen3's small models differ)
     qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3)
@@ -83,9 +91,6 @@ class ModelConfig:
 def _with_variant_settings(cls):
     """ModelConfig as a dataclass whose fields are its own plus every Setting the variants declare (the attention
     package registers them on import: a module dropped into attention/ adds its settings here)."""
-    import attention  # noqa: F401  (imports every variant module)
-    from attention.registry import SETTINGS
-
     for setting in SETTINGS.values():
         if setting.name in cls.__annotations__:
             raise TypeError(f"setting {setting.name} is a ModelConfig field already: name it otherwise")
@@ -110,7 +115,7 @@ class DataConfig:
 class TrainConfig:
     out_dir: str = "out"
     # scratch | resume | gpt2 | gpt2-medium | gpt2-large | gpt2-xl (OpenAI's weights, as nanoGPT) |
-    # hf:NAME_OR_PATH (a Hugging Face checkpoint: gpt2, llama, mistral, qwen2, qwen3); see pretrained.py
+    # hf:NAME_OR_PATH (a Hugging Face checkpoint: gpt2, llama, mistral, qwen2, qwen3); see runtime/pretrained.py
     init_from: str = "scratch"
     resume_from: str = "last"  # init_from=resume: continue from ckpt_last (where the run stopped) or ckpt_best
     replace_run: bool = False  # a fresh run in an out_dir that holds a run moves the old one whole to OUT_DIR.replaced-TIME
@@ -130,7 +135,7 @@ class TrainConfig:
     ckpt_interval: int = 0  # steps between ckpt_last.pt writes; 0: at every evaluation
     device: str = "auto"  # auto (cuda when available) | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bfloat16 on capable GPUs, float16 on older ones, float32 on CPU)
-    compile: bool = False  # torch.compile each block (parallelize.py)
+    compile: bool = False  # torch.compile each block (runtime/parallelize.py)
     # ddp: every process holds the whole model, gradients and AdamW state (16 bytes per parameter) |
     # fsdp: FSDP2 shards them over the processes (each block its own unit, then the root), computes in bf16
     # through its mixed-precision policy, and checkpoints sharded (folders ckpt_last/, ckpt_best/)
@@ -303,10 +308,6 @@ def field_help(cls) -> dict[str, str]:
     """The comment written after each field of a config dataclass (or, without one, the comment lines right above
     it), read from its source: the typed config documents itself, and --help prints it. Variant settings carry theirs
     (attention/registry.py: Setting.help)."""
-    import inspect
-    import io
-    import tokenize
-
     helps: dict[str, str] = {}
     try:
         source = inspect.getsource(cls)
@@ -342,12 +343,7 @@ def field_help(cls) -> dict[str, str]:
             above.append(line_comments[line])
         else:
             above = []
-    try:
-        from attention.registry import SETTINGS
-
-        helps.update({name: setting.help for name, setting in SETTINGS.items() if name in typing.get_type_hints(cls)})
-    except ImportError:
-        pass
+    helps.update({name: setting.help for name, setting in SETTINGS.items() if name in typing.get_type_hints(cls)})
     return helps
 
 
@@ -557,14 +553,10 @@ def validate(cfg: Config) -> None:
         [int(x) for x in cfg.eval.eval_task_lengths.split(",") if x.strip()]
     except ValueError:
         raise ConfigError(f"eval_task_lengths={cfg.eval.eval_task_lengths!r}: expected integers, e.g. 256,1024") from None
-    from attention import validate_config as validate_attention  # variants check their own fields
-
     try:
-        validate_attention(m)
+        validate_attention(m)  # variants check their own fields
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    from attention import has_window_layers
-
     if t.window_schedule != "fixed" and not has_window_layers(m):
         raise ConfigError(f"window_schedule={t.window_schedule} changes the window of sliding-window layers, and "
                           f"attn_pattern={m.attn_pattern!r} has none: add swa layers (e.g. attn_pattern=swax) or use "

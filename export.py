@@ -11,7 +11,7 @@ Where transformers has a class that computes exactly what the run's layers compu
   qkv_bias);
 - llama arch, swa at one window -> `MistralForCausalLM` (Qwen3 / Qwen2 with every layer sliding, as above).
 Every other run (sa, sa_swa, swat, mswa, moba, the bridges, linear, swax, mlstm, gated_deltanet, mixed
-patterns, attn_gate, ...) is written as this project's model class (hf_gpt.py, model_type
+patterns, attn_gate, ...) is written as this project's model class (runtime/hf_gpt.py, model_type
 `efficient_attention_gpt`): config.json carries `auto_map` to a small `modeling_efficient_attention_gpt.py`
 that imports runtime.hf_gpt, so `from_pretrained(FOLDER, trust_remote_code=True)` works wherever this project is
 importable, and `import runtime.hf_gpt` registers the class without trust_remote_code (docs/pretrained.md says why).
@@ -41,6 +41,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from attention.registry import layer_names
+from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error
+from data.tokenizer import TokenizerUnavailable
+from runtime.checkpoint import CheckpointError, git_hash, load_model, run_tokenizer
+from runtime.hf_gpt import EfficientAttentionConfig, EfficientAttentionForCausalLM
+from runtime.hf_tokenizer import HFTokenizerError, hf_tokenizer
+from runtime.run_folder import holds_run
 
 MODELING_FILE = "modeling_efficient_attention_gpt.py"
 MODELING_SOURCE = '''"""This folder's model is the efficient-attention codebase's own class (runtime/hf_gpt.py there): its attention
@@ -77,8 +86,6 @@ class ExportConfig:
 
 def native_target(m) -> tuple[str | None, str]:
     """(transformers model_type that computes exactly this ModelConfig, or None; why, for export.json)."""
-    from attention.registry import layer_names
-
     layers = set(layer_names(m))
     if layers - {"full", "swa"} or len(layers) != 1:
         return None, f"layers {', '.join(sorted(layers))}: transformers has no class with this attention"
@@ -101,8 +108,6 @@ def native_target(m) -> tuple[str | None, str]:
 
 
 def native_config(m, family: str, tokenizer_ids: dict):
-    from transformers import AutoConfig
-
     if family == "gpt2":
         return AutoConfig.for_model("gpt2", vocab_size=m.vocab_size, n_positions=m.block_size, n_embd=m.n_embd,
                                     n_layer=m.n_layer, n_head=m.n_head, n_inner=m.resolved_mlp_hidden,
@@ -129,7 +134,7 @@ def native_config(m, family: str, tokenizer_ids: dict):
 
 
 def native_state_dict(gpt, family: str) -> dict:
-    """The run's weights under transformers' names (the inverse of pretrained.py's adapters)."""
+    """The run's weights under transformers' names (the inverse of runtime/pretrained.py's adapters)."""
     m = gpt.config
     state = {name: value.detach() for name, value in gpt.state_dict().items()}
     out = {}
@@ -180,8 +185,6 @@ def native_state_dict(gpt, family: str) -> dict:
 
 
 def native_model(gpt, family: str, tokenizer_ids: dict):
-    from transformers import AutoModelForCausalLM
-
     hf_config = native_config(gpt.config, family, tokenizer_ids)
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
@@ -200,8 +203,6 @@ def native_model(gpt, family: str, tokenizer_ids: dict):
 # this project's class -----------------------------------------------------------------------------------------
 
 def project_model(gpt, tokenizer_ids: dict):
-    from runtime.hf_gpt import EfficientAttentionConfig, EfficientAttentionForCausalLM
-
     config = EfficientAttentionConfig(gpt=dataclasses.asdict(gpt.config), **tokenizer_ids)
     config.auto_map = {"AutoConfig": f"{MODELING_FILE[:-3]}.EfficientAttentionConfig",
                        "AutoModelForCausalLM": f"{MODELING_FILE[:-3]}.EfficientAttentionForCausalLM"}
@@ -210,58 +211,6 @@ def project_model(gpt, tokenizer_ids: dict):
         wrapper = EfficientAttentionForCausalLM(config)
     wrapper.model = gpt
     return wrapper.eval()
-
-
-# tokenizers ---------------------------------------------------------------------------------------------------
-
-EOT_TEXT = "<|endoftext|>"
-
-
-def hf_tokenizer(tokenizer):
-    """A transformers fast tokenizer that encodes text to the ids the run was trained on (data.tokenizer), with
-    BOS = EOS = the run's end-of-text token and nothing added by encoding."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    from data.tokenizer import ByteTokenizer, HFTokenizer, TiktokenTokenizer
-
-    if isinstance(tokenizer, ByteTokenizer):
-        byte_char = bytes_to_unicode()
-        rust = Tokenizer(models.BPE({byte_char[b]: b for b in range(256)}, [], fuse_unk=False))
-        rust.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-        rust.decoder = decoders.ByteLevel()
-        eot = EOT_TEXT
-        rust.add_special_tokens([eot])
-    elif isinstance(tokenizer, TiktokenTokenizer):
-        rust, eot = tiktoken_to_rust(tokenizer.backend)
-    elif isinstance(tokenizer, HFTokenizer):
-        rust = Tokenizer.from_str(tokenizer.backend.to_str())
-        rust.post_processor = None  # the run's text was encoded with add_special_tokens=False
-        eot = rust.id_to_token(tokenizer.eot_id)
-    else:
-        raise ExportError(f"no Hugging Face form for the tokenizer {tokenizer.name!r} ({type(tokenizer).__name__})")
-    if rust.token_to_id(eot) != tokenizer.eot_id:
-        raise ExportError(f"the converted tokenizer's {eot} is id {rust.token_to_id(eot)}, the run's {tokenizer.eot_id}")
-    return PreTrainedTokenizerFast(tokenizer_object=rust, bos_token=eot, eos_token=eot, unk_token=None,
-                                   name_or_path=tokenizer.name, clean_up_tokenization_spaces=False)
-
-
-def tiktoken_to_rust(encoding):
-    """A tiktoken encoding as byte-level BPE: the vocabulary and merges follow from its ranks (transformers'
-    TikTokenConverter), its pattern splits words, and its special tokens keep their ids."""
-    from transformers.convert_slow_tokenizer import TikTokenConverter
-
-    class FromEncoding(TikTokenConverter):
-        def load_tiktoken_bpe(self, _):
-            return encoding._mergeable_ranks
-
-    specials = sorted(encoding._special_tokens.items(), key=lambda item: item[1])
-    rust = FromEncoding(pattern=encoding._pat_str, extra_special_tokens=[name for name, _ in specials]).converted()
-    for name, i in specials:
-        if rust.token_to_id(name) != i:
-            raise ExportError(f"the tiktoken encoding's special token {name} (id {i}) does not follow its ranks")
-    return rust, encoding.decode([encoding.eot_token])
 
 
 # the folder ---------------------------------------------------------------------------------------------------
@@ -283,8 +232,6 @@ def probe_ids(config, vocab_size: int) -> torch.Tensor:
 
 def verify(folder: Path, gpt, trust_remote_code: bool) -> float:
     """Max |logit difference| between the folder reloaded by AutoModelForCausalLM and the run's model."""
-    from transformers import AutoModelForCausalLM
-
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, trust_remote_code=trust_remote_code).eval()
     gpt = gpt.float()
     ids = probe_ids(gpt.config, gpt.config.vocab_size)
@@ -308,8 +255,6 @@ def destination_problem(to: Path, run_dir: Path, overwrite: bool) -> str:
     """Why the export may not be written at `to` ("" when it may): a file there, a folder that is not empty (without
     --overwrite), or, with --overwrite, a folder that is not an earlier export (the run's folder, a folder holding
     a run, anything with files export.json does not list). Checked before anything is loaded or written."""
-    from runtime.run_folder import holds_run
-
     if to.exists() and not to.is_dir():
         return f"--to={to} is a file, not a folder: give --to a folder's path"
     for parent in to.parents:
@@ -354,8 +299,6 @@ def apply_umask(folder: Path) -> None:
 
 
 def export_run(cfg: ExportConfig, command: str = "") -> Path:
-    from runtime.checkpoint import git_hash, load_model, run_tokenizer
-
     to = Path(cfg.to or Path(cfg.out_dir) / "hf")
     problem = destination_problem(to, Path(cfg.out_dir), cfg.overwrite)
     if problem:
@@ -404,8 +347,6 @@ def export_run(cfg: ExportConfig, command: str = "") -> Path:
 
 
 def parse(argv) -> ExportConfig:
-    from config import ConfigError, apply_args, dataclass_fields
-
     cfg = ExportConfig()
     apply_args(cfg, argv, dataclass_fields(ExportConfig))
     if cfg.ckpt not in ("best", "last"):
@@ -416,15 +357,11 @@ def parse(argv) -> ExportConfig:
 
 
 def main(argv=None) -> int:
-    from runtime.checkpoint import CheckpointError
-    from config import exit_on_config_error
-    from data.tokenizer import TokenizerUnavailable
-
     argv = sys.argv[1:] if argv is None else argv
     cfg = exit_on_config_error(parse, argv)
     try:
         folder = export_run(cfg, " ".join(["python export.py", *argv]))
-    except (ExportError, CheckpointError, TokenizerUnavailable) as e:
+    except (ExportError, HFTokenizerError, CheckpointError, TokenizerUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     record = json.loads((folder / "export.json").read_text())

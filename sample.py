@@ -15,9 +15,9 @@ machine.passive_openmp()
 import torch  # noqa: E402
 
 from attention import simulate_cuda
-from runtime.checkpoint import CheckpointError, describe_checkpoint, load_model, run_tokenizer
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error, resolve_device
 from data.tokenizer import TokenizerUnavailable
+from runtime.checkpoint import CheckpointError, describe_checkpoint, load_model, run_tokenizer
 
 
 @dataclass

@@ -15,6 +15,8 @@ import os
 
 import numpy as np
 
+from data.tokenizer import TokenizerUnavailable, get_tokenizer
+
 FORMAT_VERSION = 1
 REQUIRED_KEYS = ("format_version", "tokenizer", "vocab_size", "eot_id", "dtype", "train_tokens", "val_tokens")
 DTYPES = {"uint16": np.dtype(np.uint16), "uint32": np.dtype(np.uint32)}
@@ -80,8 +82,6 @@ def check_vocabulary(data_dir, meta) -> dict:
     has one, the vocabulary hash), and the token ids against vocab_size (a meta that does not describe its
     data would crash, or worse train silently, further on). Returns the data's tokenizer identity, which
     checkpoints record: meta.json's, with the hash from the tokenizer where the data predates it."""
-    from data.tokenizer import TokenizerUnavailable, get_tokenizer
-
     redo = f"re-run {prepare_command(data_dir, meta)}"
     identity = tokenizer_identity(meta)
     try:
@@ -186,25 +186,3 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
         return 0.0
     p = counts[counts > 0] / total
     return float(-(p * np.log(p)).sum())
-
-
-def prepare_generated_if_missing(data_dir, tokenizer="byte") -> None:
-    """
-    Build a generated corpus (embedded, recall) into data_dir if it is that corpus's
-    default folder (data/<name>_<tokenizer>) and holds no valid prepared data, so a
-    fresh clone trains without a separate prepare step. Any other folder is left
-    alone: the caller's load_meta() then reports what is wrong with it.
-    """
-    from data.prepare import GENERATED, default_out_dir, prepare
-
-    names = [name for name in GENERATED
-             if os.path.realpath(str(data_dir)) == os.path.realpath(default_out_dir(name, tokenizer))]
-    if not names:
-        return
-    try:
-        load_meta(data_dir)
-        return
-    except DataError:
-        pass
-    print(f"{data_dir} is not prepared yet: generating the {names[0]} corpus there (a few seconds)")
-    prepare(names[0], tokenizer, out_dir=str(data_dir), num_proc=1, quiet=True)

@@ -68,7 +68,7 @@ from pathlib import Path
 import numpy as np
 
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error
-from data.meta import FORMAT_VERSION, DataError
+from data.meta import FORMAT_VERSION, DataError, load_meta
 from data.tokenizer import TokenizerUnavailable, get_tokenizer, vocab_dtype
 from runtime.outputs import write_json
 from runtime.progress import progress_bar
@@ -781,6 +781,26 @@ def parse(argv) -> dict:
                   num_proc=args.num_proc or default_num_proc(),
                   slimpajama_sets=args.slimpajama_sets or None)
     return kwargs
+
+
+def prepare_generated_if_missing(data_dir, tokenizer="byte") -> None:
+    """
+    Build a generated corpus (embedded, recall) into data_dir if it is that corpus's
+    default folder (data/<name>_<tokenizer>) and holds no valid prepared data, so a
+    fresh clone trains without a separate prepare step. Any other folder is left
+    alone: the caller's load_meta() then reports what is wrong with it.
+    """
+    names = [name for name in GENERATED
+             if os.path.realpath(str(data_dir)) == os.path.realpath(default_out_dir(name, tokenizer))]
+    if not names:
+        return
+    try:
+        load_meta(data_dir)
+        return
+    except DataError:
+        pass
+    print(f"{data_dir} is not prepared yet: generating the {names[0]} corpus there (a few seconds)")
+    prepare(names[0], tokenizer, out_dir=str(data_dir), num_proc=1, quiet=True)
 
 
 def main(argv=None):

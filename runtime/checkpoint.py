@@ -14,7 +14,10 @@ from pathlib import Path
 import torch
 
 from config import Config
-from runtime.outputs import atomic_write, write_json  # noqa: F401  (the run records' writers; imported from here too)
+from data.tokenizer import BUILT_IN, TokenizerUnavailable, get_tokenizer
+from model import GPT
+from runtime.outputs import atomic_write
+from runtime.run_folder import holds_run
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -171,14 +174,10 @@ def checkpoint_exists(path: Path) -> bool:
 def load_model(out_dir, which: str = "best", device="cpu"):
     """The trained GPT of a run folder, in eval mode, with its config and the checkpoint (for a sharded one:
     its meta, the weights loaded into the model in this process)."""
-    from model import GPT
-
     path = checkpoint_path(out_dir, which)
     other = "last" if which == "best" else "best"
     if not checkpoint_exists(path):
         if not checkpoint_exists(checkpoint_path(out_dir, other)):
-            from runtime.run_folder import holds_run
-
             held = holds_run(Path(out_dir)) if Path(out_dir).is_dir() else []
             if held:  # a run that stopped before its first checkpoint, or one still training
                 raise CheckpointError(f"no checkpoint in {out_dir} yet (neither ckpt_best nor ckpt_last), though it holds "
@@ -229,8 +228,6 @@ def keep_tokenizer(name: str, out_dir) -> bool:
     """Copy a Hugging Face tokenizer (a tokenizer.json path, a model folder or a hub name) into the run folder as
     tokenizer.json (atomically), so sampling, evaluation and export need nothing outside the run; the built-in
     tokenizers (byte, gpt2) need no copy. Returns whether a copy was written."""
-    from data.tokenizer import BUILT_IN, get_tokenizer
-
     if name in BUILT_IN or (Path(out_dir) / RUN_TOKENIZER).exists():  # a resumed run has its copy already
         return False
     text = get_tokenizer(name).backend.to_str()
@@ -242,8 +239,6 @@ def run_tokenizer(ckpt: dict):
     """The tokenizer of a checkpoint, checked against the vocabulary the model was trained with: the run folder's
     own copy (tokenizer.json beside the checkpoint) where there is one, else loaded by its name (a tokenizer.json
     path or hub name may hold another vocabulary today, and text encoded with it would be other token ids)."""
-    from data.tokenizer import BUILT_IN, TokenizerUnavailable, get_tokenizer
-
     identity = checkpoint_tokenizer_identity(ckpt)
     name = identity["tokenizer"]
     where = ckpt.get("path", "the checkpoint")

@@ -22,10 +22,16 @@ caller's stop strings cut them (lm-eval cuts every output at its `until` strings
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from config import ModelConfig, dataclass_fields
+from model import GPT
+from runtime.checkpoint import load_model
 
 MODEL_TYPE = "efficient_attention_gpt"
 
@@ -46,8 +52,6 @@ class EfficientAttentionConfig(PretrainedConfig):
         super().__init__(**kwargs)
 
     def model_config(self):
-        from config import ModelConfig, dataclass_fields
-
         known = dataclass_fields(ModelConfig)
         unknown = sorted(set(self.gpt) - set(known))
         if unknown:
@@ -77,18 +81,12 @@ class EfficientAttentionForCausalLM(PreTrainedModel, GenerationMixin):
 
     def __init__(self, config: EfficientAttentionConfig):
         super().__init__(config)
-        from model import GPT
-
         self.model = GPT(config.model_config())
         self.post_init()
 
     @classmethod
     def from_run(cls, out_dir, ckpt: str = "best", device="cpu"):
         """The trained model of a run folder (checkpoint.load_model), wrapped without copying its weights."""
-        import dataclasses
-
-        from runtime.checkpoint import load_model
-
         gpt, _, raw = load_model(out_dir, ckpt, device)
         config = EfficientAttentionConfig(gpt=dataclasses.asdict(gpt.config), name_or_path=str(out_dir))
         with torch.device("meta"):  # the GPT is built once, by load_model

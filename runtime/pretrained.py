@@ -23,9 +23,12 @@ most the checkpoint's context (the position table is cropped to it).
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 
 import torch
 
+from attention.registry import MIXERS, pattern_names
 from config import ModelConfig
 
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
@@ -56,7 +59,8 @@ def load_hf_model(source: str):
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
         raise PretrainedError("init_from with pretrained weights needs transformers: pip install transformers") from None
-    from runtime import hf_gpt  # noqa: F401  (registers this project's model type, which export.py writes)
+    # registers this project's model type, which export.py writes (imports transformers: only when used)
+    from runtime import hf_gpt  # noqa: F401
 
     try:
         hf_config = AutoConfig.from_pretrained(source)
@@ -71,8 +75,6 @@ def load_hf_model(source: str):
 
 def pretrained_model_config(hf_config, m: ModelConfig) -> list[str]:
     """Give m the checkpoint's architecture (in place); returns the settings that changed (and notes), for the log."""
-    from attention.registry import MIXERS, pattern_names
-
     try:
         names = set(pattern_names(m.attn_pattern))
     except ValueError as e:
@@ -164,9 +166,6 @@ def pretrained_state_dict(hf_model, block_size: int) -> dict:
 def tokenizer_identity(source: str) -> dict | None:
     """The identity (data.tokenizer) of the tokenizer a run exported to this folder was trained with, from its
     export.json: its tokenizer files are that tokenizer converted, whose vocabulary hashes otherwise."""
-    import json
-    import os
-
     try:
         with open(os.path.join(source, "export.json")) as f:
             return json.load(f).get("tokenizer")

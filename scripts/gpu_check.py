@@ -67,7 +67,7 @@ from scripts.gpucheck.backends import backends_worker  # noqa: E402
 from scripts.gpucheck.budgets import default_steps, plan_parts, step_budget, step_estimate  # noqa: E402
 from scripts.gpucheck.memory import memory_worker  # noqa: E402
 from scripts.gpucheck.options import (CALL_LIMIT_S, COMPILE_S, MARGIN, PROCESS_S, REDUCED, STEPS, TOTAL_LIMIT_S,  # noqa: E402
-                              CheckConfig, train_runs)
+                                      CheckConfig, train_runs)
 from scripts.gpucheck.runner import output_folder_problem, run_check  # noqa: E402
 
 

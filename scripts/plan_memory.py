@@ -8,7 +8,7 @@
 Weights, gradients, AdamW state and autocast copies under DDP or FSDP, then one micro-batch's activations
 under each activation checkpointing mode, and the largest micro-batch (with the gradient_accumulation_steps
 that keeps the config's global batch) that fits gpu_mem_gb less the headroom: how each is counted is in
-memory_plan.py, the library this is the command line of.
+runtime/memory_plan.py, the library this is the command line of.
 
 The estimate is of eager PyTorch (torch.compile's partitioner usually keeps less: it fuses the casts and
 recomputes cheap elementwise work) on the kernels of `--kernels`: cuda (default: FlexAttention for windowed

@@ -19,8 +19,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 import data.prepare as prepare_module
 from data.embedded import documents
-from data.meta import DataError, load_meta, open_tokens, prepare_generated_if_missing, unigram_entropy
-from data.prepare import main, prepare
+from data.meta import DataError, load_meta, open_tokens, unigram_entropy
+from data.prepare import main, prepare, prepare_generated_if_missing
 from data.tokenizer import TokenizerUnavailable, get_tokenizer, vocab_dtype
 from conftest import run_python as run
 
@@ -591,7 +591,7 @@ def test_a_single_file_gets_a_tenth_for_validation_and_fixes_repeat_the_options(
 def test_token_ids_beyond_the_meta_vocabulary_are_caught_without_the_tokenizer(tmp_path, monkeypatch):
     import shutil
 
-    import data.tokenizer
+    import data.meta
     from data.meta import check_vocabulary
 
     source = REPO / "data" / "embedded_byte"
@@ -602,7 +602,7 @@ def test_token_ids_beyond_the_meta_vocabulary_are_caught_without_the_tokenizer(t
     def unavailable(name):
         raise TokenizerUnavailable("no network")
 
-    monkeypatch.setattr(data.tokenizer, "get_tokenizer", unavailable)  # the tokenizer cannot be checked here
+    monkeypatch.setattr(data.meta, "get_tokenizer", unavailable)  # the tokenizer cannot be checked here
     with pytest.raises(DataError, match=r"train.bin holds token id \d+, beyond meta.json's vocab_size 100"):
         check_vocabulary(tmp_path / "data", meta)
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from conftest import REPO
-from data.meta import open_tokens, prepare_generated_if_missing
+from data.meta import open_tokens
+from data.prepare import prepare_generated_if_missing
 from data.tokenizer import ByteTokenizer
 from eval.diagnostics import FORMATS, PROBES, Builder, Geometry, haystack, make_examples, score
 from eval.bridge_tables import tables

@@ -14,7 +14,8 @@ import transformers
 from conftest import REPO
 from config import ModelConfig
 from data.tokenizer import get_tokenizer
-from export import ExportConfig, export_run, hf_tokenizer, main
+from export import ExportConfig, export_run, main
+from runtime.hf_tokenizer import hf_tokenizer
 from model import GPT
 from tests.test_lm_eval import SENTENCES, offline, save_run, write_tasks  # noqa: F401  (offline: a fixture)
 

@@ -137,7 +137,7 @@ def test_fsdp_refuses_float16_before_writing_anything(tmp_path):
 
 @pytest.mark.e2e
 def test_sharding_composes_with_compiled_blocks_and_activation_checkpointing(tmp_path):
-    # parallelize.py: checkpoint wrapper, then each block compiled, then fully_shard per block and the root
+    # runtime/parallelize.py: checkpoint wrapper, then each block compiled, then fully_shard per block and the root
     train(tmp_path / "plain", "--max_iters=4")
     train(tmp_path / "fsdp", "--max_iters=4", "--parallelism=fsdp", "--compile=True",
           "--activation_checkpointing=selective", "--fsdp_reshard_after_forward=False")  # a group of one process

@@ -29,6 +29,7 @@ if not __package__:  # run as a file, the project's modules cannot be imported: 
 
 from config import ConfigError, ModelConfig, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
 from model import GPT  # noqa: E402
+from runtime.outputs import write_json  # noqa: E402
 
 
 def sequences(labels: torch.Tensor, filler: torch.Tensor, block: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,8 +111,6 @@ def main(argv):
         print(f"{pattern:<10} {r['accuracy']:>9.3f} {r['loss']:>8.3f} {r['max_logit_change_across_labels']:>32.3g}",
               flush=True)
     if args.json:
-        from runtime.checkpoint import write_json
-
         write_json({"args": asdict(args), "results": results}, args.json)
 
 

@@ -6,14 +6,18 @@ from pathlib import Path
 
 import torch
 
-from runtime.checkpoint import write_json
+from attention.registry import pattern_names
+from config import load_config
+from model import GPT
+from runtime import memory_plan
+from runtime.outputs import write_json
 from scripts.gpucheck.context import StepContext, outcome
 from scripts.gpucheck.options import FULL, MEMORY_HEADROOM, MEMORY_RATIO, REDUCED, CheckConfig
 
 
 def step_memory(ctx: StepContext) -> dict:
     """One forward and backward of the 1.4B SWAX recipe's blocks at 16K tokens (one sequence, bf16, eager, no
-    activation checkpointing), its peak memory against memory_plan.py's estimate for the same shapes:
+    activation checkpointing), its peak memory against runtime/memory_plan.py's estimate for the same shapes:
     building the model and one step, about 30 s. On CPU only the estimate (nothing measures the peak)."""
     path = ctx.out / "memory.json"
     path.unlink(missing_ok=True)
@@ -29,7 +33,7 @@ def step_memory(ctx: StepContext) -> dict:
         return outcome("failed", f"{shape}: out of memory above {r['more_than_gib']:.1f} GiB, planned "
                        f"{r['estimated_gib']:.2f} GiB: measured / planned > {bound:.2f}",
                        r, f"the model was sized so that a peak of {MEMORY_HEADROOM:.2f} x the plan fits: "
-                       f"memory_plan.py's estimate is off by more than its stated accuracy ({low}-{high} x the "
+                       f"runtime/memory_plan.py's estimate is off by more than its stated accuracy ({low}-{high} x the "
                        "measured peak): its per-layer saved-activation counts need fixing")
     if r["measured_gib"] is None:
         return outcome("passed", f"{shape}: planned {r['estimated_gib']:.2f} GiB (not measured on CPU)", r)
@@ -37,18 +41,13 @@ def step_memory(ctx: StepContext) -> dict:
                f"{r['ratio']:.2f}")
     low, high = MEMORY_RATIO
     if not low <= r["ratio"] <= high:
-        return outcome("failed", summary, r, f"memory_plan.py's estimate is off by more than its stated "
+        return outcome("failed", summary, r, f"runtime/memory_plan.py's estimate is off by more than its stated "
                        f"accuracy ({low}-{high} x the measured peak): its per-layer saved-activation counts need fixing")
     return outcome("passed", summary, r)
 
 
 def memory_worker(cfg: CheckConfig, device: str) -> None:
     """The memory step's measurement: OUT/memory.json."""
-    from config import load_config
-    from model import GPT
-
-    from runtime import memory_plan
-
     size = (FULL if device == "cuda" and not cfg.quick else REDUCED)["memory"]
     overrides = [f"--{key}={value}" for key, value in size.items() if key not in ("config", "n_layer") and value]
     run_cfg = load_config([size["config"], *overrides, "--batch_size=1", "--activation_checkpointing=none",
@@ -68,8 +67,6 @@ def memory_worker(cfg: CheckConfig, device: str) -> None:
 
     n_layer = size["n_layer"] or m.n_layer
     if device == "cuda":  # as many of the recipe's layers as fit this GPU with headroom, whole pattern periods
-        from attention.registry import pattern_names
-
         period = len(pattern_names(m.attn_pattern))  # swax: 2 layers
 
         def needed(layers: int) -> float:  # the float32 weights and gradients, and the planned peak with headroom
@@ -119,7 +116,5 @@ def memory_layers(n_layer: int, period: int, free: float, needed) -> int:
 
 
 def _param_count(m) -> int:
-    from model import GPT
-
     with torch.device("meta"):
         return GPT(m).num_params()

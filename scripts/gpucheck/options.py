@@ -3,6 +3,9 @@
 from dataclasses import dataclass
 from pathlib import Path
 
+from attention.capabilities import gpu_kernel
+from attention.registry import MIXERS, example_cases, pattern_names
+
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -118,16 +121,11 @@ SETTING_RUNS = {
 
 def gpu_kernel_mixers() -> dict:
     """The registered mixers that train with a GPU kernel when it is installed: name -> the mixer's gpu_kernel."""
-    from attention.capabilities import gpu_kernel
-    from attention.registry import MIXERS
-
     return {name: gpu_kernel(cls) for name, cls in MIXERS.items() if gpu_kernel(cls)}
 
 
 def train_runs(window: int) -> dict[str, list[str]]:
     """Every training run of the check, riskiest first: name -> train.py options (the case's settings)."""
-    from attention.registry import example_cases, pattern_names
-
     cases = example_cases(window)
     options = {name: [f"--{key}={value}" for key, value in settings.items()] for name, settings in cases.items()}
     risky = [name for name, settings in cases.items()
@@ -144,8 +142,6 @@ def train_runs(window: int) -> dict[str, list[str]]:
 def grid_runs(sizes: dict, chosen: str = "") -> list[str]:
     """The runs train_runs makes, riskiest first: those named by --runs, else the sizes' grid: every run, or
     (grid gpu_kernels) those whose mixers have a GPU kernel and the GPU-setting runs."""
-    from attention.registry import pattern_names
-
     runs = train_runs(sizes["window"])
     if chosen:
         return [name for name in runs if name in chosen.split(",")]

@@ -2,8 +2,7 @@
 
 from pathlib import Path
 
-from runtime.checkpoint import atomic_write, write_json
-from runtime.outputs import markdown_table
+from runtime.outputs import atomic_write, markdown_table, write_json
 from scripts.gpucheck.options import STEPS, TOLERANCE
 
 
@@ -184,7 +183,7 @@ def render_memory(results: dict) -> list[str]:
              else _num(results["measured_gib"], "{:.2f} GiB"),
              f"{results['estimated_gib']:.2f} GiB", _num(results["ratio"], "{:.2f}")]]
     return ["Peak memory of one forward and backward (eager, no checkpointing, batch 1) above the float32 weights "
-            "and gradients, against `memory_plan.py`'s activations at their peak "
+            "and gradients, against `runtime/memory_plan.py`'s activations at their peak "
             f"({results['peak_moment']}) plus autocast's weight copies.", ""] + \
         _table(["config", "layers", "pattern", "tokens", "dtype", "measured", "planned", "measured / planned"], rows)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from attention import simulate_cuda
+from runtime.outputs import claim_own_folder, own_folder_problem
 from scripts.gpucheck.backends import step_backends
 from scripts.gpucheck.budgets import default_steps, step_budget
 from scripts.gpucheck.context import StepContext
@@ -20,10 +21,9 @@ from scripts.gpucheck.memory import step_memory
 from scripts.gpucheck.options import FULL, REDUCED, STEPS, CheckConfig
 from scripts.gpucheck.processes import now, stop_children, tail
 from scripts.gpucheck.report import write_report
-from runtime.outputs import claim_own_folder, own_folder_problem
 from scripts.gpucheck.steps import (step_bench_attention, step_bench_train, step_compile_check, step_generate,
-                            step_gpu_tests, step_multi_gpu, step_preflight, step_pretrained, step_resume,
-                            step_train_runs)
+                                    step_gpu_tests, step_multi_gpu, step_preflight, step_pretrained, step_resume,
+                                    step_train_runs)
 
 STEP_FUNCTIONS = {"preflight": step_preflight, "gpu_tests": step_gpu_tests, "train_runs": step_train_runs,
                   "resume": step_resume, "memory": step_memory, "pretrained": step_pretrained,

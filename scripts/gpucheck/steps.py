@@ -12,12 +12,14 @@ from pathlib import Path
 
 import torch
 
+from attention.registry import pattern_names
+from data.prepare import prepare_generated_if_missing
 from runtime.run_folder import read_metrics
 from scripts.gpucheck.context import StepContext, outcome
-from scripts.gpucheck.options import (PAPER_000_TABLE_2, REPO, RESUME_TOLERANCE, cuda_only_runs, gpu_kernel_mixers, grid_runs,
-                              train_runs)
-from scripts.gpucheck.processes import stopping
 from scripts.gpucheck.environment import environment, gpu_kernel_problems
+from scripts.gpucheck.options import (PAPER_000_TABLE_2, REPO, RESUME_TOLERANCE, cuda_only_runs, gpu_kernel_mixers, grid_runs,
+                                      train_runs)
+from scripts.gpucheck.processes import stopping
 from scripts.gpucheck.tiny_hf import build_tiny_hf_model
 
 
@@ -173,8 +175,6 @@ def step_bench_train(ctx: StepContext) -> dict:
 
 def train_base(ctx: StepContext, size: dict, compile_: bool) -> list[str]:
     """train.py's arguments shared by the short runs: the quickstart corpus, a 2-layer llama-style model."""
-    from data.meta import prepare_generated_if_missing
-
     prepare_generated_if_missing(str(REPO / "data" / "embedded_byte"))  # once, before runs that may start together
     return ["configs/quickstart.py", "--arch=llama", "--bias=False", "--n_layer=2", f"--n_head={size['n_head']}",
             f"--n_embd={size['n_embd']}", f"--block_size={size['block_size']}", f"--batch_size={size['batch_size']}",
@@ -187,8 +187,6 @@ def train_base(ctx: StepContext, size: dict, compile_: bool) -> list[str]:
 def run_options(name: str, gpu_path: bool, window: int) -> list[str]:
     """A training run's options (train_runs), and on CUDA's path the GPU kernel of each of its mixers that has
     one (the mixer's gpu_kernel): a run that cannot use it fails instead of training with the built-in form."""
-    from attention.registry import pattern_names
-
     options = train_runs(window)[name]
     if gpu_path:
         pattern = next(o.partition("=")[2] for o in options if o.startswith("--attn_pattern="))

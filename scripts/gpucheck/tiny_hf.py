@@ -5,6 +5,9 @@ from pathlib import Path
 
 import torch
 
+from data.embedded import documents as embedded_documents
+from data.prepare import prepare
+
 
 def train_byte_bpe_tokenizer(text: str, path: Path) -> int:
     """A byte-level BPE tokenizer.json with GPT-2's end-of-text token, trained on text; returns its vocabulary
@@ -23,10 +26,7 @@ def train_byte_bpe_tokenizer(text: str, path: Path) -> int:
 def build_tiny_hf_model(root: Path, documents: int = 60) -> tuple[Path, Path]:
     """A small random Qwen3 (grouped-query attention, qk-norm) saved with save_pretrained beside a byte-level BPE
     tokenizer trained on the embedded corpus, and that corpus prepared with it: (model folder, data folder)."""
-    import transformers
-
-    from data.embedded import documents as embedded_documents
-    from data.prepare import prepare
+    import transformers  # heavy: loaded by the steps that build the model only
 
     transformers.utils.logging.disable_progress_bar()
     root.mkdir(parents=True, exist_ok=True)

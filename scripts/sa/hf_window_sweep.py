@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass
 if not __package__:  # run as a file, the project's modules cannot be imported: say how to run it
     sys.exit("run it from the repository root as a module: python -m scripts.sa.hf_window_sweep ...")
 
-from runtime.checkpoint import git_hash  # noqa: E402
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error, resolve_device  # noqa: E402
+from runtime.checkpoint import git_hash  # noqa: E402
 from runtime.outputs import atomic_write, markdown_table, save_figure, write_json  # noqa: E402
 
 # the score of each task in the paper's tables: accuracy for multiple choice and LAMBADA, pass@1 for HumanEval
@@ -198,7 +198,7 @@ def main(argv=None):
               "requirements-eval.txt", file=sys.stderr)
         sys.exit(2)
 
-    from eval.lm_eval_adapter import EfficientAttentionLM
+    from eval.lm_eval_adapter import EfficientAttentionLM  # imports lm_eval, checked above
 
     # a GPU asked for and missing is an error, never a silent hours-long CPU run
     device = exit_on_config_error(resolve_device, args.device)

@@ -1,0 +1,62 @@
+"""The code's layers (scripts/layers.py): no import circle, imports run down the layers, imports inside functions
+only where listed with their reason, eval/ in modules that read in one sitting, and a root that shows the
+architecture."""
+
+from pathlib import Path
+
+from scripts import layers
+
+REPO = Path(__file__).resolve().parent.parent
+FOUND = layers.modules()
+EDGES = layers.imports(FOUND)
+
+
+def test_the_checker_sees_circles_upward_and_late_imports(tmp_path):
+    # a small tree with each fault: a circle (a <-> b through a function-level import), an upward import
+    (tmp_path / "runtime").mkdir()
+    (tmp_path / "runtime" / "__init__.py").write_text("")
+    (tmp_path / "runtime" / "outputs.py").write_text("import model\n")
+    (tmp_path / "model.py").write_text("from runtime.outputs import x\n\ndef f():\n    from runtime import outputs\n")
+    found = layers.modules(tmp_path)
+    edges = layers.imports(found)
+    assert {(e.importer, e.imported, e.late) for e in edges} == {
+        ("runtime.outputs", "model", False), ("model", "runtime.outputs", False), ("model", "runtime.outputs", True)}
+    assert layers.circles(edges) == [["model", "runtime.outputs"]]
+    assert [(e.importer, e.imported) for e in layers.upward(edges)] == [("runtime.outputs", "model")]
+    assert [(e.importer, e.line) for e in layers.late(edges)] == [("model", 4)]
+
+
+def test_no_import_circle():
+    assert layers.circles(EDGES) == []
+
+
+def test_imports_run_down_the_layers_but_for_at_most_three_each_with_its_reason():
+    upward = {(e.importer, e.imported) for e in layers.upward(EDGES)}
+    assert upward <= set(layers.UPWARD), f"imports up the layers not listed in scripts/layers.py: {upward - set(layers.UPWARD)}"
+    assert set(layers.UPWARD) <= upward, "scripts/layers.py lists upward imports the code no longer makes"
+    assert len(layers.UPWARD) <= 3 and all(layers.UPWARD.values())
+
+
+def test_imports_inside_functions_are_at_most_fifteen_each_with_its_reason():
+    late = {(e.importer, e.imported) for e in layers.late(EDGES)}
+    assert late <= set(layers.LATE), f"imports inside functions not listed in scripts/layers.py: {late - set(layers.LATE)}"
+    assert set(layers.LATE) <= late, "scripts/layers.py lists imports inside functions the code no longer makes"
+    assert len(layers.late(EDGES)) <= 15 and all(layers.LATE.values())
+
+
+def test_every_module_has_a_layer():
+    for name in FOUND:
+        layers.layer_of(name)  # raises for a module outside every layer
+
+
+def test_evaluation_modules_read_in_one_sitting():
+    long = {path.name: n for path in (REPO / "eval").glob("*.py")
+            if path.name != "__main__.py" and (n := len(path.read_text().splitlines())) > 500}
+    assert not long, f"eval/ modules over 500 lines: {long}"
+
+
+def test_the_root_holds_the_entry_points_the_model_the_config_and_one_runtime_package():
+    modules = sorted(p.name for p in REPO.glob("*.py"))
+    assert modules == ["config.py", "export.py", "model.py", "sample.py", "train.py"]
+    packages = sorted(p.name for p in REPO.iterdir() if (p / "__init__.py").exists())
+    assert packages == ["attention", "data", "eval", "runtime", "scripts"]
