@@ -447,7 +447,7 @@ def read_resume_checkpoint(cfg: Config, rt: Runtime, data: RunData, out_dir: Pat
 def build_model(cfg: Config, rt: Runtime, source, hf_model):
     """(the model, its parallelized form, the optimizer, the gradient scaler): the same initial weights in every
     process (FSDP shards them without a broadcast), a pretrained model's weights loaded into them, activation
-    checkpointing and torch.compile per block, then DDP around the model or FSDP2 in place (parallelize.py); the
+    checkpointing and torch.compile per block, then DDP around the model or FSDP2 in place (runtime/parallelize.py); the
     optimizer is built after sharding, over the shards."""
     t = cfg.train
     torch.manual_seed(t.seed)

@@ -15,7 +15,7 @@ recurrent mixer declares the ones it has (attention/mlstm.py).
                                                                      sample.py and eval's --window
     BoundaryWriteBack    write_back_coverage(seq_len)                paper 004's bridges (mask_stats.py)
     KernelBench          kernel_inputs(...), kernel_forward(...)     bench_attention.py, the GPU check's backends
-    ActivationMemory     saved_activations(config, kernels, B, T)    memory_plan.py (scripts/plan_memory.py)
+    ActivationMemory     saved_activations(config, kernels, B, T)    runtime/memory_plan.py (scripts/plan_memory.py)
     PretrainedAttention  pretrained_problem()                        variants in Hugging Face models (hf.py)
 
 Declarations a class may carry (read with the functions at the end): example_settings(window) (every tool's

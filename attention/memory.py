@@ -1,10 +1,10 @@
 """Activation memory of the token mixers: what one layer's mixer keeps for backward, in bytes, for
-memory_plan.py (scripts/plan_memory.py). Every mixer answers saved_activations(config, kernels, B, T) ->
+runtime/memory_plan.py (scripts/plan_memory.py). Every mixer answers saved_activations(config, kernels, B, T) ->
 (saved tensors by name, the part selective checkpointing keeps: its matmul and kernel outputs), its
 ActivationMemory capability (attention/capabilities.py). Attention under edge rules gets
 its estimate from its rules and kernels (attention_saved, the MaskedAttention default); a mixer with other
 internals states its own in its module, from the helpers here. The estimate is of eager PyTorch on the
-kernels of `Kernels.device` (see memory_plan.py)."""
+kernels of `Kernels.device` (see runtime/memory_plan.py)."""
 
 from __future__ import annotations
 

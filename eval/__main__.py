@@ -21,7 +21,7 @@ Tasks:
           boundary sweep and tail, semantic exact / paraphrase / distractor / boundary, prompt NLL by position
 Every JSON carries the command, git hash, config hash, checkpoint step and seed that produced it. A run trained
 with --wandb_log=True also gets each task's headline numbers in its wandb run's summary (eval/<task>/<column>,
-the run resumed by id; wandb_run.py); --wandb=False leaves wandb out.
+the run resumed by id; runtime/wandb_run.py); --wandb=False leaves wandb out.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Parts:
             kernel), scores computed per allowed edge, and time per allowed edge relative to swa's
   train     a GPT-2 124M (configs/bridges/owt_124m_full.py) at --train_len tokens, batch 1, each variant's windows and
             blocks --train_window long (MoBA: blocks of half of it, top 2), compiled bf16 with train.py's layout
-            (parallelize.py): median tokens/s of the timed steps against full attention, and MFU
+            (runtime/parallelize.py): median tokens/s of the timed steps against full attention, and MFU
   nanogpt   GPT-2 124M, batch 16 x 1024, bf16 autocast, fused AdamW, steps alternating between train.py's layout, the
             same model compiled whole and nanoGPT's model.py compiled whole (--nanogpt: its file, from a clone of
             github.com/karpathy/nanoGPT; without it this part is left out and says so)
