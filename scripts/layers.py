@@ -60,11 +60,14 @@ class Import:
 
 
 def modules(root: Path = REPO) -> dict[str, Path]:
-    """Every module of the project by dotted name (a package by its __init__)."""
+    """Every module of the project by dotted name (a package by its __init__): the root's modules, its packages'
+    and the examples' (not whatever else a clone holds, such as a virtual environment)."""
+    tops = [path for path in root.iterdir() if path.name not in NOT_MODULES and not path.name.startswith(".")
+            and (path.suffix == ".py" or (path / "__init__.py").exists() or path.name == "examples")]
     found = {}
-    for path in sorted(root.rglob("*.py")):
+    for path in sorted(p for top in tops for p in ([top] if top.is_file() else top.rglob("*.py"))):
         parts = path.relative_to(root).with_suffix("").parts
-        if parts[0] in NOT_MODULES or any(part.startswith(".") for part in parts):
+        if any(part.startswith(".") for part in parts):
             continue
         parts = parts[:-1] if parts[-1] == "__init__" else parts
         found[".".join(parts)] = path
