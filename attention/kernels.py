@@ -26,6 +26,7 @@ over the kernels of attention/ops, and the scores each plan computes (computed_s
 
 auto picks sdpa for plain causal attention only; on CUDA (and on the CPU standing in for it) span for every rule
 whose edges are spans, with no score_mod or an ALiBi one, when Triton is installed, else flex; chunked elsewhere.
+The GPU choice is GPU_CHOICES, with the measurements behind it (device, torch and Triton versions) beside it.
 
 Layouts (attention/layouts.py): heads whose allowed offsets all share a divisor d > 1 (dilated, strided rules)
 run each residue class mod d as a sequence of its own, found from the rule (or its residue_classes); the
@@ -71,13 +72,44 @@ def resolve_backend(name: str, rule: EdgeRule, device: torch.device, head_dim: i
         return name
     if type(rule) is Causal:  # plain causal attention: the fused kernels' own causal path
         return "sdpa"
-    # every other rule runs block-sparse at the cost of its edges: compiled FlexAttention on CUDA (and on the CPU
-    # standing in for it: attention/simulate_cuda.py), the chunked kernel elsewhere (and on CUDA below
-    # FlexAttention's smallest head dimension)
-    if simulate_cuda.gpu_path(device) and span_available() and not spans_problem(rule):
+    # every other rule runs block-sparse at the cost of its edges: span attention on CUDA where its edges are spans
+    # (GPU_CHOICES: what measured fastest), else compiled FlexAttention (also on the CPU standing in for CUDA:
+    # attention/simulate_cuda.py), the chunked kernel elsewhere (and on CUDA below FlexAttention's smallest head
+    # dimension)
+    spans = simulate_cuda.gpu_path(device) and span_available() and not spans_problem(rule)
+    if spans and GPU_CHOICES["spans"] == "span":
         return "span"
     flex_ok = simulate_cuda.gpu_path(device) and head_dim >= FLEX_MIN_HEAD_DIM
     return "flex" if flex_ok else "chunked"
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One GPU figure behind a choice of attn_backend=auto: the case, each kernel's forward + backward time."""
+
+    case: str
+    ms: dict
+    device: str
+    versions: str
+    source: str = "docs/benchmarks.md"
+
+
+# What attn_backend=auto runs on CUDA for a rule whose edges are spans (every static span rule, sa's permuted band,
+# swat's sigmoid with ALiBi), and the measurements it rests on (python -m scripts.gpu_bench): the choice is the
+# kernel that measured fastest in every row. A rule that is not spans runs FlexAttention.
+GPU_CHOICES = {"spans": "span"}
+GPU_MEASUREMENTS = {
+    "spans": (
+        Measured("swa, B4 H16 n=32768 d64 w256 bf16", {"span": 3.66, "flex": 5.29}, "NVIDIA H100 80GB HBM3",
+                 "torch 2.11.0+cu130, Triton 3.6.0"),
+        Measured("swa, B4 H16 n=8192 d64 w256 bf16", {"span": 1.27, "flex": 1.83}, "NVIDIA H100 80GB HBM3",
+                 "torch 2.11.0+cu130, Triton 3.6.0"),
+        Measured("swat, B4 H16 n=32768 d64 w256 bf16", {"span": 3.83, "flex": 28.56}, "NVIDIA H100 80GB HBM3",
+                 "torch 2.11.0+cu130, Triton 3.6.0"),
+        Measured("sa, B4 H16 n=32768 d64 w256 bf16", {"span": 8.5, "flex": 12.2}, "NVIDIA H200",
+                 "torch 2.11.0+cu130, Triton 3.6.0"),
+    ),
+}
 
 
 def span_available() -> bool:

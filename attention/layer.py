@@ -86,9 +86,10 @@ class Attention(Mixer):
         return 4 * self.head_dim * edges / seq_len
 
     def kernel_inputs(self, batch, seq_len, device, dtype, generator=None):
-        shape = (batch, self.n_head, seq_len, self.head_dim)
-        return tuple(torch.randn(shape, generator=generator, device=device, dtype=dtype).requires_grad_()
-                     for _ in range(3))
+        # heads-first views of (B, n, H, D) projections, as the layer passes them (not contiguous copies)
+        shape = (batch, seq_len, self.n_head, self.head_dim)
+        return tuple(torch.randn(shape, generator=generator, device=device, dtype=dtype).transpose(1, 2)
+                     .detach().requires_grad_() for _ in range(3))
 
     def kernel_forward(self, q, k, v):
         """attend() at positions 0.. with the plan GPT.forward would make (sa draws its permutation here)."""

@@ -13,8 +13,8 @@ A variant is any case of the mixer registry (attention/registry.py: example_case
 its example settings at --window, each of its check_variants such as swat_softmax or pbb_union), optionally
 followed by :KEY=VALUE model settings. Each runs the layer's own kernel (kernel_inputs and kernel_forward, its
 KernelBench capability: q, k, v -> output, the same dispatch and plan the model's layers use, with `--backend`,
-default auto: flex on CUDA, block-sparse chunked on CPU, SDPA for full) on random inputs, the layer built as
-the last layer of a model of --heads heads of --head_dim (for MSWA the deepest, whose heads have windows w/4 ..
+default auto: span attention on CUDA for rules whose edges are spans, else flex; block-sparse chunked on CPU;
+SDPA for full) on random inputs, the layer built as the last layer of a model of --heads heads of --head_dim (for MSWA the deepest, whose heads have windows w/4 ..
 2w); the projections, identical across variants, are left out (sa draws a fresh permutation and gathers / scatters
 inside each step, as its layer does; sa_swa runs both paths; the recurrent mixers run their training forms on
 random gates). Time is the best of --repeats timed runs after one warmup (the least disturbed by other work on
@@ -39,7 +39,7 @@ if not __package__:  # run as a file, the project's modules cannot be imported: 
     sys.exit("run it from the repository root as a module: python -m scripts.bench_attention ...")
 
 from attention.capabilities import EdgeCounts, KernelBench  # noqa: E402
-from attention.kernels import AttentionPlan, layer_scores  # noqa: E402
+from attention.kernels import layer_scores, plans_in  # noqa: E402
 from attention.registry import build_mixer, example_cases  # noqa: E402
 from config import (Config, ConfigError, ModelConfig, apply_args, dataclass_fields,  # noqa: E402
                     exit_on_config_error, set_value, validate)
@@ -92,18 +92,15 @@ def variant_config(spec: str, b: BenchConfig, n: int) -> ModelConfig:
 
 
 def backend_of(mixer, n: int, device) -> str:
-    """The kernels the mixer's plan picks at this length (attention under edge rules), else "native" (its own)."""
+    """The kernels the mixer's plan picks at this length (attention under edge rules), "triton" where the plan is
+    only whether the layer's own Triton kernels run (MoBA), else "native" (its own)."""
     try:
         plans = mixer.plan(1, n, device)
     except Exception:
         plans = None
-    stack, kernels = [plans], []
-    while stack:
-        item = stack.pop()
-        if isinstance(item, AttentionPlan):
-            kernels.append(item.kernel)
-        elif isinstance(item, (tuple, list)):
-            stack.extend(reversed(item))
+    kernels = [plan.kernel for plan in plans_in(plans)]
+    if not kernels and plans is True:
+        return "triton"
     return "+".join(dict.fromkeys(kernels)) or "native"
 
 

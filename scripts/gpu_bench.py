@@ -17,9 +17,10 @@ Parts:
             same model compiled whole and nanoGPT's model.py compiled whole (--nanogpt: its file, from a clone of
             github.com/karpathy/nanoGPT; without it this part is left out and says so)
 
-Every case runs in a process of its own, --jobs of them compiling and warming up at once (inductor's and Triton's
-caches are shared on disk); once every case is warm, each times alone, one after the other (a file lock), from its
-warm state, so no case is timed beside another's work (a case not warm by --ready_by is stopped and reported).
+Every case runs in a process of its own (one torch thread), in rounds of --jobs cases: a round's cases compile and
+warm up at once (inductor's and Triton's caches are shared on disk); once all are warm, each times alone, one after
+the other (a file lock), from its warm state, so no case is timed beside another's work (a case not warm by
+--ready_by is stopped and reported), and only a round's cases hold GPU memory at once.
 Each case's log (OUT/logs) says where its warm-up spent its time. Results: the tables printed and written to OUT/report.md, every number in
 OUT/gpu_bench.json with the GPU's name and the torch and Triton versions.
 """
@@ -85,8 +86,8 @@ class BenchConfig:
     nanogpt_batch: int = 16
     train_layers: int = 0  # 0: the config's 12 (fewer: a quick check of the script)
     timeout: int = 480  # seconds for the whole benchmark; cases unfinished by then are reported as such
-    ready_by: int = 300  # seconds for every case to compile and warm up; later ones are stopped and reported
-    jobs: int = max(1, (os.cpu_count() or 2) // 2)  # cases warming up (compiling) at once
+    ready_by: int = 150  # seconds for a round's cases to compile and warm up; later ones are stopped and reported
+    jobs: int = max(1, min(8, (os.cpu_count() or 2) // 2))  # cases per round: warming up (compiling) at once
     device: str = "cuda"  # cpu: runs the script's code on small sizes (a check of the script, not a measurement)
     job: str = ""  # internal: run one case (PART:NAME) in this process
 
@@ -338,13 +339,28 @@ GO = "all"  # the driver's file in OUT/ready: every case is warm, timing may beg
 
 
 def run_jobs(b: BenchConfig, argv: list[str], out: Path) -> dict:
-    """Every case in its own process, all started at once; when all are warm (or --ready_by has passed: the late
-    ones are stopped and reported), they time one after another. What each wrote, or why it did not."""
-    started, procs, pending = time.time(), {}, list(jobs(b))
+    """Every case in its own process, in rounds of --jobs: a round's cases warm up at once (compiling into the
+    caches on disk), and once all are warm (or --ready_by has passed: the late ones are stopped and reported) they
+    time one after another. A round ends before the next starts, so only --jobs cases hold GPU memory at a time
+    (every case of a default run held at once overflowed an 80 GiB H100). What each wrote, or why it did not."""
+    started, pending, results = time.time(), list(jobs(b)), {}
+    while pending:
+        if time.time() - started > b.timeout:
+            for part, name in pending:
+                results[(part, name)] = {"error": f"not started before --timeout={b.timeout} s"}
+            break
+        batch, pending = pending[:b.jobs], pending[b.jobs:]
+        for old in (out / "ready").iterdir():  # the last round's marks, GO among them
+            old.unlink()
+        results.update(run_round(b, argv, out, batch, started))
+    return results
 
-    def start(part, name):
+
+def run_round(b: BenchConfig, argv: list[str], out: Path, batch: list[tuple[str, str]], started: float) -> dict:
+    procs, round_started = {}, time.time()
+    for part, name in batch:
         log = open(out / "logs" / f"{part}_{safe(name)}.log", "w")
-        env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1", "PYTHONUNBUFFERED": "1",
+        env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
                "GPU_BENCH_JOB": f"{part}_{name}"}
         # VARIANT@MxNxWARPSxSTAGES: span attention's tiles for this case, which attention/ops/span/op.py reads when
         # it is imported (as config is, before main runs): set in the case's environment before it starts
@@ -354,24 +370,16 @@ def run_jobs(b: BenchConfig, argv: list[str], out: Path) -> dict:
         procs[(part, name)] = (subprocess.Popen([sys.executable, "-m", "scripts.gpu_bench", *argv,
                                                  f"--job={part}:{name}"], stdout=log, stderr=subprocess.STDOUT,
                                                 env=env), log)
-    late = set()
-    while True:  # at most --jobs cases warm up at once (compilers share the CPU cores); warm ones wait
+    while True:  # warm ones wait for the rest of their round
         waiting = [key for key, (proc, _) in procs.items()
                    if proc.poll() is None and not (out / "ready" / safe(f"{key[0]}_{key[1]}")).exists()]
-        while pending and len(waiting) < b.jobs:
-            start(*pending[0])
-            waiting.append(pending.pop(0))
-        if (not waiting and not pending) or time.time() - started > b.ready_by:
+        if not waiting or time.time() - round_started > b.ready_by:
             break
         time.sleep(0.5)
     for key in waiting:  # not warm in time: stopped, so that no timing runs beside its warm-up
         procs[key][0].kill()
-        late.add(key)
-    late.update(pending)  # never started
     (out / "ready" / GO).touch()
     results = {}
-    for part, name in pending:
-        results[(part, name)] = {"error": f"not started before --ready_by={b.ready_by} s"}
     for (part, name), (proc, log) in procs.items():
         try:
             proc.wait(timeout=max(1, b.timeout - (time.time() - started)))
@@ -382,7 +390,7 @@ def run_jobs(b: BenchConfig, argv: list[str], out: Path) -> dict:
         path = out / "results" / f"{part}_{safe(name)}.json"
         if path.exists():
             results[(part, name)] = json.loads(path.read_text())
-        elif (part, name) in late:
+        elif (part, name) in waiting:
             results[(part, name)] = {"error": f"not warm after --ready_by={b.ready_by} s: stopped"}
         else:
             tail = (out / "logs" / f"{part}_{safe(name)}.log").read_text()[-1500:]

@@ -176,3 +176,15 @@ def assert_close_at_scale(ours, reference, dtype):
     error = float((ours.float() - reference.float()).abs().max())
     scale = float(reference.float().abs().max())
     assert error <= (2e-3 if dtype == torch.float32 else 2e-2) * scale, (error, scale)
+
+
+def test_auto_picks_on_the_gpu_what_measured_fastest():
+    """attn_backend=auto's GPU choice rests on GPU figures: the chosen kernel is the fastest in every measurement
+    recorded for it, and each names its device and versions."""
+    from attention.kernels import GPU_CHOICES, GPU_MEASUREMENTS
+
+    for family, choice in GPU_CHOICES.items():
+        assert GPU_MEASUREMENTS[family], f"{family}: no measurement behind choosing {choice}"
+        for m in GPU_MEASUREMENTS[family]:
+            assert choice in m.ms and min(m.ms, key=m.ms.get) == choice, (family, m)
+            assert m.device and "torch" in m.versions and "Triton" in m.versions
