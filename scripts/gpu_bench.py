@@ -12,7 +12,8 @@ Parts:
             kernel), scores computed per allowed edge, and time per allowed edge relative to swa's
   train     a GPT-2 124M (configs/bridges/owt_124m_full.py) at --train_len tokens, batch 1, each variant's windows and
             blocks --train_window long (MoBA: blocks of half of it, top 2), compiled bf16 with train.py's layout
-            (runtime/parallelize.py): median tokens/s of the timed steps against full attention, and MFU
+            (runtime/parallelize.py): median tokens/s of the timed steps against full attention, and MFU; the
+            --train_profile cases then profile 3 steps (the kernels that took their time)
   nanogpt   GPT-2 124M, batch 16 x 1024, bf16 autocast, fused AdamW, steps alternating between train.py's layout, the
             same model compiled whole and nanoGPT's model.py compiled whole (--nanogpt: its file, from a clone of
             github.com/karpathy/nanoGPT; without it this part is left out and says so)
@@ -80,6 +81,9 @@ class BenchConfig:
     train_len: int = 8192
     train_window: int = 512
     train_steps: int = 10
+    # training cases whose timed steps are followed by 3 profiled ones: the GPU kernels that took their time
+    train_profile: str = "full,swa"
+    train_compile: bool = True  # False: eager (a quick check of the script on the CPU)
     # nanogpt
     nanogpt: str = ""  # nanoGPT's model.py
     nanogpt_steps: int = 20
@@ -213,7 +217,7 @@ def train_settings(variant: str, b: BenchConfig) -> list[str]:
 def train_case(name: str, b: BenchConfig, out: Path) -> list[dict]:
     device, dtype = torch.device(b.device), torch.bfloat16
     layers = [f"--n_layer={b.train_layers}"] if b.train_layers else []
-    cfg = load_config(["configs/bridges/owt_124m_full.py", *train_settings(name, b), *layers, "--compile=True",
+    cfg = load_config(["configs/bridges/owt_124m_full.py", *train_settings(name, b), *layers, f"--compile={b.train_compile}",
                        "--activation_checkpointing=none", "--parallelism=ddp", "--dropout=0.0"])
     torch.manual_seed(0)
     model = GPT(cfg.model).to(device)
@@ -242,13 +246,30 @@ def train_case(name: str, b: BenchConfig, out: Path) -> list[dict]:
             step()
             synchronize()
             times.append(time.perf_counter() - t0)
+        profile = profile_steps(step, 3) if name in b.train_profile.split(",") else []
     seconds = sorted(times)[len(times) // 2]
     tokens_per_s = cfg.model.block_size / seconds
     peak = peak_flops(device, dtype)
     return [{"variant": name, "tokens": cfg.model.block_size, "step_ms": 1000 * seconds, "tokens_per_s": tokens_per_s,
              "mfu": model.flops_per_token(cfg.model.block_size) * tokens_per_s / peak if peak else 0.0,
-             "max_memory_gib": max_memory_gib(),
+             "max_memory_gib": max_memory_gib(), "profile": profile,
              "layers": sorted({type(block.mixer).__name__ for block in model.blocks})}]
+
+
+def profile_steps(step, steps: int, top: int = 15) -> list[dict]:
+    """The device kernels that took the most time over `steps` steps (ms per step each), from torch.profiler: where
+    a step's time goes when the attention kernel's own time does not explain it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        synchronize()
+    device_time = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    rows = sorted(prof.key_averages(), key=lambda e: getattr(e, device_time, 0), reverse=True)[:top]
+    return [{"kernel": e.key[:90], "ms_per_step": getattr(e, device_time, 0) / 1000 / steps,
+             "calls_per_step": e.count / steps} for e in rows]
 
 
 def nanogpt_case(name: str, b: BenchConfig, out: Path) -> list[dict]:
@@ -344,15 +365,19 @@ def run_jobs(b: BenchConfig, argv: list[str], out: Path) -> dict:
     time one after another. A round ends before the next starts, so only --jobs cases hold GPU memory at a time
     (every case of a default run held at once overflowed an 80 GiB H100). What each wrote, or why it did not."""
     started, pending, results = time.time(), list(jobs(b)), {}
-    while pending:
+    rounds = -(-len(pending) // b.jobs)
+    for number in range(1, rounds + 1):
         if time.time() - started > b.timeout:
             for part, name in pending:
                 results[(part, name)] = {"error": f"not started before --timeout={b.timeout} s"}
             break
         batch, pending = pending[:b.jobs], pending[b.jobs:]
+        print(f"[{time.time() - started:5.0f} s] round {number}/{rounds}: "
+              f"{', '.join(f'{part}:{name}' for part, name in batch)}", flush=True)
         for old in (out / "ready").iterdir():  # the last round's marks, GO among them
             old.unlink()
         results.update(run_round(b, argv, out, batch, started))
+    print(f"[{time.time() - started:5.0f} s] done", flush=True)
     return results
 
 
@@ -473,6 +498,12 @@ def main(argv):
     if train:
         report += [f"## Training GPT-2 124M at {b.train_len} tokens, batch 1, windows and blocks {b.train_window}, "
                    "compiled bf16", "", *train_table(train), ""]
+    for row in train:
+        if row.get("profile"):
+            report += [f"### Where {row['variant']}'s training step spends its time (top kernels, ms per step)", "",
+                       markdown_table(["kernel", "ms / step", "calls / step"],
+                                      [[p["kernel"], f"{p['ms_per_step']:.3f}", f"{p['calls_per_step']:.0f}"]
+                                       for p in row["profile"]]), ""]
     if nano:
         report += ["## GPT-2 124M, batch 16 x 1024, against nanoGPT's model.py", "", *nanogpt_table(nano), ""]
     elif "nanogpt" in b.parts.split(","):

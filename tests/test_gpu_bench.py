@@ -42,3 +42,23 @@ def test_the_benchmark_writes_only_into_a_folder_of_its_own(tmp_path):
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "did not write" in proc.stderr, proc.stderr
     assert [p.name for p in tmp_path.rglob("*")] == ["logs", "mine.log"]
+
+
+@pytest.mark.e2e
+def test_training_cases_run_in_rounds_and_the_profiled_ones_say_where_their_step_goes(tmp_path):
+    """--jobs=1: each case a round of its own (a round's cases alone hold the GPU's memory); --train_profile: the
+    kernels that took a step's time, in the report."""
+    out = tmp_path / "bench"
+    proc = subprocess.run([sys.executable, "-m", "scripts.gpu_bench", "--device=cpu", "--parts=train",
+                           "--train_variants=full,swa", "--train_profile=swa", "--train_layers=1", "--train_len=64",
+                           "--train_window=16", "--train_steps=1", "--train_compile=False", "--jobs=1",
+                           f"--out={out}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = (out / "report.md").read_text()
+    assert "Where swa's training step spends its time" in report and "Where full's" not in report
+    results = json.loads((out / "gpu_bench.json").read_text())
+    profiled = {r["variant"]: r["profile"] for r in results["train"]}
+    assert profiled["full"] == [] and profiled["swa"] and all(p["ms_per_step"] >= 0 for p in profiled["swa"])
+    # one round after the other: the second started once the first was timed
+    assert proc.stdout.index("round 1/2: train:full") < proc.stdout.index("round 2/2: train:swa")
