@@ -70,12 +70,13 @@ def test_span_kernels_equal_the_dense_reference_forward_and_backward(name, n):
 
 
 @pytest.mark.parametrize("activation", ["sigmoid", "softmax"])
-def test_swat_scores_alibi_and_sigmoid_in_the_kernel(activation):
+@pytest.mark.parametrize("window", [11, 40])  # 40: tiles with interior key blocks (no mask, ALiBi's row term apart)
+def test_swat_scores_alibi_and_sigmoid_in_the_kernel(activation, window):
     """swat's sigmoid (no row max or sum) and ALiBi with slopes of both signs and an offset, grouped-query heads
     and a head dimension that is no power of two."""
-    n, rule = 53, SlidingWindow(11)
+    n, rule = 53, SlidingWindow(window)
     q, k, v = inputs(n, H=4, H_kv=2, D=24)
-    bias = AlibiBias(torch.tensor([-0.5, -0.125, 0.25, 0.0625], device="cpu"), -math.log(11))
+    bias = AlibiBias(torch.tensor([-0.5, -0.125, 0.25, 0.0625], device="cpu"), -math.log(window))
     plan = plan_attention(rule, "span", n, 4, 24, "cpu", score_mod=bias, activation=activation)
     assert plan.kernel == "span" and plan.data.slopes is not None
     y = attend_planned(q, k, v, plan)

@@ -4,7 +4,7 @@ under Triton's interpreter, or the naive reference while the CPU stands in for C
 triton_on_cpu).
 
 Attention = a query's own block, causal (span attention over fixed blocks of c), plus its other chosen blocks
-(the pair tiles of triton_kernels.py), merged as one softmax by the parts' log-sum-exps. The backward runs span
+(the pair tiles of triton_kernels.py), merged as one softmax by the parts' log-sum-exps (one kernel). The backward runs span
 attention's backward over the own blocks and the pair tiles' over the rest, both from the merged log-sum-exp and
 rowsum(dO * O), as FlashAttention's backward does for any split of the keys."""
 
@@ -108,40 +108,42 @@ def triton_forward(q, k, v, chosen, block: int):
         q, k, v, out, lse, *tiles.args(), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], H, n, D,
         tiles.n_blocks, tiles.slots, block, 1.4426950408889634 / math.sqrt(D), tiles.groups,
         BLOCK_M=rows, BLOCK_N=cols, BLOCK_D=_block_d(D), **_flags(q))
-    parts_lse = torch.cat([own_lse[..., None], lse.view(B, H, n, topk - 1)], -1)
-    total = torch.logsumexp(parts_lse, -1)
-    weights = torch.exp(parts_lse - total[..., None])
-    merged = weights[..., :1] * own.float() + (weights[..., 1:, None] * out.view(B, H, n, topk - 1, D)).sum(-2)
     result = span_op._layout_like_q(q)
-    result.copy_(merged)
+    total = torch.empty_like(own_lse)
+    triton_kernels().moba_merge_kernel[(span_op.triton_cdiv(n, rows), B * H)](
+        own, own_lse, out, lse, result, total, *own.stride()[:3], *result.stride()[:3], H, n, D, topk - 1,
+        BLOCK_M=rows, BLOCK_D=_block_d(D))
     return result, total
 
 
 def triton_backward(grad, q, k, v, out, lse, chosen, block: int):
-    moba_pairs_backward_kernel = triton_kernels().moba_pairs_backward_kernel
+    kernels = triton_kernels()
 
     B, H, n, D = q.shape
     grad = span_op.unit_stride(grad)
     spans = static_spans(FixedBlock(block), n, 1, 0, str(q.device))
     delta = span_op.triton_delta(grad, out)
-    dq, dk, dv = span_op.triton_backward(grad, q, k, v, out, lse, spans.lo, spans.hi, spans.key_first,
-                                         spans.key_end, None, None, 0.0, False, delta=delta)
+    dq, dk_own, dv_own = span_op.triton_backward(grad, q, k, v, out, lse, spans.lo, spans.hi, spans.key_first,
+                                                 spans.key_end, None, None, 0.0, False, delta=delta)
     topk = chosen.shape[-1]
     if topk == 1:
-        return dq, dk, dv
+        return dq, dk_own, dv_own
     rows, cols, _ = _sizes(q.device)
     tiles = PairTiles(chosen, block, rows)
     dq_pairs = torch.zeros(tiles.pairs, D, device=q.device, dtype=torch.float32)
-    dk_pairs = torch.zeros(B * H, n, D, device=q.device, dtype=torch.float32)
-    dv_pairs = torch.zeros(B * H, n, D, device=q.device, dtype=torch.float32)
-    moba_pairs_backward_kernel[(tiles.grid,)](
-        q, k, v, grad, lse, delta, dq_pairs, dk_pairs, dv_pairs, *tiles.args(), *q.stride()[:3], *k.stride()[:3],
-        *v.stride()[:3], *grad.stride()[:3], H, n, D, tiles.n_blocks, tiles.slots, block, 1 / math.sqrt(D),
-        1.4426950408889634 / math.sqrt(D), tiles.groups, BLOCK_M=rows, BLOCK_N=cols, BLOCK_D=_block_d(D),
-        **_flags(q))
-    dq.copy_(dq.float() + dq_pairs.view(B, H, n, topk - 1, D).sum(-2))  # in place: the strides of q, k and v
-    dk.copy_(dk.float() + dk_pairs.view(B, H, n, D))
-    dv.copy_(dv.float() + dv_pairs.view(B, H, n, D))
+    scales = (1 / math.sqrt(D), 1.4426950408889634 / math.sqrt(D))
+    kernels.moba_pairs_dq_kernel[(tiles.grid,)](
+        q, k, v, grad, lse, delta, dq_pairs, *tiles.args(), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        *grad.stride()[:3], H, n, D, tiles.n_blocks, tiles.slots, block, *scales, tiles.groups,
+        BLOCK_M=rows, BLOCK_N=cols, BLOCK_D=_block_d(D), **_flags(q))
+    dk, dv = torch.empty_like(k), torch.empty_like(v)  # the own part's strides: read with the same ones
+    assert dk.stride() == dk_own.stride() and dv.stride() == dv_own.stride()
+    kernels.moba_pairs_dkdv_kernel[(tiles.n_blocks * span_op.triton_cdiv(block, cols), B * H)](
+        q, k, v, grad, lse, delta, dk_own, dv_own, dk, dv, tiles.pair_start, tiles.counts, tiles.order,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
+        H, n, D, tiles.n_blocks, tiles.slots, block, *scales,
+        BLOCK_M=rows, BLOCK_N=cols, BLOCK_D=_block_d(D), **_flags(q))
+    dq.copy_(dq.float() + dq_pairs.view(B, H, n, topk - 1, D).sum(-2))  # in place: the strides of q
     return dq, dk, dv
 
 

@@ -7,8 +7,9 @@
                   that read one key block (MoBA's own implementation: varlen attention over the queries of each
                   block; FlashMoBA fuses the same grouping): a tile gathers its queries and runs one softmax over
                   the block's c keys, returning each pair's normalised output and log-sum-exp; its backward
-                  recomputes the probabilities from the query's final log-sum-exp, writes each pair's dq and adds
-                  dk, dv into the block's rows (atomics: several tiles share a block)
+                  recomputes the probabilities from the query's final log-sum-exp and writes each pair's dq; dk and
+                  dv come from one program per block of keys over the pairs that chose its block (contiguous
+                  in the sorted order: no atomics), added to the own blocks' part as they are stored
 
 A query's own block (causal) runs span attention over fixed blocks (attention/ops/span), and the parts are merged
 by their log-sum-exps (attention/ops/moba/op.py). Checked against attention/ops/moba/naive.py and the dense
@@ -27,7 +28,7 @@ from attention.ops.span.triton_kernels import _dot
 def moba_choose_kernel(Q, MEANS, CHOSEN, sqb, sqh, sqn, smb, smh, smn, H, N, D, NB, block,
                        TOPK: tl.constexpr, SLOTS_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
                        IEEE: tl.constexpr, WIDEN: tl.constexpr):
-    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
+    pid_m, pid_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     b, h = pid_bh // H, pid_bh % H
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
@@ -86,8 +87,8 @@ def _tile(TILE_GROUP, TILE_START, PAIR_START, COUNTS, ORDER, t, n_groups, H, N, 
     first = tl.load(PAIR_START + g) + local * BLOCK_M
     count = tl.where(valid, tl.minimum(tl.load(COUNTS + g) - local * BLOCK_M, BLOCK_M), 0)
     r = tl.arange(0, BLOCK_M)
-    pair = tl.load(ORDER + first + r, mask=r < count, other=0)
-    bh, j = g // NB, g % NB
+    pair = tl.load(ORDER + first + r, mask=r < count, other=0).to(tl.int64)  # pair x D passes 2^31 at long lengths
+    bh, j = (g // NB).to(tl.int64), g % NB  # 64-bit: batch x head offsets pass 2^31 elements at long lengths
     return pair, r < count, bh, bh // H, bh % H, j, pair // SLOTS % N
 
 
@@ -133,11 +134,11 @@ def moba_pairs_forward_kernel(Q, K, V, OUT, LSE, TILE_GROUP, TILE_START, PAIR_ST
 
 
 @triton.jit
-def moba_pairs_backward_kernel(Q, K, V, DO, LSE, DELTA, DQ_PAIRS, DK, DV, TILE_GROUP, TILE_START, PAIR_START,
-                               COUNTS, ORDER, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon,
-                               H, N, D, NB, SLOTS, block, sm_scale, qk_scale, n_groups, BLOCK_M: tl.constexpr,
-                               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
-                               WIDEN: tl.constexpr):
+def moba_pairs_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ_PAIRS, TILE_GROUP, TILE_START, PAIR_START, COUNTS, ORDER,
+                         sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon, H, N, D, NB, SLOTS, block,
+                         sm_scale, qk_scale, n_groups, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_D: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr):
+    """Each pair's dq over its chosen block, from the query's final log-sum-exp and rowsum(dO * O)."""
     pair, real, bh, b, h, j, rows = _tile(TILE_GROUP, TILE_START, PAIR_START, COUNTS, ORDER, tl.program_id(0),
                                           n_groups, H, N, NB, SLOTS, BLOCK_M)
     if tl.max(real.to(tl.int32), 0) > 0:
@@ -156,9 +157,78 @@ def moba_pairs_backward_kernel(Q, K, V, DO, LSE, DELTA, DQ_PAIRS, DK, DV, TILE_G
             dp = _dot(do, tl.trans(v), IEEE, WIDEN)
             ds = p * (dp - delta[:, None])
             dq += _dot(ds.to(k.dtype), k, IEEE, WIDEN)
-            dk = _dot(tl.trans(ds).to(q.dtype), q, IEEE, WIDEN) * sm_scale
-            dv = _dot(tl.trans(p).to(do.dtype), do, IEEE, WIDEN)
-            target = (bh * N + cols[:, None]) * D + dims[None, :]
-            tl.atomic_add(DK + target, dk, mask=kv_mask)
-            tl.atomic_add(DV + target, dv, mask=kv_mask)
         tl.store(DQ_PAIRS + pair[:, None] * D + dims[None, :], dq * sm_scale, mask=row_mask)
+
+
+@triton.jit
+def moba_pairs_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_OWN, DV_OWN, DK, DV, PAIR_START, COUNTS, ORDER,
+                           sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon, sdkb, sdkh, sdkn,
+                           sdvb, sdvh, sdvn, H, N, D, NB, SLOTS, block, sm_scale, qk_scale,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+                           WIDEN: tl.constexpr):
+    """dk, dv of BLOCK_N keys of block j: the own blocks' part (span attention's backward, DK_OWN, DV_OWN) plus
+    every pair that chose block j, walked in its sorted order by this program alone (no atomics: the pairs of a
+    block are contiguous in ORDER), key-major (k q^T) so that no tile is transposed."""
+    pid_n, bh = tl.program_id(0), tl.program_id(1)
+    per_block = (block + BLOCK_N - 1) // BLOCK_N
+    j = pid_n // per_block
+    b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
+    dims = tl.arange(0, BLOCK_D)
+    cols, col_ok, kv_mask, k, v = _block_keys(K, V, b, h, j, block, j * block + pid_n % per_block * BLOCK_N, N, D,
+                                              dims, skb, skh, skn, svb, svh, svn, BLOCK_N)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    g = bh * NB + j
+    first, count = tl.load(PAIR_START + g), tl.load(COUNTS + g)
+    for r0 in range(0, count, BLOCK_M):
+        r = r0 + tl.arange(0, BLOCK_M)
+        real = r < count
+        pair = tl.load(ORDER + first + r, mask=real, other=0).to(tl.int64)
+        rows = pair // SLOTS % N
+        row_mask = real[:, None] & (dims[None, :] < D)
+        q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqn + dims[None, :], mask=row_mask, other=0.0)
+        do = tl.load(DO + b * sdob + h * sdoh + rows[:, None] * sdon + dims[None, :], mask=row_mask, other=0.0)
+        lse = tl.load(LSE + bh.to(tl.int64) * N + rows, mask=real, other=float("inf"))
+        delta = tl.load(DELTA + bh.to(tl.int64) * N + rows, mask=real, other=0.0)
+        s_t = _dot(k, tl.trans(q), IEEE, WIDEN) * qk_scale  # (keys, pairs)
+        p_t = tl.where(col_ok[:, None] & real[None, :], tl.exp2(s_t - lse[None, :] * 1.4426950408889634), 0.0)
+        dp_t = _dot(v, tl.trans(do), IEEE, WIDEN)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dv += _dot(p_t.to(do.dtype), do, IEEE, WIDEN)
+        dk += _dot(ds_t.to(q.dtype), q, IEEE, WIDEN)
+    own = b * sdkb + h * sdkh + cols[:, None] * sdkn + dims[None, :]
+    tl.store(DK + own, (dk * sm_scale + tl.load(DK_OWN + own, mask=kv_mask, other=0.0).to(tl.float32))
+             .to(DK.dtype.element_ty), mask=kv_mask)
+    own = b * sdvb + h * sdvh + cols[:, None] * sdvn + dims[None, :]
+    tl.store(DV + own, (dv + tl.load(DV_OWN + own, mask=kv_mask, other=0.0).to(tl.float32)).to(DV.dtype.element_ty),
+             mask=kv_mask)
+
+
+@triton.jit
+def moba_merge_kernel(OWN, OWN_LSE, PAIR_OUT, PAIR_LSE, OUT, LSE, sab, sah, san, sob, soh, son, H, N, D, SLOTS,
+                      BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A query's parts as one softmax: its own block's output and each chosen block's, weighted by their
+    log-sum-exps (a pair never filled keeps -inf: weight 0), in one pass over the partials."""
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    row_ok = rows < N
+    mask = row_ok[:, None] & (dims[None, :] < D)
+    at = bh.to(tl.int64) * N + rows
+    own_lse = tl.load(OWN_LSE + at, mask=row_ok, other=0.0)
+    m = own_lse
+    for s in range(0, SLOTS):
+        m = tl.maximum(m, tl.load(PAIR_LSE + at * SLOTS + s, mask=row_ok, other=float("-inf")))
+    weight = tl.exp(own_lse - m)
+    total = weight
+    acc = weight[:, None] * tl.load(OWN + b * sab + h * sah + rows[:, None] * san + dims[None, :], mask=mask,
+                                    other=0.0).to(tl.float32)
+    for s in range(0, SLOTS):
+        pair = at * SLOTS + s
+        weight = tl.exp(tl.load(PAIR_LSE + pair, mask=row_ok, other=float("-inf")) - m)
+        total += weight
+        acc += weight[:, None] * tl.load(PAIR_OUT + pair[:, None] * D + dims[None, :], mask=mask, other=0.0)
+    tl.store(OUT + b * sob + h * soh + rows[:, None] * son + dims[None, :], (acc / total[:, None])
+             .to(OUT.dtype.element_ty), mask=mask)
+    tl.store(LSE + at, m + tl.log(total), mask=row_ok)

@@ -75,6 +75,8 @@ def _common(q, k, spans_lo, order, slopes):
     B, H, n, D = q.shape
     return dict(H=H, GROUP=H // k.shape[1], N=n, D=D, span_h=0 if spans_lo.shape[0] == 1 else n,
                 HAS_ORDER=order is not None, HAS_BIAS=slopes is not None, IEEE=q.dtype == torch.float32,
+                # the hardware's tanh for sigmoid: compiled CUDA code at half precision (not the interpreter's)
+                FAST_SIGMOID=q.device.type == "cuda" and q.dtype != torch.float32,
                 WIDEN=q.dtype == torch.bfloat16 and q.device.type == "cpu",
                 BLOCK_D=max(16, 1 << (D - 1).bit_length()))
 

@@ -5,13 +5,21 @@ original positions), with softmax or sigmoid scores and an optional ALiBi bias s
 FlashAttention-2's algorithm over those spans: the forward walks each tile of BLOCK_M query rows over the key
 blocks between its rows' smallest lo and largest hi (online softmax, or a plain sum of sigmoid(s) v with no row
 maximum or sum, as in FlashSigmoid); the backward computes dk and dv per key block over the query rows that
-attend to it (planned per 16 keys: attention/ops/span/spans.py) and dq per query tile as the forward walks. A
-tile's cost is its rows' spans, so a rule costs what its edges cost, whatever n. Rows whose span is empty get a
-zero output (and an infinite log-sum-exp, so that backward gives them no gradient).
+attend to it (planned per 16 keys: attention/ops/span/spans.py), key-major (k q^T, so no tile is transposed), and
+dq per query tile as the forward walks. A tile's cost is its rows' spans, so a rule costs what its edges cost,
+whatever n. Rows whose span is empty get a zero output (and an infinite log-sum-exp, so that backward gives them
+no gradient).
+
+What a score costs, as FlashAttention keeps it: a tile's key blocks split into the interior, where every row of
+the tile attends every key (a sliding window's band but its two edges), and the blocks at its edges; only the
+latter compare, select and carry -inf. ALiBi's slope (i - j) + offset is a per-row term plus a per-key term;
+under softmax the per-row term cancels and enters the log-sum-exp only, so a score pays one addition. Sigmoid
+is 0.5 + 0.5 tanh(x / 2) with the hardware's tanh on the GPU: one special-function operation per score (two with
+1 / (1 + exp(-x))); in float32 (the tests' precision) and under the interpreter the exact form runs.
 
 Layout: q, k, v (B, H, n, D) with any strides but a unit stride along D; k and v may have fewer heads
-(grouped-query attention: query head h reads key head h // (H / H_kv)). Checked against attention/ops/span/
-naive.py in tests/test_span_kernel.py, under Triton's interpreter on the CPU.
+(grouped-query attention: query head h reads key head h // (H / H_kv)). Batch and head offsets are 64-bit.
+Checked against attention/ops/span/naive.py in tests/test_span_kernel.py, under Triton's interpreter on the CPU.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -37,12 +45,41 @@ def _dot(a, b, IEEE: tl.constexpr, WIDEN: tl.constexpr):
 
 
 @triton.jit
-def _scores(q, k, rows, cols, slope, offset, qk_scale, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-            WIDEN: tl.constexpr):
-    """Scores of a (rows, cols) tile in log2 units (times log2(e)): q.k / sqrt(d) + slope (i - j) + offset."""
+def _sigmoid(s, FAST: tl.constexpr):
+    """sigmoid(x) of scores s = x log2(e): one MUFU.TANH with FAST (tanh.approx, relative error 2^-11: bfloat16's
+    own rounding is 2^-8), else the exact 1 / (1 + 2^-s)."""
+    if FAST:
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [s * 0.34657359027997264],
+                                      dtype=tl.float32, is_pure=True, pack=1)
+        p = 0.5 + 0.5 * t
+    else:
+        p = 1.0 / (1.0 + tl.exp2(-s))
+    return p
+
+
+@triton.jit
+def _bias_terms(rows, slope, offset, HAS_BIAS: tl.constexpr, SIGMOID: tl.constexpr):
+    """ALiBi's slope (i - j) + offset in log2 units as row_term[i] + slope2 * -j: (row_term, slope2). Softmax
+    drops the row term from the scores (it cancels) and adds it to the log-sum-exp."""
+    row_term = tl.zeros(rows.shape, dtype=tl.float32)
+    slope2 = 0.0
+    if HAS_BIAS:
+        slope2 = slope * LOG2E
+        row_term = (rows.to(tl.float32) * slope + offset) * LOG2E
+    return row_term, slope2
+
+
+@triton.jit
+def _scores(q, k, cols, row_term, slope2, qk_scale, HAS_BIAS: tl.constexpr, SIGMOID: tl.constexpr,
+            IEEE: tl.constexpr, WIDEN: tl.constexpr):
+    """Scores of a (rows, cols) tile in log2 units (times log2(e)): q.k / sqrt(d) plus the bias's key term, and
+    its row term under sigmoid (softmax keeps that one in the log-sum-exp)."""
     s = _dot(q, tl.trans(k), IEEE, WIDEN) * qk_scale
     if HAS_BIAS:
-        s += (slope * (rows[:, None] - cols[None, :]).to(tl.float32) + offset) * 1.4426950408889634
+        if SIGMOID:
+            s += row_term[:, None] - slope2 * cols[None, :].to(tl.float32)
+        else:
+            s -= slope2 * cols[None, :].to(tl.float32)
     return s
 
 
@@ -56,69 +93,110 @@ def _allowed(rows, cols, lo, hi, row_order, ORDER, N, HAS_ORDER: tl.constexpr):
 
 
 @triton.jit
-def _query_tile(LO, HI, ORDER, h, pid_m, span_h, N, HAS_ORDER: tl.constexpr, BLOCK_M: tl.constexpr):
-    """A tile of BLOCK_M query rows: the rows, which are inside the sequence, their spans, their order, and the
-    keys [first, end) the tile walks (its rows' smallest lo and largest hi; none when every span is empty)."""
+def _query_tile(LO, HI, ORDER, h, pid_m, span_h, N, HAS_ORDER: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """A tile of BLOCK_M query rows: the rows, which are inside the sequence, their spans, their order, and its key
+    blocks: [first, inner) at its leading edge, [inner, outer) the interior (every row attends every key), [outer,
+    end) at its trailing edge. Without an interior (a row empty or past the sequence, spans shorter than a block,
+    an order) every block is an edge block."""
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < N
     lo = tl.load(LO + h * span_h + rows, mask=row_ok, other=0)
     hi = tl.load(HI + h * span_h + rows, mask=row_ok, other=0)
     nonempty = lo < hi
-    first = tl.maximum(tl.min(tl.where(nonempty, lo, N), 0), 0)
+    first = tl.maximum(tl.min(tl.where(nonempty, lo, N), 0), 0) // BLOCK_N * BLOCK_N
     end = tl.minimum(tl.max(tl.where(nonempty, hi, 0), 0), N)
+    inner = (tl.max(lo, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    outer = tl.min(tl.where(nonempty, hi, 0), 0) // BLOCK_N * BLOCK_N
+    if HAS_ORDER:
+        outer = inner
+    has_interior = inner < outer
+    inner = tl.where(has_interior, tl.maximum(inner, first), first)
+    outer = tl.where(has_interior, outer, first)
     row_order = rows
     if HAS_ORDER:
         row_order = tl.load(ORDER + rows, mask=row_ok, other=0)
-    return rows, row_ok, lo, hi, first, end, row_order
+    return rows, row_ok, lo, hi, first, inner, outer, end, row_order
 
 
 @triton.jit
-def span_forward_kernel(Q, K, V, O, LSE, LO, HI, ORDER, SLOPES,
-                        sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, span_h,
-                        H, GROUP, N, D, qk_scale, offset,
-                        SIGMOID: tl.constexpr, HAS_ORDER: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-                        WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, h = pid_bh // H, pid_bh % H
-    hk = h // GROUP
-    rows, row_ok, lo, hi, first, end, row_order = _query_tile(LO, HI, ORDER, h, pid_m, span_h, N, HAS_ORDER, BLOCK_M)
+def _forward_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, block_lo, block_hi, rows, lo, hi, row_order,
+                    row_term, slope2, ORDER, N, D: tl.constexpr, qk_scale, EDGE: tl.constexpr,
+                    SIGMOID: tl.constexpr, FAST_SIGMOID: tl.constexpr, HAS_ORDER: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    """The forward over key blocks [block_lo, block_hi): masked where EDGE, else every score counts."""
     dims = tl.arange(0, BLOCK_D)
-    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqn + dims[None, :],
-                mask=row_ok[:, None] & (dims[None, :] < D), other=0.0)
-    slope = 0.0
-    if HAS_BIAS:
-        slope = tl.load(SLOPES + h)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    k_base = K + b * skb + hk * skh
-    v_base = V + b * svb + hk * svh
-    for start in range(first // BLOCK_N * BLOCK_N, end, BLOCK_N):
+    for start in range(block_lo, block_hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
-        kv_mask = col_ok[:, None] & (dims[None, :] < D)
+        if EDGE:
+            kv_mask = (cols < N)[:, None] & (dims < D)[None, :]
+        else:
+            kv_mask = (dims < D)[None, :]
         k = tl.load(k_base + cols[:, None] * skn + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + cols[:, None] * svn + dims[None, :], mask=kv_mask, other=0.0)
-        s = _scores(q, k, rows, cols, slope, offset, qk_scale, HAS_BIAS, IEEE, WIDEN)
-        ok = _allowed(rows, cols, lo, hi, row_order, ORDER, N, HAS_ORDER)
-        if SIGMOID:  # sigmoid(x) with x = s / log2(e): 1 / (1 + 2^-s)
-            p = tl.where(ok, 1.0 / (1.0 + tl.exp2(-s)), 0.0)
+        s = _scores(q, k, cols, row_term, slope2, qk_scale, HAS_BIAS, SIGMOID, IEEE, WIDEN)
+        if SIGMOID:
+            p = _sigmoid(s, FAST_SIGMOID)
+            if EDGE:
+                p = tl.where(_allowed(rows, cols, lo, hi, row_order, ORDER, N, HAS_ORDER), p, 0.0)
         else:
-            s = tl.where(ok, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            if EDGE:
+                s = tl.where(_allowed(rows, cols, lo, hi, row_order, ORDER, N, HAS_ORDER), s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:  # every score is finite: so is the new maximum
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_safe = m_new
             alpha = tl.exp2(m_i - m_safe)
             p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None]
             m_i = m_new
         acc += _dot(p.to(v.dtype), v, IEEE, WIDEN)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def span_forward_kernel(Q, K, V, O, LSE, LO, HI, ORDER, SLOPES,
+                        sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, span_h,
+                        H, GROUP, N, D: tl.constexpr, qk_scale, offset,
+                        SIGMOID: tl.constexpr, FAST_SIGMOID: tl.constexpr, HAS_ORDER: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, h = (pid_bh // H).to(tl.int64), pid_bh % H
+    hk = (h // GROUP).to(tl.int64)
+    rows, row_ok, lo, hi, first, inner, outer, end, row_order = _query_tile(LO, HI, ORDER, h, pid_m, span_h, N,
+                                                                            HAS_ORDER, BLOCK_M, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    q = tl.load(Q + b * sqb + h.to(tl.int64) * sqh + rows[:, None] * sqn + dims[None, :],
+                mask=row_ok[:, None] & (dims[None, :] < D), other=0.0)
+    slope = 0.0
+    if HAS_BIAS:
+        slope = tl.load(SLOPES + h)
+    row_term, slope2 = _bias_terms(rows, slope, offset, HAS_BIAS, SIGMOID)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+    acc, m_i, l_i = _forward_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, first, inner, rows, lo, hi,
+                                    row_order, row_term, slope2, ORDER, N, D, qk_scale, True, SIGMOID,
+                                    FAST_SIGMOID, HAS_ORDER, HAS_BIAS, IEEE, WIDEN, BLOCK_N, BLOCK_D)
+    acc, m_i, l_i = _forward_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, inner, outer, rows, lo, hi,
+                                    row_order, row_term, slope2, ORDER, N, D, qk_scale, False, SIGMOID,
+                                    FAST_SIGMOID, HAS_ORDER, HAS_BIAS, IEEE, WIDEN, BLOCK_N, BLOCK_D)
+    acc, m_i, l_i = _forward_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, outer, end, rows, lo, hi,
+                                    row_order, row_term, slope2, ORDER, N, D, qk_scale, True, SIGMOID,
+                                    FAST_SIGMOID, HAS_ORDER, HAS_BIAS, IEEE, WIDEN, BLOCK_N, BLOCK_D)
     if not SIGMOID:
         has_key = l_i > 0
         acc = acc / tl.where(has_key, l_i, 1.0)[:, None]
-        lse = tl.where(has_key, (m_i + tl.log2(tl.where(has_key, l_i, 1.0))) * 0.6931471805599453, float("inf"))
-        tl.store(LSE + pid_bh * N + rows, lse, mask=row_ok)
-    tl.store(O + b * sob + h * soh + rows[:, None] * son + dims[None, :], acc.to(O.dtype.element_ty),
+        lse = tl.where(has_key, (m_i + row_term + tl.log2(tl.where(has_key, l_i, 1.0))) * 0.6931471805599453,
+                       float("inf"))
+        tl.store(LSE + pid_bh.to(tl.int64) * N + rows, lse, mask=row_ok)
+    tl.store(O + b * sob + h.to(tl.int64) * soh + rows[:, None] * son + dims[None, :], acc.to(O.dtype.element_ty),
              mask=row_ok[:, None] & (dims[None, :] < D))
 
 
@@ -127,53 +205,40 @@ def span_delta_kernel(O, DO, DELTA, sob, soh, son, sdb, sdh, sdn, H, N, D,
                       BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """delta = rowsum(dO * O) in float32: FlashAttention's backward preprocessing (softmax only)."""
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, h = pid_bh // H, pid_bh % H
+    b, h = (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     mask = (rows[:, None] < N) & (dims[None, :] < D)
     o = tl.load(O + b * sob + h * soh + rows[:, None] * son + dims[None, :], mask=mask, other=0.0).to(tl.float32)
     do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sdn + dims[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(DELTA + pid_bh * N + rows, tl.sum(o * do, 1), mask=rows < N)
-
-
-@triton.jit
-def _score_grads(q, k, v, do, rows, cols, lo, hi, row_order, lse, delta, slope, offset, qk_scale, ORDER, N,
-                 SIGMOID: tl.constexpr, HAS_ORDER: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-                 WIDEN: tl.constexpr):
-    """p and dS (the gradient of the scores before scaling) of a (rows, cols) tile, float32."""
-    s = _scores(q, k, rows, cols, slope, offset, qk_scale, HAS_BIAS, IEEE, WIDEN)
-    ok = _allowed(rows, cols, lo, hi, row_order, ORDER, N, HAS_ORDER)
-    dp = _dot(do, tl.trans(v), IEEE, WIDEN)
-    if SIGMOID:
-        p = tl.where(ok, 1.0 / (1.0 + tl.exp2(-s)), 0.0)
-        ds = dp * p * (1.0 - p)
-    else:
-        p = tl.where(ok, tl.exp2(s - lse[:, None] * 1.4426950408889634), 0.0)
-        ds = p * (dp - delta[:, None])
-    return p, ds
+    tl.store(DELTA + pid_bh.to(tl.int64) * N + rows, tl.sum(o * do, 1), mask=rows < N)
 
 
 @triton.jit
 def span_backward_kv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, ORDER, SLOPES, KEY_FIRST, KEY_END,
                             sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon,
                             sdkb, sdkh, sdkn, sdvb, sdvh, sdvn, span_h, plan_h, plan_len,
-                            H, H_KV, GROUP, N, D, sm_scale, qk_scale, offset,
-                            SIGMOID: tl.constexpr, HAS_ORDER: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            IEEE: tl.constexpr, WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_D: tl.constexpr, KEY_GROUP: tl.constexpr):
+                            H, H_KV, GROUP, N, D: tl.constexpr, sm_scale, qk_scale, offset,
+                            SIGMOID: tl.constexpr, FAST_SIGMOID: tl.constexpr, HAS_ORDER: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, KEY_GROUP: tl.constexpr):
     """dk, dv of one block of BLOCK_N keys of key head hk: over the GROUP query heads that read it, each over the
-    query rows that attend to some key of the block (KEY_FIRST / KEY_END per KEY_GROUP keys)."""
+    query rows that attend to some key of the block (KEY_FIRST / KEY_END per KEY_GROUP keys). Key-major: the
+    tiles are (keys, rows), k q^T, so p^T and dS^T come out as the products dv and dk take."""
     pid_n, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, hk = pid_bh // H_KV, pid_bh % H_KV
+    b, hk = (pid_bh // H_KV).to(tl.int64), pid_bh % H_KV
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     col_ok = cols < N
     kv_mask = col_ok[:, None] & (dims[None, :] < D)
-    k = tl.load(K + b * skb + hk * skh + cols[:, None] * skn + dims[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(V + b * svb + hk * svh + cols[:, None] * svn + dims[None, :], mask=kv_mask, other=0.0)
+    k = tl.load(K + b * skb + hk.to(tl.int64) * skh + cols[:, None] * skn + dims[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + b * svb + hk.to(tl.int64) * svh + cols[:, None] * svn + dims[None, :], mask=kv_mask, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     groups = pid_n * (BLOCK_N // KEY_GROUP) + tl.arange(0, BLOCK_N // KEY_GROUP)
+    col_order = cols
+    if HAS_ORDER:
+        col_order = tl.load(ORDER + cols, mask=col_ok, other=0)
     for g in range(0, GROUP):
         h = hk * GROUP + g
         first = tl.maximum(tl.min(tl.load(KEY_FIRST + h * plan_h + groups, mask=groups < plan_len, other=N), 0), 0)
@@ -181,8 +246,8 @@ def span_backward_kv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, ORDER, SLOP
         slope = 0.0
         if HAS_BIAS:
             slope = tl.load(SLOPES + h)
-        q_base = Q + b * sqb + h * sqh
-        do_base = DO + b * sdob + h * sdoh
+        q_base = Q + b * sqb + h.to(tl.int64) * sqh
+        do_base = DO + b * sdob + h.to(tl.int64) * sdoh
         row_base = (b * H + h) * N
         for start in range(first // BLOCK_M * BLOCK_M, end, BLOCK_M):
             rows = start + tl.arange(0, BLOCK_M)
@@ -192,58 +257,105 @@ def span_backward_kv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, ORDER, SLOP
             do = tl.load(do_base + rows[:, None] * sdon + dims[None, :], mask=q_mask, other=0.0)
             lo = tl.load(LO + h * span_h + rows, mask=row_ok, other=0)
             hi = tl.load(HI + h * span_h + rows, mask=row_ok, other=0)
-            row_order = rows
+            row_term, slope2 = _bias_terms(rows, slope, offset, HAS_BIAS, SIGMOID)
+            s_t = _dot(k, tl.trans(q), IEEE, WIDEN) * qk_scale  # (keys, rows)
+            if HAS_BIAS:
+                if SIGMOID:
+                    s_t += row_term[None, :] - slope2 * cols[:, None].to(tl.float32)
+                else:
+                    s_t -= slope2 * cols[:, None].to(tl.float32)
+            ok_t = (cols[:, None] >= lo[None, :]) & (cols[:, None] < hi[None, :])
             if HAS_ORDER:
                 row_order = tl.load(ORDER + rows, mask=row_ok, other=0)
-            lse = tl.zeros([BLOCK_M], dtype=tl.float32)
-            delta = tl.zeros([BLOCK_M], dtype=tl.float32)
-            if not SIGMOID:
-                lse = tl.load(LSE + row_base + rows, mask=row_ok, other=float("inf"))
+                ok_t = ok_t & (col_order[:, None] <= row_order[None, :])
+            dp_t = _dot(v, tl.trans(do), IEEE, WIDEN)
+            if SIGMOID:
+                p_t = tl.where(ok_t, _sigmoid(s_t, FAST_SIGMOID), 0.0)
+                ds_t = dp_t * p_t * (1.0 - p_t)
+            else:
+                # the log-sum-exp less the bias's row term, which the scores leave out
+                lse = tl.load(LSE + row_base + rows, mask=row_ok, other=float("inf")) * LOG2E - row_term
                 delta = tl.load(DELTA + row_base + rows, mask=row_ok, other=0.0)
-            p, ds = _score_grads(q, k, v, do, rows, cols, lo, hi, row_order, lse, delta, slope, offset, qk_scale,
-                                 ORDER, N, SIGMOID, HAS_ORDER, HAS_BIAS, IEEE, WIDEN)
-            dv += _dot(tl.trans(p).to(do.dtype), do, IEEE, WIDEN)
-            dk += _dot(tl.trans(ds).to(q.dtype), q, IEEE, WIDEN)
-    tl.store(DK + b * sdkb + hk * sdkh + cols[:, None] * sdkn + dims[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
-             mask=kv_mask)
-    tl.store(DV + b * sdvb + hk * sdvh + cols[:, None] * sdvn + dims[None, :], dv.to(DV.dtype.element_ty),
-             mask=kv_mask)
+                p_t = tl.where(ok_t, tl.exp2(s_t - lse[None, :]), 0.0)
+                ds_t = p_t * (dp_t - delta[None, :])
+            dv += _dot(p_t.to(do.dtype), do, IEEE, WIDEN)
+            dk += _dot(ds_t.to(q.dtype), q, IEEE, WIDEN)
+    tl.store(DK + b * sdkb + hk.to(tl.int64) * sdkh + cols[:, None] * sdkn + dims[None, :],
+             (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + b * sdvb + hk.to(tl.int64) * sdvh + cols[:, None] * sdvn + dims[None, :],
+             dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, block_lo, block_hi, rows, lo, hi, row_order,
+               row_term, slope2, ORDER, N, D: tl.constexpr, qk_scale, EDGE: tl.constexpr, SIGMOID: tl.constexpr,
+               FAST_SIGMOID: tl.constexpr, HAS_ORDER: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+               WIDEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """dq over key blocks [block_lo, block_hi): masked where EDGE, else every score counts."""
+    dims = tl.arange(0, BLOCK_D)
+    for start in range(block_lo, block_hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        if EDGE:
+            kv_mask = (cols < N)[:, None] & (dims < D)[None, :]
+        else:
+            kv_mask = (dims < D)[None, :]
+        k = tl.load(k_base + cols[:, None] * skn + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + cols[:, None] * svn + dims[None, :], mask=kv_mask, other=0.0)
+        s = _scores(q, k, cols, row_term, slope2, qk_scale, HAS_BIAS, SIGMOID, IEEE, WIDEN)
+        dp = _dot(do, tl.trans(v), IEEE, WIDEN)
+        if SIGMOID:
+            p = _sigmoid(s, FAST_SIGMOID)
+        else:
+            p = tl.exp2(s - lse[:, None])
+        if EDGE:
+            p = tl.where(_allowed(rows, cols, lo, hi, row_order, ORDER, N, HAS_ORDER), p, 0.0)
+        if SIGMOID:
+            ds = dp * p * (1.0 - p)
+        else:
+            ds = p * (dp - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k, IEEE, WIDEN)
+    return dq
 
 
 @triton.jit
 def span_backward_q_kernel(Q, K, V, DO, LSE, DELTA, DQ, LO, HI, ORDER, SLOPES,
                            sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon, sdqb, sdqh, sdqn, span_h,
-                           H, GROUP, N, D, sm_scale, qk_scale, offset,
-                           SIGMOID: tl.constexpr, HAS_ORDER: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           IEEE: tl.constexpr, WIDEN: tl.constexpr, BLOCK_M: tl.constexpr,
+                           H, GROUP, N, D: tl.constexpr, sm_scale, qk_scale, offset,
+                           SIGMOID: tl.constexpr, FAST_SIGMOID: tl.constexpr, HAS_ORDER: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """dq of one tile of BLOCK_M query rows, walking its key blocks as the forward does."""
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, h = pid_bh // H, pid_bh % H
-    hk = h // GROUP
-    rows, row_ok, lo, hi, first, end, row_order = _query_tile(LO, HI, ORDER, h, pid_m, span_h, N, HAS_ORDER, BLOCK_M)
+    b, h = (pid_bh // H).to(tl.int64), pid_bh % H
+    hk = (h // GROUP).to(tl.int64)
+    rows, row_ok, lo, hi, first, inner, outer, end, row_order = _query_tile(LO, HI, ORDER, h, pid_m, span_h, N,
+                                                                            HAS_ORDER, BLOCK_M, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     q_mask = row_ok[:, None] & (dims[None, :] < D)
-    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqn + dims[None, :], mask=q_mask, other=0.0)
-    do = tl.load(DO + b * sdob + h * sdoh + rows[:, None] * sdon + dims[None, :], mask=q_mask, other=0.0)
-    lse = tl.zeros([BLOCK_M], dtype=tl.float32)
-    delta = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if not SIGMOID:
-        lse = tl.load(LSE + pid_bh * N + rows, mask=row_ok, other=float("inf"))
-        delta = tl.load(DELTA + pid_bh * N + rows, mask=row_ok, other=0.0)
+    q = tl.load(Q + b * sqb + h.to(tl.int64) * sqh + rows[:, None] * sqn + dims[None, :], mask=q_mask, other=0.0)
+    do = tl.load(DO + b * sdob + h.to(tl.int64) * sdoh + rows[:, None] * sdon + dims[None, :], mask=q_mask,
+                 other=0.0)
     slope = 0.0
     if HAS_BIAS:
         slope = tl.load(SLOPES + h)
+    row_term, slope2 = _bias_terms(rows, slope, offset, HAS_BIAS, SIGMOID)
+    lse = tl.zeros([BLOCK_M], dtype=tl.float32)
+    delta = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if not SIGMOID:
+        # in log2 units, less the bias's row term, which the scores leave out
+        lse = tl.load(LSE + pid_bh.to(tl.int64) * N + rows, mask=row_ok, other=float("inf")) * LOG2E - row_term
+        delta = tl.load(DELTA + pid_bh.to(tl.int64) * N + rows, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
-    for start in range(first // BLOCK_N * BLOCK_N, end, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        kv_mask = (cols[:, None] < N) & (dims[None, :] < D)
-        k = tl.load(k_base + cols[:, None] * skn + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + cols[:, None] * svn + dims[None, :], mask=kv_mask, other=0.0)
-        p, ds = _score_grads(q, k, v, do, rows, cols, lo, hi, row_order, lse, delta, slope, offset, qk_scale,
-                             ORDER, N, SIGMOID, HAS_ORDER, HAS_BIAS, IEEE, WIDEN)
-        dq += _dot(ds.to(k.dtype), k, IEEE, WIDEN)
-    tl.store(DQ + b * sdqb + h * sdqh + rows[:, None] * sdqn + dims[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
-             mask=q_mask)
+    dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, first, inner, rows, lo, hi, row_order, row_term,
+                    slope2, ORDER, N, D, qk_scale, True, SIGMOID, FAST_SIGMOID, HAS_ORDER, HAS_BIAS, IEEE, WIDEN,
+                    BLOCK_N, BLOCK_D)
+    dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, inner, outer, rows, lo, hi, row_order, row_term,
+                    slope2, ORDER, N, D, qk_scale, False, SIGMOID, FAST_SIGMOID, HAS_ORDER, HAS_BIAS, IEEE, WIDEN,
+                    BLOCK_N, BLOCK_D)
+    dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, outer, end, rows, lo, hi, row_order, row_term,
+                    slope2, ORDER, N, D, qk_scale, True, SIGMOID, FAST_SIGMOID, HAS_ORDER, HAS_BIAS, IEEE, WIDEN,
+                    BLOCK_N, BLOCK_D)
+    tl.store(DQ + b * sdqb + h.to(tl.int64) * sdqh + rows[:, None] * sdqn + dims[None, :],
+             (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)

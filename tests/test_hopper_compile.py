@@ -1,0 +1,86 @@
+"""Every span attention and MoBA kernel compiles for Hopper (sm_90a) on the CPU with Triton's bundled ptxas, in the
+configurations the ops launch it with (scripts/hopper_compile.py), and its machine code keeps to the kernels'
+design: no register spills, and sigmoid at one special-function (MUFU) operation per score."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from filelock import FileLock
+
+from conftest import REPO
+from scripts.hopper_compile import SPAN_CONFIGURATIONS, innermost_loops, loop_counts, ptxas_problem
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory, testrun_uid):
+    """The rows of python -m scripts.hopper_compile: every kernel configuration, compiled once for the test run (in
+    a process without TRITON_INTERPRET: the suite's processes define Triton's functions for its interpreter).
+    Under xdist the workers that run these tests share it: the first compiles, the others wait for its file."""
+    problem = ptxas_problem()
+    if problem:
+        pytest.skip(f"nothing can be compiled for Hopper on this machine: {problem}")
+    out = tmp_path_factory.getbasetemp().parent / f"hopper_compile_{testrun_uid}.json"  # the workers' shared folder
+    with FileLock(f"{out}.lock"):
+        if not out.exists():
+            env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+            proc = subprocess.run([sys.executable, "-m", "scripts.hopper_compile", f"--json={out}"], cwd=REPO,
+                                  env=env, capture_output=True, text=True, timeout=600)
+            assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())["kernels"]
+
+
+@pytest.mark.e2e
+def test_every_span_and_moba_kernel_compiles_for_hopper_in_every_configuration(kernels):
+    failed = {f"{row['kernel']} ({'; '.join(row['launched_by'])})": row["error"] for row in kernels if "error" in row}
+    assert not failed, "\n\n".join(f"{name}:\n{error}" for name, error in failed.items())
+    configurations = {name for row in kernels for name in row["launched_by"]}
+    assert configurations == {*SPAN_CONFIGURATIONS, "moba"}
+    assert {row["kernel"] for row in kernels} >= {"span_forward_kernel", "span_backward_kv_kernel",
+                                                  "span_backward_q_kernel", "moba_choose_kernel"}
+
+
+@pytest.mark.e2e
+def test_no_kernel_spills_registers(kernels):
+    spilled = [(row["kernel"], row["launched_by"][0], row["registers"], row["spill_stores"], row["spill_loads"])
+               for row in kernels if "error" not in row and (row["spill_stores"] or row["spill_loads"])]
+    assert not spilled, f"(kernel, configuration, registers, bytes spilled, bytes reloaded): {spilled}"
+
+
+@pytest.mark.e2e
+def test_sigmoid_takes_at_most_one_special_function_operation_per_score(kernels):
+    """1 / (1 + exp2(-s)) is two MUFU operations per score (exp2 and the reciprocal); 0.5 + 0.5 tanh(s / 2) is
+    one, the bound a softmax loop's exp2 sets."""
+    sigmoid = [row for row in kernels if row["constexprs"].get("SIGMOID") is True and "error" not in row]
+    assert len({row["kernel"] for row in sigmoid}) >= 3  # the forward and both backward kernels
+    costs = {(row["kernel"], row["launched_by"][0]): row["mufu_per_score"] for row in sigmoid}  # per loop
+    assert all(loops and None not in loops and max(loops) <= 1 for loops in costs.values()), f"MUFU per score: {costs}"
+
+
+def test_the_innermost_loops_are_the_loops_that_hold_no_other():
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   IADD3 R2, R2, 0x1, RZ ;
+.L_x_1:
+        /*0020*/                   MUFU.EX2 R3, R3 ;
+        /*0030*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR12], RZ, !UPT ;
+        /*0040*/              @!P1 BRA `(.L_x_1) ;
+        /*0050*/                   REDG.E.ADD.F32.FTZ.RN.STRONG.GPU desc[UR4][R4.64], R5 ;
+        /*0060*/               @P0 BRA `(.L_x_0) ;
+.L_x_2:
+        /*0070*/                   FMUL R6, R6, R7 ;
+        /*0080*/                   @P2 BRA `(.L_x_2) ;
+        /*0090*/                   EXIT ;
+.L_x_3:
+        /*00a0*/                   BRA `(.L_x_3);
+"""
+    loops = innermost_loops(sass)
+    assert [loop_counts(loop) for loop in loops] == [{"instructions": 3, "mufu": 1, "mma": 1, "atomics": 0},
+                                                     {"instructions": 2, "mufu": 0, "mma": 0, "atomics": 0}]
+    assert loops[0][0].startswith("MUFU") and loops[0][-1].endswith("BRA `(.L_x_1)")
+    outer_only = sass.replace("@!P1 BRA `(.L_x_1)", "NOP")
+    assert loop_counts(innermost_loops(outer_only)[0]) == {"instructions": 6, "mufu": 1, "mma": 1, "atomics": 1}
+    assert innermost_loops("/*0000*/ EXIT ;\n.L_x_9:\n/*0010*/ BRA `(.L_x_9);") == []
