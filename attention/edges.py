@@ -13,9 +13,11 @@ that single predicate, never written again:
 Besides the predicate a rule states `lookback`, the largest q - k it allows (None when unbounded),
 `lookahead`, the largest k - q (0 for causal rules), and `key_ranges(q_lo, q_hi)`, the key positions where
 the queries of a block may have edges (by default the band the lookback and lookahead give, or every earlier
-key when the lookback is unbounded; a rule with a few far keys, such as global tokens, names them). They only
-size things (where the kernels look for edges, the rolling KV cache) and tests check them against the
-predicate; the kernels then keep only the keys that hold an allowed edge, in the layout the edges call for
+key when the lookback is unbounded; a rule with a few far keys, such as global tokens, names them). A rule may
+also state its keys as runs of positions (`key_runs`: a window's [q - w + 1, q + 1)), which planning and edge
+counts then take in closed form instead of scanning allowed(). They only size things (where the kernels look
+for edges, the rolling KV cache, the spans of span attention) and tests check them against the predicate; the
+kernels then keep only the keys that hold an allowed edge, in the layout the edges call for
 (attention/layouts.py), so a rule costs what its edges cost, written with these or as allowed() alone.
 Rules are frozen dataclasses, so they are hashable: block masks and edge counts are cached per rule. Rules
 drawn afresh at every forward (stochastic attention's permutations) are `static = False`: kernels build
@@ -49,6 +51,16 @@ class EdgeRule:
         says which)."""
         lo = 0 if self.lookback is None else q_lo - self.lookback
         return [(lo, q_hi + self.lookahead)]
+
+    def key_runs(self, q: torch.Tensor, h: torch.Tensor | None = None) -> list | None:
+        """For rules that state their layout: the keys query positions q (of heads h, as allowed() takes them)
+        attend as runs of positions [lo, hi), a list of (lo, hi) tensors broadcast against q and h whose union is
+        exactly the keys allowed() admits (not cropped to the sequence; a run with lo >= hi is empty). Span
+        attention's spans, the block structures and FlexAttention block masks of rules whose rows are runs, the
+        residue survey and the edge counts are then computed from them in O(n) instead of a scan of allowed()
+        over every candidate key (tests/test_planning.py checks them against that scan for every rule of the
+        registry). None (the default): found by the scan."""
+        return None
 
     def head_groups(self):
         """For per-head rules made of plain rules: [(head indices, rule)] so kernels can run each group at its
@@ -109,10 +121,43 @@ class EdgeRule:
 
 @functools.lru_cache(maxsize=256)
 def _count_edges(rule: EdgeRule, n: int, head: int) -> int:
-    """Rows in blocks, each against the keys its key_ranges name (each key once): O(edges) for rules that
-    name their keys, never an n x n tensor."""
+    """The sizes of the rule's key_runs where it states them (O(n)); else rows in blocks, each against the keys
+    its key_ranges name (each key once): O(edges) for rules that name their keys, never an n x n tensor."""
     h = torch.tensor(head) if rule.per_head else None
+    runs = rule.key_runs(torch.arange(n), h)
+    if runs is not None:
+        return int(union_of_runs(runs, 0, n)[2].sum())
     return sum(int(allowed.sum()) for _, _, allowed in edge_blocks(rule, n, h))
+
+
+def union_of_runs(runs: list, lo_bound: int, hi_bound: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per query, the union of its key runs ([(lo, hi), ...] as key_runs gives them) cropped to keys lo_bound ..
+    hi_bound - 1: (its first key, one past its last key, its size), lo = hi = lo_bound where it is empty. The union
+    is one run exactly where size == hi - lo. The runs are swept in order of their first keys, elementwise over
+    the few runs of a rule (a sort or reduction over the runs' axis is a strided pass, 10-50x slower)."""
+    runs = [(torch.as_tensor(lo), torch.as_tensor(hi)) for lo, hi in runs]
+    shape = torch.broadcast_shapes(*(t.shape for run in runs for t in run))
+    if len(runs) == 1:
+        lo, hi = runs[0][0].expand(shape).clamp(lo_bound, hi_bound), runs[0][1].expand(shape).clamp(lo_bound, hi_bound)
+        empty = lo >= hi
+        return torch.where(empty, lo_bound, lo), torch.where(empty, lo_bound, hi), (hi - lo).clamp_(min=0)
+    firsts, ends = [], []
+    for lo, hi in runs:  # an empty run becomes [hi_bound, lo_bound): last in order, and it adds nothing
+        lo, hi = lo.expand(shape).clamp(lo_bound, hi_bound), hi.expand(shape).clamp(lo_bound, hi_bound)
+        empty = lo >= hi
+        firsts.append(torch.where(empty, hi_bound, lo))
+        ends.append(torch.where(empty, lo_bound, hi))
+    for sweep in range(len(runs) - 1):  # compare-and-swap passes: in order of first keys
+        for r in range(len(runs) - 1 - sweep):
+            a, b, swap = firsts[r], firsts[r + 1], firsts[r + 1] < firsts[r]
+            firsts[r], firsts[r + 1] = torch.minimum(a, b), torch.maximum(a, b)
+            ends[r], ends[r + 1] = torch.where(swap, ends[r + 1], ends[r]), torch.where(swap, ends[r], ends[r + 1])
+    size = torch.zeros(shape, dtype=torch.long)
+    reach = torch.full(shape, lo_bound, dtype=torch.long)  # one past the last key of the runs swept so far
+    for first, end in zip(firsts, ends):
+        size += (end - torch.maximum(first, reach)).clamp(min=0)
+        reach = torch.maximum(reach, end)
+    return torch.where(size > 0, firsts[0], lo_bound), reach, size
 
 
 def edge_blocks(rule: EdgeRule, n: int, h=None, start: int = 0, rows: int = 256):
@@ -129,11 +174,19 @@ def edge_blocks(rule: EdgeRule, n: int, h=None, start: int = 0, rows: int = 256)
 
 
 def candidate_keys(rule: EdgeRule, q_lo: int, q_hi: int, n: int) -> torch.Tensor:
-    """The key positions inside [0, n) that rule.key_ranges names for queries q_lo .. q_hi - 1, each once."""
-    keys = torch.zeros(n, dtype=torch.bool)
-    for lo, hi in rule.key_ranges(q_lo, q_hi):
-        keys[max(0, lo):max(0, min(n, hi))] = True
-    return torch.nonzero(keys).flatten()
+    """The key positions inside [0, n) that rule.key_ranges names for queries q_lo .. q_hi - 1, each once, in
+    order (the ranges merged: O(keys named), not O(n), per block of queries)."""
+    merged = []
+    for lo, hi in sorted((max(0, lo), min(n, hi)) for lo, hi in rule.key_ranges(q_lo, q_hi)):
+        if lo >= hi:
+            continue
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    if not merged:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.cat([torch.arange(lo, hi) for lo, hi in merged])
 
 
 def _pow2_floor(x: int) -> int:
@@ -148,6 +201,9 @@ class Causal(EdgeRule):
 
     def allowed(self, q, k, h=None):
         return k <= q
+
+    def key_runs(self, q, h=None):
+        return [(torch.zeros_like(q), q + 1)]
 
 
 def window_edges(q, k, window):
@@ -168,6 +224,9 @@ class SlidingWindow(EdgeRule):
 
     def allowed(self, q, k, h=None):
         return window_edges(q, k, self.window)
+
+    def key_runs(self, q, h=None):
+        return [(q - self.window + 1, q + 1)]
 
     def head_windows(self, n_head):
         return [self.window] * n_head
@@ -197,6 +256,9 @@ class HeadWindows(EdgeRule):
     def allowed(self, q, k, h=None):
         return window_edges(q, k, head_values(self.windows, h))
 
+    def key_runs(self, q, h=None):
+        return [(q - head_values(self.windows, h) + 1, q + 1)]
+
     def head_groups(self):
         heads_of = {}
         for head, window in enumerate(self.windows):
@@ -222,6 +284,9 @@ class FixedBlock(EdgeRule):
 
     def allowed(self, q, k, h=None):
         return (k <= q) & (q // self.block == k // self.block)
+
+    def key_runs(self, q, h=None):
+        return [(q // self.block * self.block, q + 1)]
 
     def key_ranges(self, q_lo, q_hi):
         return [(q_lo // self.block * self.block, q_hi)]  # from the first query's block start
@@ -261,6 +326,10 @@ class AnyOf(EdgeRule):
     def key_ranges(self, q_lo, q_hi):
         return [r for rule in self.rules for r in rule.key_ranges(q_lo, q_hi)]
 
+    def key_runs(self, q, h=None):
+        runs = [rule.key_runs(q, h) for rule in self.rules]
+        return None if None in runs else [run for rule_runs in runs for run in rule_runs]
+
     def chunk_size(self) -> int:
         """With far keys beside local rules (a window plus global keys), the local rules' chunk, at most 64: a
         small window keeps its small chunks (a window of 32 plus 4 global keys: 1.2x faster than chunks of 64)."""
@@ -279,6 +348,9 @@ class GlobalKeys(EdgeRule):
 
     def allowed(self, q, k, h=None):
         return (k <= q) & (k < self.count)
+
+    def key_runs(self, q, h=None):
+        return [(torch.zeros_like(q), (q + 1).clamp(max=self.count))]
 
     def key_ranges(self, q_lo, q_hi):
         return [(0, min(self.count, q_hi))]
@@ -357,6 +429,10 @@ class BoundaryWindows(EdgeRule):
     def allowed(self, q, k, h=None):
         j = self.window_of(q)
         return (j >= 1) & (k >= self.source(j)[0]) & (k <= q)
+
+    def key_runs(self, q, h=None):
+        j = self.window_of(q)
+        return [(torch.where(j >= 1, self.source(j)[0], 0), torch.where(j >= 1, q + 1, 0))]
 
     def window_tiles(self, n):
         # each window's write-back rows over its sources up to the last row: the bridge path's only scores

@@ -262,8 +262,13 @@ def edge_divisors(rule: EdgeRule, n: int, n_head: int) -> tuple[HeadSurvey, ...]
     """Per head (one entry for rules that do not vary by head): the offsets' common divisor and bounds over
     n positions, from a scan of query blocks against their key_ranges, as the kernels' own block scan (O(edges)
     for a rule with bounded key ranges; a rule without them costs O(n^2) time once per length, never an n x n
-    tensor). Offsets are marked in a (heads, 2n) table; the divisor is their gcd."""
+    tensor). Offsets are marked in a (heads, 2n) table; the divisor is their gcd. A rule that states its key_runs
+    has them in O(n) per head instead (stated_surveys)."""
     heads = n_head if rule.per_head else 1
+    q, h = torch.arange(n), torch.arange(heads)[:, None] if rule.per_head else None
+    runs = rule.key_runs(q, h)
+    if runs is not None:
+        return stated_surveys(runs, q, n, heads)
     present = torch.zeros(heads, 2 * n, dtype=torch.bool)  # offset q - k + n
     h = torch.arange(heads)[:, None, None] if rule.per_head else None
     for q_lo in range(0, n, SURVEY_BLOCK):
@@ -279,6 +284,27 @@ def edge_divisors(rule: EdgeRule, n: int, n_head: int) -> tuple[HeadSurvey, ...]
             surveys.append(HeadSurvey(0, 0, 0))
             continue
         surveys.append(HeadSurvey(math.gcd(*map(abs, offsets)), max(0, max(offsets)), max(0, -min(offsets))))
+    return tuple(surveys)
+
+
+def stated_surveys(runs: list, q: torch.Tensor, n: int, heads: int) -> tuple[HeadSurvey, ...]:
+    """edge_divisors from key runs (key_runs of queries q = 0 .. n - 1, keys cropped to [0, n)): a run of two keys
+    or more holds two consecutive offsets, so its head's divisor is 1; else the divisor is the gcd of the offsets
+    of the single keys."""
+    runs = [tuple(torch.as_tensor(t).expand(heads, n).clamp(0, n) for t in run) for run in runs]
+    back = torch.stack([torch.where(lo < hi, q - lo, -n).amax(-1) for lo, hi in runs], -1).amax(-1)  # largest q - k
+    ahead = torch.stack([torch.where(lo < hi, hi - 1 - q, -n).amax(-1) for lo, hi in runs], -1).amax(-1)
+    wide = torch.stack([(hi - lo >= 2).any(-1) for lo, hi in runs], -1).any(-1)
+    surveys = []
+    for head in range(heads):
+        if int(back[head]) == -n:  # no edge
+            surveys.append(HeadSurvey(0, 0, 0))
+            continue
+        divisor = 1
+        if not bool(wide[head]):
+            offsets = torch.cat([torch.where(lo[head] < hi[head], q - lo[head], 0) for lo, hi in runs])
+            divisor = math.gcd(*offsets.abs().unique().tolist())
+        surveys.append(HeadSurvey(divisor, max(0, int(back[head])), max(0, int(ahead[head]))))
     return tuple(surveys)
 
 

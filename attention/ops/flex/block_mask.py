@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from attention.edges import EdgeRule
-from attention.ops.blocks import _block_grid, _used_keys, block_structure
+from attention.ops.blocks import _block_grid, _used_keys, block_structure, span_tiles, stated_block_spans
 
 FLEX_BLOCK = 128  # FlexAttention's default block size
 SPARSE_KEYS = 16  # a key block of which a query block attends at most this many keys is read from the prefix
@@ -53,25 +53,30 @@ def _padded_mask_mod(mask_mod, valid: torch.Tensor):
 def _static_block_mask(rule, n, n_head, device, start, valid=None):
     """The block mask from the rule's block structure (block_structure: each query block's key blocks that hold
     an allowed edge, found from rule.key_ranges), each block marked full or partial from allowed() over its
-    tile: O(edges) memory, never the n x n mask that eager create_block_mask materialises (~11 bytes per
-    element: 716 MiB at n = 8192)."""
+    tile, or from the rows' spans for a rule that states its key runs (span_tiles): O(edges) memory, never the
+    n x n mask that eager create_block_mask materialises (~11 bytes per element: 716 MiB at n = 8192)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     size = FLEX_BLOCK
     n_blocks, kv_blocks = -(-n // size), -(-rule.key_count(n) // size)
     key_blocks = block_structure(rule, n, size, n_head or 1, "cpu", start, valid)  # (nb, S), -1: none
     heads = n_head if rule.per_head else 1
-    per_group = max(1, (1 << 24) // (heads * size * key_blocks.shape[1] * size))
-    partial, full = [], []
-    for first in range(0, n_blocks, per_group):
-        slots = key_blocks[first:first + per_group]
-        grid = _block_grid(rule, n, start, size, slots, n_head or 1, "cpu", valid, first)
-        rows = (first + torch.arange(len(slots)))[:, None] * size + torch.arange(size)
-        grid = grid & (rows < n)[:, :, None]  # entries past the length count as not allowed, as create_block_mask's
-        grid = grid.expand(heads, *grid.shape[-3:]).reshape(heads, len(slots), size, slots.shape[1], size)
-        present = (slots >= 0)[None]
-        partial.append(grid.any(-1).any(-2) & ~grid.all(-1).all(-2) & present)
-        full.append(grid.all(-1).all(-2) & present)
+    spans = stated_block_spans(rule, n, n_head or 1, start, valid)
+    if spans is not None:  # the tiles' any and all from the rows' spans, not allowed() over every tile
+        some, every = (t.expand(heads, *t.shape[1:]) for t in span_tiles(*spans, n, size, key_blocks))
+        partial, full = [some & ~every], [every]
+    else:
+        partial, full = [], []
+        per_group = max(1, (1 << 24) // (heads * size * key_blocks.shape[1] * size))
+        for first in range(0, n_blocks, per_group):
+            slots = key_blocks[first:first + per_group]
+            grid = _block_grid(rule, n, start, size, slots, n_head or 1, "cpu", valid, first)
+            rows = (first + torch.arange(len(slots)))[:, None] * size + torch.arange(size)
+            grid = grid & (rows < n)[:, :, None]  # entries past the length count as not allowed, as create_block_mask's
+            grid = grid.expand(heads, *grid.shape[-3:]).reshape(heads, len(slots), size, slots.shape[1], size)
+            present = (slots >= 0)[None]
+            partial.append(grid.any(-1).any(-2) & ~grid.all(-1).all(-2) & present)
+            full.append(grid.all(-1).all(-2) & present)
 
     def as_kv_blocks(present):  # (heads, nb, S) -> counts (1, heads, nb), indices (1, heads, nb, kv blocks)
         index = key_blocks.expand_as(present)

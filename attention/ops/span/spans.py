@@ -1,4 +1,5 @@
-"""Which rules span attention runs, and their spans: derived from the rule's edges, never written per variant.
+"""Which rules span attention runs, and their spans: derived from the rule's edges (in closed form from the key runs
+it states, EdgeRule.key_runs, else from a scan of allowed()), never written per variant.
 
 A rule's edges are spans when every query row's allowed keys are one contiguous run [lo, hi) (per head for a
 per-head rule): a sliding window, multi-scale windows, fixed blocks, paper 004's bridge windows (rows outside
@@ -17,10 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from attention.edges import EdgeRule, edge_blocks
+from attention.edges import EdgeRule, candidate_keys, union_of_runs
 
 KEY_GROUP = 16  # the granularity of the backward's plan: every block size of the kernels is a multiple of it
-ROWS_PER_SCAN = 256
+ROWS_PER_SCAN = 64  # query rows per block of the scan: its candidates are all its rows' keys, so few rows waste few
+SCAN_ENTRIES = 1 << 18  # candidate (query, key) pairs per allowed() call of the scan
 
 
 @dataclass(eq=False)
@@ -46,54 +48,117 @@ class Spans:
 
 def rule_spans(rule: EdgeRule, n: int, n_head: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(lo, hi) (S, n) of a static rule over n rows at positions start.., in row indices, when every row's allowed
-    keys among the n keys at the same positions are one contiguous run; None otherwise. One scan of the rule's
-    edges over its key_ranges (edges.edge_blocks: O(edges) for rules that name their keys)."""
-    heads = [torch.tensor(h) for h in range(n_head)] if rule.per_head else [None]
-    los, his = [], []
-    for h in heads:
-        lo, hi = torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long)
-        for r0, keys, allowed in edge_blocks(rule, n, h, start, ROWS_PER_SCAN):
-            if len(keys) == 0:
-                continue
-            r1 = r0 + allowed.shape[0]
-            count = allowed.sum(1)
-            first = keys[allowed.to(torch.int8).argmax(1)]
-            last = keys[len(keys) - 1 - allowed.flip(1).to(torch.int8).argmax(1)]
-            has = count > 0
-            if bool((has & (count != last - first + 1)).any()):
+    keys among the n keys at the same positions are one contiguous run; None otherwise. In closed form from the
+    rule's key_runs where it states them (stated_spans), else by scanning its edges (scanned_spans)."""
+    if states_runs(rule):
+        return stated_spans(rule, n, n_head, start)
+    return scanned_spans(rule, n, n_head, start)
+
+
+def states_runs(rule: EdgeRule) -> bool:
+    """Whether the rule states its key_runs (asked of one query)."""
+    one = torch.zeros(1, dtype=torch.long)
+    return rule.key_runs(one, one[:, None] if rule.per_head else None) is not None
+
+
+def stated_spans(rule: EdgeRule, n: int, n_head: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """rule_spans of a rule that states its key_runs, from them: O(n) per head."""
+    heads = n_head if rule.per_head else 1
+    lo, hi, size = union_of_runs(rule.key_runs(torch.arange(start, start + n),
+                                               torch.arange(heads)[:, None] if rule.per_head else None),
+                                 start, start + n)
+    if bool((size != hi - lo).any()):
+        return None
+    return _one_per_head((lo - start).expand(heads, n), (hi - start).expand(heads, n))
+
+
+def scanned_spans(rule: EdgeRule, n: int, n_head: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """rule_spans from allowed() alone: the reference, and the spans of a rule that states no key_runs. One scan of
+    the rule's edges: rows in blocks of ROWS_PER_SCAN, each against the keys its key_ranges name (O(edges) for
+    rules that name their keys, never n x n), several blocks and every head in one allowed() call of some
+    SCAN_ENTRIES candidates, heads of one head group (rule.head_groups) sharing one scan. Calls of that size
+    measured fastest (a sliding window of 256 at n = 32K, one thread: 55 ms, against 80 ms block by block and
+    160 ms for all rows at once, whose elementwise passes stream from memory instead of the cache)."""
+    groups = rule.head_groups() if rule.per_head else None
+    if groups and sorted(h for heads, _ in groups for h in heads) == list(range(n_head)):
+        lo, hi = torch.zeros(n_head, n, dtype=torch.int32), torch.zeros(n_head, n, dtype=torch.int32)
+        for heads, sub_rule in groups:
+            spans = scanned_spans(sub_rule, n, len(heads), start)
+            if spans is None:
                 return None
-            lo[r0:r1] = torch.where(has, first - start, 0)
-            hi[r0:r1] = torch.where(has, last - start + 1, 0)
-        los.append(lo)
-        his.append(hi)
-    lo, hi = torch.stack(los), torch.stack(his)
-    if rule.per_head and bool((lo == lo[:1]).all() and (hi == hi[:1]).all()):
+            lo[heads], hi[heads] = spans
+        return _one_per_head(lo, hi)
+    heads = n_head if rule.per_head else 1
+    h = torch.arange(heads)[:, None, None, None] if rule.per_head else None
+    lo, hi = torch.zeros(heads, n, dtype=torch.long), torch.zeros(heads, n, dtype=torch.long)
+    reach = (rule.lookback if rule.lookback is not None else n) + rule.lookahead
+    rows = max(16, min(ROWS_PER_SCAN, SCAN_ENTRIES // (heads * (reach + ROWS_PER_SCAN))))
+    per_call = max(1, SCAN_ENTRIES // (heads * rows * (reach + rows)))
+    for r0 in range(0, n, rows * per_call):
+        firsts = list(range(r0, min(n, r0 + rows * per_call), rows))
+        keys = [candidate_keys(rule, start + a, start + min(n, a + rows), start + n) for a in firsts]
+        keys = [k[k >= start] for k in keys] if start else keys
+        width = max(map(len, keys))
+        if width == 0:
+            continue
+        keys = torch.stack([torch.nn.functional.pad(k, (0, width - len(k)), value=-1) for k in keys])  # (g, K)
+        real = keys >= 0
+        keys = torch.where(real, keys, start)  # padding at a key inside the sequence: rules may index by position
+        q = (torch.tensor(firsts)[:, None] + torch.arange(rows)).clamp(max=n - 1) + start  # (g, rows)
+        allowed = torch.broadcast_to(rule.allowed(q[:, :, None], keys[:, None, :], h) & real[:, None, :],
+                                     (heads, len(firsts), rows, width)).view(torch.uint8)
+        count = allowed.sum(-1, dtype=torch.int16 if width < 1 << 15 else torch.int32)
+        keys = keys.expand(heads, -1, -1)
+        first = keys.gather(-1, allowed.argmax(-1))
+        last = keys.gather(-1, width - 1 - allowed.flip(-1).argmax(-1))
+        has = count > 0
+        if bool((has & (count != last - first + 1)).any()):
+            return None
+        r1 = min(n, r0 + rows * per_call)
+        lo[:, r0:r1] = torch.where(has, first - start, 0).flatten(1)[:, :r1 - r0]
+        hi[:, r0:r1] = torch.where(has, last - start + 1, 0).flatten(1)[:, :r1 - r0]
+    return _one_per_head(lo, hi)
+
+
+def _one_per_head(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Spans (S, n) as int32, one row for every head when the heads' spans are all the same."""
+    if lo.shape[0] > 1 and bool((lo == lo[:1]).all() and (hi == hi[:1]).all()):
         lo, hi = lo[:1], hi[:1]
-    return lo.to(torch.int32), hi.to(torch.int32)
+    return lo.to(torch.int32).contiguous(), hi.to(torch.int32).contiguous()
 
 
 def key_plan(lo: torch.Tensor, hi: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """key_first, key_end (S, ceil(n / KEY_GROUP)) from spans (S, n): rows grouped by KEY_GROUP, each group's keys
-    the union of its rows' spans; a key group's rows are the row groups whose union reaches it."""
+    the union of its rows' spans; a key group's rows are the row groups whose union reaches it. Where the row
+    groups' first and last key groups never decrease (windows, blocks) those row groups are one run, found by
+    binary search; else each row group's key groups are listed (every head at once, side by side)."""
     S, g = lo.shape[0], KEY_GROUP
     groups = -(-n // g)
     pad = groups * g - n
-    lo_p = torch.nn.functional.pad(lo.long(), (0, pad), value=n)
-    hi_p = torch.nn.functional.pad(hi.long(), (0, pad), value=0)
+    lo_p = torch.nn.functional.pad(lo.to(torch.int32), (0, pad), value=n)  # int32: its reductions 4-20x int64's
+    hi_p = torch.nn.functional.pad(hi.to(torch.int32), (0, pad), value=0)
     empty = lo_p >= hi_p
     g_lo = torch.where(empty, n, lo_p).view(S, groups, g).amin(-1)
     g_hi = torch.where(empty, 0, hi_p).view(S, groups, g).amax(-1)
     first_kg, end_kg = g_lo // g, (g_hi + g - 1) // g  # key groups [first_kg, end_kg) per row group
-    count = (end_kg - first_kg).clamp(min=0)
-    key_first = torch.full((S, groups), n, dtype=torch.long)
-    key_end = torch.zeros((S, groups), dtype=torch.long)
-    for s in range(S):
-        row_group = torch.repeat_interleave(torch.arange(groups), count[s])
-        offset = torch.arange(len(row_group)) - torch.repeat_interleave(count[s].cumsum(0) - count[s], count[s])
-        key_group = first_kg[s][row_group] + offset
-        key_first[s].scatter_reduce_(0, key_group, row_group * g, "amin")
-        key_end[s].scatter_reduce_(0, key_group, torch.clamp((row_group + 1) * g, max=n), "amax")
-    return key_first.to(torch.int32), key_end.to(torch.int32)
+    if bool((first_kg[:, 1:] >= first_kg[:, :-1]).all() and (end_kg[:, 1:] >= end_kg[:, :-1]).all()):
+        key_groups = torch.arange(groups, dtype=torch.int32).expand(S, groups).contiguous()
+        first_row_group = torch.searchsorted(end_kg.contiguous(), key_groups, right=True)
+        end_row_group = torch.searchsorted(first_kg.contiguous(), key_groups, right=True)
+        reached = first_row_group < end_row_group
+        key_first = torch.where(reached, first_row_group * g, n)
+        key_end = torch.where(reached, torch.clamp(end_row_group * g, max=n), 0)
+        return key_first.to(torch.int32), key_end.to(torch.int32)
+    count = (end_kg - first_kg).clamp(min=0).flatten().long()
+    row_group = torch.repeat_interleave(torch.arange(S * groups), count)  # head s's row groups: s * groups + r
+    offset = torch.arange(len(row_group)) - torch.repeat_interleave(count.cumsum(0) - count, count)
+    key_group = first_kg.flatten()[row_group].long() + offset + row_group // groups * groups
+    row_group = row_group % groups
+    key_first = torch.full((S * groups,), n, dtype=torch.long)
+    key_end = torch.zeros(S * groups, dtype=torch.long)
+    key_first.scatter_reduce_(0, key_group, row_group * g, "amin")
+    key_end.scatter_reduce_(0, key_group, torch.clamp((row_group + 1) * g, max=n), "amax")
+    return key_first.view(S, groups).to(torch.int32), key_end.view(S, groups).to(torch.int32)
 
 
 def spans_problem(rule: EdgeRule) -> str:
