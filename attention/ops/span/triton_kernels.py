@@ -120,21 +120,30 @@ def _query_tile(LO, HI, ORDER, h, pid_m, span_h, N, HAS_ORDER: tl.constexpr, BLO
 
 
 @triton.jit
+def _key_block(k_base, v_base, skn, svn, start, N, D: tl.constexpr, EDGE: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_D: tl.constexpr):
+    """The keys and values of the block from `start`: bounded by the sequence at a tile's edges only (an interior
+    block lies inside every row's span, so inside the sequence)."""
+    cols = start + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    if EDGE:
+        kv_mask = (cols < N)[:, None] & (dims < D)[None, :]
+    else:
+        kv_mask = (dims < D)[None, :]
+    k = tl.load(k_base + cols[:, None] * skn + dims[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_base + cols[:, None] * svn + dims[None, :], mask=kv_mask, other=0.0)
+    return cols, k, v
+
+
+@triton.jit
 def _forward_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, block_lo, block_hi, rows, lo, hi, row_order,
                     row_term, slope2, ORDER, N, D: tl.constexpr, qk_scale, EDGE: tl.constexpr,
                     SIGMOID: tl.constexpr, FAST_SIGMOID: tl.constexpr, HAS_ORDER: tl.constexpr,
                     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_D: tl.constexpr):
     """The forward over key blocks [block_lo, block_hi): masked where EDGE, else every score counts."""
-    dims = tl.arange(0, BLOCK_D)
     for start in range(block_lo, block_hi, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        if EDGE:
-            kv_mask = (cols < N)[:, None] & (dims < D)[None, :]
-        else:
-            kv_mask = (dims < D)[None, :]
-        k = tl.load(k_base + cols[:, None] * skn + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + cols[:, None] * svn + dims[None, :], mask=kv_mask, other=0.0)
+        cols, k, v = _key_block(k_base, v_base, skn, svn, start, N, D, EDGE, BLOCK_N, BLOCK_D)
         s = _scores(q, k, cols, row_term, slope2, qk_scale, HAS_BIAS, SIGMOID, IEEE, WIDEN)
         if SIGMOID:
             p = _sigmoid(s, FAST_SIGMOID)
@@ -292,15 +301,8 @@ def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, block_lo, block_
                FAST_SIGMOID: tl.constexpr, HAS_ORDER: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
                WIDEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """dq over key blocks [block_lo, block_hi): masked where EDGE, else every score counts."""
-    dims = tl.arange(0, BLOCK_D)
     for start in range(block_lo, block_hi, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        if EDGE:
-            kv_mask = (cols < N)[:, None] & (dims < D)[None, :]
-        else:
-            kv_mask = (dims < D)[None, :]
-        k = tl.load(k_base + cols[:, None] * skn + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + cols[:, None] * svn + dims[None, :], mask=kv_mask, other=0.0)
+        cols, k, v = _key_block(k_base, v_base, skn, svn, start, N, D, EDGE, BLOCK_N, BLOCK_D)
         s = _scores(q, k, cols, row_term, slope2, qk_scale, HAS_BIAS, SIGMOID, IEEE, WIDEN)
         dp = _dot(do, tl.trans(v), IEEE, WIDEN)
         if SIGMOID:
