@@ -33,6 +33,7 @@ import importlib
 import io
 import multiprocessing
 import os
+from pathlib import Path
 import re
 import subprocess
 import sys
@@ -54,7 +55,8 @@ from attention.ops.moba import op as moba_op  # noqa: E402
 from attention.ops.span import op as span_op  # noqa: E402
 from attention.ops.span.spans import band_spans, static_spans  # noqa: E402
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
-from runtime.outputs import markdown_table, write_json  # noqa: E402
+from runtime.outputs import (atomic_write, claim_own_folder, markdown_table, own_folder_problem,  # noqa: E402
+                             write_json)
 
 # Triton is imported inside the functions that use it: --help and ptxas_problem must work where it is absent
 
@@ -86,6 +88,9 @@ class HopperConfig:
     sass: str = ""  # a folder to write each kernel's SASS into (nvdisasm), numbered as the rows
 
 
+SASS_MARKER = ".hopper_compile"  # marks a --sass folder as this tool's own
+
+
 def parse(argv) -> HopperConfig:
     c = HopperConfig()
     apply_args(c, argv, dataclass_fields(HopperConfig))
@@ -94,6 +99,9 @@ def parse(argv) -> HopperConfig:
     kv_heads = c.kv_heads or c.heads
     if min(c.batch, c.heads, c.length, c.head_dim, c.moba_block) < 1 or c.heads % kv_heads or c.moba_topk < 1:
         raise ConfigError("need positive sizes, kv_heads dividing heads and moba_topk >= 1")
+    if c.sass and own_folder_problem(Path(c.sass), SASS_MARKER, "hopper_compile", "out/sass"):
+        raise ConfigError(own_folder_problem(Path(c.sass), SASS_MARKER, "hopper_compile", "out/sass").replace(
+            "--out", "--sass"))
     return c
 
 
@@ -460,12 +468,12 @@ def main(argv):
           f"n={c.length} d_h={c.head_dim} {c.dtype}; moba block {c.moba_block}, top-{c.moba_topk}; "
           f"{len(rows)} kernels compiled in {time.time() - started:.0f}s")
     print(table(rows))
-    if c.sass:
-        os.makedirs(c.sass, exist_ok=True)
+    if c.sass:  # a folder of its own (parse refuses one holding other files), each file written whole
+        claim_own_folder(Path(c.sass), SASS_MARKER)
         for i, row in enumerate(rows):
             if "sass" in row:
-                with open(os.path.join(c.sass, f"{i:02d}_{row_name(row)}.sass"), "w") as f:
-                    f.write(row["sass"])
+                path = Path(c.sass) / f"{i:02d}_{row_name(row)}.sass"
+                atomic_write(path, lambda f, text=row["sass"]: f.write(text.encode()))
     if c.json:
         write_json({"triton": triton.__version__, "target": f"sm_{CAPABILITY}a", "config": asdict(c),
                     "kernels": [{k: v for k, v in row.items() if k != "sass"} for row in rows]}, c.json)

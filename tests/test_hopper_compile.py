@@ -84,3 +84,14 @@ def test_the_innermost_loops_are_the_loops_that_hold_no_other():
     outer_only = sass.replace("@!P1 BRA `(.L_x_1)", "NOP")
     assert loop_counts(innermost_loops(outer_only)[0]) == {"instructions": 6, "mufu": 1, "mma": 1, "atomics": 1}
     assert innermost_loops("/*0000*/ EXIT ;\n.L_x_9:\n/*0010*/ BRA `(.L_x_9);") == []
+
+
+def test_a_sass_folder_holding_other_files_is_refused_before_anything_is_written(tmp_path):
+    from config import ConfigError
+    from scripts.hopper_compile import parse
+
+    (tmp_path / "notes.txt").write_text("a user's file")
+    with pytest.raises(ConfigError, match="--sass=.*holds files hopper_compile did not write"):
+        parse([f"--sass={tmp_path}"])
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+    assert parse([f"--sass={tmp_path / 'new'}"]).sass.endswith("new")
