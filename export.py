@@ -49,7 +49,7 @@ from data.tokenizer import TokenizerUnavailable
 from runtime.checkpoint import CheckpointError, git_hash, load_model, run_tokenizer
 from runtime.hf_gpt import EfficientAttentionConfig, EfficientAttentionForCausalLM
 from runtime.hf_tokenizer import HFTokenizerError, hf_tokenizer
-from runtime.run_folder import holds_run
+from common.run_folder import holds_run
 
 MODELING_FILE = "modeling_efficient_attention_gpt.py"
 MODELING_SOURCE = '''"""This folder's model is the efficient-attention codebase's own class (runtime/hf_gpt.py there): its attention

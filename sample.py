@@ -8,7 +8,7 @@
 import sys
 from dataclasses import dataclass
 
-from runtime import machine  # first: OpenMP's wait policy is read once, when torch loads it
+from common import machine  # first: OpenMP's wait policy is read once, when torch loads it
 
 machine.passive_openmp()
 

@@ -24,7 +24,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime import machine  # first: OpenMP's wait policy is read once, when torch loads it
+from common import machine  # first: OpenMP's wait policy is read once, when torch loads it
 
 machine.passive_openmp()
 
@@ -45,15 +45,15 @@ from model import GPT
 from runtime.checkpoint import (CheckpointError, checkpoint_tokenizer_identity, keep_tokenizer, load_checkpoint,
                                 load_sharded_meta, load_sharded_training_state, remove_stale_temp_files, run_info,
                                 save_checkpoint, save_sharded_checkpoint, sharded_training_state)
-from runtime.flops import peak_flops
-from runtime.machine import openmp_note
-from runtime.outputs import atomic_write, write_json
+from common.flops import peak_flops
+from common.machine import openmp_note
+from common.outputs import atomic_write, write_json
 from runtime.parallelize import parallelize
 from runtime.pretrained import (GPT2_NAMES, PretrainedError, load_hf_model, load_pretrained_weights,
                                 pretrained_model_config, pretrained_source)
 from runtime.pretrained import tokenizer_identity as pretrained_tokenizer_identity
-from runtime.run_folder import RunFolderError
-from runtime.run_folder import claim as claim_run_folder
+from common.run_folder import RunFolderError
+from common.run_folder import claim as claim_run_folder
 from runtime.wandb_run import X_AXIS, package_problem, resolved_mode, start_run, wandb_problem
 
 def schedule_warning(t) -> str:

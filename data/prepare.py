@@ -70,9 +70,9 @@ import numpy as np
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error
 from data.meta import FORMAT_VERSION, DataError, load_meta
 from data.tokenizer import TokenizerUnavailable, get_tokenizer, vocab_dtype
-from runtime.outputs import write_json
-from runtime.progress import progress_bar
-from runtime.run_folder import holds_run
+from common.outputs import write_json
+from common.progress import progress_bar
+from common.run_folder import holds_run
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # built here, no download: name -> "module" (its documents()) or "module:function"

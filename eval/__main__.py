@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime import machine  # first: OpenMP's wait policy is read once, when torch loads it
+from common import machine  # first: OpenMP's wait policy is read once, when torch loads it
 
 machine.passive_openmp()
 
@@ -59,9 +59,9 @@ from eval.summaries import evaluation_summary
 from model import GPT
 from runtime.checkpoint import (CheckpointError, checkpoint_path, checkpoint_tokenizer_identity, describe_checkpoint,
                                 git_hash, load_model, run_tokenizer)
-from runtime.outputs import atomic_write, write_json
+from common.outputs import atomic_write, write_json
 from runtime.pretrained import PretrainedError
-from runtime.run_folder import held, holds_run, writable_folder_problem
+from common.run_folder import held, holds_run, writable_folder_problem
 from runtime.wandb_run import read_record, report_evaluation
 
 REPO = Path(__file__).resolve().parent.parent

@@ -14,8 +14,8 @@ from config import ModelConfig
 from eval.results import setting_items, setting_results, standing_setting
 from eval.stats import format_p, paired_comparison
 from model import GPT
-from runtime.outputs import save_figure
-from runtime.run_folder import read_metrics
+from common.outputs import save_figure
+from common.run_folder import read_metrics
 
 FAMILIES = ["full", "swa", "se_bridge", "pbb", "bridge", "block"]  # Table 3's row order
 LOCAL = FAMILIES[1:]

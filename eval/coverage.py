@@ -26,7 +26,7 @@ import torch
 from attention.edges import BoundaryWindows, EdgeRule, FixedBlock
 from attention.registry import build_mixer
 from config import ConfigError, ModelConfig, apply_args, dataclass_fields, exit_on_config_error
-from runtime.outputs import write_json
+from common.outputs import write_json
 
 VARIANTS = ("block", "swa", "bridge", "pbb", "se_bridge")
 

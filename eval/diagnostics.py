@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from data import recall
 from data.embedded import COLORS, CONTAINERS, NAMES, THINGS
 from eval.ranking import continuation_logprobs, length_batches
-from runtime.progress import progress_bar
+from common.progress import progress_bar
 
 GEOMETRY_PROBES = ("needle", "bridge_window", "boundary_sweep", "boundary_tail")
 PROBES = GEOMETRY_PROBES + ("semantic_exact", "semantic_paraphrase", "semantic_distractor", "semantic_boundary")

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from eval.ranking import continuation_logprobs, length_batches
-from runtime.progress import progress_bar
+from common.progress import progress_bar
 
 # RULER's synthetic.yaml, retrieval family: haystack, key type, value type, keys, values per key, keys asked
 SUBTASKS = {

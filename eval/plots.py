@@ -10,7 +10,7 @@ from eval.results import data_label, setting_items, standing_setting
 from eval.stats import mean_std
 from eval.summaries import weighted_mean
 from eval.tables import group_name
-from runtime.outputs import save_figure
+from common.outputs import save_figure
 
 
 def _pyplot():

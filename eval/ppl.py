@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from eval.ranking import length_batches, length_independent
-from runtime.progress import progress_bar
+from common.progress import progress_bar
 
 MIN_WINDOWS = 20  # fewer windows in a cell: a noisy number, flagged on screen, in the results and in compare
 

@@ -13,7 +13,7 @@ import math
 import torch
 
 from data.recall import VALUES, document, document_parts
-from runtime.progress import progress_bar
+from common.progress import progress_bar
 
 EVAL_SEED_OFFSET = 1_000  # evaluation documents come from seeds the training corpus (seed 0) never uses
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from data.meta import tokenizer_identity, tokenizer_mismatch
 from eval.compare import CompareError, is_number, warn
-from runtime.run_folder import read_metrics
+from common.run_folder import read_metrics
 
 STANDARD_METRICS = {"step", "train_loss", "val_loss", "best_val_loss", "lr", "tokens_per_s", "mfu", "tokens_seen",
                     "elapsed_s"}

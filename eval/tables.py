@@ -18,7 +18,7 @@ from eval.ppl import MIN_WINDOWS
 from eval.stats import mean_std
 from eval.summaries import eval_flags, eval_summaries
 from model import GPT
-from runtime import outputs
+from common import outputs
 
 # config keys that name or log a run without changing what it computes
 IGNORED_KEYS = {"out_dir", "wandb_run_name", "wandb_project", "wandb_log", "wandb_mode", "wandb_group", "wandb_tags", "init_from", "data.created",

@@ -16,8 +16,8 @@ import torch
 from config import Config
 from data.tokenizer import BUILT_IN, TokenizerUnavailable, get_tokenizer
 from model import GPT
-from runtime.outputs import atomic_write
-from runtime.run_folder import holds_run
+from common.outputs import atomic_write
+from common.run_folder import holds_run
 
 REPO = Path(__file__).resolve().parent.parent
 

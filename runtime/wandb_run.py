@@ -22,7 +22,7 @@ from pathlib import Path
 
 from attention.registry import MIXERS, mixer_settings, pattern_names, used_settings
 from config import MAX_GROUP, split_tags
-from runtime.outputs import write_json
+from common.outputs import write_json
 
 REPO = Path(__file__).resolve().parent.parent
 RECORD = "wandb.json"  # in the run folder: the wandb run's id, project, mode, group and tags

@@ -43,8 +43,8 @@ from attention.kernels import layer_scores, plans_in  # noqa: E402
 from attention.registry import build_mixer, example_cases  # noqa: E402
 from config import (Config, ConfigError, ModelConfig, apply_args, dataclass_fields,  # noqa: E402
                     exit_on_config_error, set_value, validate)
-from runtime.machine import busy_note  # noqa: E402
-from runtime.outputs import write_json  # noqa: E402
+from common.machine import busy_note  # noqa: E402
+from common.outputs import write_json  # noqa: E402
 
 
 @dataclass

@@ -23,8 +23,8 @@ if not __package__:  # run as a file, the project's modules cannot be imported: 
     sys.exit("run it from the repository root as a module: python -m scripts.bench_busy_cpu ...")
 
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
-from runtime.outputs import write_json  # noqa: E402
-from runtime.run_folder import read_metrics  # noqa: E402
+from common.outputs import write_json  # noqa: E402
+from common.run_folder import read_metrics  # noqa: E402
 
 CORES = os.cpu_count() or 1
 SETTINGS = {  # the environment each setting adds (the default adds nothing: what train.py does by itself)

@@ -24,8 +24,8 @@ if not __package__:  # run as a file, the project's modules cannot be imported: 
 from attention.cache import state_bytes  # noqa: E402
 from config import ConfigError, ModelConfig, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
 from model import GPT  # noqa: E402
-from runtime.machine import busy_note  # noqa: E402
-from runtime.outputs import write_json  # noqa: E402
+from common.machine import busy_note  # noqa: E402
+from common.outputs import write_json  # noqa: E402
 
 
 @dataclass

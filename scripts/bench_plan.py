@@ -36,7 +36,7 @@ from attention.kernels import layer_scores, plans_in  # noqa: E402
 from attention.ops.span.spans import key_plan, scanned_spans  # noqa: E402
 from attention.registry import build_mixer  # noqa: E402
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
-from runtime.outputs import markdown_table, write_json  # noqa: E402
+from common.outputs import markdown_table, write_json  # noqa: E402
 from scripts.bench_attention import BenchConfig as AttentionConfig  # noqa: E402
 from scripts.bench_attention import variant_config  # noqa: E402
 from scripts.gpu_bench import default_variants  # noqa: E402

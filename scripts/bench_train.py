@@ -24,9 +24,9 @@ if not __package__:  # run as a file, the project's modules cannot be imported: 
 
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error, load_config  # noqa: E402
 from model import GPT  # noqa: E402
-from runtime.flops import peak_flops  # noqa: E402
-from runtime.machine import busy_note  # noqa: E402
-from runtime.outputs import write_json  # noqa: E402
+from common.flops import peak_flops  # noqa: E402
+from common.machine import busy_note  # noqa: E402
+from common.outputs import write_json  # noqa: E402
 from runtime.parallelize import ACTIVATION_CHECKPOINTING, parallelize  # noqa: E402
 
 

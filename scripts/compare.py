@@ -27,7 +27,7 @@ from eval.paired import paired, position_gain, render_paired, render_position_ga
 from eval.plots import plot_all, plot_position_gain, seed_group_records  # noqa: E402
 from eval.records import load_local_run, load_wandb_runs  # noqa: E402
 from eval.tables import build_tables, render  # noqa: E402
-from runtime.outputs import atomic_write, write_json  # noqa: E402
+from common.outputs import atomic_write, write_json  # noqa: E402
 
 
 @dataclass

@@ -50,8 +50,8 @@ from attention.ops.span.op import TILES_ENV  # noqa: E402
 from attention.registry import MIXERS, PATTERN_ALIASES, build_mixer, example_cases, pattern_names  # noqa: E402
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error, load_config  # noqa: E402
 from model import GPT  # noqa: E402
-from runtime.flops import peak_flops  # noqa: E402
-from runtime.outputs import claim_own_folder, markdown_table, own_folder_problem, write_json  # noqa: E402
+from common.flops import peak_flops  # noqa: E402
+from common.outputs import claim_own_folder, markdown_table, own_folder_problem, write_json  # noqa: E402
 from runtime.parallelize import parallelize  # noqa: E402
 from scripts.bench_attention import BenchConfig as AttentionConfig  # noqa: E402
 from scripts.bench_attention import backend_of, variant_config  # noqa: E402

@@ -55,7 +55,7 @@ from attention.ops.moba import op as moba_op  # noqa: E402
 from attention.ops.span import op as span_op  # noqa: E402
 from attention.ops.span.spans import band_spans, static_spans  # noqa: E402
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
-from runtime.outputs import (atomic_write, claim_own_folder, markdown_table, own_folder_problem,  # noqa: E402
+from common.outputs import (atomic_write, claim_own_folder, markdown_table, own_folder_problem,  # noqa: E402
                              write_json)
 
 # Triton is imported inside the functions that use it: --help and ptxas_problem must work where it is absent

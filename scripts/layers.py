@@ -23,14 +23,12 @@ NOT_MODULES = ("tests", "docs", "configs", "out", "wandb")  # folders of Python 
 
 # bottom to top: (layer, module name prefixes)
 LAYERS = (
-    ("runtime base", ("runtime", "runtime.outputs", "runtime.machine", "runtime.flops", "runtime.progress",
-                      "runtime.run_folder")),
+    ("common", ("common",)),
     ("attention", ("attention",)),
     ("config", ("config",)),  # ModelConfig's fields include the settings the variants declare (attention/registry.py)
     ("model", ("model",)),
     ("data", ("data",)),
-    ("runs", ("runtime.checkpoint", "runtime.pretrained", "runtime.hf_gpt", "runtime.hf_tokenizer",
-              "runtime.parallelize", "runtime.memory_plan", "runtime.wandb_run")),
+    ("runs", ("runtime",)),
     ("evaluation", ("eval",)),
     ("entry points", ("train", "sample", "export", "eval.__main__", "scripts", "examples")),
 )

@@ -29,7 +29,7 @@ if not __package__:  # run as a file, the project's modules cannot be imported: 
 from config import (HELP_FLAGS, ConfigError, apply_args, config_files, dataclass_fields,  # noqa: E402
                     exit_on_config_error, print_help, split_args)
 from runtime.memory_plan import PlanOptions, plan  # noqa: E402
-from runtime.outputs import write_json  # noqa: E402
+from common.outputs import write_json  # noqa: E402
 
 
 # ---- command line -------------------------------------------------------------------------------------------------

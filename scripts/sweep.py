@@ -22,7 +22,7 @@ if not __package__:  # run as a file, the project's modules cannot be imported: 
     sys.exit("run it from the repository root as a module: python -m scripts.sweep ...")
 
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
-from runtime.run_folder import holds_run, read_metrics  # noqa: E402
+from common.run_folder import holds_run, read_metrics  # noqa: E402
 
 
 def has_last_checkpoint(run_dir: Path) -> bool:

@@ -10,7 +10,7 @@ if not __package__:  # run as a file, the project's modules cannot be imported: 
     sys.exit("run it from the repository root as a module: python -m scripts.variants ...")
 
 from attention.registry import MIXERS, PATTERN_ALIASES, Setting  # noqa: E402
-from runtime.outputs import markdown_table  # noqa: E402
+from common.outputs import markdown_table  # noqa: E402
 
 
 def variants_table() -> str:

@@ -43,7 +43,7 @@ def evaluate(run_dir, task, result, provenance=None, **options):
     """What a call of python -m eval leaves in run_dir/eval/TASK.json, for a result computed under options."""
     import dataclasses
 
-    from runtime.outputs import write_json
+    from common.outputs import write_json
     from eval.__main__ import EvalRunConfig
     from eval.results import merged_report
 
@@ -214,7 +214,7 @@ def test_two_evaluations_merge_their_cells_one_after_the_other(tmp_path):
     # the read-modify-write of eval/TASK.json is under a lock: the second merge waits for the first
     import threading
 
-    from runtime.run_folder import held
+    from common.run_folder import held
 
     order = []
 

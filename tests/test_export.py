@@ -230,7 +230,7 @@ def test_an_export_gets_the_users_umask(tmp_path):
 def test_a_run_folder_without_a_checkpoint_gets_a_command_that_works_there(tmp_path, capsys):
     """A run stopped before its first checkpoint: export says so, and the command it suggests is one the run
     folder accepts (a fresh run over it is refused unless it replaces the old one)."""
-    from runtime.run_folder import RunFolderError, claim
+    from common.run_folder import RunFolderError, claim
 
     run = tmp_path / "run"
     run.mkdir()

@@ -13,16 +13,16 @@ EDGES = layers.imports(FOUND)
 
 def test_the_checker_sees_circles_upward_and_late_imports(tmp_path):
     # a small tree with each fault: a circle (a <-> b through a function-level import), an upward import
-    (tmp_path / "runtime").mkdir()
-    (tmp_path / "runtime" / "__init__.py").write_text("")
-    (tmp_path / "runtime" / "outputs.py").write_text("import model\n")
-    (tmp_path / "model.py").write_text("from runtime.outputs import x\n\ndef f():\n    from runtime import outputs\n")
+    (tmp_path / "common").mkdir()
+    (tmp_path / "common" / "__init__.py").write_text("")
+    (tmp_path / "common" / "outputs.py").write_text("import model\n")
+    (tmp_path / "model.py").write_text("from common.outputs import x\n\ndef f():\n    from common import outputs\n")
     found = layers.modules(tmp_path)
     edges = layers.imports(found)
     assert {(e.importer, e.imported, e.late) for e in edges} == {
-        ("runtime.outputs", "model", False), ("model", "runtime.outputs", False), ("model", "runtime.outputs", True)}
-    assert layers.circles(edges) == [["model", "runtime.outputs"]]
-    assert [(e.importer, e.imported) for e in layers.upward(edges)] == [("runtime.outputs", "model")]
+        ("common.outputs", "model", False), ("model", "common.outputs", False), ("model", "common.outputs", True)}
+    assert layers.circles(edges) == [["common.outputs", "model"]]
+    assert [(e.importer, e.imported) for e in layers.upward(edges)] == [("common.outputs", "model")]
     assert [(e.importer, e.line) for e in layers.late(edges)] == [("model", 4)]
 
 
@@ -55,8 +55,12 @@ def test_evaluation_modules_read_in_one_sitting():
     assert not long, f"eval/ modules over 500 lines: {long}"
 
 
-def test_the_root_holds_the_entry_points_the_model_the_config_and_one_runtime_package():
+def test_the_root_holds_the_entry_points_the_model_the_config_and_a_package_per_layer():
     modules = sorted(p.name for p in REPO.glob("*.py"))
     assert modules == ["config.py", "export.py", "model.py", "sample.py", "train.py"]
     packages = sorted(p.name for p in REPO.iterdir() if (p / "__init__.py").exists())
-    assert packages == ["attention", "data", "eval", "runtime", "scripts"]
+    assert packages == ["attention", "common", "data", "eval", "runtime", "scripts"]
+    # a package is one layer: its name says where it sits
+    for package in ("attention", "common", "data", "eval", "runtime"):
+        assert len({layers.layer_of(name) for name in FOUND if name.split(".")[0] == package
+                    and name != "eval.__main__"}) == 1, package

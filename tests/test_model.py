@@ -104,7 +104,7 @@ def test_flops_count_the_head_matmul_once(tie):
 
 
 def test_peak_flops_know_the_h100_form_factors():
-    from runtime.flops import peak_flops_of
+    from common.flops import peak_flops_of
 
     assert peak_flops_of("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989e12  # SXM
     assert peak_flops_of("NVIDIA H100 PCIe", torch.bfloat16) == 756e12

@@ -47,7 +47,7 @@ def test_a_killed_run_leaves_no_lock_behind(tmp_path):
         time.sleep(0.1)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    from runtime.run_folder import claim
+    from common.run_folder import claim
 
     claim(out, fresh=False).release()  # the kernel dropped the dead process's lock
     resumed = train_subprocess([*TINY, f"--out_dir={out}", "--max_iters=12", "--eval_interval=5",
@@ -75,7 +75,7 @@ def test_a_fresh_run_never_starts_over_an_old_one_unless_asked(byte_run, tmp_pat
 
 def test_replacing_twice_in_one_second_keeps_both_old_runs_and_an_unused_folder_goes_under_its_lock(tmp_path,
                                                                                                       monkeypatch):
-    from runtime import run_folder
+    from common import run_folder
 
     monkeypatch.setattr(run_folder.time, "strftime", lambda *_: "20260101-000000")
     path = tmp_path / "run"
@@ -214,7 +214,7 @@ train.main({[*TINY, f"--out_dir={out}", "--max_iters=4", "--eval_interval=4", "-
 def test_a_folder_that_cannot_take_the_old_run_aside_is_one_line(tmp_path, monkeypatch):
     import errno
 
-    from runtime import run_folder
+    from common import run_folder
 
     path = tmp_path / "run"
     path.mkdir()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from runtime.checkpoint import load_checkpoint
-from runtime.outputs import atomic_write
+from common.outputs import atomic_write
 from conftest import REPO, read_metrics, sigterm_after_two_steps, train_subprocess
 
 TINY = ["configs/quickstart.py", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",

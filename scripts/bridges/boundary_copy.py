@@ -29,7 +29,7 @@ if not __package__:  # run as a file, the project's modules cannot be imported: 
 
 from config import ConfigError, ModelConfig, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
 from model import GPT  # noqa: E402
-from runtime.outputs import write_json  # noqa: E402
+from common.outputs import write_json  # noqa: E402
 
 
 def sequences(labels: torch.Tensor, filler: torch.Tensor, block: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:

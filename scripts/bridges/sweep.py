@@ -33,7 +33,7 @@ if not __package__:  # run as a file, the project's modules cannot be imported: 
 
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
 from eval.bridge_tables import FAMILIES, figures, load_run, tables  # noqa: E402
-from runtime.outputs import atomic_write, write_json  # noqa: E402
+from common.outputs import atomic_write, write_json  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 # cpu: language modelling on the facts corpus; cpu_recall: answer-only training on recall_near, where models

@@ -17,7 +17,7 @@ from attention.layer import Attention
 from attention.ops.span.spans import spans_problem
 from attention.registry import build_mixer, example_cases, pattern_names
 from config import ModelConfig
-from runtime.outputs import write_json
+from common.outputs import write_json
 from scripts.gpucheck.context import StepContext, outcome
 from scripts.gpucheck.options import (BACKEND_CONTEXT, BACKEND_HEADS, BACKEND_WINDOW, FULL, REDUCED, TOLERANCE,
                                       CheckConfig)

@@ -10,7 +10,7 @@ from attention.registry import pattern_names
 from config import load_config
 from model import GPT
 from runtime import memory_plan
-from runtime.outputs import write_json
+from common.outputs import write_json
 from scripts.gpucheck.context import StepContext, outcome
 from scripts.gpucheck.options import FULL, MEMORY_HEADROOM, MEMORY_RATIO, REDUCED, CheckConfig
 

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from runtime.outputs import atomic_write, markdown_table, write_json
+from common.outputs import atomic_write, markdown_table, write_json
 from scripts.gpucheck.options import STEPS, TOLERANCE
 
 

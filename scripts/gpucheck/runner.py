@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from attention import simulate_cuda
-from runtime.outputs import claim_own_folder, own_folder_problem
+from common.outputs import claim_own_folder, own_folder_problem
 from scripts.gpucheck.backends import step_backends
 from scripts.gpucheck.budgets import default_steps, step_budget
 from scripts.gpucheck.context import StepContext

@@ -14,7 +14,7 @@ import torch
 
 from attention.registry import pattern_names
 from data.prepare import prepare_generated_if_missing
-from runtime.run_folder import read_metrics
+from common.run_folder import read_metrics
 from scripts.gpucheck.context import StepContext, outcome
 from scripts.gpucheck.environment import environment, gpu_kernel_problems
 from scripts.gpucheck.options import (PAPER_000_TABLE_2, REPO, RESUME_TOLERANCE, cuda_only_runs, gpu_kernel_mixers, grid_runs,

@@ -28,7 +28,7 @@ if not __package__:  # run as a file, the project's modules cannot be imported: 
 from attention.edges import in_circular_window, stochastic_halo, stochastic_window_edges, window_edges  # noqa: E402
 from attention.stochastic import inverse_permutation  # noqa: E402
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
-from runtime.outputs import save_figure  # noqa: E402
+from common.outputs import save_figure  # noqa: E402
 
 
 def connection_probability(n: int, window: int, samples: int, pairs: int = 256, causal: bool = False,

@@ -31,7 +31,7 @@ if not __package__:  # run as a file, the project's modules cannot be imported: 
 
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error, resolve_device  # noqa: E402
 from runtime.checkpoint import git_hash  # noqa: E402
-from runtime.outputs import atomic_write, markdown_table, save_figure, write_json  # noqa: E402
+from common.outputs import atomic_write, markdown_table, save_figure, write_json  # noqa: E402
 
 # the score of each task in the paper's tables: accuracy for multiple choice and LAMBADA, pass@1 for HumanEval
 METRICS = ("acc,none", "pass@1,create_test", "pass_at_1,none", "exact_match,none", "exact_match,strict-match")
