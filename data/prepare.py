@@ -52,13 +52,16 @@ if __name__ == "__main__" and not __package__:  # run as a file, the project's m
 
 import glob
 import hashlib
+import importlib
 import json
 import math
 import multiprocessing
 import re
 import shutil
 import signal
+import urllib.request
 import uuid
+import zipfile
 from collections import Counter, deque
 from contextlib import closing, contextmanager
 from dataclasses import asdict, dataclass
@@ -100,8 +103,6 @@ SINGLE_DOCUMENT_VAL_FRACTION = 0.1  # the tail of a single document (nanoGPT's s
 
 
 def generated_rows(name):
-    import importlib
-
     module, _, function = GENERATED[name].partition(":")
     for text in getattr(importlib.import_module(module), function or "documents")():
         yield {"text": text}
@@ -462,16 +463,12 @@ def is_enwik8(dataset) -> bool:
 
 def read_enwik8(dataset, quiet=False) -> bytes:
     """The 100M bytes of enwik8: from a local file or zip, or downloaded once into the Hugging Face cache folder."""
-    import zipfile
-
     path = dataset
     if dataset == "enwik8":
         from huggingface_hub.constants import HF_HOME
 
         path = os.path.join(HF_HOME, "enwik8.zip")
         if not os.path.exists(path):
-            import urllib.request
-
             if not quiet:
                 print(f"downloading {ENWIK8_URL}")
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -805,8 +802,9 @@ def prepare_generated_if_missing(data_dir, tokenizer="byte") -> None:
 
 def main(argv=None):
     kwargs = exit_on_config_error(parse, sys.argv[1:] if argv is None else argv)
-    # a plain `kill` should clean up temp files like Ctrl-C does
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # a plain `kill` should clean up temp files like Ctrl-C does; the caller's handler is back on return (tests and
+    # other callers run main in-process)
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         prepare(**kwargs)
     except (DataError, TokenizerUnavailable) as e:
@@ -817,6 +815,9 @@ def main(argv=None):
         print(f"interrupted: nothing was written to {display_path(out_dir)} (its earlier data, if any, is intact)",
               file=sys.stderr)
         return 130
+    finally:
+        if previous is not None:  # None: a handler not installed from Python, which cannot be put back
+            signal.signal(signal.SIGTERM, previous)
     return 0
 
 

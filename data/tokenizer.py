@@ -18,9 +18,13 @@ Tokenizers are picklable: only the name travels, and each process builds its
 own backend on first use (multiprocessing workers in prepare.py rely on this).
 """
 
+import difflib
 import hashlib
 import json
 import os
+import socket
+from urllib.parse import urlparse
+from urllib.request import getproxies, proxy_bypass
 
 import numpy as np
 
@@ -213,10 +217,6 @@ def _hub_unreachable() -> str:
     """Why the Hugging Face hub cannot be reached ("" when it can): offline mode, or no connection within 3 s.
     Behind a proxy the hub client goes through it, so no direct connection is tried (the client says why if
     the proxy fails)."""
-    import socket
-    from urllib.parse import urlparse
-    from urllib.request import getproxies, proxy_bypass
-
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
         return "HF_HUB_OFFLINE is set"
     endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
@@ -239,8 +239,6 @@ def get_tokenizer(name: str) -> Tokenizer:
         return ByteTokenizer()
     if name == "gpt2":
         return TiktokenTokenizer("gpt2")
-    import difflib
-
     close = difflib.get_close_matches(name, BUILT_IN, n=1, cutoff=0.75)
     if close and not os.path.exists(name):
         raise TokenizerUnavailable(f"unknown tokenizer {name!r}: did you mean {close[0]!r}? (byte, gpt2, or a Hugging "

@@ -13,7 +13,7 @@ import torch
 
 from attention.registry import mixer_settings, used_settings
 from config import Config
-from eval.compare import is_number
+from eval.compare import is_number, warn
 from eval.ppl import MIN_WINDOWS
 from eval.stats import mean_std
 from eval.summaries import eval_flags, eval_summaries
@@ -37,10 +37,7 @@ def _flatten(values: dict, prefix: str, out: dict) -> None:
 
 
 def _defaults() -> dict:
-    try:
-        return Config().to_dict()
-    except Exception:
-        return {}
+    return Config().to_dict()
 
 
 def flat_config(config: dict, defaults: dict | None = None) -> dict:
@@ -65,8 +62,10 @@ _PARAMS_CACHE: dict = {}
 
 
 def count_params(config: dict) -> int | None:
-    """Parameters of the run's model, built on the meta device (no memory, no init); None if it cannot be built.
-    vocab_size comes from the model config, or (when 0) from the data meta padded to a multiple of 64."""
+    """Parameters of the run's model, built on the meta device (no memory, no init); None, with a warning, if this
+    version cannot build it from the saved settings (a mixer or a value of another version: the ValueError or
+    TypeError the config's checks raise). vocab_size comes from the model config, or (when 0) from the data meta
+    padded to a multiple of 64."""
     model_cfg = config.get("model")
     if not isinstance(model_cfg, dict):
         return None
@@ -82,7 +81,9 @@ def count_params(config: dict) -> int | None:
             cfg.model.vocab_size = vocab if model_cfg.get("vocab_size") else -(-vocab // 64) * 64
             with torch.device("meta"):
                 _PARAMS_CACHE[key] = GPT(cfg.model).num_params()
-        except Exception:
+        except (ValueError, TypeError) as e:  # ConfigError is a ValueError
+            warn(f"cannot build the model of attn_pattern={model_cfg.get('attn_pattern', 'full')!r} to count its "
+                 f"parameters ({e}); its params show as -")
             _PARAMS_CACHE[key] = None
     return _PARAMS_CACHE[key]
 

@@ -9,20 +9,21 @@
     python -m scripts.bench_attention --variants=block,swa,bridge,pbb,se_bridge --window=128
     python -m scripts.bench_attention --variants=swa,mlstm:mlstm_chunk=128               # a case with a setting
 
-A variant is any case of the mixer registry (attention/registry.py: example_cases: every registered mixer with
-its example settings at --window, each of its check_variants such as swat_softmax or pbb_union), optionally
-followed by :KEY=VALUE model settings. Each runs the layer's own kernel (kernel_inputs and kernel_forward, its
-KernelBench capability: q, k, v -> output, the same dispatch and plan the model's layers use, with `--backend`,
-default auto: span attention on CUDA for rules whose edges are spans, else flex; block-sparse chunked on CPU;
-SDPA for full) on random inputs, the layer built as the last layer of a model of --heads heads of --head_dim (for MSWA the deepest, whose heads have windows w/4 ..
-2w); the projections, identical across variants, are left out (sa draws a fresh permutation and gathers / scatters
-inside each step, as its layer does; sa_swa runs both paths; the recurrent mixers run their training forms on
-random gates). Time is the best of --repeats timed runs after one warmup (the least disturbed by other work on
-the machine; the JSON keeps every run). scores/edges is what the kernel evaluates (every tile or block of its
-plan: attention/kernels.py computed_scores) over the edges the rule allows ("-" where a mixer plans no
-attention kernel). Peak memory is the extra memory a forward + backward takes:
-torch.cuda.max_memory_allocated on GPUs; on CPU each case runs in its own process and reports its resident-set
-high-water mark above the inputs.
+A variant is any case of the mixer registry (attention/registry.py: example_cases: every registered mixer with its
+example settings at --window, each of its check_variants such as swat_softmax or pbb_union), optionally followed by
+:KEY=VALUE model settings. Each runs the layer's own kernel (kernel_inputs and kernel_forward, its KernelBench
+capability: q, k, v -> output, the same dispatch and plan the model's layers use, with `--backend`, default auto:
+SDPA for full; on CUDA span attention's Triton kernel for every rule whose edges are spans (sliding windows,
+multi-scale windows, blocks, the bridges' windows, sa's band, swat's sigmoid with ALiBi) when Triton is installed,
+FlexAttention for the other rules and where Triton is missing; block-sparse chunked on the CPU) on random inputs,
+the layer built as the last layer of a model of --heads heads of --head_dim (for MSWA the deepest, whose heads have
+windows w/4 .. 2w); the projections, identical across variants, are left out (sa draws a fresh permutation and
+gathers / scatters inside each step, as its layer does; sa_swa runs both paths; the recurrent mixers run their
+training forms on random gates). Time is the best of --repeats timed runs after one warmup (the least disturbed by
+other work on the machine; the JSON keeps every run). scores/edges is what the kernel evaluates (every tile or block
+of its plan: attention/kernels.py computed_scores) over the edges the rule allows ("-" where a mixer plans no
+attention kernel). Peak memory is the extra memory a forward + backward takes: torch.cuda.max_memory_allocated on
+GPUs; on CPU each case runs in its own process and reports its resident-set high-water mark above the inputs.
 """
 
 import json

@@ -39,7 +39,7 @@ from config import ConfigError, apply_args, dataclass_fields, exit_on_config_err
 from common.outputs import markdown_table, write_json  # noqa: E402
 from scripts.bench_attention import BenchConfig as AttentionConfig  # noqa: E402
 from scripts.bench_attention import variant_config  # noqa: E402
-from scripts.gpu_bench import default_variants  # noqa: E402
+from scripts.gpubench.options import default_variants  # noqa: E402
 
 TIMED = ("plan_ms", "edges_ms", "scores_ms")  # the figures held to the budget (scan_ms is for comparison)
 

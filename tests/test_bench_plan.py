@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from conftest import REPO, load_script
-from scripts.gpu_bench import default_variants
+from scripts.gpubench.options import default_variants
 
 
 @pytest.mark.e2e

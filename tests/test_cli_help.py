@@ -11,10 +11,12 @@ import pytest
 from config import Config, dataclass_fields, field_help, options_text
 from conftest import REPO
 
-# every module under scripts/ is a command line, but for the GPU check's library (scripts/gpu_check.py is its command)
+# every module under scripts/ is a command line, but for the libraries of the GPU check and the GPU benchmark
+# (scripts/gpu_check.py and scripts/gpu_bench.py are their commands)
+LIBRARIES = ("gpucheck", "gpubench")
 SCRIPTS = sorted("scripts." + ".".join(p.relative_to(REPO / "scripts").with_suffix("").parts)
                  for p in Path(REPO, "scripts").rglob("*.py")
-                 if p.stem != "__init__" and "gpucheck" not in p.relative_to(REPO / "scripts").parts)
+                 if p.stem != "__init__" and not set(LIBRARIES) & set(p.relative_to(REPO / "scripts").parts))
 ENTRY_POINTS = [["train.py"], ["sample.py"], ["export.py"], ["-m", "eval"], ["-m", "eval.coverage"],
                 ["-m", "data.prepare"], *(["-m", script] for script in SCRIPTS)]
 

@@ -493,6 +493,30 @@ def test_the_table_shows_what_ran_its_speed_and_its_wall_time(tmp_path):
     assert "auto" not in text.split("## Runs")[1].splitlines()[2]  # the header's first row: no "auto" value
 
 
+def test_params_of_a_model_this_version_cannot_build_are_a_warning_and_any_other_failure_raises(tmp_path, monkeypatch,
+                                                                                                 capsys):
+    """A run saved by another version (here a mixer since removed) has no params cell, and says why on stderr;
+    a failure that is no config problem (a bug in building the model) is not hidden behind an empty cell."""
+    from eval import tables as tables_module
+
+    monkeypatch.setattr(tables_module, "_PARAMS_CACHE", {})
+    run = make_run(tmp_path, "full_s1", 1)
+    cfg = json.loads((run / "config.json").read_text())
+    cfg["model"]["attn_pattern"] = "retired_mixer"
+    (run / "config.json").write_text(json.dumps(cfg))
+    (row,) = build_tables([load_local_run(run)])["rows"]
+    assert row["cells"]["params"] is None
+    err = capsys.readouterr().err
+    assert "warning: cannot build the model of attn_pattern='retired_mixer'" in err and "unknown mixer" in err
+
+    def broken(config):
+        raise RuntimeError("a bug in GPT")
+
+    monkeypatch.setattr(tables_module, "GPT", broken)
+    with pytest.raises(RuntimeError, match="a bug in GPT"):
+        build_tables([load_local_run(make_run(tmp_path, "swa_s1", 1))])
+
+
 def test_pooled_perplexity_cells_are_no_test_and_tiny_p_values_are_bounds(tmp_path):
     """ppl scores the same text at every length: its windows pooled over lengths are not independent, so the
     pooled row is labelled as no test and each length is a test of its own; a p-value under 1e-16 is a bound."""

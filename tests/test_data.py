@@ -425,6 +425,31 @@ def test_unreachable_hub_gives_plain_error_and_writes_nothing(tmp_path, monkeypa
     assert not out.exists()
 
 
+def test_main_puts_back_the_callers_sigterm_handler(tmp_path, monkeypatch):
+    """main() sets its own SIGTERM handler (a plain kill cleans up like Ctrl-C) only while it runs: called
+    in-process, as here, the caller's handler is back afterwards, whether main returned or raised."""
+    source = tmp_path / "tiny.txt"
+    source.write_text(TEXT * 5, encoding="utf-8")
+
+    def callers_handler(signum, frame):
+        pass
+
+    before = signal.signal(signal.SIGTERM, callers_handler)
+    try:
+        assert main([f"--dataset={source}", "--tokenizer=byte", f"--out_dir={tmp_path / 'out'}", "--num_proc=1"]) == 0
+        assert signal.getsignal(signal.SIGTERM) is callers_handler
+
+        def broken(**kwargs):
+            raise RuntimeError("a bug in prepare")
+
+        monkeypatch.setattr(prepare_module, "prepare", broken)
+        with pytest.raises(RuntimeError, match="a bug in prepare"):
+            main([f"--dataset={source}", "--tokenizer=byte", f"--out_dir={tmp_path / 'again'}"])
+        assert signal.getsignal(signal.SIGTERM) is callers_handler
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 @pytest.mark.e2e
 def test_cli_runs_as_a_module_and_says_so_when_run_as_a_file(tmp_path):
     source = tmp_path / "tiny.txt"

@@ -1,0 +1,1 @@
+"""The GPU benchmark's library: scripts/gpu_bench.py is its command line."""

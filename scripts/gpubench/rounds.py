@@ -1,0 +1,79 @@
+"""The driver: every case in a process of its own, in rounds of --jobs cases that warm up at once and then time one
+after another; what each case wrote, or why it did not."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from attention.ops.span.op import TILES_ENV
+from scripts.gpubench.options import BenchConfig, jobs
+from scripts.gpubench.timing import GO, safe
+
+
+def run_jobs(b: BenchConfig, argv: list[str], out: Path) -> dict:
+    """Every case in its own process, in rounds of --jobs: a round's cases warm up at once (compiling into the
+    caches on disk), and once all are warm (or --ready_by has passed: the late ones are stopped and reported) they
+    time one after another. A round ends before the next starts, so only --jobs cases hold GPU memory at a time
+    (every case of a default run held at once overflowed an 80 GiB H100). What each wrote, or why it did not."""
+    started, pending, results = time.time(), list(jobs(b)), {}
+    rounds = -(-len(pending) // b.jobs)
+    for number in range(1, rounds + 1):
+        if time.time() - started > b.timeout:
+            for part, name in pending:
+                results[(part, name)] = {"error": f"not started before --timeout={b.timeout} s"}
+            break
+        batch, pending = pending[:b.jobs], pending[b.jobs:]
+        print(f"[{time.time() - started:5.0f} s] round {number}/{rounds}: "
+              f"{', '.join(f'{part}:{name}' for part, name in batch)}", flush=True)
+        for old in (out / "ready").iterdir():  # the last round's marks, GO among them
+            old.unlink()
+        results.update(run_round(b, argv, out, batch, started))
+    print(f"[{time.time() - started:5.0f} s] done", flush=True)
+    return results
+
+
+def run_round(b: BenchConfig, argv: list[str], out: Path, batch: list[tuple[str, str]], started: float) -> dict:
+    procs, round_started = {}, time.time()
+    for part, name in batch:
+        log = open(out / "logs" / f"{part}_{safe(name)}.log", "w")
+        env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+               "GPU_BENCH_JOB": f"{part}_{name}"}
+        # VARIANT@MxNxWARPSxSTAGES: span attention's tiles for this case, which attention/ops/span/op.py reads when
+        # it is imported (as config is, before main runs): set in the case's environment before it starts
+        tiles = name.partition("@")[2]
+        if tiles:
+            env[TILES_ENV] = tiles.replace("x", ",")
+        procs[(part, name)] = (subprocess.Popen([sys.executable, "-m", "scripts.gpu_bench", *argv,
+                                                 f"--job={part}:{name}"], stdout=log, stderr=subprocess.STDOUT,
+                                                env=env), log)
+    while True:  # warm ones wait for the rest of their round
+        waiting = [key for key, (proc, _) in procs.items()
+                   if proc.poll() is None and not (out / "ready" / safe(f"{key[0]}_{key[1]}")).exists()]
+        if not waiting or time.time() - round_started > b.ready_by:
+            break
+        time.sleep(0.5)
+    for key in waiting:  # not warm in time: stopped, so that no timing runs beside its warm-up
+        procs[key][0].kill()
+    (out / "ready" / GO).touch()
+    results = {}
+    for (part, name), (proc, log) in procs.items():
+        try:
+            proc.wait(timeout=max(1, b.timeout - (time.time() - started)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+        path = out / "results" / f"{part}_{safe(name)}.json"
+        if path.exists():
+            results[(part, name)] = json.loads(path.read_text())
+        elif (part, name) in waiting:
+            results[(part, name)] = {"error": f"not warm after --ready_by={b.ready_by} s: stopped"}
+        else:
+            tail = (out / "logs" / f"{part}_{safe(name)}.log").read_text()[-1500:]
+            results[(part, name)] = {"error": f"exit {proc.returncode}: {tail}"}
+    return results
