@@ -188,13 +188,14 @@ def test_a_full_disk_outside_a_checkpoint_is_one_line_and_the_advice_works(tmp_p
     fill_the_disk_at_the_log = f"""
 import builtins, errno, sys
 import train
+import training.metrics
 
 def full_for_the_log(path, mode="r", *args, **kwargs):
     if str(path).endswith("metrics.jsonl") and "a" in mode:
         raise OSError(errno.ENOSPC, "No space left on device")
     return builtins.open(path, mode, *args, **kwargs)
 
-train.open = full_for_the_log
+training.metrics.open = full_for_the_log  # MetricsLog's writes
 train.main({[*TINY, f"--out_dir={out}", "--max_iters=4", "--eval_interval=4", "--device=cpu"]!r})
 """
     proc = run(["-c", fill_the_disk_at_the_log])

@@ -219,7 +219,7 @@ def test_evaluation_builds_no_autograd_graph():
     from data.prepare import prepare_generated_if_missing
     from eval.probes import training_probes
     from model import GPT
-    from train import evaluate
+    from training.evaluation import evaluate
 
     data_dir = str(REPO / "data" / "embedded_byte")
     prepare_generated_if_missing(data_dir)
@@ -238,7 +238,7 @@ def test_evaluation_builds_no_autograd_graph():
 def test_rng_restore_refuses_states_that_are_not_cpu_byte_tensors():
     # a checkpoint loaded with map_location=cuda holds GPU tensors; torch.set_rng_state takes CPU ByteTensors only
     from runtime.checkpoint import CheckpointError
-    from train import rng_state, set_rng_state
+    from training.rng import rng_state, set_rng_state
 
     state = rng_state()
     set_rng_state(state)
@@ -342,7 +342,7 @@ def test_resume_from_best_a_finished_run_and_the_last_checkpoint_when_there_is_n
 
 def test_the_learning_rate_decays_over_max_iters_unless_told_otherwise():
     from config import load_config
-    from train import get_lr, schedule_warning
+    from training.schedules import get_lr, schedule_warning
 
     # the README's own-text recipe: the quickstart config with --max_iters=2000
     t = load_config(["configs/quickstart.py", "--max_iters=2000"]).train
