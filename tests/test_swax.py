@@ -17,7 +17,7 @@ from conftest import REPO
 from config import ModelConfig
 from model import GPT
 from tests.test_train import run
-from train import window_for_step
+from training.schedules import window_for_step
 
 
 def schedule(**kw):
