@@ -1,8 +1,8 @@
 """Block attention with boundary bridges (paper 004): bridge, pbb, se_bridge.
 
 Fixed blocks of b positions cut every dependency across a block boundary, at any depth (004 Theorem 1). The
-three variants add the `block(b)` path a causal window across each boundary (attention/edges.py,
-BoundaryWindows, the one definition of their sources and write-back sets):
+three variants add the `block(b)` path a causal window across each boundary (BoundaryWindows, below: the one
+definition of their sources and write-back sets):
 
     bridge      sources and write-back [p - w/2, p + w/2)
     pbb         sources [p - w/2, p + w/2), write-back [p, p + w/2)   (pre-boundary write-back adds no source:
@@ -23,9 +23,11 @@ The union form runs the chunked kernel's band on CPU and FlexAttention on CUDA.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from attention.edges import AnyOf, BoundaryWindows, FixedBlock
+from attention.edges import AnyOf, EdgeRule, FixedBlock
 from attention.kernels import resolve_backend
 from attention.layer import MaskedAttention
 from attention.local import BLOCK_LEN
@@ -39,6 +41,100 @@ BRIDGE_FUSION = Setting("bridge_fusion", str, "branch", "branch: block and bridg
                         "union: one softmax")
 
 FUSIONS = ("branch", "union")
+
+
+# ---- the bridge path's rule: causal windows across the boundaries of fixed blocks -------------------------
+
+BRIDGE_KINDS = ("bridge", "pbb", "se_bridge")
+
+
+@dataclass(frozen=True)
+class BoundaryWindows(EdgeRule):
+    """The bridge path of paper 004 (Sec. 4, Table 1): one causal window per block boundary p = j b, j >= 1.
+    Window j has a source interval and a write-back set:
+
+        bridge     sources [p - w/2, p + w/2)    write-back [p - w/2, p + w/2)
+        pbb        sources [p - w/2, p + w/2)    write-back [p, p + w/2)           (post-boundary bridge)
+        se_bridge  sources [p - b, p + e)        write-back [p, p + e)             (the source-extended block
+                                                                                    [s, s + b + e), s = p - b)
+
+    A position in window j's write-back set attends causally to the window's sources: k in [start_j, q].
+    Write-back sets never overlap (the settings are checked), so every position gets at most one window and
+    positions outside every write-back set have no bridge edges (their bridge output is zero).
+    `width` is w for bridge and pbb, e for se_bridge.
+
+    Within the configured context the boundaries are the paper's, j = 1 .. ceil(context / b) - 1: the first
+    boundary at or past the context's end (j = last_window + 1) is not one in training, so the bridge kind's
+    pre-boundary half of its window is never written back. Past the context every boundary is bridged as in
+    training, so a model keeps its trained local structure at any evaluation length. A position's edges
+    depend on its position alone, never on how many tokens follow it.
+    """
+
+    kind: str = "pbb"
+    block: int = 128
+    width: int = 128
+    context: int = 1024
+
+    @property
+    def last_window(self) -> int:
+        """The last window inside the configured context."""
+        return -(-self.context // self.block) - 1
+
+    @property
+    def lookback(self):
+        return self.width - 1 if self.kind != "se_bridge" else self.block + self.width - 1
+
+    def source(self, j):
+        """[start, end) of window j's sources (j an int or a tensor; not cropped to the sequence)."""
+        p = j * self.block
+        if self.kind == "se_bridge":
+            return p - self.block, p + self.width
+        return p - self.width // 2, p + self.width // 2
+
+    def window_of(self, q):
+        """The window whose write-back set holds position q (a tensor), 0 where there is none."""
+        j, r = q // self.block, q % self.block
+        if self.kind == "bridge":  # post-boundary half of window j, pre-boundary half of window j + 1
+            half = self.width // 2
+            pre = r >= self.block - half
+            j = torch.where(r < half, j, torch.where(pre, j + 1, 0))
+            j = torch.where(pre & (j == self.last_window + 1), 0, j)  # the context's end is not a boundary
+        else:
+            j = torch.where(r < (self.width // 2 if self.kind == "pbb" else self.width), j, 0)
+        return torch.where(j >= 1, j, 0)
+
+    def _windows(self, n):
+        """The windows whose write-back sets start inside [0, n): their indices and sources' [start, end)."""
+        j = torch.arange(1, max(self.last_window, -(-n // self.block)) + 1)
+        start, end = self.source(j)
+        written_from = end - (self.width if self.kind != "pbb" else self.width // 2)
+        if self.kind == "bridge":  # only the post-boundary half of window last_window + 1 is written back
+            written_from = torch.where(j == self.last_window + 1, j * self.block, written_from)
+        inside = written_from < n
+        return j[inside], start[inside], end[inside]
+
+    def allowed(self, q, k, h=None):
+        j = self.window_of(q)
+        return (j >= 1) & (k >= self.source(j)[0]) & (k <= q)
+
+    def key_runs(self, q, h=None):
+        j = self.window_of(q)
+        return [(torch.where(j >= 1, self.source(j)[0], 0), torch.where(j >= 1, q + 1, 0))]
+
+    def window_tiles(self, n):
+        # each window's write-back rows over its sources up to the last row: the bridge path's only scores
+        # (rows a window does not write back, the pre-boundary half at the context's end, are masked out)
+        _, first_key, end = self._windows(n)
+        rows = self.width if self.kind != "pbb" else self.width // 2
+        keys = self.width if self.kind != "se_bridge" else self.block + self.width
+        return end - rows, first_key, rows, keys  # write-back sets end where the sources do
+
+    def computed_scores(self, n: int) -> int:
+        """Scores the branch form computes over n positions: each window's whole causal triangle over its
+        sources inside the sequence, before write-back pruning (paper 004's Table 2 accounting)."""
+        _, starts, ends = self._windows(n)
+        sizes = [min(n, int(end)) - max(0, int(start)) for start, end in zip(starts, ends)]
+        return sum(size * (size + 1) // 2 for size in sizes)
 
 
 class BridgedBlockAttention(MaskedAttention):

@@ -1,4 +1,5 @@
-"""Edge rules: the one definition of each attention variant.
+"""Edge rules: the one definition of each attention variant, and the machinery every rule shares (the generic rules
+are here; a paper's own rules live beside its variant: bridge.py, stochastic.py, ops/moba/naive.py).
 
 An edge rule says which key positions k a query at position q may attend to (per head h when the rule
 varies across heads): `allowed(q, k, h)` over broadcastable integer tensors. Everything else is derived from
@@ -39,6 +40,11 @@ class EdgeRule:
     #                earlier tokens); the chunked kernel's key band extends this far past each chunk
     per_head = False  # True when allowed() depends on the head index
     static = True  # False for rules holding per-forward state (a permutation): never cached by kernels
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "allowed" in cls.__dict__:
+            cls.allowed = with_head_axis(cls.__dict__["allowed"])
 
     def allowed(self, q: torch.Tensor, k: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
@@ -117,6 +123,20 @@ class EdgeRule:
     def count_edges(self, n: int, head: int = 0) -> int:
         """Number of allowed (query, key) pairs in a sequence of n tokens (for one head)."""
         return _count_edges(self, n, head)
+
+
+def with_head_axis(allowed):
+    """allowed() whose result always has the shape of q, k and h broadcast together: a per-head rule may leave the
+    head axis out where its heads agree (head_values gives a plain int when every head's value is the same), and
+    every kernel, scan and mask still reads one value per head (a view: no copy)."""
+    @functools.wraps(allowed)
+    def allowed_per_head(self, q, k, h=None):
+        out = allowed(self, q, k, h)
+        if not isinstance(h, torch.Tensor) or not isinstance(out, torch.Tensor):
+            return out
+        shape = torch.broadcast_shapes(out.shape, h.shape)
+        return out if out.shape == shape else out.expand(shape)
+    return allowed_per_head
 
 
 @functools.lru_cache(maxsize=256)
@@ -354,188 +374,3 @@ class GlobalKeys(EdgeRule):
 
     def key_ranges(self, q_lo, q_hi):
         return [(0, min(self.count, q_hi))]
-
-
-# ---- boundary bridges (paper 004): causal windows across the boundaries of fixed blocks ------------------
-
-BRIDGE_KINDS = ("bridge", "pbb", "se_bridge")
-
-
-@dataclass(frozen=True)
-class BoundaryWindows(EdgeRule):
-    """The bridge path of paper 004 (Sec. 4, Table 1): one causal window per block boundary p = j b, j >= 1.
-    Window j has a source interval and a write-back set:
-
-        bridge     sources [p - w/2, p + w/2)    write-back [p - w/2, p + w/2)
-        pbb        sources [p - w/2, p + w/2)    write-back [p, p + w/2)           (post-boundary bridge)
-        se_bridge  sources [p - b, p + e)        write-back [p, p + e)             (the source-extended block
-                                                                                    [s, s + b + e), s = p - b)
-
-    A position in window j's write-back set attends causally to the window's sources: k in [start_j, q].
-    Write-back sets never overlap (the settings are checked), so every position gets at most one window and
-    positions outside every write-back set have no bridge edges (their bridge output is zero).
-    `width` is w for bridge and pbb, e for se_bridge.
-
-    Within the configured context the boundaries are the paper's, j = 1 .. ceil(context / b) - 1: the first
-    boundary at or past the context's end (j = last_window + 1) is not one in training, so the bridge kind's
-    pre-boundary half of its window is never written back. Past the context every boundary is bridged as in
-    training, so a model keeps its trained local structure at any evaluation length. A position's edges
-    depend on its position alone, never on how many tokens follow it.
-    """
-
-    kind: str = "pbb"
-    block: int = 128
-    width: int = 128
-    context: int = 1024
-
-    @property
-    def last_window(self) -> int:
-        """The last window inside the configured context."""
-        return -(-self.context // self.block) - 1
-
-    @property
-    def lookback(self):
-        return self.width - 1 if self.kind != "se_bridge" else self.block + self.width - 1
-
-    def source(self, j):
-        """[start, end) of window j's sources (j an int or a tensor; not cropped to the sequence)."""
-        p = j * self.block
-        if self.kind == "se_bridge":
-            return p - self.block, p + self.width
-        return p - self.width // 2, p + self.width // 2
-
-    def window_of(self, q):
-        """The window whose write-back set holds position q (a tensor), 0 where there is none."""
-        j, r = q // self.block, q % self.block
-        if self.kind == "bridge":  # post-boundary half of window j, pre-boundary half of window j + 1
-            half = self.width // 2
-            pre = r >= self.block - half
-            j = torch.where(r < half, j, torch.where(pre, j + 1, 0))
-            j = torch.where(pre & (j == self.last_window + 1), 0, j)  # the context's end is not a boundary
-        else:
-            j = torch.where(r < (self.width // 2 if self.kind == "pbb" else self.width), j, 0)
-        return torch.where(j >= 1, j, 0)
-
-    def _windows(self, n):
-        """The windows whose write-back sets start inside [0, n): their indices and sources' [start, end)."""
-        j = torch.arange(1, max(self.last_window, -(-n // self.block)) + 1)
-        start, end = self.source(j)
-        written_from = end - (self.width if self.kind != "pbb" else self.width // 2)
-        if self.kind == "bridge":  # only the post-boundary half of window last_window + 1 is written back
-            written_from = torch.where(j == self.last_window + 1, j * self.block, written_from)
-        inside = written_from < n
-        return j[inside], start[inside], end[inside]
-
-    def allowed(self, q, k, h=None):
-        j = self.window_of(q)
-        return (j >= 1) & (k >= self.source(j)[0]) & (k <= q)
-
-    def key_runs(self, q, h=None):
-        j = self.window_of(q)
-        return [(torch.where(j >= 1, self.source(j)[0], 0), torch.where(j >= 1, q + 1, 0))]
-
-    def window_tiles(self, n):
-        # each window's write-back rows over its sources up to the last row: the bridge path's only scores
-        # (rows a window does not write back, the pre-boundary half at the context's end, are masked out)
-        _, first_key, end = self._windows(n)
-        rows = self.width if self.kind != "pbb" else self.width // 2
-        keys = self.width if self.kind != "se_bridge" else self.block + self.width
-        return end - rows, first_key, rows, keys  # write-back sets end where the sources do
-
-    def computed_scores(self, n: int) -> int:
-        """Scores the branch form computes over n positions: each window's whole causal triangle over its
-        sources inside the sequence, before write-back pruning (paper 004's Table 2 accounting)."""
-        _, starts, ends = self._windows(n)
-        sizes = [min(n, int(end)) - max(0, int(start)) for start, end in zip(starts, ends)]
-        return sum(size * (size + 1) // 2 for size in sizes)
-
-
-# ---- stochastic attention (paper 000): a sliding window over a random permutation ----------------------
-
-def circular_distance(a, b, n):
-    """|a - b|_n: distance between slots a and b on a ring of n slots (n None: a line, |a - b|)."""
-    if n is None:
-        return (a - b).abs()
-    d = (a - b) % n
-    return torch.minimum(d, n - d)
-
-
-def in_circular_window(q_slot, k_slot, window, n):
-    """Paper 000's circular window N_w (Eq. 3): slots at circular distance < window/2, the query's own included."""
-    return 2 * circular_distance(q_slot, k_slot, n) < window
-
-
-def stochastic_window_edges(q_slot, k_slot, q_pos, k_pos, window, n):
-    """The SA edge (paper 000, Eq. 3 and App. B): the key's slot lies in the circular window of the query's
-    slot in permuted space, and the key is not after the query in original positions."""
-    return (k_pos <= q_pos) & in_circular_window(q_slot, k_slot, window, n)
-
-
-def stochastic_halo(window: int) -> int:
-    """The largest slot distance the circular window admits: distance d is inside iff 2 d < window."""
-    return (window - 1) // 2
-
-
-@dataclass(frozen=True, eq=False)
-class StochasticWindow(EdgeRule):
-    """sa(w) in original positions, for one permutation: token t sits in slot slot_of[t] (the reference form,
-    used by the dense backend and the analysis tools; O(n^2) to evaluate over all pairs)."""
-
-    slot_of: torch.Tensor = None  # (n,) slot of every token
-    window: int = 256
-    static = False
-
-    def allowed(self, q, k, h=None):
-        n = self.slot_of.shape[0]
-        return stochastic_window_edges(self.slot_of[q], self.slot_of[k], q, k, self.window, n)
-
-
-@dataclass(frozen=True, eq=False)
-class PermutedWindow(EdgeRule):
-    """sa(w) laid out in permuted space, where it is a band: the efficient kernels' form.
-
-    The n slots (slot s holds token order[s]) are extended circularly by `halo` slots at both ends:
-    extended slot e holds slot (e - halo) mod n, so the ring is unrolled into a line and the circular window
-    becomes the band |e_q - e_k| <= halo. Queries at extended slots halo .. halo + n - 1 are the real ones;
-    each finds every slot of its window exactly once inside the band (this needs 2 halo + 1 <= n: below that
-    length sa is causal attention). The edge is stochastic_window_edges over the unrolled line, with the
-    tokens' original positions, as in StochasticWindow.
-    """
-
-    order: torch.Tensor = None  # (n,) token in every slot
-    window: int = 256
-    static = False
-
-    def __post_init__(self):
-        # the original position of the token at every extended slot (the gather index of the layout)
-        object.__setattr__(self, "token", self.order[self.extended_slots()])
-
-    @property
-    def halo(self):
-        return stochastic_halo(self.window)
-
-    @property
-    def lookback(self):
-        return self.halo
-
-    @property
-    def lookahead(self):
-        return self.halo
-
-    def extended_slots(self) -> torch.Tensor:
-        """The slot held by every extended position."""
-        n = self.order.shape[0]
-        return (torch.arange(n + 2 * self.halo, device=self.order.device) - self.halo) % n
-
-    def allowed(self, q, k, h=None):
-        return stochastic_window_edges(q, k, self.token[q], self.token[k], self.window, None)
-
-
-# ---- MoBA (Lu et al. 2025): each query's own choice of key blocks --------------------------------------
-
-def chosen_block_edges(q_pos, k_pos, chosen, block):
-    """The MoBA edge: the key lies in one of the blocks of `block` positions that the query chose (block
-    indices broadcast against k_pos // block; -1 chooses none) and is not after the query. The choice is
-    data-dependent (attention/moba.py: moba_choose), so MoBA has no static rule: its dense reference and its
-    blockwise kernel both evaluate this predicate."""
-    return (k_pos <= q_pos) & (k_pos // block == chosen)

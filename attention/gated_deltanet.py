@@ -6,27 +6,18 @@ state S (d_k x d_v, zero at the start) follows the gated delta rule
     S_t = exp(g_t) (I - beta_t k_t^T k_t) S_{t-1} + beta_t k_t^T v_t,      o_t = q_t S_t
 (rows are vectors): decay the memory, then move what it recalls for k_t a fraction beta_t of the way towards
 v_t. q, k, v each pass a short causal depthwise convolution and SiLU first; the read is RMS-normalised per head
-and gated by SiLU(W_g x). Three forms, equal to float tolerance (tests):
-    recurrent   the reference and the generation form: one token at a time, constant memory
-    chunked     training, O(n): the WY form below, exact within chunks of C tokens, the state between them
-    fla         fla's Triton chunk kernel (the same chunked algorithm): gdn_kernel=auto uses it for bf16/fp16
-                activations on CUDA when the package is installed, gdn_kernel=fla on any CUDA input; on the CPU
-                standing in for CUDA (attention/simulate_cuda.py) its stand-in, fla_chunk_stand_in
-
-The chunked form. Inside a chunk starting from state S, let G_i be the cumulative log decay up to position i
-and delta_j = beta_j (v_j - k_j exp(g_j) S_{j-1}) the correction written at j. Unrolling the recurrence,
-    S_i = exp(G_i) S + sum_{j<=i} exp(G_i - G_j) k_j^T delta_j
-and substituting S_{j-1} into delta_j gives a unit lower-triangular system (I + A) delta = beta v - beta exp(G) k S
-with A_ij = beta_i (k_i . k_j) exp(G_i - G_j) for j < i. With T = (I + A)^-1 (one triangular solve per chunk),
-u = T (beta v) and w = T (beta exp(G) k) depend on the chunk alone, so only
-    delta = u - w S,   o = (q exp(G)) S + tril(q k^T exp(G_i - G_j)) delta,
-    S <- exp(G_C) S + (k exp(G_C - G))^T delta
-runs sequentially over chunks.
+and gated by SiLU(W_g x). Three forms, equal to float tolerance (tests), in attention/ops/gated_deltanet:
+    recurrent   the reference and the generation form: one token at a time, constant memory (naive.py)
+    chunked     training, O(n): the WY form (chunk.py, which derives it), exact within chunks of C tokens, the
+                state between them
+    fla         fla's Triton chunk kernel (the same chunked algorithm; fla_kernel.py): gdn_kernel=auto uses it for
+                bf16/fp16 activations on CUDA when the package is installed, gdn_kernel=fla on any CUDA input; on
+                the CPU standing in for CUDA (attention/simulate_cuda.py) its stand-in, fla_chunk_stand_in
+The short convolutions are conv.py's causal_conv.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -36,6 +27,10 @@ from torch import nn
 
 from attention import simulate_cuda
 from attention.memory import F32, linear_inputs, padded
+from attention.ops.gated_deltanet.chunk import chunked_gated_delta_rule
+from attention.ops.gated_deltanet.conv import causal_conv
+from attention.ops.gated_deltanet.fla_kernel import fla_chunk_kernel, fla_chunk_stand_in
+from attention.ops.gated_deltanet.naive import recurrent_gated_delta_rule
 from attention.registry import RecurrentMixer, Setting, chunk_loop_problem, register
 
 GDN_CHUNK = Setting("gdn_chunk", int, 64, "gated_deltanet: chunk length of the chunked (WY) training form")
@@ -44,124 +39,6 @@ GDN_KERNEL = Setting("gdn_kernel", str, "auto", "gated_deltanet: auto (fla's chu
                      "installed) | native | fla")
 
 KERNELS = ("auto", "native", "fla")
-
-
-def chunked_gated_delta_rule(q, k, v, g, beta, state=None, chunk: int = 64):
-    """O(n) gated delta rule of q, k (B, H, n, d), v (B, H, n, D), g and beta (B, H, n).
-
-    q is used as given (normalise and scale it first); g is the log decay. state: (B, H, d, D) or None for
-    zeros. Returns the output (B, H, n, D) and the state after the last token.
-    """
-    B, H, n, d = q.shape
-    D = v.shape[-1]
-    S = q.new_zeros(B, H, d, D) if state is None else state
-    pad = -n % chunk
-    if pad:
-        # g = 0 and beta = 0 leave the state exactly as it was: padding neither decays nor writes
-        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
-    nc = (n + pad) // chunk
-    q, k, v = (t.reshape(B, H, nc, chunk, -1) for t in (q, k, v))
-    g, beta = g.reshape(B, H, nc, chunk), beta.reshape(B, H, nc, chunk)
-
-    G = g.cumsum(-1)
-    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    # exp only below the diagonal: above it G_i - G_j > 0 and could overflow, and inf * 0 would poison grads
-    diff = G.unsqueeze(-1) - G.unsqueeze(-2)
-    decay = torch.where(causal, diff, float("-inf")).exp()  # (B, H, nc, C, C), includes the diagonal
-    A = (beta.unsqueeze(-1) * k) @ k.transpose(-1, -2) * decay
-    # I + A is unit lower triangular: with unitriangular the solver takes the diagonal as 1 and reads only
-    # the strict lower triangle of A, so A needs no further masking
-    rhs = torch.cat([beta.unsqueeze(-1) * v, (beta * G.exp()).unsqueeze(-1) * k], dim=-1)
-    uw = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
-    u, w = uw[..., :D], uw[..., D:]
-    q_decayed = q * G.exp().unsqueeze(-1)
-    within = q @ k.transpose(-1, -2) * decay
-    k_decayed = k * (G[..., -1:] - G).exp().unsqueeze(-1)
-    chunk_decay = G[..., -1].exp()  # (B, H, nc)
-
-    outputs = []
-    # unbound once: indexing chunk c inside the loop would give each step a backward the size of the whole
-    # sequence (O(n^2) in all)
-    steps = zip(u.unbind(2), w.unbind(2), q_decayed.unbind(2), within.unbind(2), k_decayed.unbind(2),
-                chunk_decay[..., None, None].unbind(2))
-    for u_c, w_c, q_c, within_c, k_c, decay_c in steps:
-        delta = u_c - w_c @ S
-        outputs.append(q_c @ S + within_c @ delta)
-        S = decay_c * S + k_c.transpose(-1, -2) @ delta
-    y = torch.stack(outputs, dim=2).reshape(B, H, nc * chunk, D)[:, :, :n]
-    return y, S
-
-
-def recurrent_gated_delta_rule(q, k, v, g, beta, state=None):
-    """Token by token from the state: the reference, and the generation form."""
-    B, H, n, d = q.shape
-    S = q.new_zeros(B, H, d, v.shape[-1]) if state is None else state
-    outputs = []
-    for t in range(n):
-        k_t = k[:, :, t]
-        S = g[:, :, t, None, None].exp() * S
-        delta = beta[:, :, t, None] * (v[:, :, t] - (k_t.unsqueeze(-2) @ S).squeeze(-2))
-        S = S + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
-        outputs.append((q[:, :, t].unsqueeze(-2) @ S).squeeze(-2))
-    return torch.stack(outputs, dim=2), S
-
-
-def causal_conv(x, weight, state=None):
-    """Depthwise causal convolution of x (B, T, C) with weight (C, 1, K), continuing from state: the K-1 inputs
-    before x (B, C, K-1), zeros at the start of a sequence. Returns the output (B, T, C) and the new state."""
-    width = weight.shape[-1]
-    x = x.transpose(1, 2)
-    if state is None:
-        state = x.new_zeros(x.shape[0], x.shape[1], width - 1)
-    padded = torch.cat([state.to(x.dtype), x], dim=-1)
-    y = F.conv1d(padded, weight, groups=x.shape[1])
-    return y.transpose(1, 2), padded[..., padded.shape[-1] - (width - 1):]
-
-
-@functools.cache
-def fla_chunk_kernel():
-    """fla's chunk_gated_delta_rule, or None when the package is not installed."""
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    except ImportError:
-        return None
-    return chunk_gated_delta_rule
-
-
-def _fla_l2norm(x):
-    """fla's l2norm_fwd (fla/modules/norm/l2norm.py): x / sqrt(sum x^2 + 1e-6), in float32."""
-    x = x.float()
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
-
-
-@torch.compiler.disable  # as fla's own chunk_gated_delta_rule: compiled code breaks its graph around it
-def fla_chunk_stand_in(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                       use_qk_l2norm_in_kernel=False, chunk_size=64, **unused):
-    """fla's chunk_gated_delta_rule on the CPU standing in for CUDA (attention/simulate_cuda.py): computed with
-    chunked_gated_delta_rule in float32, with fla-core 0.6.0's contract (fla/ops/gated_delta_rule/chunk.py):
-    q, k (B, T, H, K), v (B, T, H, V), g (log decay) and beta (B, T, H) in the (B, T, H, ...) layout; scale
-    defaults to K^-0.5; use_qk_l2norm_in_kernel normalises q and k as fla's l2norm_fwd (eps 1e-6 inside the
-    square root); the state is (B, H, K, V) (state_v_first=False). Returns o (B, T, H, V) in q's dtype
-    (ChunkGatedDeltaRuleFunction.forward: o.to(q.dtype)), contiguous, and the final state in float32
-    (chunk_gated_delta_rule_fwd_h: k.new_zeros(N, HV, K, V, dtype=torch.float32)) when output_final_state, else
-    None. Gradients reach q, k, v, g, beta and the initial state in their own dtypes, as fla's backward gives
-    them (dq.to(q), ...)."""
-    simulate_cuda.ran("flash-linear-attention")
-    if scale is None:
-        scale = k.shape[-1] ** -0.5
-    if chunk_size not in (16, 32, 64):  # fla's own refusal
-        raise ValueError(f"`chunk_size` must be 16, 32, or 64 for Gated Delta Rule, got {chunk_size}.")
-    with torch.autocast(q.device.type, enabled=False):  # float32 throughout, also when called under autocast
-        if use_qk_l2norm_in_kernel:
-            q_, k_ = _fla_l2norm(q), _fla_l2norm(k)
-        else:
-            q_, k_ = q.float(), k.float()
-        heads_first = lambda t: t.transpose(1, 2)  # noqa: E731  (B, T, H, ...) -> (B, H, T, ...)
-        state = None if initial_state is None else initial_state.float()
-        y, final = chunked_gated_delta_rule(heads_first(q_ * scale), heads_first(k_), heads_first(v.float()),
-                                            heads_first(g.float()), heads_first(beta.float()), state, chunk_size)
-    return y.transpose(1, 2).to(q.dtype).contiguous(), (final.float() if output_final_state else None)
 
 
 @dataclass

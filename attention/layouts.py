@@ -244,6 +244,30 @@ class HeadSubset(EdgeRule):
         return self.rule.chunk_size()
 
 
+@functools.lru_cache(maxsize=64)
+def edge_head_groups(rule: EdgeRule, n: int, n_head: int) -> list | None:
+    """For a per-head rule that states no head_groups(): its heads grouped by their edges over n positions (heads
+    with the same edges together, in order of their first head), [(heads, HeadSubset)], so that kernels run each
+    group at its own cost; None when every head has the same edges. From one scan of the edges over the rule's
+    key_ranges (as the kernels' own block scan), once per length."""
+    if not rule.per_head or n_head < 2 or not rule.static:
+        return None
+    groups = [list(range(n_head))]
+    h = torch.arange(n_head)[:, None, None]
+    for _, _, allowed in edge_blocks(rule, n, h, rows=SURVEY_BLOCK):
+        edges = allowed.expand(n_head, *allowed.shape[-2:]).flatten(1)
+        refined = []
+        for heads in groups:
+            while heads:
+                same = (edges[heads] == edges[heads[0]]).all(1).tolist()
+                refined.append([head for head, s in zip(heads, same) if s])
+                heads = [head for head, s in zip(heads, same) if not s]
+        groups = refined
+    if len(groups) == 1:
+        return None
+    return [(heads, HeadSubset(rule, tuple(heads))) for heads in sorted(groups)]
+
+
 @dataclass(frozen=True)
 class HeadSurvey:
     """What a scan of one head's edges found: the largest d dividing every allowed offset q - k (0: no edge
@@ -391,7 +415,7 @@ def layout_groups(rule: EdgeRule, n: int, n_head: int, device: str = "cpu") -> t
     positions: the rule's head groups (each at its own cost), split further by residue-class divisor; a group
     with d > 1 runs in residue_layout(n, d) under a LaidOutRule. Cached, so every layer with the rule shares
     one LaidOutRule and with it one set of tiles."""
-    groups = rule.head_groups() or [(list(range(n_head)), rule)]
+    groups = rule.head_groups() or edge_head_groups(rule, n, n_head) or [(list(range(n_head)), rule)]
     out = []
     for heads, sub_rule in groups:
         stated = sub_rule.residue_classes(len(heads))

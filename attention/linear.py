@@ -4,10 +4,11 @@ Per head, q and k are projected to `linear_feature_dim` (16) dimensions and rota
     phi(x) = [1, x / d^(1/4), vec(x x^T) / (sqrt(2) sqrt(d))]        (d = feature dim)
 gives phi(q) . phi(k) = 1 + t + t^2 / 2 with t = q . k / sqrt(d), the Taylor expansion of exp(t), which is
 at least 1/2, so the normalised read o_i = phi(q_i) S_i / (phi(q_i) z_i), with S_i = sum_{j<=i} phi(k_j)^T v_j
-and z_i = sum_{j<=i} phi(k_j), never divides by zero. Three forms, equal to float tolerance (tests):
-    quadratic   the reference, O(n^2): (1 + t + t^2/2) causally masked, rows normalised
-    chunked     training, O(n): exact within chunks, the running state (S, z) between them
-    recurrent   generation: one token at a time from the state, constant memory
+and z_i = sum_{j<=i} phi(k_j), never divides by zero. Three forms, equal to float tolerance (tests), in
+attention/ops/linear (the feature map: feature_map.py):
+    quadratic   the reference, O(n^2): (1 + t + t^2/2) causally masked, rows normalised (naive.py)
+    chunked     training, O(n): exact within chunks, the running state (S, z) between them (chunk.py)
+    recurrent   generation: one token at a time from the state, constant memory (recurrent.py)
 """
 
 from __future__ import annotations
@@ -16,77 +17,14 @@ import torch
 from torch import nn
 
 from attention.memory import F32, linear_inputs, padded, rope_tables
+from attention.ops.linear.chunk import chunked_linear_attention
+from attention.ops.linear.recurrent import recurrent_linear_attention
 from attention.registry import RecurrentMixer, Setting, register
+from attention.rope import apply_rope
 
 LINEAR_FEATURE_DIM = Setting("linear_feature_dim", int, 16, "linear: q/k feature dimension of Taylor linear attention "
                              "(paper 002)")
 LINEAR_CHUNK = Setting("linear_chunk", int, 64, "linear: chunk length of the chunked training form")
-from attention.rope import apply_rope
-
-
-def taylor_features(x: torch.Tensor) -> torch.Tensor:
-    """phi(x) for x (..., d): (..., 1 + d + d^2)."""
-    d = x.shape[-1]
-    second = (x.unsqueeze(-1) * x.unsqueeze(-2)).flatten(-2) / (2 ** 0.5 * d ** 0.5)
-    return torch.cat([torch.ones_like(x[..., :1]), x / d ** 0.25, second], dim=-1)
-
-
-def taylor_kernel(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """phi(q) . phi(k) for all pairs, computed from q . k directly: (..., Tq, Tk)."""
-    t = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
-    return 1 + t + t * t / 2
-
-
-def quadratic_linear_attention(q, k, v):
-    """The O(n^2) reference: causal kernel matrix, each row normalised."""
-    n = q.shape[-2]
-    weights = taylor_kernel(q, k) * torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-    return (weights @ v) / weights.sum(-1, keepdim=True)
-
-
-def chunked_linear_attention(q, k, v, state=None, chunk: int = 64):
-    """O(n) causal Taylor linear attention of q, k (B, H, n, d) and v (B, H, n, D).
-
-    state: (S, z) with S (B, H, F, D) and z (B, H, F) summarising earlier tokens, or None. Returns the output
-    and the state after the last token.
-    """
-    B, H, n, d = q.shape
-    D = v.shape[-1]
-    pad = -n % chunk
-    if pad:
-        q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-    nc = (n + pad) // chunk
-    qc, kc, vc = (t.reshape(B, H, nc, chunk, -1) for t in (q, k, v))
-    valid = (torch.arange(n + pad, device=q.device) < n).to(q.dtype).view(nc, chunk, 1)
-    phi_k = taylor_features(kc) * valid  # padded keys contribute nothing to the state
-    kv = phi_k.transpose(-1, -2) @ vc  # (B, H, nc, F, D): each chunk's contribution
-    ksum = phi_k.sum(-2)  # (B, H, nc, F)
-    S0 = torch.zeros(B, H, kv.shape[-2], D, dtype=q.dtype, device=q.device) if state is None else state[0]
-    z0 = torch.zeros(B, H, ksum.shape[-1], dtype=q.dtype, device=q.device) if state is None else state[1]
-    S_before = S0.unsqueeze(2) + kv.cumsum(2) - kv  # state at the start of each chunk
-    z_before = z0.unsqueeze(2) + ksum.cumsum(2) - ksum
-    phi_q = taylor_features(qc)
-    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    within = taylor_kernel(qc, kc) * causal * valid.transpose(-1, -2)
-    numerator = within @ vc + phi_q @ S_before
-    denominator = within.sum(-1) + (phi_q @ z_before.unsqueeze(-1)).squeeze(-1)
-    y = (numerator / denominator.unsqueeze(-1)).reshape(B, H, n + pad, D)[:, :, :n]
-    return y, (S_before[:, :, -1] + kv[:, :, -1], z_before[:, :, -1] + ksum[:, :, -1])
-
-
-def recurrent_linear_attention(q, k, v, state=None):
-    """Token by token from the state: the generation form (and a third reference in tests)."""
-    B, H, n, d = q.shape
-    F_dim = 1 + d + d * d
-    S = torch.zeros(B, H, F_dim, v.shape[-1], dtype=q.dtype, device=q.device) if state is None else state[0]
-    z = torch.zeros(B, H, F_dim, dtype=q.dtype, device=q.device) if state is None else state[1]
-    outputs = []
-    for t in range(n):
-        phi_k, phi_q = taylor_features(k[:, :, t]), taylor_features(q[:, :, t])
-        S = S + phi_k.unsqueeze(-1) * v[:, :, t].unsqueeze(-2)
-        z = z + phi_k
-        outputs.append((phi_q.unsqueeze(-2) @ S).squeeze(-2) / (phi_q * z).sum(-1, keepdim=True))
-    return torch.stack(outputs, dim=2), (S, z)
 
 
 @register("linear")

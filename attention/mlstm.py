@@ -12,11 +12,13 @@ stabiliser m (m_0 = 0) that keeps every exponent <= 0:
 then a LayerNorm per head, the output gate sigmoid(W_o x) and the output projection. C and n are stored
 divided by exp(m_t); the denominator's exp(-m_t) is the stabilised form of max(|n . q|, 1).
 
-Three forms, equal to float tolerance (tests, which also compare with `mlstm_kernels`' own sequence kernel):
-    quadratic   the reference, O(n^2): the whole log-weight matrix at once
+Three forms, equal to float tolerance (tests, which also compare with `mlstm_kernels`' own sequence kernel), in
+attention/ops/mlstm:
+    quadratic   the reference, O(n^2): the whole log-weight matrix at once (naive.py)
     chunkwise   training, O(n): exact within chunks of mlstm_chunk tokens, the state (C, n, m) between them
-    recurrent   generation: one token at a time, constant memory
-On CUDA the chunkwise form can run as mlstm_kernels' Triton kernel (same layout and state conventions)
+                (chunkwise.py)
+    recurrent   generation: one token at a time, constant memory (recurrent.py)
+On CUDA the chunkwise form can run as mlstm_kernels' Triton kernel (same layout and state conventions; op.py)
 when that package is installed; it is never required. Its forward is exact; its backward is mlstm_kernels'
 own, which sends no gradient through the normaliser max(|n . q|, exp(-m)): dv is exact, dq, dk, di and df
 differ from the exact gradient where |n . q| is the larger term (tests/test_mlstm.py). mlstm_kernel=native
@@ -33,6 +35,9 @@ from torch import nn
 
 from attention import simulate_cuda
 from attention.memory import F32, linear_inputs, padded
+from attention.ops.mlstm.op import (TRITON_CHUNK, mlstm_sequence, triton_available, triton_head_problem,
+                                    triton_runs_on)
+from attention.ops.mlstm.recurrent import recurrent_mlstm
 from attention.registry import RecurrentMixer, Setting, chunk_loop_problem, register
 
 MLSTM_N_HEAD = Setting("mlstm_n_head", int, 8, "mlstm: heads of the matrix memory, independent of n_head (xLSTM 7B's "
@@ -46,301 +51,11 @@ MLSTM_KERNEL = Setting("mlstm_kernel", str, "auto", "mlstm: auto (mlstm_kernels'
                        "for CUDA training when installed; its backward treats the normaliser as a constant) | "
                        "native (the exact gradient) | triton")
 
-EPS = 1e-6
 NORM_EPS = 1e-6  # xLSTM 7B's per-head LayerNorm
-# an input-gate pre-activation for padding positions: they add nothing to the state (exp underflows to 0)
-# and, with log f = 0, leave C, n and m as they were; finite so that no inf - inf appears
-_NO_INPUT = -1e30
 
 
 def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
     return cap * torch.tanh(x / cap)
-
-
-def _zero_state(q, v):
-    B, H, _, dk = q.shape
-    return (q.new_zeros(B, H, dk, v.shape[-1]), q.new_zeros(B, H, dk), q.new_zeros(B, H, 1))
-
-
-def quadratic_mlstm(q, k, v, i, f, state=None, eps: float = EPS):
-    """Reference form over the whole sequence: q, k (B, H, n, d_qk), v (B, H, n, d_v), gate pre-activations
-    i, f (B, H, n). state: (C, n, m) before the first token, or None (zeros, m = 0). Returns h (B, H, n, d_v)."""
-    C0, n0, m0 = _zero_state(q, v) if state is None else state
-    length = q.shape[2]
-    q = q * q.shape[-1] ** -0.5
-    log_f = F.logsigmoid(f).cumsum(-1)  # B_t = sum_{s <= t} log f_s
-    causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-    # log weight of key j in h_t: B_t - B_j + i_j; of the initial state: B_t + m_0
-    log_weights = torch.where(causal, log_f[..., :, None] - log_f[..., None, :] + i[..., None, :], -torch.inf)
-    log_initial = log_f + m0
-    m = torch.maximum(log_weights.amax(-1), log_initial)  # the recurrent stabiliser m_t
-    weights = torch.exp(log_weights - m[..., None]) * (q @ k.transpose(-1, -2))
-    initial = torch.exp(log_initial - m)[..., None]
-    numerator = weights @ v + initial * (q @ C0)
-    qn = weights.sum(-1, keepdim=True) + initial * (q @ n0[..., None])
-    return numerator / (torch.maximum(qn.abs(), torch.exp(-m)[..., None]) + eps)
-
-
-def recurrent_mlstm(q, k, v, i, f, state=None, eps: float = EPS):
-    """Token by token: the generation form. Returns h (B, H, n, d_v) and the state (C, n, m) after the last token."""
-    C, n, m = _zero_state(q, v) if state is None else state
-    scale = q.shape[-1] ** -0.5
-    outputs = []
-    for t in range(q.shape[2]):
-        log_f, i_t = F.logsigmoid(f[:, :, t, None]), i[:, :, t, None]
-        m_new = torch.maximum(log_f + m, i_t)
-        decay, gain = torch.exp(log_f + m - m_new), torch.exp(i_t - m_new)
-        k_t, q_t = k[:, :, t], q[:, :, t] * scale
-        C = decay[..., None] * C + gain[..., None] * (k_t[..., :, None] * v[:, :, t, None, :])
-        n = decay * n + gain * k_t
-        m = m_new
-        qn = (q_t * n).sum(-1, keepdim=True)
-        outputs.append((q_t[..., None, :] @ C).squeeze(-2) / (torch.maximum(qn.abs(), torch.exp(-m)) + eps))
-    return torch.stack(outputs, dim=2), (C, n, m)
-
-
-def chunkwise_mlstm(q, k, v, i, f, state=None, chunk: int = 64, eps: float = EPS, return_stats: bool = False):
-    """O(n) training form: the quadratic form inside chunks of `chunk` tokens, the recurrence between them.
-
-    Returns h (B, H, n, d_v) and the state (C, n, m) after the last token; with return_stats also each
-    position's denominator max(|n . q~|, exp(-m)) and stabiliser m, (B, H, n) each (what mlstm_kernels' forward
-    returns as vecN_out and vecM_out). Memory is O(n * chunk): the chunk states are computed by a scan over
-    chunks, then every chunk's outputs in one batched pass.
-    """
-    B, H, length, dk = q.shape
-    pad = -length % chunk
-    if pad:
-        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-        i = F.pad(i, (0, pad), value=_NO_INPUT)
-        f = F.pad(f, (0, pad), value=torch.inf)  # log sigmoid(inf) = 0: no decay
-    nc = (length + pad) // chunk
-    q = q * dk ** -0.5
-    qc, kc, vc = (t.reshape(B, H, nc, chunk, -1) for t in (q, k, v))
-    ic = i.reshape(B, H, nc, chunk)
-    log_f = F.logsigmoid(f).reshape(B, H, nc, chunk).cumsum(-1)  # b_t within each chunk
-    total = log_f[..., -1]  # (B, H, nc): a chunk's whole decay
-    # each chunk's own contribution to the state at its end, stabilised by its largest log weight g
-    log_to_end = total[..., None] - log_f + ic  # b_L - b_j + i_j
-    # max().values, not amax(): amax's backward divides by the number of ties, which inductor recomputes in
-    # backward and can find 0 of (NaN gate gradients from bf16 gates under autocast); max's goes to one index
-    g = log_to_end.max(-1).values
-    to_end = torch.exp(log_to_end - g[..., None])[..., None] * kc  # (B, H, nc, L, dk)
-    chunk_C, chunk_n = to_end.transpose(-1, -2) @ vc, to_end.sum(-2)
-
-    # the scan over chunks: states before each chunk (C, n, m), as the recurrence would have them. The inputs
-    # are unbound once: indexing chunk c inside the loop would give each step a backward the size of the
-    # whole sequence (O(n^2) in all)
-    C, n, m = _zero_state(q, v) if state is None else state
-    states = []
-    steps = zip(total.unsqueeze(-1).unbind(2), g.unsqueeze(-1).unbind(2), chunk_C.unbind(2), chunk_n.unbind(2))
-    for chunk_total, chunk_max, contribution_C, contribution_n in steps:
-        states.append((C, n, m))
-        m_new = torch.maximum(chunk_total + m, chunk_max)
-        decay, gain = torch.exp(chunk_total + m - m_new), torch.exp(chunk_max - m_new)
-        C = decay[..., None] * C + gain[..., None] * contribution_C
-        n = decay * n + gain * contribution_n
-        m = m_new
-    C_before = torch.stack([s[0] for s in states], dim=2)  # (B, H, nc, dk, dv)
-    n_before = torch.stack([s[1] for s in states], dim=2)  # (B, H, nc, dk)
-    m_before = torch.stack([s[2] for s in states], dim=2)  # (B, H, nc, 1)
-
-    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    log_weights = torch.where(causal, log_f[..., :, None] - log_f[..., None, :] + ic[..., None, :], -torch.inf)
-    log_initial = log_f + m_before  # (B, H, nc, L)
-    m_t = torch.maximum(log_weights.max(-1).values, log_initial)  # (max, not amax: see g above)
-    weights = torch.exp(log_weights - m_t[..., None]) * (qc @ kc.transpose(-1, -2))
-    initial = torch.exp(log_initial - m_t)[..., None]
-    numerator = weights @ vc + initial * (qc @ C_before)
-    qn = weights.sum(-1, keepdim=True) + initial * (qc @ n_before[..., None])
-    denominator = torch.maximum(qn.abs(), torch.exp(-m_t)[..., None])
-    h = (numerator / (denominator + eps)).reshape(B, H, nc * chunk, -1)[:, :, :length]
-    if return_stats:
-        stats = tuple(t.reshape(B, H, nc * chunk)[:, :, :length] for t in (denominator, m_t))
-        return h, (C, n, m), stats
-    return h, (C, n, m)
-
-
-TRITON_CHUNK = 64  # the chunk mlstm_kernels' Triton kernel runs with (its tuned default)
-TRITON_MIN_HEAD_DIM = 16  # Triton's tl.dot needs inner dimensions of at least 16: the kernel's blocks follow the heads
-
-
-def triton_head_problem(qk_head_dim: int, v_head_dim: int) -> str:
-    """Why the Triton kernel cannot take these head widths ("" when it can): mlstm_kernels sizes its blocks by
-    the head widths, and a block below 16 fails to compile."""
-    if min(qk_head_dim, v_head_dim) >= TRITON_MIN_HEAD_DIM:
-        return ""
-    return (f"q/k and v head widths {qk_head_dim} and {v_head_dim}: the Triton kernel needs both >= "
-            f"{TRITON_MIN_HEAD_DIM} (fewer mlstm_n_head, a larger mlstm_qk_dim_factor or a wider model)")
-
-
-_installed: dict = {}
-
-
-# A constant for torch.compile: compiled code takes its answer instead of tracing the import inside it (a traced
-# functools.cache is re-run, and a failing import inside a trace is a graph break)
-@torch.compiler.assume_constant_result
-def triton_installed() -> bool:
-    """Whether mlstm_kernels' Triton chunkwise kernel is installed (the package and triton); asked once."""
-    if "triton" not in _installed:
-        try:
-            import mlstm_kernels.torch.chunkwise.triton_xl_chunk  # noqa: F401
-            _installed["triton"] = True
-        except ImportError:
-            _installed["triton"] = False
-    return _installed["triton"]
-
-
-def triton_available() -> bool:
-    """Whether the Triton kernel's ops can run in this process: installed (CUDA), or their CPU stand-ins while
-    simulating CUDA on a machine without it (attention/simulate_cuda.py)."""
-    return triton_installed() or simulate_cuda.stand_ins()
-
-
-def triton_runs_on(device) -> bool:
-    """Whether the ops run for tensors on device: on CUDA with the package, on the CPU standing in for CUDA."""
-    return simulate_cuda.simulated(device) or (torch.device(device).type == "cuda" and triton_installed())
-
-
-# mlstm_kernels' own autograd.Function keeps its settings as tensors and reads them back with int() and float()
-# in backward, which torch.compile cannot trace (a graph break per layer). Its forward and backward kernels are
-# wrapped here as two opaque custom ops, so a compiled block holds the kernel as one node of its graph.
-@torch.library.custom_op("efficient_attention::mlstm_chunkwise_fw", mutates_args=(), device_types="cuda")
-def _triton_fw(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: torch.Tensor, f: torch.Tensor,
-               chunk_size: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from mlstm_kernels.torch.chunkwise.triton_xl_chunk.fw import mlstm_chunkwise_fw
-
-    h, n_out, m_out, _, _ = mlstm_chunkwise_fw(matQ=q.contiguous(), matK=k.contiguous(), matV=v.contiguous(),
-                                               vecI=i.contiguous(), vecF=f.contiguous(), chunk_size=chunk_size,
-                                               eps=eps, output_dtype=torch.float32)
-    return h, n_out, m_out
-
-
-@_triton_fw.register_fake
-def _(q, k, v, i, f, chunk_size, eps):
-    B, H, S, _ = q.shape
-    return q.new_empty(B, H, S, v.shape[-1]), q.new_empty(B, H, S, dtype=torch.float32), \
-        q.new_empty(B, H, S, dtype=torch.float32)
-
-
-@torch.library.custom_op("efficient_attention::mlstm_chunkwise_bw", mutates_args=(), device_types="cuda")
-def _triton_bw(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: torch.Tensor, f: torch.Tensor,
-               n_out: torch.Tensor, m_out: torch.Tensor, grad_h: torch.Tensor, chunk_size: int,
-               eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from mlstm_kernels.torch.chunkwise.triton_xl_chunk.bw import mlstm_chunkwise_bw
-
-    dq, dk, dv, di, df, *_ = mlstm_chunkwise_bw(
-        matQ=q.contiguous(), matK=k.contiguous(), matV=v.contiguous(), vecI=i.contiguous(), vecF=f.contiguous(),
-        vecN_out=n_out, vecM_out=m_out, matDeltaH_out=grad_h.contiguous(), chunk_size=chunk_size, eps=eps)
-    return dq, dk, dv, di.to(i.dtype), df.to(f.dtype)
-
-
-@_triton_bw.register_fake
-def _(q, k, v, i, f, n_out, m_out, grad_h, chunk_size, eps):
-    # contiguous, whatever the inputs' strides (the layer passes heads-first views): mlstm_kernels allocates its
-    # gradients with torch.empty, dq, dk and dv in q's dtype, and the gate gradients come out of float32 math
-    return q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape), i.new_empty(i.shape), \
-        f.new_empty(f.shape)
-
-
-def _triton_setup_context(ctx, inputs, output):
-    q, k, v, i, f, chunk_size, eps = inputs
-    _, n_out, m_out = output
-    ctx.save_for_backward(q, k, v, i, f, n_out, m_out)
-    ctx.chunk_size, ctx.eps = chunk_size, eps
-
-
-def _triton_backward(ctx, grad_h, grad_n, grad_m):  # n_out and m_out are kernel internals: no gradient flows
-    return (*_triton_bw(*ctx.saved_tensors, grad_h, ctx.chunk_size, ctx.eps), None, None)
-
-
-_triton_fw.register_autograd(_triton_backward, setup_context=_triton_setup_context)
-
-
-# The ops' CPU kernels: stand-ins for the Triton kernels, run when the CPU stands in for CUDA
-# (attention/simulate_cuda.py), so that compiled code meets on the CPU what it meets on a GPU. They compute with
-# chunkwise_mlstm (float32) and return exactly what the CUDA kernels above return, as read from mlstm_kernels
-# 2.0.6 (torch/chunkwise/triton_xl_chunk/fw.py, fw_parallel.py, bw.py, bw_parallel_dQ/dK/dV.py,
-# chunkwise_gates.py):
-#   forward   h (B, NH, S, DHHV) in q's dtype (fw_parallel: torch.empty(B, NH, S, DHHV, dtype=matQ.dtype));
-#             vecN_out, vecM_out (B, NH, S) in output_dtype, float32 here: each position's denominator
-#             max(|n . q|, exp(-m)) and stabiliser m. All contiguous (torch.empty), whatever the inputs' strides
-#             (the kernels read .contiguous() copies: contiguous_noctx)
-#   backward  dq, dk (B, NH, S, DHQK) and dv (B, NH, S, DHHV) in q's dtype (grad_output_dtype = matQ.dtype,
-#             torch.empty: contiguous); di, df (B, NH, S) float32 (compute_gate_grads_vecDeltaI_vecDeltaF computes
-#             in float32), contiguous, then .to(i.dtype), .to(f.dtype) by _triton_bw
-@_triton_fw.register_kernel("cpu")
-def _cpu_fw(q, k, v, i, f, chunk_size, eps):
-    simulate_cuda.ran("mlstm_kernels")
-    h, _, (denominator, m) = chunkwise_mlstm(*(t.float() for t in (q, k, v, i, f)), chunk=chunk_size, eps=eps,
-                                             return_stats=True)
-    return h.to(q.dtype).contiguous(), denominator.contiguous(), m.contiguous()
-
-
-@_triton_bw.register_kernel("cpu")
-def _cpu_bw(q, k, v, i, f, n_out, m_out, grad_h, chunk_size, eps):
-    simulate_cuda.ran("mlstm_kernels")
-    with simulate_cuda.autograd_in_kernel():  # an op's kernel runs below autograd
-        inputs = [t.detach().float().requires_grad_() for t in (q, k, v, i, f)]
-        h, _ = chunkwise_mlstm(*inputs, chunk=chunk_size, eps=eps)
-        dq, dk, dv, di, df = torch.autograd.grad(h, inputs, grad_h.float())
-    return (dq.to(q.dtype).contiguous(), dk.to(q.dtype).contiguous(), dv.to(q.dtype).contiguous(),
-            di.contiguous().to(i.dtype), df.contiguous().to(f.dtype))
-
-
-def _layer_layout(dtype, requires_grad: bool, B: int = 2, H: int = 2, S: int = 128, dqk: int = 16, dv: int = 32):
-    """q, k, v and the gates as MLSTMLayer.forward hands them to the ops: heads-first views of (B, S, H, d)
-    projections (not contiguous), q, k, v in the activation dtype, the gates in float32, near their
-    initialisation (input -10, forget 3..6)."""
-    generator = torch.Generator().manual_seed(0)
-
-    def heads_first(*shape, scale=1.0, shift=0.0, type_=dtype):
-        t = torch.randn(B, S, H, *shape, generator=generator) * scale + shift
-        return t.to(type_).transpose(1, 2).requires_grad_(requires_grad)
-    gate = torch.float32
-    return (heads_first(dqk), heads_first(dqk), heads_first(dv), heads_first(scale=2.0, shift=-10.0, type_=gate),
-            heads_first(shift=4.0, type_=gate))
-
-
-@simulate_cuda.opcheck_samples("efficient_attention::mlstm_chunkwise_fw")
-def _fw_samples():
-    return [(*_layer_layout(dtype, True), TRITON_CHUNK, EPS) for dtype in (torch.bfloat16, torch.float32)]
-
-
-@simulate_cuda.opcheck_samples("efficient_attention::mlstm_chunkwise_bw")
-def _bw_samples():
-    samples = []
-    for dtype in (torch.bfloat16, torch.float32):
-        q, k, v, i, f = _layer_layout(dtype, False)
-        h, n_out, m_out = _cpu_fw(q, k, v, i, f, TRITON_CHUNK, EPS)
-        grad_h = torch.randn(h.shape[0], h.shape[2], h.shape[1], h.shape[3]).transpose(1, 2).to(dtype)
-        samples.append((q, k, v, i, f, n_out, m_out, grad_h, TRITON_CHUNK, EPS))
-    return samples
-
-
-def mlstm_sequence(q, k, v, i, f, state=None, chunk: int = 64, kernel: str = "auto", need_state: bool = True):
-    """A whole sequence in the training form: mlstm_kernels' Triton kernel on CUDA when it is installed (its CPU
-    stand-in while simulating CUDA; kernel auto or triton, from a zero state, when the final state is not
-    needed), else chunkwise_mlstm.
-    Returns h and the final state (None from the Triton kernel). The Triton kernel takes q, k, v in their own
-    dtype (bfloat16 under bf16 training: its matmuls run in bf16 with float32 accumulation, as xLSTM 7B
-    trains) and the gates in float32; chunkwise_mlstm computes in float32 or better."""
-    triton = kernel != "native" and simulate_cuda.gpu_path(q.device) and state is None and not need_state
-    if triton and not triton_runs_on(q.device):
-        if kernel == "triton":
-            raise RuntimeError("mlstm_kernel=triton needs the mlstm_kernels package (pip install -r "
-                               "requirements-gpu.txt); use mlstm_kernel=native or auto")
-        triton = False
-    if not triton:
-        compute = torch.promote_types(q.dtype, torch.float32)
-        return chunkwise_mlstm(*(t.to(compute) for t in (q, k, v, i, f)), state, chunk)
-    length, kernel_chunk = q.shape[2], TRITON_CHUNK
-    pad = -length % kernel_chunk  # the kernel wants whole chunks; padding after the end changes no output
-    i, f = i.float(), f.float()
-    if pad:
-        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-        i, f = F.pad(i, (0, pad), value=_NO_INPUT), F.pad(f, (0, pad), value=30.0)
-    v = v.to(q.dtype)
-    return _triton_fw(q, k.to(q.dtype), v, i, f, kernel_chunk, EPS)[0][:, :, :length], None
 
 
 @register("mlstm")

@@ -18,11 +18,11 @@ with the same output contract (shapes, dtypes, contiguity):
                          _validate_device) is lifted for the CPU; every other check of flex_attention runs
     torch.compile        train.py and parallelize.compile_blocks compile with aot_eager (same reason)
     GPU kernels          the mLSTM's Triton ops run their CPU stand-ins, registered as the ops' CPU kernels
-                         (attention/mlstm.py), and Gated DeltaNet's fla kernel runs its stand-in
-                         (attention/gated_deltanet.py): the built-in forms, returning what the real kernels return;
-                         this project's span attention and MoBA ops (attention/ops) run their naive references
-                         (outside this switch, with TRITON_INTERPRET=1, their CPU kernels run the Triton code
-                         itself under the interpreter: the kernel tests)
+                         (attention/ops/mlstm/op.py), and Gated DeltaNet's fla kernel runs its stand-in
+                         (attention/ops/gated_deltanet/fla_kernel.py): the built-in forms, returning what the real
+                         kernels return; this project's span attention and MoBA ops (attention/ops) run their naive
+                         references (outside this switch, with TRITON_INTERPRET=1, their CPU kernels run the Triton
+                         code itself under the interpreter: the kernel tests)
     dtype=auto           bfloat16 in train.py, sample.py and python -m eval; AdamW fused, as on CUDA
     SDPA outputs         laid out as CUDA's fused kernels lay them out ((B, L, H, D) in memory, not contiguous)
 

@@ -8,7 +8,7 @@
              (W d x d, no bias), summed, then the output projection (Alg. 2). attn_gate does not apply:
              the two path gates replace the single gate of the one-path variants.
 
-The edge is defined once (attention/edges.py: stochastic_window_edges). The dense backend evaluates it over
+The edge is defined once (stochastic_window_edges, below). The dense backend evaluates it over
 all (query, key) pairs in original positions (StochasticWindow, the O(n^2) reference); every other backend
 runs in permuted space, where it is a band (PermutedWindow): the chunked kernel and FlexAttention cost
 O(n w) plus an O(n) gather and scatter.
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from attention.edges import PermutedWindow, SlidingWindow, StochasticWindow, in_circular_window, stochastic_halo
+from attention.edges import EdgeRule, SlidingWindow
 from attention.kernels import AttentionPlan, attend_planned, plan_attention, resolve_backend
 from attention.layouts import Layout, from_layout, inverse_permutation, to_layout
 from attention.layer import Attention, merge_heads
@@ -45,6 +45,87 @@ SA_SEED = Setting("sa_seed", int, 0, "sa_mode=deterministic: the fixed permutati
                   "from the run's RNG)")
 
 SA_MODES = ("stochastic", "deterministic")
+
+
+# ---- the edge: a sliding window over a random permutation -------------------------------------------------
+
+def circular_distance(a, b, n):
+    """|a - b|_n: distance between slots a and b on a ring of n slots (n None: a line, |a - b|)."""
+    if n is None:
+        return (a - b).abs()
+    d = (a - b) % n
+    return torch.minimum(d, n - d)
+
+
+def in_circular_window(q_slot, k_slot, window, n):
+    """Paper 000's circular window N_w (Eq. 3): slots at circular distance < window/2, the query's own included."""
+    return 2 * circular_distance(q_slot, k_slot, n) < window
+
+
+def stochastic_window_edges(q_slot, k_slot, q_pos, k_pos, window, n):
+    """The SA edge (paper 000, Eq. 3 and App. B): the key's slot lies in the circular window of the query's
+    slot in permuted space, and the key is not after the query in original positions."""
+    return (k_pos <= q_pos) & in_circular_window(q_slot, k_slot, window, n)
+
+
+def stochastic_halo(window: int) -> int:
+    """The largest slot distance the circular window admits: distance d is inside iff 2 d < window."""
+    return (window - 1) // 2
+
+
+@dataclass(frozen=True, eq=False)
+class StochasticWindow(EdgeRule):
+    """sa(w) in original positions, for one permutation: token t sits in slot slot_of[t] (the reference form,
+    used by the dense backend and the analysis tools; O(n^2) to evaluate over all pairs)."""
+
+    slot_of: torch.Tensor = None  # (n,) slot of every token
+    window: int = 256
+    static = False
+
+    def allowed(self, q, k, h=None):
+        n = self.slot_of.shape[0]
+        return stochastic_window_edges(self.slot_of[q], self.slot_of[k], q, k, self.window, n)
+
+
+@dataclass(frozen=True, eq=False)
+class PermutedWindow(EdgeRule):
+    """sa(w) laid out in permuted space, where it is a band: the efficient kernels' form.
+
+    The n slots (slot s holds token order[s]) are extended circularly by `halo` slots at both ends:
+    extended slot e holds slot (e - halo) mod n, so the ring is unrolled into a line and the circular window
+    becomes the band |e_q - e_k| <= halo. Queries at extended slots halo .. halo + n - 1 are the real ones;
+    each finds every slot of its window exactly once inside the band (this needs 2 halo + 1 <= n: below that
+    length sa is causal attention). The edge is stochastic_window_edges over the unrolled line, with the
+    tokens' original positions, as in StochasticWindow.
+    """
+
+    order: torch.Tensor = None  # (n,) token in every slot
+    window: int = 256
+    static = False
+
+    def __post_init__(self):
+        # the original position of the token at every extended slot (the gather index of the layout)
+        object.__setattr__(self, "token", self.order[self.extended_slots()])
+
+    @property
+    def halo(self):
+        return stochastic_halo(self.window)
+
+    @property
+    def lookback(self):
+        return self.halo
+
+    @property
+    def lookahead(self):
+        return self.halo
+
+    def extended_slots(self) -> torch.Tensor:
+        """The slot held by every extended position."""
+        n = self.order.shape[0]
+        return (torch.arange(n + 2 * self.halo, device=self.order.device) - self.halo) % n
+
+    def allowed(self, q, k, h=None):
+        return stochastic_window_edges(q, k, self.token[q], self.token[k], self.window, None)
 
 
 @dataclass(eq=False)

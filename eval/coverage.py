@@ -3,7 +3,8 @@
 A target t = j b + r (phase r = t mod b) and a source u = t - d (offset d). The coverage C_M(d, r) says whether
 the source can reach the target: for fixed blocks through any number of layers (Proposition 1, all-depth),
 for the others through one layer's direct edges (Sec. 3.6; stacked layers reach further). Computed here from
-the rules of attention/edges.py (the ones every kernel uses) and compared with the paper's closed forms:
+the rules of attention/edges.py and attention/bridge.py (the ones every kernel uses) and compared with the
+paper's closed forms:
 
     C_Block(d, r) = 1{d <= r}                                          (Eq. 18)
     C_SWA(d, r)   = 1{0 <= d < w}                                      (Eq. 22)
@@ -23,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from attention.edges import BoundaryWindows, EdgeRule, FixedBlock
+from attention.bridge import BoundaryWindows
+from attention.edges import EdgeRule, FixedBlock
 from attention.registry import build_mixer
 from config import ConfigError, ModelConfig, apply_args, dataclass_fields, exit_on_config_error
 from common.outputs import write_json

@@ -49,11 +49,12 @@ from torch.utils._pytree import tree_map
 if not __package__:  # run as a file, the project's modules cannot be imported: say how to run it
     sys.exit("run it from the repository root as a module: python -m scripts.hopper_compile ...")
 
-from attention.edges import PermutedWindow, SlidingWindow  # noqa: E402
+from attention.edges import SlidingWindow  # noqa: E402
 from attention.moba import MOBA_BLOCK, MOBA_TOPK  # noqa: E402
 from attention.ops.moba import op as moba_op  # noqa: E402
 from attention.ops.span import op as span_op  # noqa: E402
 from attention.ops.span.spans import band_spans, static_spans  # noqa: E402
+from attention.stochastic import PermutedWindow  # noqa: E402
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
 from common.outputs import (atomic_write, claim_own_folder, markdown_table, own_folder_problem,  # noqa: E402
                              write_json)
@@ -163,12 +164,12 @@ def kernel_modules() -> list:
 
 
 def kernels_of(module) -> dict:
-    """The kernels a module defines and Python launches: its public Triton functions (the ones named with a leading
-    underscore are called from kernels only)."""
+    """The kernels a module defines and Python launches: its Triton functions named *_kernel (the others, such as
+    tile_dot, are called from kernels only)."""
     from triton.runtime.jit import JITFunction
 
     return {name: obj for name, obj in vars(module).items() if isinstance(obj, JITFunction)
-            and not name.startswith("_") and obj.fn.__module__ == module.__name__}
+            and name.endswith("_kernel") and obj.fn.__module__ == module.__name__}
 
 
 class _Recorder:

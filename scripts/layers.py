@@ -1,5 +1,6 @@
 """The project's modules in layers, read from their import statements: each module imports only from its own layer
-or the layers below it, and no import circle exists (tests/test_layers.py holds the code to it).
+or the layers below it, no import circle exists, and no module of attention/ uses another module's private names
+(tests/test_layers.py holds the code to it).
 
     python -m scripts.layers            # the layers, their modules, and every import that breaks a rule
     python -m scripts.layers --imports  # also every import of a project module made inside a function
@@ -28,7 +29,7 @@ LAYERS = (
     ("config", ("config",)),  # ModelConfig's fields include the settings the variants declare (attention/registry.py)
     ("model", ("model",)),
     ("data", ("data",)),
-    ("runs", ("runtime",)),
+    ("runs", ("runtime", "training")),
     ("evaluation", ("eval",)),
     ("entry points", ("train", "sample", "export", "eval.__main__", "scripts", "examples")),
 )
@@ -105,6 +106,39 @@ def imports(found: dict[str, Path]) -> list[Import]:
 
         visit(ast.parse(path.read_text(), str(path)), False)
     return sorted(result, key=lambda i: (i.importer, i.line, i.imported))
+
+
+PRIVATE_CHECKED = ("attention",)  # packages whose modules use no private name of another module
+
+
+def private_uses(found: dict[str, Path], packages=PRIVATE_CHECKED) -> list[tuple[str, int, str]]:
+    """(module, line, what) for each private name (one leading underscore) a module of these packages takes from
+    another project module: `from m import _name`, or `m._name` on a project module it imported. A name used across
+    modules is part of its module's interface, so it has a public name."""
+    result = []
+    for name, path in found.items():
+        if name.split(".")[0] not in packages:
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        aliases = {}  # local name -> project module
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in {
+                    n.split(".")[0] for n in found}:
+                for alias in node.names:
+                    if f"{node.module}.{alias.name}" in found:
+                        aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+                    elif alias.name.startswith("_") and not alias.name.startswith("__"):
+                        result.append((name, node.lineno, f"from {node.module} import {alias.name}"))
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name in found:
+                        aliases[alias.asname or alias.name] = alias.name
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases \
+                    and node.attr.startswith("_") and not node.attr.startswith("__") \
+                    and aliases[node.value.id] != name:
+                result.append((name, node.lineno, f"{node.value.id}.{node.attr}"))
+    return sorted(result)
 
 
 def layer_of(name: str) -> int:
@@ -192,8 +226,13 @@ def main(argv: list[str]) -> int:
         if reason is None or args.imports:
             print(f"inside a function: {found[e.importer].relative_to(REPO)}:{e.line} imports {e.imported}"
                   + (f" ({reason})" if reason else ": not listed in scripts/layers.py's LATE"))
+    private = private_uses(found)
+    for importer, line, what in private:
+        problems += 1
+        print(f"private name: {found[importer].relative_to(REPO)}:{line} uses {what} (give it a public name)")
     print(f"{len(found)} modules, {len(edges)} imports of project modules ({len(late(edges))} inside functions), "
-          f"{len(upward(edges))} upward, {len(circles(edges))} circles: "
+          f"{len(upward(edges))} upward, {len(circles(edges))} circles, {len(private)} private names used across "
+          f"modules of {', '.join(PRIVATE_CHECKED)}/: "
           + ("every rule holds" if not problems else f"{problems} problems"))
     return 1 if problems else 0
 

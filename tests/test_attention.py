@@ -11,8 +11,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from attention.edges import (AnyOf, BoundaryWindows, Causal, EdgeRule, FixedBlock, GlobalKeys, SlidingWindow,
-                             head_values)
+from attention.bridge import BoundaryWindows
+from attention.edges import AnyOf, Causal, EdgeRule, FixedBlock, GlobalKeys, SlidingWindow, head_values
 from attention.kernels import attend, resolve_backend
 from attention.ops.chunked.op import chunked_attention
 from attention.ops.dense import dense_attention
@@ -363,7 +363,8 @@ def test_the_kernels_scores_are_counted_against_the_edges_so_a_costly_rule_shows
     swa's band costs 1.5x its edges, plain causal attention 1.0x, and a rule written as allowed() alone whose
     far keys a block layout cannot skip (a summary column in every earlier block) about as much, compacted;
     scripts/mask_stats.py prints the same ratios for a config's layers."""
-    from attention.kernels import _flex_scores, computed_scores, plan_attention
+    from attention.kernels import computed_scores, plan_attention
+    from attention.ops.flex.kernel import flex_scores
     from attention.ops.flex.block_mask import flex_block_mask
 
     n, heads = 4096, 2
@@ -379,7 +380,7 @@ def test_the_kernels_scores_are_counted_against_the_edges_so_a_costly_rule_shows
     # for in full: the chunked kernel's compacted tiles hold only the keys with edges, FlexAttention reads the
     # summary keys from a prefix of copies (one block per query block; 3.2x at 4K, 2.0x at 16K)
     fixed = FixedPattern(128)
-    block_layout = _flex_scores(flex_block_mask(fixed, n, heads, "cpu"), heads) / (heads * fixed.count_edges(n))
+    block_layout = flex_scores(flex_block_mask(fixed, n, heads, "cpu"), heads) / (heads * fixed.count_edges(n))
     assert block_layout > 20 and ratios["fixed", "chunked"] < 2.5 and ratios["fixed", "flex"] < 3.5
     dense = plan_attention(SlidingWindow(256), "dense", n, heads, 64, "cpu")
     assert computed_scores(dense, heads) == heads * n * n

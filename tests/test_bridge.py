@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from attention import validate_config
-from attention.edges import AnyOf, BoundaryWindows, FixedBlock
+from attention.bridge import BoundaryWindows
+from attention.edges import AnyOf, FixedBlock
 from attention.kernels import attend
 from attention.ops.dense import dense_attention
-from attention.ops.window import _window_plan
+from attention.ops.window import window_plan
 from config import ModelConfig
 from conftest import REPO, load_script
 from model import GPT
@@ -206,7 +207,7 @@ def test_window_kernel_scores_only_the_write_back_rows():
     sources, and no other scores."""
     n, b = 1024, 128
     for kind, width, rows, keys in (("bridge", 128, 128, 128), ("pbb", 128, 64, 128), ("se_bridge", 64, 64, 192)):
-        q_index, k_index, mask, inside = _window_plan(BoundaryWindows(kind, b, width, n), n, "cpu")
+        q_index, k_index, mask, inside = window_plan(BoundaryWindows(kind, b, width, n), n, "cpu")
         assert mask.shape == (7, rows, keys) and len(inside) == 7 * rows
         assert sorted(q_index.tolist()) == [q for q in range(n) if BoundaryWindows(kind, b, width, n).window_of(
             torch.tensor(q)) > 0]  # exactly the write-back sets: 896, 448, 448 positions

@@ -10,7 +10,8 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
 import attention.ops.flex.op as kernels
-from attention.edges import AnyOf, BoundaryWindows, FixedBlock, HeadWindows, SlidingWindow
+from attention.bridge import BoundaryWindows
+from attention.edges import AnyOf, FixedBlock, HeadWindows, SlidingWindow
 from attention.kernels import attend, plan_attention
 from attention.ops.dense import dense_attention
 from attention.ops.flex.block_mask import flex_block_mask
@@ -129,7 +130,7 @@ def test_plans_are_shared_by_layers_and_redrawn_only_for_permutations():
     rule = AnyOf((FixedBlock(16), BoundaryWindows("pbb", 16, 16, 128)))
     a = plan_attention(rule, "flex", 128, 4, 16, "cpu")
     b = plan_attention(rule, "flex", 128, 4, 16, "cpu")
-    assert a.data is b.data  # one block mask for every layer with this rule and length
+    assert a.data.block_mask is b.data.block_mask  # one block mask for every layer with this rule and length
     cfg = ModelConfig(arch="llama", n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=64, bias=False,
                       attn_pattern="sa", swa_window=8)
     model = GPT(cfg)
@@ -184,7 +185,7 @@ def test_gpu_kernel_lookups_are_constants_under_compile():
     import warnings
 
     from attention.gated_deltanet import GatedDeltaNet
-    from attention.mlstm import triton_runs_on
+    from attention.ops.mlstm.op import triton_runs_on
 
     layer = GatedDeltaNet(ModelConfig(n_layer=1, n_head=2, n_embd=32, attn_pattern="gated_deltanet"), 0)
     with warnings.catch_warnings(record=True) as caught:

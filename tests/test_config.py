@@ -124,12 +124,22 @@ def test_the_readme_variant_table_is_the_registrys():
 
     table = load_script("variants").variants_table()
     readme = (REPO / "README.md").read_text()
-    assert table in readme, "README.md's variant table differs from the registry's: paste python -m scripts.variants"
+    assert table in readme, "README.md's variant table differs from the registry's: run python -m scripts.variants --write"
     from attention.registry import MIXERS
 
     # every documented variant (one with a summary) is in the table; one being written, without, is left out (a
     # new variant edits no other file: tests/test_new_variant.py runs this test with one added)
     assert all(f"`{name}`" in table for name, cls in MIXERS.items() if cls.summary)
+
+
+def test_the_variant_table_writer_replaces_only_the_table():
+    from conftest import load_script
+
+    variants = load_script("variants")
+    text = f"# title\n\n{variants.MARKER}\n| a | b |\n|---|---|\n| old | row |\n\nafter the table\n"
+    written = variants.readme_with_table(text, "| a | b |\n|---|---|\n| new | row |")
+    assert written == f"# title\n\n{variants.MARKER}\n| a | b |\n|---|---|\n| new | row |\n\nafter the table\n"
+    assert variants.readme_with_table(written, "| a | b |\n|---|---|\n| new | row |") == written
 
 
 def test_the_readme_is_short_and_every_path_and_command_in_the_docs_exists():

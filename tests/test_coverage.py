@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 
-from attention.edges import BoundaryWindows, FixedBlock
+from attention.bridge import BoundaryWindows
+from attention.edges import FixedBlock
 from conftest import REPO
 from eval.coverage import (all_depth_coverage, closed_form, direct_coverage, pre_boundary_write_back_adds_no_source,
                            report, rules)

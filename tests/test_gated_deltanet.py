@@ -8,8 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from attention import validate_config
-from attention.gated_deltanet import (GatedDeltaNet, chunked_gated_delta_rule, fla_chunk_kernel,
-                                      recurrent_gated_delta_rule)
+from attention.gated_deltanet import GatedDeltaNet
+from attention.ops.gated_deltanet.chunk import chunked_gated_delta_rule
+from attention.ops.gated_deltanet.fla_kernel import fla_chunk_kernel
+from attention.ops.gated_deltanet.naive import recurrent_gated_delta_rule
 from config import ModelConfig
 from conftest import assert_models_agree_in_bf16
 from model import GPT

@@ -7,7 +7,8 @@ import torch
 import transformers
 
 from attention.kernels import attend
-from attention.moba import MixtureOfBlockAttention, moba_choose, moba_dense
+from attention.moba import MixtureOfBlockAttention
+from attention.ops.moba.naive import moba_choose, moba_dense
 from attention.stochastic import StochasticAttention, stochastic_attention
 from conftest import run_python as run, train_subprocess
 from eval.hf_model import use_variant_attention

@@ -59,8 +59,20 @@ def test_the_root_holds_the_entry_points_the_model_the_config_and_a_package_per_
     modules = sorted(p.name for p in REPO.glob("*.py"))
     assert modules == ["config.py", "export.py", "model.py", "sample.py", "train.py"]
     packages = sorted(p.name for p in REPO.iterdir() if (p / "__init__.py").exists())
-    assert packages == ["attention", "common", "data", "eval", "runtime", "scripts"]
+    assert packages == ["attention", "common", "data", "eval", "runtime", "scripts", "training"]
     # a package is one layer: its name says where it sits
-    for package in ("attention", "common", "data", "eval", "runtime"):
+    for package in ("attention", "common", "data", "eval", "runtime", "training"):
         assert len({layers.layer_of(name) for name in FOUND if name.split(".")[0] == package
                     and name != "eval.__main__"}) == 1, package
+
+
+def test_no_module_of_attention_uses_another_modules_private_names(tmp_path):
+    assert layers.private_uses(FOUND) == []
+    # the check sees both forms: a private name imported, and one read off an imported module
+    (tmp_path / "attention").mkdir()
+    (tmp_path / "attention" / "__init__.py").write_text("")
+    (tmp_path / "attention" / "a.py").write_text("def _helper():\n    pass\n")
+    (tmp_path / "attention" / "b.py").write_text("from attention.a import _helper\nfrom attention import a\n\n"
+                                                 "a._helper()\n")
+    assert layers.private_uses(layers.modules(tmp_path)) == [
+        ("attention.b", 1, "from attention.a import _helper"), ("attention.b", 4, "a._helper")]

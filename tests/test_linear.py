@@ -3,8 +3,10 @@
 import pytest
 import torch
 
-from attention.linear import (chunked_linear_attention, quadratic_linear_attention, recurrent_linear_attention,
-                              taylor_features, taylor_kernel)
+from attention.ops.linear.chunk import chunked_linear_attention
+from attention.ops.linear.feature_map import taylor_features, taylor_kernel
+from attention.ops.linear.naive import quadratic_linear_attention
+from attention.ops.linear.recurrent import recurrent_linear_attention
 from config import ModelConfig, load_config
 from model import GPT
 

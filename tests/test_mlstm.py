@@ -6,7 +6,10 @@ import dataclasses
 import pytest
 import torch
 
-from attention.mlstm import chunkwise_mlstm, quadratic_mlstm, recurrent_mlstm, soft_cap
+from attention.mlstm import soft_cap
+from attention.ops.mlstm.chunkwise import chunkwise_mlstm
+from attention.ops.mlstm.naive import quadratic_mlstm
+from attention.ops.mlstm.recurrent import recurrent_mlstm
 from config import ModelConfig
 from conftest import assert_models_agree_in_bf16, generator
 from model import GPT
@@ -209,7 +212,7 @@ def test_bf16_autocast_keeps_the_cell_in_float32(monkeypatch):
     torch.testing.assert_close(low.float(), full, atol=3e-2, rtol=0)
 
 
-from attention.mlstm import mlstm_sequence, triton_available  # noqa: E402
+from attention.ops.mlstm.op import mlstm_sequence, triton_available  # noqa: E402
 
 
 def test_triton_kernel_only_for_heads_of_at_least_16(monkeypatch):

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from attention import validate_config
-from attention.moba import moba_blockwise, moba_choose, moba_dense
+from attention.ops.moba.blockwise import moba_blockwise
+from attention.ops.moba.naive import moba_choose, moba_dense
 from config import ModelConfig
 from tests.test_attention import LargestTensor, fwd_bwd, qkv, tiny
 
@@ -42,7 +43,7 @@ def test_blockwise_kernel_equals_dense_reference_forward_and_backward(n, block, 
 def test_blockwise_kernel_over_a_cache_and_with_dropout_equals_dense_reference(n_keys, n_queries):
     """Queries at the end of a longer key sequence (a prompt continued over a cache: every chosen block,
     the own one too, through the grouped path and its causal mask), and the dropout path's autograd at p = 0."""
-    from attention.moba import _moba_blockwise
+    from attention.ops.moba.blockwise import _moba_blockwise
 
     q, k, v = qkv(n_keys)
     q = q[:, :, -n_queries:].detach().requires_grad_()

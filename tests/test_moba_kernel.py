@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from attention import simulate_cuda
-from attention.moba import moba_choose, moba_dense
 from attention.ops.moba import op
+from attention.ops.moba.naive import moba_choose, moba_dense
 from attention.ops.span.op import interpreting
 from tests.test_span_kernel import assert_close_at_scale
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from attention import simulate_cuda
-from attention.edges import (AnyOf, BoundaryWindows, Causal, EdgeRule, FixedBlock, SlidingWindow, edge_blocks,
-                             head_values, union_of_runs)
+from attention.bridge import BoundaryWindows
+from attention.edges import (AnyOf, Causal, EdgeRule, FixedBlock, SlidingWindow, edge_blocks, head_values,
+                             union_of_runs)
 from attention.kernels import plans_in
 from attention.layouts import edge_divisors
 from attention.ops.blocks import block_structure, edge_keys
@@ -66,9 +67,10 @@ def per_head(spans):
 
 
 def library_rule(rule: EdgeRule) -> bool:
-    """A rule of attention/edges.py's library (a union of them included): a variant's own rule need not state runs."""
+    """A rule of attention/edges.py's library or paper 004's bridges (attention/bridge.py; a union of them included):
+    a variant's own rule need not state runs."""
     parts = rule.rules if isinstance(rule, AnyOf) else ()
-    return type(rule).__module__ == "attention.edges" and all(map(library_rule, parts))
+    return type(rule).__module__ in ("attention.edges", "attention.bridge") and all(map(library_rule, parts))
 
 
 def test_every_library_rule_of_the_registry_states_its_key_runs():

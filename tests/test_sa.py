@@ -10,9 +10,10 @@ import sys
 import pytest
 import torch
 
-from attention.edges import PermutedWindow, SlidingWindow, StochasticWindow, stochastic_halo
+from attention.edges import SlidingWindow
 from attention.ops.flex.block_mask import flex_block_mask
-from attention.stochastic import inverse_permutation, stochastic_attention, stochastic_edge_count
+from attention.stochastic import (PermutedWindow, StochasticWindow, inverse_permutation, stochastic_attention,
+                                  stochastic_edge_count, stochastic_halo)
 from config import ModelConfig, load_config
 from conftest import REPO, generator
 from model import GPT

@@ -7,13 +7,14 @@ import math
 import pytest
 import torch
 
-from attention.edges import (AnyOf, BoundaryWindows, Causal, FixedBlock, GlobalKeys, HeadWindows, PermutedWindow,
-                             SlidingWindow)
+from attention.bridge import BoundaryWindows
+from attention.edges import AnyOf, Causal, FixedBlock, GlobalKeys, HeadWindows, SlidingWindow
 from attention.kernels import attend_planned, plan_attention
 from attention.ops.dense import dense_attention
 from attention.ops.span import op
 from attention.ops.span.naive import span_attention_naive, span_mask
 from attention.ops.span.spans import KEY_GROUP, band_spans, rule_spans, span_scores, spans_problem, static_spans
+from attention.stochastic import PermutedWindow
 from attention.swat import AlibiBias
 
 RULES = {

@@ -326,9 +326,9 @@ def test_flex_sigmoid_score_mod_is_logsigmoid_without_its_cuda_buffer_op():
     # cannot batch (swat failed so under aot_eager on an H200). The score_mod is log(sigmoid) from pointwise ops
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from attention.ops.flex.op import _flex_score_mod
+    from attention.ops.flex.op import flex_score_mod
 
-    mod = _flex_score_mod(None, 0, "sigmoid")
+    mod = flex_score_mod(None, 0, "sigmoid")
     s = torch.cat([torch.linspace(-120, 120, 2001), torch.tensor([0.0, -1e-8, 1e-8, 88.0, -88.0])])
     index = torch.tensor(0)
     torch.testing.assert_close(mod(s, index, index, index, index), F.logsigmoid(s), rtol=1e-6, atol=1e-7)

@@ -27,7 +27,7 @@ def candidate_key_blocks(rule: EdgeRule, n: int, size: int, start: int = 0) -> l
     return candidates
 
 
-def _block_grid(rule: EdgeRule, n: int, start: int, size: int, key_blocks: torch.Tensor, n_head: int, device,
+def block_grid(rule: EdgeRule, n: int, start: int, size: int, key_blocks: torch.Tensor, n_head: int, device,
                 valid: int | None = None, first: int = 0) -> torch.Tensor:
     """allowed() on every (query block, key block slot) tile: (nb, size, S * size), or per head (H, nb, size,
     S * size), for the query blocks first, first + 1, ... of `size` positions (from position start) and their
@@ -45,7 +45,7 @@ def _block_grid(rule: EdgeRule, n: int, start: int, size: int, key_blocks: torch
     return allowed & inside[:, None, :]
 
 
-def _used_keys(rule: EdgeRule, n: int, size: int, n_head: int, start: int = 0, valid: int | None = None):
+def used_keys(rule: EdgeRule, n: int, size: int, n_head: int, start: int = 0, valid: int | None = None):
     """Yields (first query block, their candidate key blocks (g, S), which candidate keys hold an allowed edge
     of some query of the block in any head (g, S size)) over the query blocks of `size` positions, a group of
     blocks at a time. From the rule's spans where it states its key runs (stated_block_spans), else candidates
@@ -56,19 +56,38 @@ def _used_keys(rule: EdgeRule, n: int, size: int, n_head: int, start: int = 0, v
         yield from _span_used_keys(*spans, n, size)
         return
     candidates = candidate_key_blocks(rule, n, size, start)
-    widest = max(map(len, candidates), default=1) or 1
     heads = n_head if rule.per_head else 1
-    per_group = max(1, (1 << 24) // (heads * size * widest * size))
-    for first in range(0, len(candidates), per_group):
-        group = candidates[first:first + per_group]
+    for first, last in scan_groups([len(blocks) for blocks in candidates], heads * size * size):
+        group = candidates[first:last]
+        widest = max(map(len, group), default=1) or 1
         slots = torch.full((len(group), widest), -1, dtype=torch.long)
         for i, blocks in enumerate(group):
             slots[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-        grid = _block_grid(rule, n, start, size, slots, n_head, "cpu", valid, first)
+        grid = block_grid(rule, n, start, size, slots, n_head, "cpu", valid, first)
         grid = grid.any(0) if grid.dim() == 4 else grid  # (g, size, widest size); heads alike: no head axis
         rows = torch.arange(first, first + len(group))[:, None] * size + torch.arange(size)
         grid = grid & (rows < n)[:, :, None]  # padded query rows hold no edge
         yield first, slots, grid.any(1)
+
+
+SCAN_ENTRIES_PER_GROUP = 1 << 22  # allowed() entries per group of query blocks in the scan: 4 MiB of bools
+
+
+def scan_groups(widths: list[int], entries_per_slot: int) -> list[tuple[int, int]]:
+    """Consecutive query blocks [first, last) whose candidate key blocks (widths) are scanned together, each group
+    at most SCAN_ENTRIES_PER_GROUP entries with every block padded to the group's widest: a few wide blocks (a
+    Longformer rule's global rows, which attend every key) are scanned in groups of their own, never padding the
+    narrow ones to their width."""
+    groups, first, widest = [], 0, 0
+    for i, width in enumerate(widths):
+        wider = max(widest, width, 1)
+        if i > first and (i + 1 - first) * wider * entries_per_slot > SCAN_ENTRIES_PER_GROUP:
+            groups.append((first, i))
+            first, wider = i, max(width, 1)
+        widest = wider
+    if widths:
+        groups.append((first, len(widths)))
+    return groups
 
 
 def stated_block_spans(rule: EdgeRule, n: int, n_head: int, start: int = 0, valid: int | None = None):
@@ -102,7 +121,7 @@ def _covered(lo: torch.Tensor, hi: torch.Tensor, empty: torch.Tensor, base: torc
 
 
 def _span_used_keys(lo: torch.Tensor, hi: torch.Tensor, n: int, size: int):
-    """_used_keys from spans (S, n): each query block's candidates are the key blocks from its first key to its
+    """used_keys from spans (S, n): each query block's candidates are the key blocks from its first key to its
     last (over its rows and heads), its used keys those some row's span covers, SPAN_KEYS_PER_GROUP candidate
     keys at a time."""
     lo, hi, empty, first, end = _block_bounds(lo, hi, n, size)
@@ -123,7 +142,7 @@ def _span_used_keys(lo: torch.Tensor, hi: torch.Tensor, n: int, size: int):
 def span_tiles(lo: torch.Tensor, hi: torch.Tensor, n: int, size: int, key_blocks: torch.Tensor):
     """Per head, whether some allowed edge and whether every entry is allowed in each (query block, key block
     slot) tile of `size` x `size` (S, nb, K), from spans (S, n) and each query block's key blocks (nb, K), -1 for
-    none (ascending): what allowed() over the tiles gives (_block_grid), rows and keys past n never allowed."""
+    none (ascending): what allowed() over the tiles gives (block_grid), rows and keys past n never allowed."""
     lo, hi, empty, _, _ = _block_bounds(lo, hi, n, size)
     base = key_blocks[:, 0].clamp(min=0)
     width = max(1, int((key_blocks - base[:, None]).max()) + 1)
@@ -139,7 +158,7 @@ def span_tiles(lo: torch.Tensor, hi: torch.Tensor, n: int, size: int, key_blocks
     return some, every
 
 
-def _padded_rows(rows: list[list[int]], fill: int) -> torch.Tensor:
+def padded_rows(rows: list[list[int]], fill: int) -> torch.Tensor:
     width = max(map(len, rows), default=1) or 1
     out = torch.full((len(rows), width), fill, dtype=torch.long)
     for i, row in enumerate(rows):
@@ -152,23 +171,23 @@ def block_structure(rule: EdgeRule, n: int, size: int, n_head: int, device, star
     """(nb, S) key blocks per query block of `size` positions that hold at least one allowed edge (in any head),
     -1 for unused slots: FlexAttention's block masks and the chunked kernel's band, O(n S size) memory."""
     kept = []
-    for _, slots, used in _used_keys(rule, n, size, n_head, start, valid):
+    for _, slots, used in used_keys(rule, n, size, n_head, start, valid):
         used = used.view(len(slots), -1, size).any(-1)  # (g, S)
         kept += [slots[i][used[i]].tolist() for i in range(len(slots))]
-    return _padded_rows(kept, -1).to(device)
+    return padded_rows(kept, -1).to(device)
 
 
 def edge_keys(rule: EdgeRule, n: int, size: int, n_head: int, start: int = 0) -> list[list[int]]:
     """For each query block of `size` positions, the sorted key positions (from start, inside the sequence)
     with an allowed edge of some query of the block in any head: the compacted tiles' keys."""
     keys = []
-    for _, slots, used in _used_keys(rule, n, size, n_head, start):
+    for _, slots, used in used_keys(rule, n, size, n_head, start):
         positions = (slots[:, :, None] * size + torch.arange(size)).flatten(1)
         keys += [positions[i][used[i]].tolist() for i in range(len(slots))]
     return keys
 
 
-def _refuse_while_compiling(what: str) -> None:
+def refuse_while_compiling(what: str) -> None:
     if torch.compiler.is_compiling():
         raise RuntimeError(f"{what} would be built inside a compiled graph (at every forward of every layer): plan "
                            "attention outside compiled code (GPT.forward does, through Mixer.plan) and pass the plan in")

@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from attention import simulate_cuda
-from attention.edges import EdgeRule
+from attention.edges import Causal, EdgeRule
+from attention.ops.blocks import refuse_while_compiling
+from attention.ops.contract import AttentionCall, AttentionPlan, Kernel
 
 
 def repeat_kv(q, k, v):
@@ -39,7 +41,7 @@ def masked_attention(q, k, v, mask, q_pos=None, k_pos=None, score_mod=None, acti
     autocast its matmuls in the autocast dtype), where a query with no allowed key gets a zero output (never NaN).
     """
     if fused and score_mod is None and activation == "softmax":
-        return _fused_softmax(q, k, v, mask, dropout_p)
+        return fused_softmax(q, k, v, mask, dropout_p)
     k, v = repeat_kv(q, k, v)
     compute = torch.promote_types(q.dtype, torch.float32)  # at least float32, float64 when given
     scores = (q.to(compute) @ k.to(compute).transpose(-1, -2)) / math.sqrt(q.shape[-1])
@@ -58,20 +60,20 @@ def masked_attention(q, k, v, mask, q_pos=None, k_pos=None, score_mod=None, acti
     return (probs @ v.to(compute)).to(q.dtype)
 
 
-def _sdpa(q, k, v, **options):
+def sdpa(q, k, v, **options):
     """F.scaled_dot_product_attention (grouped keys as needed); its output is laid out as CUDA's kernels lay it
     out (not contiguous) on CUDA and on the CPU standing in for it."""
     y = F.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[1] != q.shape[1], **options)
     return simulate_cuda.sdpa_output_layout(y) if simulate_cuda.simulated(q.device) else y
 
 
-def _fused_softmax(q, k, v, mask, dropout_p=0.0):
+def fused_softmax(q, k, v, mask, dropout_p=0.0):
     """SDPA under a boolean mask; a query with no allowed key gets a zero output, as in the explicit path.
 
     (SDPA alone returns NaN for such rows: here they attend to every key and their output is zeroed.)
     """
     has_key = mask.any(-1, keepdim=True)  # applied unconditionally: a data-dependent branch would sync GPUs
-    y = _sdpa(q, k, v, attn_mask=mask | ~has_key, dropout_p=dropout_p)
+    y = sdpa(q, k, v, attn_mask=mask | ~has_key, dropout_p=dropout_p)
     return y * has_key
 
 
@@ -83,3 +85,63 @@ def dense_attention(q, k, v, rule: EdgeRule, q_pos, k_pos=None, key_valid=None, 
     if key_valid is not None:
         mask = mask & key_valid
     return masked_attention(q, k, v, mask, q_pos, k_pos, score_mod, activation, dropout_p, fused=fused)
+
+
+class DensePlan:
+    """The dense kernel plans nothing: it builds its mask from the rule at every call."""
+
+
+class DenseKernel(Kernel):
+    """The reference as a kernel (attn_backend=dense): explicit scores, O(n^2); never auto's pick."""
+
+    name = "dense"
+
+    def plan(self, call: AttentionCall) -> DensePlan:
+        return DensePlan()
+
+    def run(self, q, k, v, plan: AttentionPlan, dropout_p: float = 0.0):
+        k, v = repeat_kv(q, k, v)
+        pos = torch.arange(plan.start, plan.start + q.shape[2], device=q.device)
+        return dense_attention(q, k, v, plan.rule, pos, score_mod=plan.score_mod, activation=plan.activation,
+                               dropout_p=dropout_p)
+
+    def scores(self, plan: AttentionPlan, n_head: int) -> int:
+        return n_head * plan.n * (plan.start + plan.n)
+
+
+class SdpaMask:
+    """SDPA's plan: a dense boolean mask (H or 1, n, start + n), or None for causal attention from position 0
+    (the fused kernels' own causal path)."""
+
+    def __init__(self, mask: torch.Tensor | None):
+        self.mask = mask
+
+
+class SdpaKernel(Kernel):
+    """PyTorch's fused SDPA: is_causal for the causal rule, else under the rule's dense mask (O(n^2) memory);
+    auto's pick for plain causal attention."""
+
+    name = "sdpa"
+
+    def problem(self, call: AttentionCall) -> str:
+        return "" if call.plain_softmax else "it supports plain softmax attention only; use dense, chunked or flex"
+
+    def suits(self, call: AttentionCall) -> bool:
+        return type(call.rule) is Causal
+
+    def plan(self, call: AttentionCall) -> SdpaMask:
+        if isinstance(call.rule, Causal) and call.start == 0:
+            return SdpaMask(None)
+        refuse_while_compiling("sdpa's dense mask")
+        pos = torch.arange(call.start, call.start + call.n, device=call.device)
+        return SdpaMask(call.rule.dense_mask(pos, n_head=call.n_head))
+
+    def run(self, q, k, v, plan: AttentionPlan, dropout_p: float = 0.0):
+        if plan.data.mask is None:
+            return sdpa(q, k, v, dropout_p=dropout_p, is_causal=True)
+        return fused_softmax(q, k, v, plan.data.mask, dropout_p)
+
+    def scores(self, plan: AttentionPlan, n_head: int) -> int:
+        if plan.data.mask is None:  # causal from position 0: the fused kernels skip the tiles above the diagonal
+            return n_head * plan.n * (plan.n + 1) // 2
+        return n_head * plan.n * (plan.start + plan.n)

@@ -5,31 +5,73 @@ one (attention/ops/dense.py)."""
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
 from attention.edges import EdgeRule
-from attention.ops.dense import _fused_softmax
+from attention.ops.blocks import refuse_while_compiling
+from attention.ops.contract import AttentionCall, AttentionPlan, Kernel
+from attention.ops.dense import fused_softmax, repeat_kv
+
+
+class WindowTiles(NamedTuple):
+    """The window kernel's plan: the row and key positions of every window's tile (clamped into the sequence,
+    (J R,) and (J K,)), the tiles' mask (J, R, K), and which tile rows lie inside the sequence and are written
+    back."""
+
+    q_index: torch.Tensor
+    k_index: torch.Tensor
+    mask: torch.Tensor
+    rows: torch.Tensor
+
+
+def windowed(rule: EdgeRule) -> bool:
+    """Whether the rule defines disjoint windows (EdgeRule.window_tiles: paper 004's bridge path)."""
+    return type(rule).window_tiles is not EdgeRule.window_tiles
+
+
+class WindowKernel(Kernel):
+    """Chosen in place of the chunked kernel or FlexAttention (never named by attn_backend) for plain softmax over
+    a rule made of disjoint windows, from position 0."""
+
+    name = "window"
+    replaces = ("chunked", "flex")
+    selectable = False
+
+    def suits(self, call: AttentionCall) -> bool:
+        return windowed(call.rule) and call.start == 0 and call.plain_softmax
+
+    def plan(self, call: AttentionCall) -> WindowTiles:
+        refuse_while_compiling("the window kernel's masks")
+        return window_plan(call.rule, call.n, call.device)
+
+    def run(self, q, k, v, plan: AttentionPlan, dropout_p: float = 0.0):
+        k, v = repeat_kv(q, k, v)
+        return window_attention(q, k, v, plan.rule, dropout_p, plan.data)
+
+    def scores(self, plan: AttentionPlan, n_head: int) -> int:
+        return n_head * len(plan.data.rows) * plan.data.mask.shape[-1]
 
 
 def window_attention(q, k, v, rule: EdgeRule, dropout_p: float = 0.0, tiles=None):
     """Softmax attention under a rule made of disjoint windows (EdgeRule.window_tiles), one (rows x keys) tile per
     window, batched in one SDPA call: the cost is the windows' tiles, whatever n. Rows outside every window get
-    zero. The tiles' mask is the rule's allowed() at their positions. tiles: _window_plan(rule, n, device)."""
+    zero. The tiles' mask is the rule's allowed() at their positions. tiles: window_plan(rule, n, device)."""
     B, H, n, D = q.shape
-    q_index, k_index, mask, rows = _window_plan(rule, n, str(q.device)) if tiles is None else tiles
+    q_index, k_index, mask, rows = window_plan(rule, n, str(q.device)) if tiles is None else tiles
     J, R, K = mask.shape
     if J == 0:  # a sequence shorter than the first window's rows
         return q * 0  # zero, with q's graph
     tiles = lambda x, index, size: x.index_select(2, index).view(B, H * J, size, D)  # noqa: E731
-    y = _fused_softmax(tiles(q, q_index, R), tiles(k, k_index, K), tiles(v, k_index, K),
+    y = fused_softmax(tiles(q, q_index, R), tiles(k, k_index, K), tiles(v, k_index, K),
                        mask.expand(H, J, R, K).reshape(H * J, R, K), dropout_p)
     y = y.reshape(B, H, J * R, D).index_select(2, rows)  # the tiles' rows inside the sequence, in order
     return q.new_zeros(B, H, n, D).index_copy(2, q_index.view(J * R).index_select(0, rows), y)
 
 
 @functools.lru_cache(maxsize=64)
-def _window_plan(rule: EdgeRule, n: int, device: str):
+def window_plan(rule: EdgeRule, n: int, device: str) -> WindowTiles:
     """Row and key positions of every window's tile (clamped into the sequence), the tiles' mask, and which
     tile rows lie inside the sequence and are written back; built once per (rule, length, device), on the CPU
     (no device sync)."""
@@ -43,4 +85,4 @@ def _window_plan(rule: EdgeRule, n: int, device: str):
     mask = mask | dropped[:, :, None]
     rows = torch.nonzero(~dropped.flatten()).flatten()
     to = lambda t: t.to(device)  # noqa: E731
-    return to(q_pos.clamp(max=n - 1).flatten()), to(k_pos.clamp(max=n - 1).flatten()), to(mask), to(rows)
+    return WindowTiles(to(q_pos.clamp(max=n - 1).flatten()), to(k_pos.clamp(max=n - 1).flatten()), to(mask), to(rows))

@@ -12,7 +12,7 @@
    each with a fresh permutation, for SA and for SWA with the same window: non-causal (the paper's setting:
    SA's circular window vs the symmetric window |i - j| < w/2) and causal (the last token, whose causal
    sources are the whole sequence). SA covers everything in about log_w n layers, SWA in about n / w.
-Every edge comes from attention/edges.py (in_circular_window, stochastic_window_edges), nothing else.
+Every edge comes from attention/stochastic.py (in_circular_window, stochastic_window_edges), nothing else.
 """
 
 import json
@@ -25,8 +25,9 @@ import torch
 if not __package__:  # run as a file, the project's modules cannot be imported: say how to run it
     sys.exit("run it from the repository root as a module: python -m scripts.sa.graph_stats ...")
 
-from attention.edges import in_circular_window, stochastic_halo, stochastic_window_edges, window_edges  # noqa: E402
-from attention.stochastic import inverse_permutation  # noqa: E402
+from attention.edges import window_edges  # noqa: E402
+from attention.stochastic import (in_circular_window, inverse_permutation, stochastic_halo,  # noqa: E402
+                                  stochastic_window_edges)
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
 from common.outputs import save_figure  # noqa: E402
 

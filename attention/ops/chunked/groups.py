@@ -10,7 +10,7 @@ from attention.layouts import Layout, write_rows
 from attention.ops.chunked.tiles import ChunkTiles
 
 
-class _TileGroup:
+class TileGroup:
     """Chunks i0..i1 of a block-sparse attention call: their query rows, padded locally, and their keys: for a
     band (slot j of chunk i is chunk i - band + j) shifted slices of the group's keys, padded locally; for
     compacted tiles a gather by index from key_source's layout, as wide as the group's widest chunk (padded
@@ -49,7 +49,7 @@ class _TileGroup:
         return pieces if pieces is not None else token[lo:hi]
 
     @staticmethod
-    def _padded_rows(x, lo, hi, rows, before, after):
+    def padded_rows(x, lo, hi, rows, before, after):
         """x's layout rows lo..hi along dim 2 (a slice, strided views, or a gather through the layout), with
         `before` and `after` zero rows around them: one copy."""
         if rows is None:
@@ -73,7 +73,7 @@ class _TileGroup:
 
     def query_tiles(self, x):
         B, H, _, D = x.shape
-        part = self._padded_rows(x, self.q_lo, self.q_hi, self.q_rows, 0,
+        part = self.padded_rows(x, self.q_lo, self.q_hi, self.q_rows, 0,
                                  (self.i1 - self.i0) * self.c - (self.q_hi - self.q_lo))
         return part.reshape(B * H, self.i1 - self.i0, self.c, D)
 
@@ -83,7 +83,7 @@ class _TileGroup:
         g, c = self.i1 - self.i0, self.c
         if self.band is not None:
             B, H, _, D = source.shape
-            part = self._padded_rows(source, self.k_lo, self.k_hi, self.k_rows, *self.k_pad).reshape(B * H, -1, c, D)
+            part = self.padded_rows(source, self.k_lo, self.k_hi, self.k_rows, *self.k_pad).reshape(B * H, -1, c, D)
             return torch.cat([part[:, j:j + g] for j in range(self.slots)], dim=2)
         BH, _, D = source.shape
         return source.index_select(1, self.index).view(BH, g, self.width, D)
@@ -121,7 +121,7 @@ class _TileGroup:
         else:
             bias = self.score_bias(score_bias, heads, start, device).to(dtype).expand(-1, closed.shape[-3], -1, -1)
             bias = bias.masked_fill(closed, float("-inf"))
-        return bias if B is None else _per_batch_head(bias, B)
+        return bias if B is None else per_batch_head(bias, B)
 
     def score_bias(self, score_bias, heads, start, device):
         """A ScoreBias over the group's tiles for the given heads: (H, chunks, c, S c), or (H, 1, c, S c) when it
@@ -160,11 +160,11 @@ class _TileGroup:
 def tile_groups(n, tiles: ChunkTiles, batch_heads, layout=None):
     """The groups of chunks of calls of at most TILE_ROWS_PER_CALL rows (ChunkTiles.calls)."""
     for i0, i1 in tiles.calls(batch_heads):
-        yield _TileGroup(i0, i1, n, tiles, layout)
+        yield TileGroup(i0, i1, n, tiles, layout)
 
 
 class KeyTiles(torch.autograd.Function):
-    """Key (or value) tiles of a _TileGroup's chunks, with a backward that adds each tile slot's gradient back
+    """Key (or value) tiles of a TileGroup's chunks, with a backward that adds each tile slot's gradient back
     onto its chunk in place (autograd through the gather would allocate a full-size buffer per slot)."""
 
     @staticmethod
@@ -182,7 +182,7 @@ class KeyTiles(torch.autograd.Function):
 
 
 def key_source(x, tiles: ChunkTiles):
-    """What _TileGroup.key_tiles reads for keys or values x (B, H, n, D): x itself for a band (each group of chunks
+    """What TileGroup.key_tiles reads for keys or values x (B, H, n, D): x itself for a band (each group of chunks
     pads and copies its own band right before the kernel reads it, while it is in cache: 15% faster on CPU than
     a whole chunked copy made first), else x with one zero row after the end (B * H, n + 1, D), which padded
     key slots read, gathered by index."""
@@ -196,7 +196,7 @@ def key_source(x, tiles: ChunkTiles):
 
 
 def key_grad_buffer(source, tiles: ChunkTiles, dtype=None):
-    """Zeros shaped like key_source's result, which _TileGroup.accumulate_keys adds into."""
+    """Zeros shaped like key_source's result, which TileGroup.accumulate_keys adds into."""
     return torch.zeros_like(source, dtype=dtype)
 
 
@@ -208,6 +208,6 @@ def key_grad(buffer, tiles: ChunkTiles, B: int, n: int):
     return buffer.view(B, BH // B, n + 1, D)[:, :, :n]
 
 
-def _per_batch_head(mask, B):
+def per_batch_head(mask, B):
     """A tile mask (nc, c, K) or per-head (H, nc, c, K) in the (B * H, nc, c, K) layout of the tiles."""
     return mask.expand(B, *mask.shape).flatten(0, 1) if mask.dim() == 4 else mask[None]

@@ -10,14 +10,14 @@ import torch
 
 from attention import simulate_cuda
 from attention.edges import EdgeRule
-from attention.ops.chunked.groups import (KeyTiles, _per_batch_head, _TileGroup, key_grad, key_grad_buffer,
+from attention.ops.chunked.groups import (KeyTiles, per_batch_head, TileGroup, key_grad, key_grad_buffer,
                                           key_source, tile_groups)
-from attention.ops.chunked.tiles import ChunkTiles, _cached_chunk_tiles, _chunk_tiles
-from attention.ops.dense import _fused_softmax, masked_attention
+from attention.ops.chunked.tiles import ChunkTiles, cached_chunk_tiles, chunk_tiles
+from attention.ops.dense import fused_softmax, masked_attention
 from attention.ops.score_mod import ScoreBias
 
 
-def _fusable(score_mod) -> bool:
+def fusable(score_mod) -> bool:
     """Whether the fused chunked kernels can take score_mod (none, or an additive ScoreBias)."""
     return score_mod is None or isinstance(score_mod, ScoreBias)
 
@@ -36,11 +36,11 @@ def chunked_attention(q, k, v, rule: EdgeRule, start: int = 0, chunk: int = 128,
     """
     B, H, n, D = q.shape
     if tiles is None:
-        tiles_of = _cached_chunk_tiles if rule.static else _chunk_tiles
+        tiles_of = cached_chunk_tiles if rule.static else chunk_tiles
         tiles = tiles_of(rule, n, start, chunk or rule.chunk_size(), H, str(q.device))
     c = tiles.chunk
     plain = score_mod is None and activation == "softmax"
-    if fused and _fusable(score_mod) and dropout_p == 0.0:
+    if fused and fusable(score_mod) and dropout_p == 0.0:
         if cpu_flash is None:  # not planned: CUDA's branch on CUDA and on the CPU standing in for it
             cpu_flash = not simulate_cuda.gpu_path(q.device)
         if activation == "softmax" and q.device.type == "cpu" and cpu_flash:
@@ -50,10 +50,10 @@ def chunked_attention(q, k, v, rule: EdgeRule, start: int = 0, chunk: int = 128,
 
     parts = []
     for first, end, mask, _ in tiles.segments:  # each segment's chunks at once: (B * H, s, c or S c, D) tiles
-        group = _TileGroup(first, end, n, tiles)
+        group = TileGroup(first, end, n, tiles)
         q_tiles, k_tiles, v_tiles = group.query_tiles(q), KeyTiles.apply(k, group), KeyTiles.apply(v, group)
         if plain:  # one batched fused SDPA over the segment's tiles
-            y = _fused_softmax(q_tiles, k_tiles, v_tiles, _per_batch_head(mask, B), dropout_p)
+            y = fused_softmax(q_tiles, k_tiles, v_tiles, per_batch_head(mask, B), dropout_p)
         else:
             q_pos, k_pos = group.positions(start, q.device)
             y = masked_attention(*(t.view(B, H, *t.shape[1:]) for t in (q_tiles, k_tiles, v_tiles)), mask, q_pos,

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from attention.edges import EdgeRule
-from attention.ops.blocks import _block_grid, _padded_rows, edge_keys
+from attention.ops.blocks import block_grid, padded_rows, edge_keys
 
 TILE_ROWS_PER_CALL = 16384  # chunked kernel on CPU: batch x heads x query positions per fused call
 WIDTH_SPREAD = 1.25  # compacted tiles: a segment's widest chunk at most this many times its narrowest
@@ -107,7 +107,7 @@ def _as_band(key_chunks: list[list[int]], nc: int, keys: int, chunk: int) -> tup
     return band, back
 
 
-def _chunk_tiles(rule: EdgeRule, n: int, start: int, chunk: int, n_head: int, device) -> ChunkTiles:
+def chunk_tiles(rule: EdgeRule, n: int, start: int, chunk: int, n_head: int, device) -> ChunkTiles:
     """The block-sparse kernel's tiles of a rule over n positions (uncached: rules drawn per forward use it
     directly). A static rule's are a band when its edges make one, else compacted; a rule drawn per forward
     (sa's permutation) keeps its lookback band without the check for empty blocks (it is planned at every
@@ -120,14 +120,14 @@ def _chunk_tiles(rule: EdgeRule, n: int, start: int, chunk: int, n_head: int, de
         key_chunks, band = _as_band(chunks_of, nc, sum(map(len, keys)), chunk)
         if band is None:
             widths = tuple(map(len, keys))
-            index = _padded_rows(keys, n)
+            index = padded_rows(keys, n)
     else:
         band, ahead = -(-rule.lookback // chunk), -(-rule.lookahead // chunk)
         key_chunks = torch.arange(nc)[:, None] - band + torch.arange(band + 1 + ahead)
         key_chunks = torch.where((key_chunks >= 0) & (key_chunks < nc), key_chunks, -1)
     bounds = [(0, nc)] if index is None else width_segments(widths)
     if index is None:
-        masks = [_block_grid(rule, n, start, chunk, key_chunks, n_head, device)]
+        masks = [block_grid(rule, n, start, chunk, key_chunks, n_head, device)]
     else:
         masks = [_key_grid(rule, n, start, chunk, index[first:end, :max(1, max(widths[first:end]))], n_head, device,
                            first) for first, end in bounds]
@@ -176,4 +176,4 @@ def _key_grid(rule: EdgeRule, n: int, start: int, chunk: int, index: torch.Tenso
     return allowed & (k < n)[:, None, :]
 
 
-_cached_chunk_tiles = functools.lru_cache(maxsize=64)(_chunk_tiles)
+cached_chunk_tiles = functools.lru_cache(maxsize=64)(chunk_tiles)

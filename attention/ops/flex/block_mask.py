@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from attention.edges import EdgeRule
-from attention.ops.blocks import _block_grid, _used_keys, block_structure, span_tiles, stated_block_spans
+from attention.ops.blocks import block_grid, used_keys, block_structure, span_tiles, stated_block_spans
 
 FLEX_BLOCK = 128  # FlexAttention's default block size
 SPARSE_KEYS = 16  # a key block of which a query block attends at most this many keys is read from the prefix
@@ -70,7 +70,7 @@ def _static_block_mask(rule, n, n_head, device, start, valid=None):
         per_group = max(1, (1 << 24) // (heads * size * key_blocks.shape[1] * size))
         for first in range(0, n_blocks, per_group):
             slots = key_blocks[first:first + per_group]
-            grid = _block_grid(rule, n, start, size, slots, n_head or 1, "cpu", valid, first)
+            grid = block_grid(rule, n, start, size, slots, n_head or 1, "cpu", valid, first)
             rows = (first + torch.arange(len(slots)))[:, None] * size + torch.arange(size)
             grid = grid & (rows < n)[:, :, None]  # entries past the length count as not allowed, as create_block_mask's
             grid = grid.expand(heads, *grid.shape[-3:]).reshape(heads, len(slots), size, slots.shape[1], size)
@@ -134,7 +134,7 @@ def key_prefix(rule: EdgeRule, n: int, n_head: int) -> KeyPrefix | None:
     copied = torch.zeros(nb, nb, dtype=torch.bool)
     keys = torch.zeros(n, dtype=torch.bool)
     blocks_before = 0
-    for first, slots, used in _used_keys(rule, n, size, n_head):
+    for first, slots, used in used_keys(rule, n, size, n_head):
         per_block = used.view(len(slots), -1, size)  # (g, S, size)
         counts = per_block.sum(-1)
         blocks_before += int((counts > 0).sum())

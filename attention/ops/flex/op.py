@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from attention import simulate_cuda
 from attention.edges import EdgeRule
-from attention.ops.blocks import _refuse_while_compiling
+from attention.ops.blocks import refuse_while_compiling
 from attention.ops.flex.block_mask import FLEX_BLOCK, flex_block_mask
 
 FLEX_MIN_HEAD_DIM = 16  # torch 2.13's CUDA FlexAttention lowering needs head_dim >= 16
@@ -73,10 +73,10 @@ def flex(q, k, v, rule: EdgeRule, start: int = 0, score_mod=None, activation="so
     finish = (lambda out: out) if activation == "softmax" else (lambda out: _sigmoid_output(*out, q.dtype))
     if torch.compiler.is_compiling():
         if block_mask is None:
-            _refuse_while_compiling("the flex block mask")
+            refuse_while_compiling("the flex block mask")
         return finish(flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, **kwargs))
     if block_mask is None:  # not planned (a direct call): the score_mod in flex's form, as plan_attention makes it
-        score_mod = _flex_score_mod(score_mod, start, activation)
+        score_mod = flex_score_mod(score_mod, start, activation)
     n, H, device = q.shape[2], q.shape[1], str(q.device)
     if not (on_cuda if COMPILE_EAGER_FLEX is None else COMPILE_EAGER_FLEX):  # eager flex: CPU mask checks
         block_mask = block_mask if block_mask is not None else flex_block_mask(rule, n, H, device, start)
@@ -109,7 +109,7 @@ def _sigmoid_output(out, aux, dtype):
 
 
 @functools.lru_cache(maxsize=64)
-def _flex_score_mod(score_mod, start, activation):
+def flex_score_mod(score_mod, start, activation):
     """The score_mod handed to FlexAttention, one object per (score_mod, start, activation): compiled flex
     recompiles for a new function object."""
     mod = score_mod

@@ -1,5 +1,5 @@
-"""The reference of MoBA (Lu et al. 2025): the block choice in float32, and attention under the chosen blocks as
-explicit (n, n) scores (tests, and the CPU standing in for CUDA)."""
+"""The reference of MoBA (Lu et al. 2025): its edge (chosen_block_edges), the block choice in float32, and attention
+under the chosen blocks as explicit (n, n) scores (attn_backend=dense, tests, and the CPU standing in for CUDA)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,15 @@ import math
 import torch
 import torch.nn.functional as F
 
-from attention.edges import chosen_block_edges
+from attention.ops.dense import masked_attention
+
+
+def chosen_block_edges(q_pos, k_pos, chosen, block):
+    """The MoBA edge: the key lies in one of the blocks of `block` positions that the query chose (block
+    indices broadcast against k_pos // block; -1 chooses none) and is not after the query. The choice is
+    data-dependent (moba_choose, below), so MoBA has no static rule: its dense reference and its blockwise kernel
+    both evaluate this predicate."""
+    return (k_pos <= q_pos) & (k_pos // block == chosen)
 
 
 def moba_choose(q, k, q_pos, block: int, topk: int):
@@ -45,3 +53,8 @@ def moba_naive(q, k, v, chosen, block: int):
     scores = scores.masked_fill(~mask, -math.inf)
     lse = torch.logsumexp(scores, -1)
     return (torch.softmax(scores, -1) @ v.to(compute)).to(q.dtype), lse.float()
+
+
+def moba_dense(q, k, v, q_pos, chosen, block, dropout_p=0.0):
+    """The reference: all Tq x Tk scores, masked by the chosen blocks."""
+    return masked_attention(q, k, v, chosen_mask(q_pos, k.shape[2], chosen, block), fused=False, dropout_p=dropout_p)

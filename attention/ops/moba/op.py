@@ -108,7 +108,7 @@ def triton_forward(q, k, v, chosen, block: int):
         q, k, v, out, lse, *tiles.args(), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], H, n, D,
         tiles.n_blocks, tiles.slots, block, 1.4426950408889634 / math.sqrt(D), tiles.groups,
         BLOCK_M=rows, BLOCK_N=cols, BLOCK_D=_block_d(D), **_flags(q))
-    result = span_op._layout_like_q(q)
+    result = span_op.layout_like_q(q)
     total = torch.empty_like(own_lse)
     triton_kernels().moba_merge_kernel[(span_op.triton_cdiv(n, rows), B * H)](
         own, own_lse, out, lse, result, total, *own.stride()[:3], *result.stride()[:3], H, n, D, topk - 1,
@@ -176,7 +176,7 @@ def moba_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chosen: torc
 @moba_forward.register_fake
 def _(q, k, v, chosen, block):
     B, H, n, _ = q.shape
-    return span_op._layout_like_q(q), q.new_empty(B, H, n, dtype=torch.float32)
+    return span_op.layout_like_q(q), q.new_empty(B, H, n, dtype=torch.float32)
 
 
 @torch.library.custom_op("efficient_attention::moba_backward", mutates_args=(), device_types="cuda")
@@ -196,7 +196,7 @@ def _cpu_forward(q, k, v, chosen, block):
     if _use_triton(q.device):
         return triton_forward(q, k, v, chosen, block)
     y, lse = moba_naive(q, k, v, chosen, block)
-    out = span_op._layout_like_q(q)
+    out = span_op.layout_like_q(q)
     out.copy_(y)
     return out, lse
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from attention.ops.span.triton_kernels import _dot
+from attention.ops.span.triton_kernels import tile_dot
 
 
 @triton.jit
@@ -46,7 +46,7 @@ def moba_choose_kernel(Q, MEANS, CHOSEN, sqb, sqh, sqn, smb, smh, smn, H, N, D, 
         blocks = c0 + tl.arange(0, BLOCK_C)
         means = tl.load(MEANS + b * smb + h * smh + blocks[:, None] * smn + dims[None, :],
                         mask=(blocks[:, None] < NB) & (dims[None, :] < D), other=0.0)
-        s = _dot(q, tl.trans(means), True, False)
+        s = tile_dot(q, tl.trans(means), True, False)
         s = tl.where(blocks[None, :] == own[:, None], float("inf"), s)
         s = tl.where((blocks[None, :] > own[:, None]) | (blocks[None, :] >= NB), float("-inf"), s)
         for _ in tl.static_range(TOPK):  # move the chunk's best into the running list, TOPK times
@@ -121,12 +121,12 @@ def moba_pairs_forward_kernel(Q, K, V, OUT, LSE, TILE_GROUP, TILE_START, PAIR_ST
             cols, col_ok, kv_mask, k, v = _block_keys(K, V, b, h, j, block, start, N, D, dims, skb, skh, skn, svb,
                                                       svh, svn, BLOCK_N)
             # a chosen block other than the own one is earlier than the query: all its keys are allowed
-            s = tl.where(col_ok[None, :], _dot(q, tl.trans(k), IEEE, WIDEN) * qk_scale, float("-inf"))
+            s = tl.where(col_ok[None, :], tile_dot(q, tl.trans(k), IEEE, WIDEN) * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE, WIDEN)
+            acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, IEEE, WIDEN)
             m_i = m_new
         acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(OUT + pair[:, None] * D + dims[None, :], acc, mask=real[:, None] & (dims[None, :] < D))
@@ -152,11 +152,11 @@ def moba_pairs_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ_PAIRS, TILE_GROUP, TILE_STA
         for start in range(j * block, tl.minimum(j * block + block, N), BLOCK_N):
             cols, col_ok, kv_mask, k, v = _block_keys(K, V, b, h, j, block, start, N, D, dims, skb, skh, skn, svb,
                                                       svh, svn, BLOCK_N)
-            s = _dot(q, tl.trans(k), IEEE, WIDEN) * qk_scale
+            s = tile_dot(q, tl.trans(k), IEEE, WIDEN) * qk_scale
             p = tl.where(col_ok[None, :] & real[:, None], tl.exp2(s - lse[:, None] * 1.4426950408889634), 0.0)
-            dp = _dot(do, tl.trans(v), IEEE, WIDEN)
+            dp = tile_dot(do, tl.trans(v), IEEE, WIDEN)
             ds = p * (dp - delta[:, None])
-            dq += _dot(ds.to(k.dtype), k, IEEE, WIDEN)
+            dq += tile_dot(ds.to(k.dtype), k, IEEE, WIDEN)
         tl.store(DQ_PAIRS + pair[:, None] * D + dims[None, :], dq * sm_scale, mask=row_mask)
 
 
@@ -190,12 +190,12 @@ def moba_pairs_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_OWN, DV_OWN, DK, DV, PAIR
         do = tl.load(DO + b * sdob + h * sdoh + rows[:, None] * sdon + dims[None, :], mask=row_mask, other=0.0)
         lse = tl.load(LSE + bh.to(tl.int64) * N + rows, mask=real, other=float("inf"))
         delta = tl.load(DELTA + bh.to(tl.int64) * N + rows, mask=real, other=0.0)
-        s_t = _dot(k, tl.trans(q), IEEE, WIDEN) * qk_scale  # (keys, pairs)
+        s_t = tile_dot(k, tl.trans(q), IEEE, WIDEN) * qk_scale  # (keys, pairs)
         p_t = tl.where(col_ok[:, None] & real[None, :], tl.exp2(s_t - lse[None, :] * 1.4426950408889634), 0.0)
-        dp_t = _dot(v, tl.trans(do), IEEE, WIDEN)
+        dp_t = tile_dot(v, tl.trans(do), IEEE, WIDEN)
         ds_t = p_t * (dp_t - delta[None, :])
-        dv += _dot(p_t.to(do.dtype), do, IEEE, WIDEN)
-        dk += _dot(ds_t.to(q.dtype), q, IEEE, WIDEN)
+        dv += tile_dot(p_t.to(do.dtype), do, IEEE, WIDEN)
+        dk += tile_dot(ds_t.to(q.dtype), q, IEEE, WIDEN)
     own = b * sdkb + h * sdkh + cols[:, None] * sdkn + dims[None, :]
     tl.store(DK + own, (dk * sm_scale + tl.load(DK_OWN + own, mask=kv_mask, other=0.0).to(tl.float32))
              .to(DK.dtype.element_ty), mask=kv_mask)

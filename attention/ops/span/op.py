@@ -65,7 +65,7 @@ def span_blocks(device) -> tuple[int, int]:
     return TEST_BLOCKS if torch.device(device).type == "cpu" else (BLOCK_M, BLOCK_N)
 
 
-def _layout_like_q(q):
+def layout_like_q(q):
     """An output (B, H, n, D) laid out (B, n, H, D) in memory: merging heads afterwards is a view."""
     B, H, n, D = q.shape
     return q.new_empty(B, n, H, D).transpose(1, 2)
@@ -94,7 +94,7 @@ def triton_forward(q, k, v, lo, hi, order, slopes, offset: float, sigmoid: bool)
     span_forward_kernel = triton_kernels().span_forward_kernel
 
     B, H, n, D = q.shape
-    out = _layout_like_q(q)
+    out = layout_like_q(q)
     lse = torch.empty(B, H, n, device=q.device, dtype=torch.float32)
     if sigmoid:
         lse.zero_()
@@ -175,7 +175,7 @@ def span_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Te
 @span_forward.register_fake
 def _(q, k, v, lo, hi, key_first, key_end, order, slopes, offset, sigmoid):
     B, H, n, _ = q.shape
-    return _layout_like_q(q), q.new_empty(B, H, n, dtype=torch.float32)
+    return layout_like_q(q), q.new_empty(B, H, n, dtype=torch.float32)
 
 
 @torch.library.custom_op("efficient_attention::span_backward", mutates_args=(), device_types="cuda")
@@ -199,7 +199,7 @@ def _cpu_forward(q, k, v, lo, hi, key_first, key_end, order, slopes, offset, sig
     if triton_on_cpu():
         return triton_forward(q, k, v, lo, hi, order, slopes, offset, sigmoid)
     y, lse = span_attention_naive(q, k, v, lo, hi, order, slopes, offset, sigmoid)
-    out = _layout_like_q(q)
+    out = layout_like_q(q)
     out.copy_(y)
     return out, lse
 

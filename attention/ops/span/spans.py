@@ -4,7 +4,7 @@ it states, EdgeRule.key_runs, else from a scan of allowed()), never written per 
 A rule's edges are spans when every query row's allowed keys are one contiguous run [lo, hi) (per head for a
 per-head rule): a sliding window, multi-scale windows, fixed blocks, paper 004's bridge windows (rows outside
 every write-back set have an empty span) and their union with the blocks. A rule drawn per forward over permuted
-rows (stochastic attention's PermutedWindow, attention/edges.py) is its band with one more condition: the key's
+rows (stochastic attention's PermutedWindow, attention/stochastic.py) is its band with one more condition: the key's
 original position (its `token`) is not after the query's; the kernel takes that order as well.
 
 The backward's plan: for every group of KEY_GROUP keys, the first and one-past-last query row that attends to one

@@ -31,7 +31,7 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _dot(a, b, IEEE: tl.constexpr, WIDEN: tl.constexpr):
+def tile_dot(a, b, IEEE: tl.constexpr, WIDEN: tl.constexpr):
     """a @ b accumulated in float32: IEEE float32 products for float32 inputs (not TF32); WIDEN casts bfloat16 tiles
     to float32 first, for Triton's interpreter, whose tl.dot multiplies bfloat16 bit patterns as integers (3.7.1)."""
     if WIDEN:
@@ -74,7 +74,7 @@ def _scores(q, k, cols, row_term, slope2, qk_scale, HAS_BIAS: tl.constexpr, SIGM
             IEEE: tl.constexpr, WIDEN: tl.constexpr):
     """Scores of a (rows, cols) tile in log2 units (times log2(e)): q.k / sqrt(d) plus the bias's key term, and
     its row term under sigmoid (softmax keeps that one in the log-sum-exp)."""
-    s = _dot(q, tl.trans(k), IEEE, WIDEN) * qk_scale
+    s = tile_dot(q, tl.trans(k), IEEE, WIDEN) * qk_scale
     if HAS_BIAS:
         if SIGMOID:
             s += row_term[:, None] - slope2 * cols[None, :].to(tl.float32)
@@ -162,7 +162,7 @@ def _forward_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, block_lo, block_
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None]
             m_i = m_new
-        acc += _dot(p.to(v.dtype), v, IEEE, WIDEN)
+        acc += tile_dot(p.to(v.dtype), v, IEEE, WIDEN)
     return acc, m_i, l_i
 
 
@@ -267,7 +267,7 @@ def span_backward_kv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, ORDER, SLOP
             lo = tl.load(LO + h * span_h + rows, mask=row_ok, other=0)
             hi = tl.load(HI + h * span_h + rows, mask=row_ok, other=0)
             row_term, slope2 = _bias_terms(rows, slope, offset, HAS_BIAS, SIGMOID)
-            s_t = _dot(k, tl.trans(q), IEEE, WIDEN) * qk_scale  # (keys, rows)
+            s_t = tile_dot(k, tl.trans(q), IEEE, WIDEN) * qk_scale  # (keys, rows)
             if HAS_BIAS:
                 if SIGMOID:
                     s_t += row_term[None, :] - slope2 * cols[:, None].to(tl.float32)
@@ -277,7 +277,7 @@ def span_backward_kv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, ORDER, SLOP
             if HAS_ORDER:
                 row_order = tl.load(ORDER + rows, mask=row_ok, other=0)
                 ok_t = ok_t & (col_order[:, None] <= row_order[None, :])
-            dp_t = _dot(v, tl.trans(do), IEEE, WIDEN)
+            dp_t = tile_dot(v, tl.trans(do), IEEE, WIDEN)
             if SIGMOID:
                 p_t = tl.where(ok_t, _sigmoid(s_t, FAST_SIGMOID), 0.0)
                 ds_t = dp_t * p_t * (1.0 - p_t)
@@ -287,8 +287,8 @@ def span_backward_kv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, ORDER, SLOP
                 delta = tl.load(DELTA + row_base + rows, mask=row_ok, other=0.0)
                 p_t = tl.where(ok_t, tl.exp2(s_t - lse[None, :]), 0.0)
                 ds_t = p_t * (dp_t - delta[None, :])
-            dv += _dot(p_t.to(do.dtype), do, IEEE, WIDEN)
-            dk += _dot(ds_t.to(q.dtype), q, IEEE, WIDEN)
+            dv += tile_dot(p_t.to(do.dtype), do, IEEE, WIDEN)
+            dk += tile_dot(ds_t.to(q.dtype), q, IEEE, WIDEN)
     tl.store(DK + b * sdkb + hk.to(tl.int64) * sdkh + cols[:, None] * sdkn + dims[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + b * sdvb + hk.to(tl.int64) * sdvh + cols[:, None] * sdvn + dims[None, :],
@@ -304,7 +304,7 @@ def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, block_lo, block_
     for start in range(block_lo, block_hi, BLOCK_N):
         cols, k, v = _key_block(k_base, v_base, skn, svn, start, N, D, EDGE, BLOCK_N, BLOCK_D)
         s = _scores(q, k, cols, row_term, slope2, qk_scale, HAS_BIAS, SIGMOID, IEEE, WIDEN)
-        dp = _dot(do, tl.trans(v), IEEE, WIDEN)
+        dp = tile_dot(do, tl.trans(v), IEEE, WIDEN)
         if SIGMOID:
             p = _sigmoid(s, FAST_SIGMOID)
         else:
@@ -315,7 +315,7 @@ def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, block_lo, block_
             ds = dp * p * (1.0 - p)
         else:
             ds = p * (dp - delta[:, None])
-        dq += _dot(ds.to(k.dtype), k, IEEE, WIDEN)
+        dq += tile_dot(ds.to(k.dtype), k, IEEE, WIDEN)
     return dq
 
 

@@ -1,0 +1,105 @@
+"""The kernel contract: what every attention kernel of attention/ops says and does, so that attention/kernels.py
+plans and runs any of them by asking its registry (KERNELS) instead of knowing them by name.
+
+A kernel (a subclass of Kernel, in the module or package of its algorithm beside its reference) answers:
+
+    problem(call)      why it cannot run this call at all ("" when it can): an explicit attn_backend refuses with it
+    suits(call)        whether attn_backend=auto should pick it for this call (asked in AUTO_ORDER, first wins)
+    replaces           the kernels it takes over from whenever it suits a call (the window kernel: chunked, flex)
+    selectable         whether attn_backend may name it
+    plan(call)         its typed plan data (built outside compiled code, cached per rule and length where it
+                       can be); raising KernelRefused sends auto to the next kernel in its order
+    run(q, k, v, plan, dropout_p)    attention of q (B, H, n, D) over k, v (B, H or fewer, n, D)
+    scores(plan, n_head)             the scores it computes over all heads (what it costs, against the edges)
+
+Adding a kernel is one package under attention/ops/ and one entry in attention/kernels.py's KERNELS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attention import simulate_cuda
+from attention.edges import EdgeRule
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionCall:
+    """What is to be planned: attention of n queries at positions start.. under rule, over n_head heads of
+    head_dim on a device, with an optional score_mod and the score activation ("softmax" or "sigmoid");
+    chunk: the chunked kernel's query chunk (0: the rule's own)."""
+
+    rule: EdgeRule
+    n: int
+    n_head: int
+    head_dim: int
+    device: str
+    start: int = 0
+    score_mod: object = None
+    activation: str = "softmax"
+    chunk: int = 0
+
+    @property
+    def gpu_path(self) -> bool:
+        """On CUDA, or on the CPU standing in for it (attention/simulate_cuda.py)."""
+        return simulate_cuda.gpu_path(torch.device(self.device))
+
+    @property
+    def plain_softmax(self) -> bool:
+        return self.score_mod is None and self.activation == "softmax"
+
+
+@dataclass(eq=False)
+class AttentionPlan:
+    """A resolved kernel and everything it needs that depends only on the rule, the length, the heads and the
+    device: `data` is the kernel's own typed plan (SpanPlan, ChunkedGroups, FlexMasks, WindowTiles, SdpaMask,
+    DensePlan).
+
+    Plans are built outside compiled code (Mixer.plan, called by GPT.forward before the blocks run), so a
+    compiled block receives its masks as inputs instead of rebuilding them in its graph at every forward, and
+    its graph has no data-dependent branch on them (e.g. whether a row has no key is decided here). The
+    expensive parts are cached per (rule, length, device): every layer with the same rule shares them."""
+
+    kernel: str
+    rule: EdgeRule
+    n: int
+    start: int = 0
+    score_mod: object = None
+    activation: str = "softmax"
+    data: object = None
+
+
+class KernelRefused(Exception):
+    """Raised by Kernel.plan when the call turns out not to fit (found only while planning): attn_backend=auto
+    goes on to the next kernel of its order, an explicit attn_backend reports the reason."""
+
+
+class Kernel:
+    """One attention kernel (see the module docstring). The defaults: runs every call, never auto's pick,
+    replaces none."""
+
+    name = ""
+    replaces: tuple = ()
+    selectable = True  # a value of attn_backend (the window kernel is only ever chosen in another's place)
+
+    def problem(self, call: AttentionCall) -> str:
+        return ""
+
+    def suits(self, call: AttentionCall) -> bool:
+        return False
+
+    def plan(self, call: AttentionCall):
+        raise NotImplementedError
+
+    def run(self, q, k, v, plan: AttentionPlan, dropout_p: float = 0.0):
+        raise NotImplementedError
+
+    def scores(self, plan: AttentionPlan, n_head: int) -> int:
+        raise NotImplementedError
+
+
+def refuse_dropout(kernel: str, dropout_p: float) -> None:
+    if dropout_p > 0:
+        raise ValueError(f"{kernel} attention has no attention dropout: set dropout=0 or use attn_backend=chunked")

@@ -1,0 +1,79 @@
+"""Span attention under the kernel contract (attention/ops/contract.py): attn_backend=auto's pick on CUDA (and on
+the CPU standing in for it) for every rule whose edges are spans, softmax or sigmoid, without a score_mod or
+with ALiBi's (computed in the kernel)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attention import simulate_cuda
+from attention.edges import EdgeRule
+from attention.ops.blocks import refuse_while_compiling
+from attention.ops.contract import AttentionCall, AttentionPlan, Kernel, KernelRefused, refuse_dropout
+from attention.ops.score_mod import ScoreBias
+from attention.ops.span.op import span_attention, span_blocks, triton_installed
+from attention.ops.span.spans import Spans, band_spans, span_scores, spans_problem, static_spans
+
+
+@dataclass(eq=False)
+class SpanPlan:
+    """Span attention's plan: the rule's spans (attention/ops/span/spans.py) and its ALiBi bias, if any."""
+
+    spans: Spans
+    slopes: torch.Tensor | None = None
+    offset: float = 0.0
+
+
+def span_available() -> bool:
+    """Whether span attention's kernels can run: Triton installed (on CUDA; its interpreter or the reference on
+    the CPU standing in for it)."""
+    return triton_installed() or simulate_cuda.stand_ins()
+
+
+def span_bias(score_mod):
+    """(slopes, offset) of an ALiBi score_mod for span attention, (None, 0.0) without one, None for other score_mods."""
+    if score_mod is None:
+        return None, 0.0
+    return score_mod.alibi() if isinstance(score_mod, ScoreBias) else None
+
+
+class SpanKernel(Kernel):
+    name = "span"
+
+    def problem(self, call: AttentionCall) -> str:
+        why = spans_problem(call.rule)
+        if not why and span_bias(call.score_mod) is None:
+            why = "a score_mod other than ALiBi"
+        if not why and not call.rule.static and call.start:
+            why = "a rule drawn per forward runs as spans only from position 0"
+        return f"{why} ({type(call.rule).__name__}); use auto, flex, chunked or dense" if why else ""
+
+    def suits(self, call: AttentionCall) -> bool:
+        return call.gpu_path and span_available()
+
+    def plan(self, call: AttentionCall) -> SpanPlan:
+        spans = plan_spans(call.rule, call.n, call.n_head, call.start, call.device)
+        if spans is None:
+            raise KernelRefused(f"some query's allowed keys are not one contiguous run in these {call.n_head} heads "
+                                f"({type(call.rule).__name__}); use auto, flex, chunked or dense")
+        slopes, offset = span_bias(call.score_mod)
+        return SpanPlan(spans, None if slopes is None else slopes.to(call.device).float(), float(offset))
+
+    def run(self, q, k, v, plan: AttentionPlan, dropout_p: float = 0.0):
+        refuse_dropout("span", dropout_p)
+        data = plan.data
+        return span_attention(q, k, v, data.spans, data.slopes, data.offset, plan.activation == "sigmoid")
+
+    def scores(self, plan: AttentionPlan, n_head: int) -> int:
+        return span_scores(plan.data.spans, n_head, *span_blocks("cuda"))
+
+
+def plan_spans(rule: EdgeRule, n: int, n_head: int, start: int, device: str) -> Spans | None:
+    """The spans of a rule at a length: a rule drawn per forward as its band in its token order, a static one from
+    its edges (cached); None where some row's keys are not one run."""
+    if not rule.static:
+        return band_spans(rule, n, device)
+    refuse_while_compiling("span attention's spans")
+    return static_spans(rule, n, n_head, start, device)
