@@ -158,7 +158,7 @@ def plan_attention(rule: EdgeRule, backend: str, n: int, n_head: int, head_dim: 
             if backend != "auto":
                 raise ValueError(f"attn_backend={backend}: {refused}") from None
             continue  # auto: the next best
-        return AttentionPlan(kernel.name, rule, n, start, score_mod, activation, data)
+        return AttentionPlan(kernel.name, call, data)
     raise AssertionError("the chunked kernel suits every call")  # auto_kernels ends with it
 
 

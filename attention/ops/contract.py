@@ -53,9 +53,9 @@ class AttentionCall:
 
 @dataclass(eq=False)
 class AttentionPlan:
-    """A resolved kernel and everything it needs that depends only on the rule, the length, the heads and the
-    device: `data` is the kernel's own typed plan (SpanPlan, ChunkedGroups, FlexMasks, WindowTiles, SdpaMask,
-    DensePlan).
+    """A resolved kernel and everything it needs that depends only on the call (the rule, the length, the heads
+    and the device): `data` is the kernel's own typed plan (SpanPlan, ChunkedGroups, FlexMasks, WindowTiles,
+    SdpaMask, DensePlan).
 
     Plans are built outside compiled code (Mixer.plan, called by GPT.forward before the blocks run), so a
     compiled block receives its masks as inputs instead of rebuilding them in its graph at every forward, and
@@ -63,12 +63,28 @@ class AttentionPlan:
     expensive parts are cached per (rule, length, device): every layer with the same rule shares them."""
 
     kernel: str
-    rule: EdgeRule
-    n: int
-    start: int = 0
-    score_mod: object = None
-    activation: str = "softmax"
+    call: AttentionCall
     data: object = None
+
+    @property
+    def rule(self) -> EdgeRule:
+        return self.call.rule
+
+    @property
+    def n(self) -> int:
+        return self.call.n
+
+    @property
+    def start(self) -> int:
+        return self.call.start
+
+    @property
+    def score_mod(self):
+        return self.call.score_mod
+
+    @property
+    def activation(self) -> str:
+        return self.call.activation
 
 
 class KernelRefused(Exception):
