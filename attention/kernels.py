@@ -11,7 +11,7 @@ over the kernels of attention/ops, and the scores each plan computes (computed_s
              PyTorch's fused CPU flash kernel, forward and backward (ChunkedFlashCPU), sigmoid attention runs
              ChunkedSigmoid on any device (both take a ScoreBias); elsewhere all tiles go through one batched
              SDPA call, or explicit math for other score_mods
-    windows  attention/ops/window.py, chosen by the other backends for rules made of disjoint windows
+    window   attention/ops/window.py, chosen by the other backends for rules made of disjoint windows
              (EdgeRule.window_tiles: paper 004's bridge path): one batched SDPA call over one tile per window,
              its rows by its keys
     span     (CUDA, the default there for rules whose edges are spans) attention/ops/span: Triton kernels in which
@@ -33,7 +33,9 @@ an ALiBi one, when Triton is installed, else flex; chunked elsewhere. A kernel t
 chunked and flex) runs in its place wherever it suits. The GPU choice is GPU_CHOICES, with the measurements
 behind it (device, torch and Triton versions) beside it.
 
-Layouts (attention/layouts.py): heads whose allowed offsets all share a divisor d > 1 (dilated, strided rules)
+Head groups and layouts (attention/ops/heads.py, attention/layouts.py): heads with the same edges run together, each
+group at its own cost (stated by the rule's head_groups() or found from allowed()); heads whose allowed offsets all
+share a divisor d > 1 (dilated, strided rules)
 run each residue class mod d as a sequence of its own, found from the rule (or its residue_classes); the
 chunked kernel reads such a layout's rows as strided views, FlexAttention runs on the rows gathered. Keys a
 query block attends only sparsely (a summary column) are read by FlexAttention from a prefix of copies
