@@ -64,7 +64,7 @@ class EdgeRule:
         exactly the keys allowed() admits (not cropped to the sequence; a run with lo >= hi is empty). Span
         attention's spans, the block structures and FlexAttention block masks of rules whose rows are runs, the
         residue survey and the edge counts are then computed from them in O(n) instead of a scan of allowed()
-        over every candidate key (tests/test_planning.py checks them against that scan for every rule of the
+        over every candidate key (tests/ops/test_planning.py checks them against that scan for every rule of the
         registry). None (the default): found by the scan."""
         return None
 

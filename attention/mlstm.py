@@ -21,7 +21,7 @@ attention/ops/mlstm:
 On CUDA the chunkwise form can run as mlstm_kernels' Triton kernel (same layout and state conventions; op.py)
 when that package is installed; it is never required. Its forward is exact; its backward is mlstm_kernels'
 own, which sends no gradient through the normaliser max(|n . q|, exp(-m)): dv is exact, dq, dk, di and df
-differ from the exact gradient where |n . q| is the larger term (tests/test_mlstm.py). mlstm_kernel=native
+differ from the exact gradient where |n . q| is the larger term (tests/layers/test_mlstm.py). mlstm_kernel=native
 trains with the exact gradient. Its two ops have CPU stand-ins with the same output
 contract, which run on the CPU standing in for CUDA (attention/simulate_cuda.py).
 """

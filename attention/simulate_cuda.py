@@ -28,7 +28,7 @@ with the same output contract (shapes, dtypes, contiguity):
 
 What only a GPU shows: speed and memory, the code inductor and Triton generate for CUDA (and their compile
 times), the real kernels' numerics, NCCL, and CUDA's own errors (illegal memory access, launch limits).
-The test suite runs this path for every case of the mixer registry (tests/test_gpu_sim.py, marker gpu_sim).
+The test suite runs this path for every case of the mixer registry (tests/models/test_gpu_sim.py, marker gpu_sim).
 Code on a CUDA device takes its own path whatever the switch, and on a machine with CUDA layers are built from
 the installed GPU kernel packages as without it (stand_ins): there the switch changes nothing.
 """
@@ -160,7 +160,7 @@ def autograd_in_kernel():
 # The project's custom ops (torch.library.custom_op: opaque to torch.compile, so their fake kernels must say what
 # the real ones return) -> a function giving sample arguments laid out as the layers pass them. The test suite
 # runs torch.library.opcheck on every op of the project with these, its CPU stand-in as the kernel that runs
-# (tests/test_gpu_sim.py); an op without samples fails there.
+# (tests/models/test_gpu_sim.py); an op without samples fails there.
 OPCHECK_SAMPLES: dict = {}
 
 

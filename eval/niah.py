@@ -34,7 +34,7 @@ Scores:
                      generate the answer still register
 Keys are adjective-noun pairs from this module's lists (RULER draws them from wonderwords' lists), distinct within
 an example and never reused by a distractor needle. Examples are a pure function of (seed, subtask, length,
-depth, index). tests/test_niah_templates.py builds the same examples with lm_eval's copy of RULER's code.
+depth, index). tests/runs/test_niah_templates.py builds the same examples with lm_eval's copy of RULER's code.
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ SUBTASKS = {
 }
 KINDS = tuple(SUBTASKS)
 # RULER's strings, character for character (NVIDIA/RULER scripts/data/synthetic/constants.py and niah.py;
-# lm_eval/tasks/ruler/niah_utils.py and prepare_niah.py): tests/test_niah_templates.py checks them against lm_eval's
+# lm_eval/tasks/ruler/niah_utils.py and prepare_niah.py): tests/runs/test_niah_templates.py checks them
+# against lm_eval's
 NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
 TEMPLATE = ("Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. "
             "I will quiz you about the {type_needle_v} afterwards.\n{context}\nWhat are all the special magic "

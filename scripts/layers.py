@@ -1,6 +1,6 @@
 """The project's modules in layers, read from their import statements: each module imports only from its own layer
 or the layers below it, no import circle exists, and no module of attention/ uses another module's private names
-(tests/test_layers.py holds the code to it).
+(tests/runs/test_layers.py holds the code to it).
 
     python -m scripts.layers            # the layers, their modules, and every import that breaks a rule
     python -m scripts.layers --imports  # also every import of a project module made inside a function

@@ -1,5 +1,6 @@
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -244,6 +245,35 @@ def sigterm_after_two_steps(args, out_dir, processes=1):
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     return proc.returncode, out, err
+
+
+# ---- no network: the offline fixture (Hugging Face and lm_eval tests) --------------------------------------
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """No network: the hub libraries are told so, and any TCP/UDP connection attempt fails the test."""
+    for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(var, "1")
+    import datasets.config
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    for attr in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if hasattr(datasets.config, attr):
+            monkeypatch.setattr(datasets.config, attr, True)
+    attempts = []
+    real_connect = socket.socket.connect
+
+    def connect(sock, address):
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            attempts.append(address)
+            raise OSError(f"network access during an offline test: {address}")
+        return real_connect(sock, address)
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    yield
+    assert not attempts, f"tried to reach {attempts}"
 
 
 # ---- small runs and data several test modules check against --------------------------------------------------

@@ -65,7 +65,7 @@ PAPER_000_TABLE_2 = {2048: (5.4, 8.0, 1.5), 4096: (7.9, 27.2, 3.5), 8192: (15.2,
 
 # sizes of every step: full on a GPU, reduced on CPU and with --quick (seconds instead of minutes)
 # Full sizes are trimmed to fit TOTAL_LIMIT_S by their counted compilations, riskiest first: what a grid leaves
-# out is covered by an earlier step or by the test suite's simulated CUDA path (tests/test_gpu_sim.py), or is a
+# out is covered by an earlier step or by the test suite's simulated CUDA path (tests/models/test_gpu_sim.py), or is a
 # benchmark length or variant --variants adds; --plan prints the commands for the runs left out.
 FULL = {
     # every (rule, padded length, dtype) compiles its own flex kernels: bfloat16 at a length that is a multiple of
@@ -169,7 +169,7 @@ BACKEND_HEADS = 8  # four groups of two heads for MSWA
 TOLERANCE = {  # against the float32 dense reference
     "float32": "|err| <= 2e-5 + 1e-4 |ref| everywhere",
     # bf16 keeps 8 bits of mantissa; swat's unnormalised sums over the window grow with it, so the error is
-    # relative to the whole tensor, as the CUDA tests of tests/test_swat.py measure it
+    # relative to the whole tensor, as the CUDA tests of tests/layers/test_swat.py measure it
     "bfloat16": "||err|| / ||ref|| <= 2e-2",
 }
 # resume: the resumed run's training losses against the unbroken run's. On CPU they are equal to the bit; on a

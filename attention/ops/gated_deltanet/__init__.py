@@ -1,5 +1,5 @@
 """Gated DeltaNet (Yang, Kautz, Hatamizadeh 2025; the layer and its gated delta rule: attention/gated_deltanet.py): its
-forms, equal to float tolerance (tests/test_gated_deltanet.py), and the short convolution before them:
+forms, equal to float tolerance (tests/layers/test_gated_deltanet.py), and the short convolution before them:
 
     naive.py       recurrent_gated_delta_rule, the reference and the generation form: one token at a time,
                    constant memory

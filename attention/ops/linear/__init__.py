@@ -1,5 +1,5 @@
 """Linear attention with the 2nd-order Taylor feature map (paper 002, after Based; the layer: attention/linear.py):
-three forms, equal to float tolerance (tests/test_linear.py), over one feature map:
+three forms, equal to float tolerance (tests/layers/test_linear.py), over one feature map:
 
     feature_map.py  taylor_features, phi(x) = [1, x / d^(1/4), vec(x x^T) / (sqrt(2) sqrt(d))], and taylor_kernel,
                     phi(q) . phi(k) = 1 + t + t^2 / 2 from q . k directly

@@ -1,5 +1,5 @@
 """The mLSTM of xLSTM 7B (Beck et al. 2025; the cell is stated in attention/mlstm.py, the layer): its three forms,
-equal to float tolerance (tests/test_mlstm.py, which also compares them with mlstm_kernels' own sequence kernel),
+equal to float tolerance (tests/layers/test_mlstm.py, which also compares them with mlstm_kernels' own sequence kernel),
 beside mlstm_kernels' Triton kernel (op.py):
 
     naive.py      quadratic_mlstm, the reference, O(n^2): the whole log-weight matrix at once

@@ -13,7 +13,7 @@
 
 A query's own block (causal) runs span attention over fixed blocks (attention/ops/span), and the parts are merged
 by their log-sum-exps (attention/ops/moba/op.py). Checked against attention/ops/moba/naive.py and the dense
-reference in tests/test_moba_kernel.py, under Triton's interpreter on the CPU.
+reference in tests/ops/test_moba_kernel.py, under Triton's interpreter on the CPU.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ is 0.5 + 0.5 tanh(x / 2) with the hardware's tanh on the GPU: one special-functi
 
 Layout: q, k, v (B, H, n, D) with any strides but a unit stride along D; k and v may have fewer heads
 (grouped-query attention: query head h reads key head h // (H / H_kv)). Batch and head offsets are 64-bit.
-Checked against attention/ops/span/naive.py in tests/test_span_kernel.py, under Triton's interpreter on the CPU.
+Checked against attention/ops/span/naive.py in tests/ops/test_span_kernel.py, under Triton's interpreter on the CPU.
 """
 
 from __future__ import annotations

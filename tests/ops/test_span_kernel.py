@@ -16,6 +16,7 @@ from attention.ops.span.naive import span_attention_naive, span_mask
 from attention.ops.span.spans import KEY_GROUP, band_spans, rule_spans, span_scores, spans_problem, static_spans
 from attention.stochastic import PermutedWindow
 from attention.swat import AlibiBias
+from helpers import assert_close_at_scale
 
 RULES = {
     "swa": SlidingWindow(9),
@@ -169,15 +170,6 @@ def test_gpu_span_kernels_equal_the_dense_reference(device, dtype):
         theirs = torch.autograd.grad(ref, (q, k, v), g)
         for a, b in zip(ours, theirs):
             assert_close_at_scale(a, b, dtype)
-
-
-def assert_close_at_scale(ours, reference, dtype):
-    """Within 0.2% (float32 inputs: TF32-free IEEE products) or 2% (bfloat16 inputs and probabilities) of the
-    reference's largest magnitude: bf16 rounds each product's inputs, and sigmoid attention's unnormalised sums
-    grow with the window."""
-    error = float((ours.float() - reference.float()).abs().max())
-    scale = float(reference.float().abs().max())
-    assert error <= (2e-3 if dtype == torch.float32 else 2e-2) * scale, (error, scale)
 
 
 def test_auto_picks_on_the_gpu_what_measured_fastest():

@@ -2,11 +2,9 @@
 only where listed with their reason, eval/ in modules that read in one sitting, and a root that shows the
 architecture."""
 
-from pathlib import Path
-
+from conftest import REPO
 from scripts import layers
 
-REPO = Path(__file__).resolve().parent.parent
 FOUND = layers.modules()
 EDGES = layers.imports(FOUND)
 

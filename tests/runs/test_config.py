@@ -128,7 +128,7 @@ def test_the_readme_variant_table_is_the_registrys():
     from attention.registry import MIXERS
 
     # every documented variant (one with a summary) is in the table; one being written, without, is left out (a
-    # new variant edits no other file: tests/test_new_variant.py runs this test with one added)
+    # new variant edits no other file: tests/layers/test_new_variant.py runs this test with one added)
     assert all(f"`{name}`" in table for name, cls in MIXERS.items() if cls.summary)
 
 

@@ -12,8 +12,8 @@ from attention.ops.mlstm.naive import quadratic_mlstm
 from attention.ops.mlstm.recurrent import recurrent_mlstm
 from config import ModelConfig
 from conftest import assert_models_agree_in_bf16, generator
+from helpers import LargestTensor
 from model import GPT
-from tests.test_attention import LargestTensor
 
 
 def inputs(n, dk=4, dv=6, seed=0, dtype=torch.float64, realistic=False, device=None):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from config import Config
-from conftest import load_script
+from conftest import REPO, load_script
 from eval.paired import paired, render_paired
 from eval.plots import plot_all, seed_group_records
 from eval.records import load_local_run, wandb_record
@@ -19,7 +19,6 @@ from eval.stats import mcnemar_exact, mean_std, paired_bootstrap_ci, paired_comp
 from eval.summaries import eval_summaries
 from eval.tables import build_tables, render
 
-REPO = Path(__file__).resolve().parent.parent
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 # ---- fake runs --------------------------------------------------------------------------------------------

@@ -16,10 +16,6 @@ from scripts.gpucheck import tiny_hf
 from data.meta import open_tokens
 from eval import ppl as ppl_task
 from eval.hf_model import load_pretrained_lm
-from tests.test_lm_eval import offline  # noqa: F401  (fixture: no network)
-
-
-build_tokenizer = tiny_hf.train_byte_bpe_tokenizer  # a byte-level BPE tokenizer.json
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +166,7 @@ def test_cached_decoding_on_a_sliding_window_checkpoint_follows_the_attention_us
 @pytest.mark.e2e
 def test_window_sweep_writes_the_table_and_the_plots(local_model, tmp_path, offline):
     from scripts.sa.hf_window_sweep import main
-    from tests.test_lm_eval import MC_ITEMS, write_tasks
+    from helpers import MC_ITEMS, write_tasks
 
     folder, _ = local_model
     write_tasks(tmp_path)

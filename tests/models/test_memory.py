@@ -74,7 +74,7 @@ def test_chunked_cross_entropy_equals_the_plain_loss_forward_and_backward():
 
 
 def test_the_chunked_loss_never_holds_the_whole_batch_of_logits():
-    from test_attention import LargestTensor
+    from helpers import LargestTensor
 
     model = model_of("swa", dropout=0.0, vocab_size=2048)  # the logits are the largest tensor by far
     idx = torch.randint(0, 2048, (4, 129))

@@ -27,7 +27,7 @@ from attention.ops.dense import dense_attention
 from attention.registry import MIXERS
 from config import ModelConfig
 from model import GPT
-from tests.test_attention import LargestTensor
+from helpers import LargestTensor
 
 rule = MIXERS["sinkwin"](ModelConfig(n_layer=1, n_head=2, n_embd=32, swa_window=16, sink_keys=3,
                                      attn_pattern="sinkwin"), 0).rule
@@ -109,11 +109,12 @@ def test_a_variant_in_one_new_file_reaches_every_tool(repo_with_variant, tmp_pat
                            "--attn_pattern=sinkwin", "--swa_window=32", "--sink_keys=4", "--json").stdout)
     # per query: the window (32, fewer at the start) and the sinks beyond it
     assert stats["layers"][0]["edges_per_head"] == sum(min(q + 1, 32) + max(0, min(4, q + 1 - 32)) for q in range(256))
-    # the checks import test helpers, which import conftest as pytest does: tests/ on the import path
+    # the checks import tests/helpers.py, which imports conftest, by name as pytest does: tests/ on the import path
     assert "checks passed" in run(copy, "-c", CHECKS, env={**os.environ, "PYTHONPATH": "tests"}).stdout
-    # the CUDA path, simulated on the CPU (tests/test_gpu_sim.py): FlexAttention under its block masks, compiled,
-    # forward and backward against dense; bf16 autocast, bf16 weights, bf16 cached generation
-    simulated = run(copy, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu_sim.py", "-k", "sinkwin")
+    # the CUDA path, simulated on the CPU (tests/models/test_gpu_sim.py): FlexAttention under its block masks,
+    # compiled, forward and backward against dense; bf16 autocast, bf16 weights, bf16 cached generation
+    simulated = run(copy, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/models/test_gpu_sim.py", "-k",
+                    "sinkwin")
     assert "4 passed" in simulated.stdout, simulated.stdout[-2000:]
     # inside a small Hugging Face model
     folder, data = (tmp_path / "hf" / "tiny-qwen3", tmp_path / "hf" / "corpus_tok")
@@ -124,6 +125,6 @@ def test_a_variant_in_one_new_file_reaches_every_tool(repo_with_variant, tmp_pat
         f"--out_dir={tmp_path / 'hf_eval'}")
     assert (tmp_path / "hf_eval" / "eval" / "ppl.json").exists()
     # nothing else to edit: the README's variant table lists the documented variants, and this one has no summary
-    run(copy, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_config.py", "-k", "variant_table")
+    run(copy, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/runs/test_config.py", "-k", "variant_table")
     # the project itself does not know it
     assert not (REPO / "attention" / "sinkwin.py").exists()

@@ -8,36 +8,20 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
-from attention.bridge import BoundaryWindows
-from attention.edges import AnyOf, Causal, EdgeRule, FixedBlock, GlobalKeys, SlidingWindow, head_values
+from attention.edges import AnyOf, Causal, EdgeRule, FixedBlock, GlobalKeys, SlidingWindow
 from attention.kernels import attend, resolve_backend
 from attention.ops.chunked.op import chunked_attention
 from attention.ops.dense import dense_attention
 from attention.ops.flex.op import FLEX_MIN_HEAD_DIM
 from config import ConfigError, ModelConfig, load_config
-from conftest import REPO, generator
+from conftest import REPO
+from helpers import (BRIDGED, CUDA_HEAD_DIM, GLOBAL, RULES, LargestTensor, PerHeadRule, flex_has_backward, fwd_bwd, qkv,
+                     tiny)
 from model import GPT
 
 # eager FlexAttention on CPU warns that it is unfused: expected here, where it only checks masks
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-
-
-@dataclass(frozen=True)
-class PerHeadRule(EdgeRule):
-    """A per-head rule (head h sees the windows[h] most recent keys), as multi-scale variants need."""
-
-    windows: tuple = (3, 8, 17, 40)
-    per_head = True
-
-    @property
-    def lookback(self):
-        return max(self.windows) - 1
-
-    def allowed(self, q, k, h=None):
-        return (k <= q) & (q - k < head_values(self.windows, h))
 
 
 @dataclass(frozen=True)
@@ -51,45 +35,12 @@ class EveryThirdQuery(EdgeRule):
         return (k <= q) & (q - k < 5) & (q % 3 == 0)
 
 
-# paper 004's union forms: fixed blocks plus one causal window across each boundary
-BRIDGED = [AnyOf((FixedBlock(16), BoundaryWindows("bridge", 16, 16, 257))),
-           AnyOf((FixedBlock(20), BoundaryWindows("pbb", 20, 12, 257))),
-           AnyOf((FixedBlock(16), BoundaryWindows("se_bridge", 16, 8, 257)))]
-# a window plus global keys: unbounded lookback whose key_ranges name its few far keys (sinks, global tokens)
-GLOBAL = [AnyOf((SlidingWindow(16), GlobalKeys(3))), AnyOf((FixedBlock(20), GlobalKeys(1)))]
-RULES = [Causal(), SlidingWindow(16), SlidingWindow(33), FixedBlock(16), FixedBlock(20), PerHeadRule(), *BRIDGED,
-         *GLOBAL]
 LENGTHS = [64, 100, 257]  # multiples of 16 and not
-CUDA_HEAD_DIM = 16  # the GPU checks' head dimension: the smallest CUDA FlexAttention takes
 
 
 def alibi(score, b, h, q_idx, kv_idx):
     """A position bias in FlexAttention's score_mod form, to exercise the score_mod path of every backend."""
     return score - (h + 1) * 0.1 * (q_idx - kv_idx)
-
-
-def qkv(n, heads=4, dim=8, seed=0, dtype=torch.float64, device=None):
-    g = generator(seed, device)
-    return [torch.randn(2, heads, n, dim, generator=g, dtype=dtype, device=device).requires_grad_() for _ in range(3)]
-
-
-def fwd_bwd(fn, tensors, backward=True):
-    """fn(*tensors) and its gradients for a fixed random output gradient (None without backward)."""
-    if not backward:
-        return fn(*(t.detach() for t in tensors)), None
-    y = fn(*tensors)
-    grad_out = torch.randn(y.shape, generator=generator(1, y.device), dtype=y.dtype, device=y.device)
-    grads = torch.autograd.grad(y, tensors, grad_out)
-    return y, grads
-
-
-def flex_has_backward(device) -> bool:
-    """torch 2.13's FlexAttention has a backward on CUDA only: gpu tests check flex's forward alone on the CPU,
-    unless the CPU stands in for CUDA (EFFICIENT_ATTENTION_SIMULATE_CUDA=1), where it runs compiled with
-    aot_eager."""
-    from attention import simulate_cuda
-
-    return simulate_cuda.gpu_path(device)
 
 
 @pytest.mark.parametrize("rule", RULES, ids=repr)
@@ -222,21 +173,6 @@ def test_block_sparse_layout_keeps_only_key_blocks_with_edges():
     assert torch.equal(block_structure(Sinks(), n, c, 1, "cpu"), sinks)
 
 
-class LargestTensor(TorchDispatchMode):
-    """Records the largest tensor any op produces, forward and backward."""
-
-    def __init__(self):
-        super().__init__()
-        self.numel, self.shape = 0, None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.numel() > self.numel:
-                self.numel, self.shape = t.numel(), tuple(t.shape)
-        return out
-
-
 def test_chunked_swa_never_builds_an_n_by_n_tensor():
     n, w = 32768, 256
     q, k, v = (torch.randn(1, 1, n, 16, requires_grad=True) for _ in range(3))
@@ -244,13 +180,6 @@ def test_chunked_swa_never_builds_an_n_by_n_tensor():
         chunked_attention(q, k, v, SlidingWindow(w), chunk=SlidingWindow(w).chunk_size()).sum().backward()
     assert largest.numel <= 2 * n * (w + 128), largest.shape  # tiles of 128 queries x 384 keys, not n x n
     assert all(size < n for size in largest.shape[-2:]) or largest.numel < n * n // 64
-
-
-def tiny(arch="gpt2", pattern="swa", n_layer=2, **kw):
-    cfg = ModelConfig(arch=arch, n_layer=n_layer, n_head=2, n_embd=32, block_size=128, vocab_size=61,
-                      bias=arch == "gpt2", attn_pattern=pattern, swa_window=8, block_len=8, **kw)
-    torch.manual_seed(0)
-    return GPT(cfg).eval()
 
 
 PATTERNS = ["full", "swa", "block", "swa,full"]
@@ -491,7 +420,7 @@ def test_eager_flex_runs_compiled_even_where_the_caller_forces_eager(monkeypatch
 def test_no_registered_variant_builds_an_n_by_n_tensor_on_its_training_path():
     # every mixer under a static edge rule other than plain causal attention (and every recurrent mixer), as its
     # layer runs it (kernel_forward: the plan and kernel training uses), forward and backward; sa's
-    # permuted band has its own test (tests/test_sa.py)
+    # permuted band has its own test (tests/layers/test_sa.py)
     from attention.registry import RecurrentMixer, build_mixer, example_cases, pattern_names
 
     n, checked = 8192, []

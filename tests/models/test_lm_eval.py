@@ -1,9 +1,7 @@
 """The lm-evaluation-harness adapter (eval/lm_eval_adapter.py) against independent computations, and a full
 lm_eval.simple_evaluate run on local tasks. Offline: no dataset or model is downloaded."""
 
-import json
 import math
-import socket
 import sys
 
 import pytest
@@ -12,6 +10,7 @@ import torch.nn.functional as F
 
 from config import ModelConfig
 from data.tokenizer import get_tokenizer
+from helpers import GEN_ITEMS, MC_ITEMS, PPL_DOCS, SENTENCES, save_run, write_tasks
 from model import GPT
 
 import lm_eval  # noqa: E402  (requirements-eval.txt)
@@ -19,7 +18,6 @@ from lm_eval.api.instance import Instance  # noqa: E402
 
 from eval.lm_eval_adapter import MODEL_NAME, EfficientAttentionLM  # noqa: E402
 
-SENTENCES = "the cat sat on the mat. the dog ran to the park. a bird flew over the tree. "
 BLOCK = 64
 EOT = 256
 
@@ -99,19 +97,6 @@ def reference_generate(model, tok, context_ids, max_new, until):
     for stop in until:
         text = text.split(stop)[0]
     return text
-
-
-def save_run(model, folder, step=7):
-    """A run folder holding the model as its best checkpoint (byte tokenizer), as train.py writes one."""
-    from runtime.checkpoint import save_checkpoint
-    from config import Config
-
-    folder.mkdir(parents=True, exist_ok=True)
-    cfg = Config()
-    cfg.model = model.config
-    save_checkpoint({"model": model.state_dict(), "config": cfg.to_dict(), "step": step, "tokenizer": "byte",
-                     "tokenizer_identity": get_tokenizer("byte").identity()}, folder / "ckpt_best.pt")
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -269,73 +254,6 @@ def test_a_hugging_face_model_scores_as_stock_hflm_on_every_request_type(kind, t
     assert ours.generate_until(gen, disable_tqdm=True) == stock.generate_until(gen, disable_tqdm=True)
     assert ours.prefix_token_id == stock.prefix_token_id == (0 if kind == "llama" else 1)
     assert ours.max_length == stock.max_length == 48
-
-
-MC_ITEMS = [
-    ("the cat sat on the", ["mat.", "park.", "tree."], 0),
-    ("the dog ran to the", ["mat.", "park.", "tree."], 1),
-    ("a bird flew over the", ["park.", "tree.", "mat."], 1),
-    ("the cat sat", ["on the mat.", "over the tree."], 0),
-    ("the dog", ["ran to the park.", "sat on the mat."], 0),
-    ("a bird", ["sat on the park.", "flew over the tree."], 1),
-]
-PPL_DOCS = [SENTENCES * 2, "the cat sat on the mat.", "a bird flew over the park. the dog sat."]
-GEN_ITEMS = [("the cat sat", "on the mat"), ("the dog ran to", "the park"), ("a bird", "flew over the tree")]
-
-
-@pytest.fixture
-def offline(monkeypatch):
-    """No network: the hub libraries are told so, and any TCP/UDP connection attempt fails the test."""
-    for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        monkeypatch.setenv(var, "1")
-    import datasets.config
-    import huggingface_hub.constants
-
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    for attr in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
-        if hasattr(datasets.config, attr):
-            monkeypatch.setattr(datasets.config, attr, True)
-    attempts = []
-    real_connect = socket.socket.connect
-
-    def connect(sock, address):
-        if sock.family in (socket.AF_INET, socket.AF_INET6):
-            attempts.append(address)
-            raise OSError(f"network access during an offline test: {address}")
-        return real_connect(sock, address)
-
-    monkeypatch.setattr(socket.socket, "connect", connect)
-    yield
-    assert not attempts, f"tried to reach {attempts}"
-
-
-def write_tasks(folder):
-    data = folder / "data"
-    data.mkdir()
-
-    def jsonl(name, rows):
-        path = data / f"{name}.jsonl"
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        return path
-
-    common = "dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {path}\n  cache_dir: {cache}\ntest_split: test\n"
-    cache = folder / "hf_cache"
-    mc = jsonl("mc", [{"question": q, "choices": c, "answer": a} for q, c, a in MC_ITEMS])
-    (folder / "tiny_mc.yaml").write_text(
-        "task: tiny_mc\n" + common.format(path=mc, cache=cache) +
-        "output_type: multiple_choice\ndoc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\n"
-        "doc_to_target: '{{answer}}'\nmetric_list:\n  - metric: acc\n")
-    ppl = jsonl("ppl", [{"text": t} for t in PPL_DOCS])
-    (folder / "tiny_ppl.yaml").write_text(
-        "task: tiny_ppl\n" + common.format(path=ppl, cache=cache) +
-        "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
-        "metric_list:\n  - metric: word_perplexity\n  - metric: bits_per_byte\n")
-    gen = jsonl("gen", [{"prompt": p, "answer": a} for p, a in GEN_ITEMS])
-    (folder / "tiny_gen.yaml").write_text(
-        "task: tiny_gen\n" + common.format(path=gen, cache=cache) +
-        "output_type: generate_until\ndoc_to_text: '{{prompt}}'\ndoc_to_target: ' {{answer}}'\n"
-        "generation_kwargs:\n  until: ['.']\n  max_gen_toks: 24\n  do_sample: false\n"
-        "metric_list:\n  - metric: exact_match\n")
 
 
 @pytest.mark.e2e

@@ -15,7 +15,7 @@ from attention.ops.dense import dense_attention
 from conftest import REPO
 from model import GPT
 from config import ModelConfig
-from test_attention import LargestTensor, fwd_bwd, qkv
+from helpers import LargestTensor, fwd_bwd, qkv
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 

@@ -15,14 +15,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-
 import data.prepare as prepare_module
 from data.embedded import documents
 from data.meta import DataError, load_meta, open_tokens, unigram_entropy
 from data.prepare import main, prepare, prepare_generated_if_missing
 from data.tokenizer import TokenizerUnavailable, get_tokenizer, vocab_dtype
-from conftest import run_python as run
+from conftest import REPO, run_python as run
 
 TEXT = "Hello, wörld! Ünïcode: 日本語, emoji 🙂, and a literal <|endoftext|>.\nSecond line\n\n\tIndented third."
 SETS = ["RedPajamaC4", "RedPajamaWikipedia", "RedPajamaC4", "RedPajamaGithub"]

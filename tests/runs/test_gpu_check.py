@@ -248,9 +248,9 @@ def test_gpu_tests_are_selected_by_marker_never_by_name():
     selected = [line for line in proc.stdout.splitlines() if "::" in line]
     assert proc.returncode == 0 and len(selected) >= 25, proc.stdout[-2000:]
     assert not [t for t in selected if "test_gpu_check.py" in t or "gpu_check" in t.partition("::")[2]]
-    assert {t.partition("::")[0] for t in selected} >= {"tests/test_attention.py", "tests/test_sa.py",
-                                                        "tests/test_swat.py", "tests/test_bridge.py",
-                                                        "tests/test_mlstm.py"}
+    assert {t.partition("::")[0] for t in selected} >= {"tests/ops/test_attention.py", "tests/layers/test_sa.py",
+                                                        "tests/layers/test_swat.py", "tests/layers/test_bridge.py",
+                                                        "tests/layers/test_mlstm.py", "tests/ops/test_span_kernel.py"}
 
 
 @pytest.mark.e2e
@@ -299,7 +299,7 @@ def test_a_missing_gpu_kernel_fails_on_cuda_with_its_fix():
 
 
 def test_the_kernel_tests_must_pass_on_cuda():
-    passed = [{"test": f"tests/test_mlstm.py::{steps.REQUIRED_GPU_TESTS[k]}", "outcome": "passed"}
+    passed = [{"test": f"tests/layers/test_mlstm.py::{steps.REQUIRED_GPU_TESTS[k]}", "outcome": "passed"}
               for k in steps.REQUIRED_GPU_TESTS]
     assert steps.missing_kernel_tests("cuda", passed) == []
     missing = steps.missing_kernel_tests("cuda", passed[:1])
@@ -310,7 +310,7 @@ def test_the_kernel_tests_must_pass_on_cuda():
 def test_the_required_kernel_tests_are_gpu_tests_of_the_suite():
     # a renamed test would leave the check waiting for one that never runs
     for name in steps.REQUIRED_GPU_TESTS.values():
-        found = [node for path in (REPO / "tests").glob("test_*.py") for node in ast.walk(ast.parse(path.read_text()))
+        found = [node for path in (REPO / "tests").rglob("test_*.py") for node in ast.walk(ast.parse(path.read_text()))
                  if isinstance(node, ast.FunctionDef) and node.name == name]
         assert len(found) == 1, name
         assert any(ast.unparse(d) == "pytest.mark.gpu" for d in found[0].decorator_list), name
@@ -319,15 +319,15 @@ def test_the_required_kernel_tests_are_gpu_tests_of_the_suite():
 def test_a_gpu_tests_step_cut_off_by_its_budget_reports_what_finished_and_what_did_not(tmp_path, monkeypatch):
     # results are recorded per test as they finish (tests/conftest.py: --results-log): a timeout keeps them, and
     # a kernel test that was collected but never ran is said to be unfinished, not uninstalled
-    triton = f"tests/test_mlstm.py::{steps.REQUIRED_GPU_TESTS[next(iter(steps.REQUIRED_GPU_TESTS))]}"
-    collected = ["tests/test_attention.py::a", "tests/test_attention.py::b", triton]
+    triton = f"tests/layers/test_mlstm.py::{steps.REQUIRED_GPU_TESTS[next(iter(steps.REQUIRED_GPU_TESTS))]}"
+    collected = ["tests/ops/test_attention.py::a", "tests/ops/test_attention.py::b", triton]
 
     def cut_off(command, log_name, timeout=None, env=None, kill_when=None):
         log = Path(next(a for a in command if a.startswith("--results-log=")).partition("=")[2])
         log.write_text(json.dumps({"collected": collected}) + "\n"
                        + json.dumps({"test": collected[0], "outcome": "passed", "seconds": 1.0, "message": ""}) + "\n"
                        + json.dumps({"test": collected[1], "outcome": "failed", "seconds": 1.0, "message": "boom"})
-                       + "\n" + '{"test": "tests/test_attention.py::c", "outc')  # a line torn by the kill
+                       + "\n" + '{"test": "tests/ops/test_attention.py::c", "outc')  # a line torn by the kill
         return processes.Completed(command, None, 150.0, "log", "", None)
 
     ctx = step_context(tmp_path, "cuda", budget_s=150)
@@ -345,8 +345,8 @@ def test_a_gpu_tests_step_cut_off_by_its_budget_reports_what_finished_and_what_d
 def test_the_results_log_records_each_test_as_it_finishes(tmp_path):
     log = tmp_path / "results.jsonl"
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
-                           "tests/test_linear.py", f"--results-log={log}"], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+                           "tests/layers/test_linear.py", f"--results-log={log}"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:]
     collected, tests = steps.read_results_log(log)
     assert len(collected) == len(tests) >= 5 and {t["outcome"] for t in tests} == {"passed"}

@@ -137,7 +137,7 @@ def test_training_continues_from_a_qwen3_checkpoint_with_its_own_tokenizer(tmp_p
     from data.embedded import documents
     from data.loader import WindowSampler
     from data.prepare import prepare
-    from tests.test_hf_eval import build_tokenizer
+    from scripts.gpucheck.tiny_hf import train_byte_bpe_tokenizer as build_tokenizer
 
     text = "\n\n".join(documents(60, seed=0))
     folder = tmp_path / "qwen3"

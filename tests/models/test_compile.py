@@ -17,9 +17,9 @@ from attention.ops.dense import dense_attention
 from attention.ops.flex.block_mask import flex_block_mask
 from config import ModelConfig
 from conftest import REPO
+from helpers import RULES, qkv
 from model import GPT
 from runtime.parallelize import compile_blocks
-from test_attention import RULES, qkv
 
 pytestmark = [pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
               pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated")]
@@ -98,7 +98,7 @@ def test_padded_block_mask_hides_the_padding():
 
 
 def test_block_masks_never_build_an_n_by_n_tensor():
-    from test_attention import LargestTensor
+    from helpers import LargestTensor
 
     n = 16384
     with LargestTensor() as seen:

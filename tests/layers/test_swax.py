@@ -13,11 +13,16 @@ import torch
 
 from attention import layer_names
 from attention.cache import state_bytes
-from conftest import REPO
+from conftest import REPO, TINY, train_subprocess
 from config import ModelConfig
 from model import GPT
-from tests.test_train import run
 from training.schedules import window_for_step
+
+
+def run(args, out_dir, check=True):
+    """python train.py: the tiny model of the training tests (dropout on, the rate decaying over 12 steps)."""
+    return train_subprocess([*TINY, "--lr_decay_iters=12", "--dropout=0.1", f"--out_dir={out_dir}", *args],
+                            check=check)
 
 
 def schedule(**kw):

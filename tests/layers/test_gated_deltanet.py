@@ -224,7 +224,7 @@ if torch.cuda.is_available() and fla_chunk_kernel() is not None:  # where the op
 
 
 def test_chunked_training_form_never_builds_an_n_by_n_tensor():
-    from tests.test_attention import LargestTensor
+    from helpers import LargestTensor
 
     n, chunk = 8192, 64
     g = torch.Generator().manual_seed(0)

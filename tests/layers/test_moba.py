@@ -8,7 +8,7 @@ from attention import validate_config
 from attention.ops.moba.blockwise import moba_blockwise
 from attention.ops.moba.naive import moba_choose, moba_dense
 from config import ModelConfig
-from tests.test_attention import LargestTensor, fwd_bwd, qkv, tiny
+from helpers import LargestTensor, fwd_bwd, qkv, tiny
 
 
 def chosen_by_definition(q, k, t, block, topk):

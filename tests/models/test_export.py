@@ -15,9 +15,9 @@ from conftest import REPO
 from config import ModelConfig
 from data.tokenizer import get_tokenizer
 from export import ExportConfig, export_run, main
+from helpers import SENTENCES, save_run, write_tasks
 from runtime.hf_tokenizer import hf_tokenizer
 from model import GPT
-from tests.test_lm_eval import SENTENCES, offline, save_run, write_tasks  # noqa: F401  (offline: a fixture)
 
 BLOCK = 64
 SHAPE = dict(n_layer=2, n_head=2, n_embd=32, block_size=BLOCK, vocab_size=320)

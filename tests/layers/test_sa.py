@@ -16,6 +16,7 @@ from attention.stochastic import (PermutedWindow, StochasticWindow, inverse_perm
                                   stochastic_edge_count, stochastic_halo)
 from config import ModelConfig, load_config
 from conftest import REPO, generator
+from helpers import CUDA_HEAD_DIM, LargestTensor, flex_has_backward
 from model import GPT
 from scripts.sa import graph_stats as sa_stats
 
@@ -249,8 +250,6 @@ def test_edge_accounting():
 
 
 def test_chunked_sa_never_builds_an_n_by_n_tensor():
-    from test_attention import LargestTensor
-
     n, window = 16384, 256
     q, k, v = (torch.randn(1, 1, n, 16, requires_grad=True) for _ in range(3))
     order = torch.randperm(n)
@@ -313,9 +312,6 @@ def test_training_draws_reproducible_permutations_and_resumes_exactly(tmp_path):
     train(tmp_path / "resumed", "--max_iters=4")
     assert train(tmp_path / "resumed", "--max_iters=8", "--init_from=resume") == reference
     assert train(tmp_path / "seeded", "--max_iters=8", "--seed=7") != reference
-
-
-from test_attention import CUDA_HEAD_DIM, flex_has_backward  # noqa: E402
 
 
 @pytest.mark.gpu  # on CUDA where it exists, else on the CPU under the device guard (tests/conftest.py)

@@ -14,8 +14,8 @@ from attention.ops.score_mod import ScoreBias
 from attention.swat import AlibiBias, parse_bias, swat_slopes
 from config import ConfigError, ModelConfig, load_config
 from conftest import REPO, generator
+from helpers import CUDA_HEAD_DIM, LargestTensor, flex_has_backward
 from model import GPT
-from test_attention import LargestTensor
 
 
 def qkv(n, batch=2, heads=4, dim=8, dtype=torch.float32, device=None):
@@ -284,9 +284,6 @@ def test_recipe_and_ablation_grid_configs():
         no = int(path.stem.split("_")[2])
         assert (m.swat_activation, m.swat_rope, m.swat_slopes, m.swat_split, m.swa_window, m.block_size) == grid[no]
         assert m.n_head == 12 and m.attn_pattern == "swat"
-
-
-from test_attention import CUDA_HEAD_DIM, flex_has_backward  # noqa: E402
 
 
 @pytest.mark.gpu  # on CUDA where it exists, else on the CPU under the device guard (tests/conftest.py)

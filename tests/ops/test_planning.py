@@ -19,7 +19,7 @@ from attention.ops.flex.block_mask import _static_block_mask
 from attention.ops.span.spans import KEY_GROUP, SCAN_ENTRIES, key_plan, rule_spans, scanned_spans
 from attention.registry import build_mixer, example_cases, pattern_names
 from config import ModelConfig
-from test_attention import LargestTensor
+from helpers import LargestTensor
 
 HEADS = 4
 

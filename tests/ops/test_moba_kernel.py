@@ -9,7 +9,7 @@ from attention import simulate_cuda
 from attention.ops.moba import op
 from attention.ops.moba.naive import moba_choose, moba_dense
 from attention.ops.span.op import interpreting
-from tests.test_span_kernel import assert_close_at_scale
+from helpers import assert_close_at_scale
 
 
 def inputs(n, H=3, D=16, dtype=torch.float32, seed=0):

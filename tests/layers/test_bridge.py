@@ -16,8 +16,8 @@ from attention.ops.dense import dense_attention
 from attention.ops.window import window_plan
 from config import ModelConfig
 from conftest import REPO, load_script
+from helpers import LargestTensor, flex_has_backward, fwd_bwd, qkv
 from model import GPT
-from tests.test_attention import LargestTensor, flex_has_backward, fwd_bwd, qkv
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
