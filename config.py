@@ -119,6 +119,7 @@ class TrainConfig:
     init_from: str = "scratch"
     resume_from: str = "last"  # init_from=resume: continue from ckpt_last (where the run stopped) or ckpt_best
     replace_run: bool = False  # a fresh run in an out_dir that holds a run moves the old one whole to OUT_DIR.replaced-TIME
+    allow_data_change: bool = False  # init_from=resume on data whose identity (meta.json) differs from the run's
     batch_size: int = 12  # micro-batch size per process
     gradient_accumulation_steps: int = 40  # global: divided among DDP processes, as in nanoGPT
     max_iters: int = 600000

@@ -24,7 +24,7 @@ import torch  # noqa: E402
 import torch.distributed as dist
 
 from config import Config, exit_on_config_error, load_config
-from data.meta import open_tokens
+from data.meta import data_identity, open_tokens
 from eval.probes import training_probes
 from model import GPT
 from runtime.checkpoint import save_checkpoint, save_sharded_checkpoint, sharded_training_state
@@ -72,6 +72,7 @@ def save(run: Run, which: str) -> None:
             "data_cursor": data.train.state_dict(step), "wandb_run_id": progress.wandb_run_id,
             "tokens_seen": progress.tokens_at(step),
             "tokenizer": data.meta["tokenizer"], "tokenizer_identity": data.tokenizer_identity,
+            "data_identity": data_identity(data.meta),
             **({"run": folder.info} if rt.master else {})}
     out_dir = folder.out_dir
     try:
@@ -218,7 +219,8 @@ def main(argv):
         return close_process_group()
     folder = open_run_folder(cfg, rt, data, raw_model, progress, argv)
     run = Run(cfg, rt, data, folder, raw_model, model, optimizer, scaler, progress)
-    stop_signals, stopping = catch_stop_signals(), False
+    stop_signals = catch_stop_signals(rt.master, lambda: f"step {progress.step + 1}")
+    stopping = False
     hooks = step_hooks(cfg)  # e.g. paper 003's window schedule
     log_step = StepLog(run)
     start_step, ckpt_interval = progress.step, t.ckpt_interval or ev.eval_interval

@@ -165,6 +165,23 @@ def open_tokens(data_dir, split) -> np.memmap:
     return np.memmap(os.path.join(str(data_dir), f"{split}.bin"), dtype=DTYPES[meta["dtype"]], mode="r")
 
 
+# what makes prepared data the same data: where it came from, how it was split, and what that gave (not when it was
+# written: preparing the same corpus the same way again is the same data)
+DATA_IDENTITY = ("source", "split", "train_tokens", "val_tokens", "train_documents", "val_documents", "max_tokens")
+
+
+def data_identity(meta: dict) -> dict:
+    """The fields of a meta.json that identify its data (DATA_IDENTITY)."""
+    return {key: meta.get(key) for key in DATA_IDENTITY}
+
+
+def data_changes(saved: dict, meta: dict) -> list[str]:
+    """How the data of meta.json differs from a saved data_identity: one 'field (saved X, now Y)' per field."""
+    now = data_identity(meta)
+    return [f"{key} ({saved.get(key)!r} saved, {now[key]!r} now)" for key in DATA_IDENTITY
+            if key in saved and saved.get(key) != now[key]]
+
+
 def split_fingerprint(data_dir, split="val", limit: int = 1 << 26) -> str:
     """A short hash of a split's tokens (its size and first `limit` bytes): which text an evaluation read, so
     results on other data are never mistaken for a run's own validation numbers, wherever the folder lies."""

@@ -253,8 +253,10 @@ def locate_unreadable(dataset) -> str | None:
                     except ValueError as e:
                         return (f"{path}, line {number}: not valid JSON ({e}): each line of a .jsonl file must be one "
                                 'JSON object such as {"text": "..."}')
-                    if not isinstance(row, dict) or "text" not in row:
-                        return f'{path}, line {number}: not an object with a "text" field: each line needs one'
+                    if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                        return (f'{path}, line {number}: not an object with a string "text" field (fields: '
+                                f'{", ".join(row) if isinstance(row, dict) else type(row).__name__}): each line '
+                                'needs one')
     return None
 
 
@@ -265,9 +267,13 @@ def chain_first(first, rest):
 
 def documents_from_rows(rows, dataset, keep_sets):
     """(text, set name or None, split or None) for every non-empty document, keeping only keep_sets if given."""
-    for row in rows:
+    for number, row in enumerate(rows, start=1):
         if "text" not in row:
             raise DataError(f"rows of --dataset={dataset} have no 'text' field (fields: {', '.join(row)})")
+        if not isinstance(row["text"], str):  # a line without the field, or "text": null, read as None
+            where = None if is_named_source(dataset) else locate_unreadable(dataset)
+            raise DataError(where or f"row {number} of --dataset={dataset} has no text ({'text'!r}: {row['text']!r}): "
+                            "every row needs a string in its 'text' field")
         meta = row.get("meta")
         set_name = meta.get("redpajama_set_name") if isinstance(meta, dict) else None
         if keep_sets is not None:
@@ -418,7 +424,35 @@ def temp_path(out_dir, name):
 
 
 def slug(text):
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "data"
+    """A folder name from a dataset's or tokenizer's name: letters of any script, digits, '.', '-' and '_' kept (so
+    that names in other scripts do not all become one folder), every other run of characters one '_'."""
+    return re.sub(r"[^\w.-]+", "_", text).strip("_") or "data"
+
+
+def source_of(dataset) -> str:
+    """What a prepared folder was made from, as meta.json records it (source_path): a corpus's name, or a local
+    path or glob made absolute, so that two folders with the same name are two sources."""
+    return dataset if is_named_source(dataset) else os.path.abspath(dataset)
+
+
+def other_source_problem(out_dir, dataset) -> str | None:
+    """Why preparing dataset into out_dir would replace data made from another source (its meta.json says which),
+    or None: a folder without prepared data, or data from the same source (preparing it again is asked for)."""
+    try:
+        with open(os.path.join(out_dir, "meta.json")) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or "source" not in meta:
+        return None
+    before = meta.get("source_path") or meta["source"]
+    same = before == source_of(dataset) or (not meta.get("source_path") and
+                                            os.path.abspath(str(meta["source"])) == source_of(dataset))
+    if same:
+        return None
+    return (f"{display_path(out_dir)} holds data prepared from {before}, not from {source_of(dataset)}: preparing "
+            "it here would replace that data (and every run trained on it would go on with other text). Give "
+            "--out_dir=data/<another name>, or --replace_data=True to replace it")
 
 
 def dataset_name(dataset):
@@ -554,13 +588,15 @@ def prepare_enwik8(dataset, tokenizer, out_dir, enwik8_val="val", quiet=False) -
 
 def prepare(dataset, tokenizer="byte", out_dir=None, max_tokens=None, val_fraction=None, num_proc=None,
             seed=0, slimpajama_sets=None, quiet=False, enwik8_val="val", split_articles=False,
-            wikitext_val="validation", text_extensions="") -> dict:
+            wikitext_val="validation", text_extensions="", replace_data=False) -> dict:
     """Tokenise dataset into out_dir/{train,val}.bin and meta.json (see the module docstring); returns the meta.
     val_fraction None: VAL_FRACTION of the documents, or SINGLE_DOCUMENT_VAL_FRACTION of a single document."""
     out_dir = out_dir or default_out_dir("enwik8" if is_enwik8(dataset) else dataset, tokenizer)
     if holds_run(Path(out_dir)):
         raise DataError(f"--out_dir={out_dir} holds a training run ({', '.join(holds_run(Path(out_dir)))}): prepared "
                         "data goes in a folder of its own (default data/<dataset>_<tokenizer>); give another --out_dir")
+    if not replace_data and (problem := other_source_problem(out_dir, dataset)):
+        raise DataError(problem)
     if is_enwik8(dataset):
         return prepare_enwik8(dataset, tokenizer, out_dir or default_out_dir("enwik8", tokenizer), enwik8_val, quiet)
     if val_fraction is not None and not 0 < val_fraction < 1:
@@ -584,6 +620,7 @@ def prepare(dataset, tokenizer="byte", out_dir=None, max_tokens=None, val_fracti
         try:
             meta = write_tokens(files, rows, tok, dataset, keep_sets, max_tokens, val_fraction, num_proc, seed, quiet,
                                 size)
+            meta["source_path"] = source_of(dataset)
             if split_articles:
                 meta["split_articles"] = True
             if meta["split"]["method"] == "source":
@@ -757,6 +794,7 @@ class PrepareConfig:
     wikitext_val: str = "validation"  # validation | test: wikitext2/103 from the hub, the split that becomes val.bin
     enwik8_val: str = "val"  # val | test: the 5M bytes of enwik8 that become val.bin
     text_extensions: str = ""  # local files of these kinds read as text, one document per file (e.g. .py,.md)
+    replace_data: bool = False  # replace data in --out_dir that was prepared from another source
 
 
 def parse(argv) -> dict:

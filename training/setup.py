@@ -4,6 +4,7 @@ and precision (start_runtime), a pretrained model (pretrained_model), the data (
 (build_model), and where training stands (restore)."""
 
 import dataclasses
+import json
 import os
 import time
 from contextlib import nullcontext
@@ -18,7 +19,8 @@ from common.run_folder import RunFolderError
 from common.run_folder import claim as claim_run_folder
 from config import Config, ConfigError, process_device, resolve_device, validate
 from data.loader import WindowSampler
-from data.meta import DataError, check_vocabulary, load_meta, open_tokens, tokenizer_mismatch
+from data.meta import (DataError, check_vocabulary, data_changes, data_identity, load_meta, open_tokens,
+                       tokenizer_mismatch)
 from data.prepare import prepare_generated_if_missing
 from data.tokenizer import TokenizerUnavailable, get_tokenizer
 from model import GPT
@@ -215,6 +217,11 @@ def read_resume_checkpoint(cfg: Config, rt: Runtime, data: RunData, out_dir: Pat
                                  f"the run in {out_dir}")
     if problem:  # training on would relabel the run's checkpoints and compare losses of other token streams
         fail(f"cannot resume: {problem}", status=2)
+    changes = data_changes(saved_data_identity(ckpt, out_dir), data.meta)
+    if changes and not t.allow_data_change:  # its losses would then continue on other text, unlabelled
+        fail(f"cannot resume: the data in {data.data_dir} is not the data the run in {out_dir} trained on: "
+             + "; ".join(changes) + ". Prepare it as it was, point --data_dir at the run's data, or pass "
+             "--allow_data_change=True to train on regardless", status=2)
     saved = Config.from_dict(ckpt["config"]).model
     changed = [k for k in vars(m) if getattr(saved, k) != getattr(m, k)]
     if changed:
@@ -223,6 +230,18 @@ def read_resume_checkpoint(cfg: Config, rt: Runtime, data: RunData, out_dir: Pat
             + f": resume with the run's own config: python train.py {out_dir / 'config.json'} --init_from=resume",
             status=2)
     return ckpt
+
+
+def saved_data_identity(ckpt: dict, out_dir: Path) -> dict:
+    """The identity of the data a run trained on: saved in its checkpoint, or (checkpoints written before that)
+    the data_meta its config.json recorded when the run last started; {} when neither says."""
+    if "data_identity" in ckpt:
+        return ckpt["data_identity"]
+    try:
+        recorded = json.loads((out_dir / "config.json").read_text()).get("data_meta") or {}
+    except (OSError, ValueError):
+        return {}
+    return data_identity(recorded) if recorded else {}
 
 
 def build_model(cfg: Config, rt: Runtime, source, hf_model):

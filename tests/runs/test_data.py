@@ -370,7 +370,7 @@ def test_failed_prepare_keeps_previous_data(prepared, monkeypatch, error):
     monkeypatch.setattr(prepare_module, "DOCS_PER_BATCH", 4)  # several batches are written before the failure
     monkeypatch.setattr(prepare_module, "get_tokenizer", lambda name: FailingTokenizer(fail_at=30, error=error))
     with pytest.raises(error, match="tokenizer crashed"):
-        run_prepare(big, prepared)
+        run_prepare(big, prepared, replace_data=True)  # another source, replacing on purpose
 
     assert sorted(os.listdir(prepared)) == ["meta.json", "train.bin", "val.bin"]  # no temp files left
     assert {name: (prepared / name).read_bytes() for name in before} == before
@@ -396,7 +396,7 @@ def test_crash_between_renames_never_looks_complete(prepared, monkeypatch):
 
     monkeypatch.setattr(os, "replace", replace)
     with pytest.raises(OSError, match="disk gone"):
-        run_prepare(source, prepared, val_fraction=0.3)
+        run_prepare(source, prepared, val_fraction=0.3, replace_data=True)
     # new train.bin, old val.bin: no meta.json vouches for that pair
     with pytest.raises(DataError, match="meta.json is missing"):
         load_meta(prepared)
@@ -791,7 +791,7 @@ def test_ctrl_c_during_prepare_is_one_line_and_keeps_the_data(prepared, tmp_path
                                                for i in range(100_000)])
     before = {p.name: p.read_bytes() for p in Path(prepared).iterdir()}
     proc = subprocess.Popen([sys.executable, "-m", "data.prepare", f"--dataset={big}", f"--out_dir={prepared}",
-                             "--num_proc=1"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--num_proc=1", "--replace_data=True"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
     while not list(Path(prepared).glob(".tmp-*")) and time.time() < deadline:  # tokenising has begun
         time.sleep(0.05)
@@ -806,3 +806,36 @@ def test_prepare_says_where_a_single_documents_validation_comes_from(tmp_path):
     (tmp_path / "book.txt").write_text("Once upon a time. " * 500)
     proc = run(["-m", "data.prepare"], f"--dataset={tmp_path / 'book.txt'}", f"--out_dir={tmp_path / 'data'}")
     assert proc.returncode == 0 and "in 0 documents" not in proc.stdout and "from the end of the document" in proc.stdout
+
+
+def test_preparing_another_source_into_the_same_folder_leaves_the_prepared_data_as_it_was(tmp_path):
+    # two corpora in folders of the same name: by default both would go to data/text_byte
+    first, second = tmp_path / "projA" / "text", tmp_path / "projB" / "text"
+    for folder, word in ((first, "alpha"), (second, "beta")):
+        folder.mkdir(parents=True)
+        for i in range(4):
+            (folder / f"{i}.txt").write_text(f"{word} document {i} " * 20)
+    assert prepare_module.default_out_dir(str(first), "byte") == prepare_module.default_out_dir(str(second), "byte")
+    out = tmp_path / "out"
+    run_prepare(first, out, val_fraction=0.3)
+    before = {name: (out / name).read_bytes() for name in ("train.bin", "val.bin", "meta.json")}
+    with pytest.raises(DataError, match=r"holds data prepared from .*projA.*--replace_data=True"):
+        run_prepare(second, out, val_fraction=0.3)
+    assert {name: (out / name).read_bytes() for name in before} == before
+    run_prepare(first, out, val_fraction=0.5)  # the same source again: asked for, replaced
+    assert load_meta(out)["split"]["val_fraction"] == 0.5
+    meta = run_prepare(second, out, val_fraction=0.3, replace_data=True)
+    assert meta["source_path"] == str(second)
+    # names in other scripts keep their letters: two such folders are two names
+    assert prepare_module.dataset_name(str(tmp_path / "Данные")) == "Данные"
+    assert prepare_module.dataset_name(str(tmp_path / "数据")) == "数据"
+
+
+@pytest.mark.parametrize("bad_line", ['{"body": "no text field"}', '{"text": null}', '{"text": 7}'])
+def test_a_jsonl_line_without_a_string_text_is_named_with_its_line_number(tmp_path, bad_line):
+    source = tmp_path / "corpus.jsonl"
+    source.write_text('{"text": "first document"}\n{"text": "second document"}\n' + bad_line + "\n"
+                      '{"text": "fourth document"}\n')
+    with pytest.raises(DataError, match=r"corpus\.jsonl, line 3: not an object with a string \"text\" field"):
+        run_prepare(source, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

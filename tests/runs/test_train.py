@@ -4,6 +4,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -352,3 +353,49 @@ def test_the_learning_rate_decays_over_max_iters_unless_told_otherwise():
     t = load_config(["configs/quickstart.py", "--max_iters=2000", "--lr_decay_iters=800"]).train
     assert get_lr(1500, t) == t.min_lr and "stays there for the last 60% of training" in schedule_warning(t)
     assert "before min_lr" in schedule_warning(load_config(["configs/quickstart.py", "--lr_decay_iters=4000"]).train)
+
+
+@pytest.mark.e2e
+def test_resume_refuses_data_whose_identity_differs_from_the_runs(reference_run, tmp_path):
+    out, data = tmp_path / "run", tmp_path / "data"
+    shutil.copytree(reference_run, out)
+    shutil.copytree(REPO / "data" / "embedded_byte", data)
+    meta = json.loads((data / "meta.json").read_text())
+    meta["split"] = {**meta["split"], "val_fraction": 0.02}  # as a re-preparation with another split records it
+    (data / "meta.json").write_text(json.dumps(meta))
+    proc = run(["--max_iters=14", "--init_from=resume", f"--data_dir={data}"], out, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    error = proc.stderr.strip().splitlines()[-1]
+    assert "is not the data the run" in error and "val_fraction" in error and "--allow_data_change=True" in error
+    assert load_checkpoint(out / "ckpt_last.pt")["step"] == 12  # nothing trained, nothing written
+    run(["--max_iters=13", "--init_from=resume", f"--data_dir={data}", "--allow_data_change=True"], out)
+    assert load_checkpoint(out / "ckpt_last.pt")["step"] == 13
+
+
+@pytest.mark.e2e
+def test_a_stop_during_a_long_evaluation_is_said_at_once_and_a_second_one_stops_now(reference_run, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(reference_run, out)
+    saved = (out / "ckpt_last.pt").read_bytes()
+    # resumed at step 12, the loop starts with an evaluation of minutes
+    with open(tmp_path / "stdout", "w") as stdout, open(tmp_path / "stderr", "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "train.py", *TINY, "--max_iters=40", "--eval_interval=4",
+                                 "--eval_iters=100000", "--init_from=resume", f"--out_dir={out}"], cwd=REPO,
+                                stdout=stdout, stderr=stderr, text=True)
+    try:
+        while "unigram baseline" not in (tmp_path / "stdout").read_text():  # set up: the evaluation comes next
+            assert proc.poll() is None, (tmp_path / "stderr").read_text()
+            time.sleep(0.05)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        start = time.monotonic()
+        while "stopping after" not in (tmp_path / "stderr").read_text() and time.monotonic() - start < 5:
+            time.sleep(0.05)
+        assert "SIGINT: stopping after step 13" in (tmp_path / "stderr").read_text()  # during the evaluation
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=10)  # at once: the evaluation had minutes to go
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGINT
+    assert "stopping now" in (tmp_path / "stderr").read_text()
+    assert (out / "ckpt_last.pt").read_bytes() == saved  # the last complete checkpoint, untouched
