@@ -61,7 +61,7 @@ from runtime.checkpoint import (CheckpointError, checkpoint_path, checkpoint_tok
                                 git_hash, load_model, run_tokenizer)
 from common.outputs import atomic_write, write_json
 from runtime.pretrained import PretrainedError
-from common.run_folder import held, holds_run, writable_folder_problem
+from common.run_folder import held, holds_run, read_metrics, writable_folder_problem
 from runtime.wandb_run import read_record, report_evaluation
 
 REPO = Path(__file__).resolve().parent.parent
@@ -194,7 +194,9 @@ def run_ppl(e: EvalRunConfig, ctx) -> dict:
     trained = getattr(cfg.model, e.window_key)
     tokens = open_tokens(ctx["data_dir"], "val")
     if len(tokens) > e.ppl_max_tokens:
-        print(f"ppl  scores the first {e.ppl_max_tokens:,} of the {len(tokens):,} validation tokens (--ppl_max_tokens)")
+        print(f"ppl  scores {e.ppl_max_tokens:,} of the {len(tokens):,} validation tokens (--ppl_max_tokens): "
+              + ("the first ones, as one stream" if e.ppl_stream else "documents from across the whole split"))
+    run_val_loss = None if e.hf else best_val_loss(Path(e.out_dir))
     if e.ppl_stream:
         docs = [ppl_task.stream(tokens, e.ppl_max_tokens)]
     else:
@@ -222,7 +224,8 @@ def run_ppl(e: EvalRunConfig, ctx) -> dict:
             per_example += [{"id": f"{cell}/{i}", "cell": cell, "length": length, "window": window, "nll": v,
                              "tokens": n}
                             for i, (v, n) in enumerate(zip(window_nll, window_tokens))]
-            rows.append({**row, "window": window, "val_tokens": len(tokens)})
+            rows.append({**row, "window": window, "val_tokens": len(tokens),
+                         **({} if e.hf else {"run_val_loss": run_val_loss})})
             where = f"{e.window_key}={window:<6} " if window is not None else ""
             error = f" ± {row['nll_stderr']:.4f}" if row["nll_stderr"] is not None else ""
             print(f"ppl  L={length:<6} {where}{row['ppl']:10.4f}  (nll {row['nll']:.4f}{error}; {row['tokens']:,} tokens "
@@ -231,7 +234,18 @@ def run_ppl(e: EvalRunConfig, ctx) -> dict:
                 print(f"warning: ppl L={length}{' ' + where.strip() if where else ''}: only {row['windows']} windows "
                       f"({row['tokens']:,} tokens) were scored, fewer than {ppl_task.MIN_WINDOWS}: a noisy number, "
                       "flagged in the results; score shorter --ppl_lengths or more validation text", file=sys.stderr)
+    if run_val_loss is not None:
+        print(f"ppl  the run's best validation loss in training: {run_val_loss:.4f} (train.py: random windows of "
+              f"block_size {cfg.model.block_size} over the whole split; here document-aligned windows from each "
+              "document's start, so the two differ by the windows scored and by noise)")
     return {"rows": rows, "trained_window": trained, "positions": positions, "per_example": per_example}
+
+
+def best_val_loss(out_dir: Path) -> float | None:
+    """The lowest val_loss a run's metrics.jsonl records (None without one)."""
+    path = out_dir / "metrics.jsonl"
+    losses = [r["val_loss"] for r in read_metrics(path) if "val_loss" in r] if path.exists() else []
+    return min(losses) if losses else None
 
 
 def filler_text(tokens, eot_id: int, limit: int = 2_000_000) -> np.ndarray:
@@ -484,8 +498,8 @@ def main(argv):
     provenance = {"command": " ".join([os.path.basename(sys.executable), "-m", "eval", *argv]),
                   "git_hash": git_hash(), "seed": e.seed, **source, "data_tokenizer": tokenizer_identity(meta),
                   "eval_config": dataclasses.asdict(e), "device": device, "dtype": dtype_name, "data": data}
-    failed = []
-    for task in e.tasks.split(","):
+    failed, tasks = [], e.tasks.split(",")
+    for number, task in enumerate(tasks):
         started = time.time()
         try:
             with torch.no_grad():  # every task only reads the model: no autograd graph, no saved activations
@@ -494,11 +508,19 @@ def main(argv):
             print(f"error in task {task}: {err}", file=sys.stderr)
             failed.append(task)
             continue
+        except KeyboardInterrupt:  # one line: what is written (whole files only), what is not
+            written = [t for t in tasks[:number] if t not in failed]
+            atomic_write(eval_dir / "summary.md", lambda f: f.write(summary_markdown(eval_dir).encode()))
+            print(f"interrupted during task {task}: "
+                  + (f"{', '.join(f'{t}.json' for t in written)} written, " if written else "")
+                  + f"{', '.join(tasks[number:])} not (their earlier results, if any, are as they were); "
+                  f"summary.md in {eval_dir}", file=sys.stderr)
+            sys.exit(130)
         with held(eval_dir / ".lock"):  # another evaluation of this run may be merging into the same file
             write_json(merged_report(eval_dir / f"{task}.json", task, result, e, data_dir,
                                      {**provenance, "seconds": time.time() - started}), eval_dir / f"{task}.json")
     atomic_write(eval_dir / "summary.md", lambda f: f.write(summary_markdown(eval_dir).encode()))
-    done = [t for t in e.tasks.split(",") if t not in failed]
+    done = [t for t in tasks if t not in failed]
     print(f"wrote {', '.join(f'{t}.json' for t in done) or 'no task result'}; summary.md in {eval_dir}")
     # into the summary of the wandb run the run trained in, if it logged to one (only then are the results reread)
     if to_wandb and done and read_record(e.out_dir) is not None:
@@ -508,4 +530,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except KeyboardInterrupt:  # before the tasks (loading the model or the data): nothing was written
+        print("interrupted before any task ran: no result written", file=sys.stderr)
+        sys.exit(130)

@@ -44,14 +44,19 @@ def nll_stderr(window_nll, window_tokens) -> float | None:
 
 
 def documents(tokens: np.ndarray, eot_id: int, max_tokens: int | None = None) -> list[np.ndarray]:
-    """Documents in order (each ending with eot_id, except a trailing unterminated one), up to max_tokens."""
-    ends = np.flatnonzero(tokens == eot_id)
-    docs, start, total = [], 0, 0
-    for end in list(ends) + [len(tokens) - 1]:
-        if end < start:
-            continue
-        doc = np.asarray(tokens[start:end + 1], dtype=np.int64)
-        start = end + 1
+    """Documents in order (each ending with eot_id, except a trailing unterminated one). With max_tokens below the
+    split's size, documents from across the whole split, not its head: every k-th (k: the split's tokens over
+    max_tokens, rounded up), the last one cut to the budget."""
+    bounds, start = [], 0
+    for end in list(np.flatnonzero(tokens == eot_id)) + [len(tokens) - 1]:
+        if end >= start:
+            bounds.append((start, end + 1))
+            start = end + 1
+    if max_tokens is not None and len(tokens) > max_tokens:
+        bounds = bounds[::-(-len(tokens) // max_tokens)]
+    docs, total = [], 0
+    for first, end in bounds:
+        doc = np.asarray(tokens[first:end], dtype=np.int64)
         if max_tokens is not None:
             doc = doc[:max_tokens - total]  # the budget cuts the last document
         if len(doc) < 2:  # nothing to predict

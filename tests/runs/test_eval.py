@@ -5,8 +5,10 @@ import math
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -57,6 +59,7 @@ def test_ppl_is_exp_of_mean_nll_counted_independently(tiny_run):
     for end in np.flatnonzero(tokens == meta["eot_id"]):
         docs.append(tokens[start:end + 1])
         start = end + 1
+    docs = docs[::-(-len(tokens) // 3000)]  # a cap below the split: every k-th document, from across it
     positions = {p["length"]: p["nll"] for p in report["results"]["positions"]}
     for row in report["results"]["rows"]:
         L, budget, nll, count = row["length"], 3000, 0.0, 0
@@ -86,6 +89,19 @@ def test_ppl_is_exp_of_mean_nll_counted_independently(tiny_run):
         assert [e["nll"] for e in windows] == pytest.approx(window_nll, rel=1e-5)
         assert sum(e["tokens"] for e in windows) == count
         assert positions[L] == pytest.approx(list(position_sum / position_count), rel=1e-5)
+    # beside its own numbers, the run's best validation loss from training (random windows: another sample)
+    best = min(r["val_loss"] for r in map(json.loads, open(tiny_run / "metrics.jsonl")) if "val_loss" in r)
+    assert all(row["run_val_loss"] == best for row in report["results"]["rows"])
+    assert "run_val_loss" in (tiny_run / "eval" / "summary.md").read_text()
+
+
+def test_a_token_cap_takes_documents_from_across_the_whole_split():
+    eot = 0
+    tokens = np.concatenate([np.r_[np.full(9, doc + 1), eot] for doc in range(100)])  # 100 documents of 10 tokens
+    docs = ppl_task.documents(tokens, eot, max_tokens=250)
+    assert sum(map(len, docs)) <= 250 and len(docs) == 25
+    assert [int(doc[0]) for doc in docs] == list(range(1, 101, 4))  # every 4th: the split's end as its head
+    assert len(ppl_task.documents(tokens, eot)) == 100
 
 
 @pytest.mark.e2e
@@ -326,7 +342,8 @@ def test_every_perplexity_cell_says_how_much_text_it_scored(tiny_run, tmp_path):
     k, mean = len(n), s.sum() / n.sum()
     assert row["nll_stderr"] == pytest.approx(math.sqrt(k / (k - 1) * ((s - mean * n) ** 2).sum()) / n.sum())
     assert f"{row['tokens']:,} tokens in {row['windows']} windows" in proc.stdout and "±" in proc.stdout
-    assert f"scores the first 700 of the {row['val_tokens']:,} validation tokens" in proc.stdout
+    assert f"scores 700 of the {row['val_tokens']:,} validation tokens (--ppl_max_tokens): documents from across the " \
+        "whole split" in proc.stdout
     assert f"only {row['windows']} windows" in proc.stderr and "warning" in proc.stderr
     text = render(build_tables([load_local_run(run)]))
     assert f"{row['ppl']:.3f} †" in text and f"ppl@L=64: {row['windows']} windows" in text
@@ -356,3 +373,25 @@ def test_a_learned_position_run_says_how_to_get_one_that_extrapolates(byte_run):
     readme = (REPO / "README.md").read_text()
     evaluation = readme[readme.index("python -m eval --out_dir=out/quickstart"):]
     assert "--pos_embedding=rope" in evaluation[:1200] and "--ppl_lengths=256,512,1024" in evaluation[:1200]
+
+
+@pytest.mark.e2e
+def test_a_ctrl_c_during_an_evaluation_ends_in_one_line_saying_what_was_written(tiny_run, tmp_path):
+    out = copy_run(tiny_run, tmp_path / "run")
+    with open(tmp_path / "stderr", "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "eval", f"--out_dir={out}", "--progress=False",
+                                 "--tasks=ppl,niah", "--ppl_lengths=32", "--niah_lengths=512", "--niah_samples=100000"],
+                                cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+    try:
+        while not (out / "eval" / "ppl.json").exists():  # ppl written; niah has long to go
+            assert proc.poll() is None, (tmp_path / "stderr").read_text()
+            time.sleep(0.05)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    said = (tmp_path / "stderr").read_text()
+    assert proc.returncode == 130 and "Traceback" not in said, said[-3000:]
+    assert said.strip().splitlines()[-1].startswith("interrupted during task niah: ppl.json written, niah not")
+    assert (out / "eval" / "summary.md").exists() and not (out / "eval" / "niah.json").exists()
