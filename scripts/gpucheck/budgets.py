@@ -183,6 +183,13 @@ def step_estimate(name: str, gpus: int = 1, runs: str = "", after: frozenset = f
     raise ValueError(f"unknown step {name!r}")
 
 
+def shared_cores_scale(load: float, cores: int) -> float:
+    """How much longer a reduced (CPU) step takes on cores that other processes already keep busy (load: their
+    1-minute load average): the step gets cores / (cores + load) of them, so 1 + load / cores times its time on
+    quiet ones (REDUCED_BUDGET_S were measured quiet)."""
+    return 1.0 + max(0.0, load) / max(1, cores)
+
+
 def step_budget(name: str, reduced: bool, gpus: int = 1, runs: str = "", after=()) -> float:
     """A step's time budget in seconds before --budget_scale: reduced, from REDUCED_BUDGET_S; at full size, its
     estimate from counted compilations plus MARGIN (multi_gpu's with two or more GPUs only), given train_runs'

@@ -2,6 +2,7 @@
 a failing step is recorded and the next one still runs."""
 
 import json
+import os
 import shlex
 import signal
 import time
@@ -14,7 +15,7 @@ import torch
 from attention import simulate_cuda
 from common.outputs import claim_own_folder, own_folder_problem
 from scripts.gpucheck.backends import step_backends
-from scripts.gpucheck.budgets import default_steps, step_budget
+from scripts.gpucheck.budgets import default_steps, shared_cores_scale, step_budget
 from scripts.gpucheck.context import StepContext
 from scripts.gpucheck.environment import environment
 from scripts.gpucheck.memory import step_memory
@@ -66,11 +67,17 @@ def run_check(cfg: CheckConfig, device: str, argv: list[str]) -> int:
             report["steps"].pop(name, None)
         if not report["steps"]:
             report["runs"] = []
+    # reduced steps on a CPU whose cores others keep busy: budgets in proportion, measured before any step runs
+    shared = shared_cores_scale(os.getloadavg()[0], os.cpu_count() or 1) if reduced and device == "cpu" else 1.0
+    run["shared_cores_scale"] = shared
     report["runs"].append(run)
     report.update({k: run[k] for k in ("device", "device_name", "torch", "git_hash", "command")})
     run_index = len(report["runs"]) - 1
     print(f"gpu check: {run['device_name']}; torch {run['torch']}; git {run['git_hash']}; "
           f"{reduced or 'full sizes'}; steps: {', '.join(names)}; report: {out / 'report.md'}", flush=True)
+    if shared > 1.05:
+        print(f"gpu check: other processes keep the {os.cpu_count()} cores busy (load {os.getloadavg()[0]:.1f}): "
+              f"budgets x{shared:.2f}", flush=True)
 
     stop_signal = []
 
@@ -83,7 +90,8 @@ def run_check(cfg: CheckConfig, device: str, argv: list[str]) -> int:
     signal.signal(signal.SIGINT, interrupt)
 
     for name in names:
-        budget = step_budget(name, bool(reduced), run["gpus"], cfg.runs, names[:names.index(name)]) * cfg.budget_scale
+        budget = step_budget(name, bool(reduced), run["gpus"], cfg.runs, names[:names.index(name)]) * cfg.budget_scale \
+            * shared
         record = {"status": "running", "seconds": 0.0, "budget_s": budget, "reduced": reduced, "run": run_index,
                   "summary": "running (a report showing this was cut off during the step)", "results": None,
                   "error": "", "started": now()}

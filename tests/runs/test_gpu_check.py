@@ -373,3 +373,11 @@ def test_the_checks_cover_every_registered_mixer():
     attention = {name for name, cls in MIXERS.items() if issubclass(cls, MaskedAttention)}
     assert attention <= set(backends.backend_families())
     assert {kernel[2] for kernel in options.gpu_kernel_mixers().values()} == {"mlstm_kernels", "flash-linear-attention"}
+
+
+def test_reduced_budgets_grow_with_the_load_other_processes_put_on_the_cores():
+    # quiet cores: the measured budgets; two busy processes on two cores: each step gets half of them
+    assert budgets.shared_cores_scale(0.0, 2) == 1.0
+    assert budgets.shared_cores_scale(2.0, 2) == 2.0
+    assert budgets.shared_cores_scale(4.0, 2) == 3.0
+    assert budgets.shared_cores_scale(3.0, 16) == pytest.approx(1.1875)
