@@ -44,8 +44,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from attention.registry import layer_names
+from attention.stochastic import SA_MODES, drawn_per_forward
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error
 from data.tokenizer import TokenizerUnavailable
+from model import GPT
 from runtime.checkpoint import CheckpointError, git_hash, load_model, run_tokenizer
 from runtime.hf_gpt import EfficientAttentionConfig, EfficientAttentionForCausalLM
 from runtime.hf_tokenizer import HFTokenizerError, hf_tokenizer
@@ -80,6 +82,7 @@ class ExportConfig:
     format: str = "auto"  # auto (transformers' own class where one is exact, else project) | project
     verify: bool = True  # reload the folder and compare logits with the run's before putting it in place
     overwrite: bool = False  # replace an earlier export at --to (never a run folder or anything else)
+    sa_mode: str = ""  # sa layers: "" the run's; deterministic: one fixed permutation per layer and length (sa_seed)
 
 
 # transformers' own classes -----------------------------------------------------------------------------------
@@ -305,6 +308,10 @@ def export_run(cfg: ExportConfig, command: str = "") -> Path:
         raise ExportError(problem)
     gpt, _, raw = load_model(cfg.out_dir, cfg.ckpt, "cpu")
     gpt = gpt.float()
+    if cfg.sa_mode and cfg.sa_mode != gpt.config.sa_mode:  # inference only: the same weights
+        weights = gpt.state_dict()
+        gpt = GPT(dataclasses.replace(gpt.config, sa_mode=cfg.sa_mode)).eval()
+        gpt.load_state_dict(weights)
     tokenizer = run_tokenizer(raw)
     model, hf_tok, record = export_model(gpt, tokenizer, cfg.format)
     to.parent.mkdir(parents=True, exist_ok=True)
@@ -322,6 +329,8 @@ def export_run(cfg: ExportConfig, command: str = "") -> Path:
                 raise ExportError(f"the exported {record['class']} differs from the run by {diff:.3g} in the logits "
                                   f"(tolerance {VERIFY_TOLERANCE}): nothing was written")
             record["verified_max_logit_diff"] = diff
+        if drawn_per_forward(gpt.config):
+            record["drawn_per_forward"] = drawn_per_forward(gpt.config)
         record.update({"run": str(cfg.out_dir), "ckpt": raw.get("path"), "step": raw.get("step"),
                        "best_val_loss": raw.get("best_val_loss"), "tokenizer": tokenizer.identity(),
                        "git": git_hash(), "command": command,
@@ -353,6 +362,8 @@ def parse(argv) -> ExportConfig:
         raise ConfigError(f"ckpt={cfg.ckpt}: must be best or last")
     if cfg.format not in ("auto", "project"):
         raise ConfigError(f"format={cfg.format}: must be auto or project")
+    if cfg.sa_mode not in ("", *SA_MODES):
+        raise ConfigError(f"sa_mode={cfg.sa_mode}: must be empty (the run's) or one of {', '.join(SA_MODES)}")
     return cfg
 
 
@@ -366,6 +377,8 @@ def main(argv=None) -> int:
         return 2
     record = json.loads((folder / "export.json").read_text())
     print(f"wrote {folder}: {record['class']} ({record['why']})")
+    if "drawn_per_forward" in record:
+        print(f"note: the exported model's outputs are drawn per forward: {record['drawn_per_forward']}")
     if "verified_max_logit_diff" in record:
         print(f"reloaded with AutoModelForCausalLM: logits within {record['verified_max_logit_diff']:.2g} of the run's")
     if record["model_type"] == "efficient_attention_gpt":

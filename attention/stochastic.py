@@ -35,7 +35,7 @@ from attention.layer import Attention, merge_heads
 from attention.local import SWA_WINDOW
 from attention.memory import F32, kernel_saved, linear_inputs, rope_tables
 from attention.capabilities import own_state_problem
-from attention.registry import Setting, refuse_whole_context, register
+from attention.registry import Setting, layer_names, refuse_whole_context, register
 
 SA_MODE = Setting("sa_mode", str, "stochastic", "sa at inference: a fresh permutation every forward | deterministic "
                   "(fixed per layer)")
@@ -45,6 +45,16 @@ SA_SEED = Setting("sa_seed", int, 0, "sa_mode=deterministic: the fixed permutati
                   "from the run's RNG)")
 
 SA_MODES = ("stochastic", "deterministic")
+
+
+def drawn_per_forward(config) -> str:
+    """One line saying that a model's outputs are drawn per forward, for tools that evaluate or export it ("" when
+    they are not: no sa layer, or sa_mode=deterministic)."""
+    if config.sa_mode != "stochastic" or not {"sa", "sa_swa"} & set(layer_names(config)):
+        return ""
+    return ("its sa layers draw a fresh permutation at every forward (sa_mode=stochastic, as in paper 000): two "
+            "forwards of the same input differ; --sa_mode=deterministic fixes one permutation per layer and length "
+            "(from sa_seed)")
 
 
 # ---- the edge: a sliding window over a random permutation -------------------------------------------------

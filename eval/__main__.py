@@ -43,7 +43,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from attention import simulate_cuda
-from attention.registry import used_settings
+from attention.registry import used_settings, validate_config
+from attention.stochastic import drawn_per_forward
 from config import (Config, ConfigError, ModelConfig, apply_args, coerce, dataclass_fields, exit_on_config_error,
                     resolve_device)
 from data.embedded import documents
@@ -122,6 +123,9 @@ def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+INFERENCE_SETTINGS = ("sa_mode", "sa_seed")  # model settings a run may be evaluated under: inference only
+
+
 def parse(argv) -> tuple[EvalRunConfig, dict]:
     """The evaluation's settings, and the attention settings (model config keys) given for --hf."""
     model_fields = dataclass_fields(ModelConfig)
@@ -132,9 +136,10 @@ def parse(argv) -> tuple[EvalRunConfig, dict]:
     model = ModelConfig()
     apply_args(model, given, model_fields)
     settings = {key: getattr(model, key) for key in (arg[2:].partition("=")[0].replace("-", "_") for arg in given)}
-    if settings and not e.hf:
-        raise ConfigError(f"--{next(iter(settings))}: model settings apply to --hf models; a run is evaluated with "
-                          "its own config (--window sets a test-time window)")
+    trained = [key for key in settings if key not in INFERENCE_SETTINGS]
+    if trained and not e.hf:
+        raise ConfigError(f"--{trained[0]}: model settings apply to --hf models; a run is evaluated with its own "
+                          f"config (--window sets a test-time window; {', '.join(INFERENCE_SETTINGS)} may change)")
     if e.hf:
         if e.hf_decode not in ("full", "variant"):
             raise ConfigError(f"hf_decode={e.hf_decode!r}: expected full or variant")
@@ -392,9 +397,17 @@ def ppl_grid(rows: list[dict], trained_window=None) -> list[str]:
     return lines
 
 
-def load_run(e: EvalRunConfig, device: str, dtype):
-    """A trained run's model, config, tokenizer, data folder and provenance."""
+def load_run(e: EvalRunConfig, device: str, dtype, settings: dict):
+    """A trained run's model (under the inference settings given), config, tokenizer, data folder and provenance."""
     model, cfg, ckpt = load_model(e.out_dir, e.ckpt, device)
+    if settings:  # INFERENCE_SETTINGS: the same weights
+        cfg.model = dataclasses.replace(cfg.model, **settings)
+        try:
+            validate_config(cfg.model)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        weights, model = model.state_dict(), GPT(cfg.model).to(device).eval()
+        model.load_state_dict(weights)
     tokenizer = run_tokenizer(ckpt)
     print(describe_checkpoint(ckpt))
     data_dir = e.data_dir or cfg.data.data_dir or str(REPO / "data" / cfg.data.dataset)
@@ -471,7 +484,8 @@ def main(argv):
         if e.hf:
             model, cfg, tokenizer, data_dir, with_config, source = load_hf(e, settings, device, dtype_name)
         else:
-            model, cfg, tokenizer, data_dir, with_config, source = load_run(e, device, getattr(torch, dtype_name))
+            model, cfg, tokenizer, data_dir, with_config, source = load_run(e, device, getattr(torch, dtype_name),
+                                                                            settings)
         meta = load_meta(data_dir)
         # the data's tokens must be the model's: a checkpoint's tokenizer as trained, a --hf model's own
         problem = tokenizer_mismatch(source["tokenizer"], meta, data_dir, "the model" if e.hf else f"{source['ckpt']}")
@@ -483,6 +497,9 @@ def main(argv):
     except (CheckpointError, TokenizerUnavailable, DataError, PretrainedError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)
+    if drawn_per_forward(cfg.model):
+        print(f"note: the results are drawn per forward: {drawn_per_forward(cfg.model)} (and --seed)",
+              file=sys.stderr)
     data = data_record(e, cfg, data_dir, meta)
     if not e.hf and not data["own"]:
         print(f"note: {data_dir} is not this run's own validation split: its results are kept apart "
@@ -497,7 +514,8 @@ def main(argv):
         write_json(cfg.to_dict(), Path(e.out_dir) / "config.json")
     provenance = {"command": " ".join([os.path.basename(sys.executable), "-m", "eval", *argv]),
                   "git_hash": git_hash(), "seed": e.seed, **source, "data_tokenizer": tokenizer_identity(meta),
-                  "eval_config": dataclasses.asdict(e), "device": device, "dtype": dtype_name, "data": data}
+                  "eval_config": dataclasses.asdict(e), "device": device, "dtype": dtype_name, "data": data,
+                  **({"inference_settings": settings} if settings and not e.hf else {})}
     failed, tasks = [], e.tasks.split(",")
     for number, task in enumerate(tasks):
         started = time.time()

@@ -242,3 +242,21 @@ def test_a_run_folder_without_a_checkpoint_gets_a_command_that_works_there(tmp_p
     with pytest.raises(RunFolderError):
         claim(run, fresh=True, replace=False)  # what the plain command would meet
     claim(run, fresh=True, replace=True).release()  # the suggested one is taken
+
+
+def test_an_sa_export_says_its_outputs_are_drawn_per_forward_and_the_deterministic_flag_fixes_them(tmp_path, offline,
+                                                                                                     capsys):
+    _, run = make_run(tmp_path / "run", CASES["sa_swa"][0])
+    assert main([f"--out_dir={run}", f"--to={tmp_path / 'drawn'}"]) == 0
+    said = capsys.readouterr().out
+    assert "note: the exported model's outputs are drawn per forward: its sa layers draw a fresh permutation" in said
+    assert "--sa_mode=deterministic" in json.loads((tmp_path / "drawn" / "export.json").read_text())["drawn_per_forward"]
+    ids = torch.randint(0, 257, (1, BLOCK), generator=torch.Generator().manual_seed(1))
+    logits = []
+    for name in ("fixed_a", "fixed_b"):
+        assert main([f"--out_dir={run}", f"--to={tmp_path / name}", "--sa_mode=deterministic"]) == 0
+        assert "drawn per forward" not in capsys.readouterr().out
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name, trust_remote_code=True).eval()
+        with torch.no_grad():
+            logits += [hf(ids).logits, hf(ids).logits]  # no seed: nothing is drawn
+    assert all(torch.equal(logits[0], other) for other in logits[1:])

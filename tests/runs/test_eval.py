@@ -395,3 +395,25 @@ def test_a_ctrl_c_during_an_evaluation_ends_in_one_line_saying_what_was_written(
     assert proc.returncode == 130 and "Traceback" not in said, said[-3000:]
     assert said.strip().splitlines()[-1].startswith("interrupted during task niah: ppl.json written, niah not")
     assert (out / "eval" / "summary.md").exists() and not (out / "eval" / "niah.json").exists()
+
+
+@pytest.mark.e2e
+def test_an_sa_evaluation_says_its_results_are_drawn_and_sa_mode_deterministic_fixes_them(tmp_path):
+    out = tmp_path / "sa"
+    proc = subprocess.run([sys.executable, "train.py", "configs/quickstart.py", f"--out_dir={out}", "--arch=llama",
+                           "--bias=False", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=64",
+                           "--attn_pattern=sa_swa,full", "--swa_window=16", "--max_iters=4", "--eval_interval=4",
+                           "--eval_iters=1", "--log_interval=4"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    args = ["--tasks=ppl", "--ppl_lengths=64", "--ppl_max_tokens=2000"]
+    drawn = [run_eval(out, *args, f"--seed={seed}") for seed in (1, 2)]
+    assert all("note: the results are drawn per forward" in p.stderr for p in drawn)
+    nll = lambda: json.load(open(out / "eval" / "ppl.json"))["results"]["rows"][-1]["nll"]  # noqa: E731
+    fixed = []
+    for seed in (1, 2):
+        proc = run_eval(out, *args, f"--seed={seed}", "--sa_mode=deterministic")
+        assert "drawn per forward" not in proc.stderr
+        fixed.append(nll())
+    assert fixed[0] == fixed[1]
+    bad = run_eval(out, "--sa_mode=sometimes", check=False)
+    assert bad.returncode == 2 and "sa_mode='sometimes'" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
