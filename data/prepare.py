@@ -35,7 +35,8 @@ contributes its file stem or folder name, e.g. data/my_corpus_byte):
     train.bin, val.bin   token ids (uint16 if the vocabulary allows, else uint32),
                          every document followed by the tokenizer's end-of-text id
     meta.json            tokenizer, vocab_size, eot_id, dtype, token and document counts, provenance
-Documents go to val with probability --val_fraction (default 0.005), decided by a hash of
+Documents go to val with probability --val_fraction (default 0.005 for a named corpus; for a local one the
+smallest that draws at least 32 documents and about 100,000 tokens where it has them, at most 0.1), decided by a hash of
 (--seed, document index), so the split does not depend on --num_proc or --max_tokens.
 With a single document (e.g. one .txt file) its last tokens form val instead, 10% of them unless
 --val_fraction says otherwise (nanoGPT's 0.9 / 0.1 split of a text file).
@@ -71,7 +72,7 @@ from pathlib import Path
 import numpy as np
 
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error
-from data.meta import FORMAT_VERSION, DataError, load_meta
+from data.meta import FORMAT_VERSION, DataError, load_meta, open_tokens
 from data.tokenizer import TokenizerUnavailable, get_tokenizer, vocab_dtype
 from common.outputs import write_json
 from common.progress import progress_bar
@@ -95,6 +96,8 @@ DOCS_PER_BATCH = 256
 BYTES_PER_BATCH = 1 << 20  # ... or fewer documents once they hold a MiB of text
 MIN_VAL_TOKENS = 1024  # for a single-document split: enough to evaluate on, unless the data is tiny
 VAL_FRACTION = 0.005  # documents drawn for val
+# a local corpus's default: validation large enough to compare runs on, where the corpus has it
+VAL_MIN_DOCUMENTS, VAL_MIN_TOKENS, VAL_MOST = 32, 100_000, 0.1
 SINGLE_DOCUMENT_VAL_FRACTION = 0.1  # the tail of a single document (nanoGPT's split of a text file)
 
 
@@ -580,6 +583,10 @@ def prepare_enwik8(dataset, tokenizer, out_dir, enwik8_val="val", quiet=False) -
                           {"method": "enwik8", "train": list(ENWIK8_SPLITS["train"]),
                            "val": list(ENWIK8_SPLITS[enwik8_val]), "val_is": enwik8_val}, None)
         files.commit(meta)
+    stderr = implied_stderr(out_dir, meta)
+    if stderr is not None:  # beside the data it describes (meta.json is rewritten whole, atomically)
+        meta["val_loss_stderr"] = stderr
+        write_json(meta, os.path.join(out_dir, "meta.json"))
     if not quiet:
         print(f"wrote enwik8 to {display_path(out_dir)}: train {meta['train_tokens']:,} bytes, "
               f"{enwik8_val} {meta['val_tokens']:,} bytes (as val.bin)")
@@ -616,11 +623,16 @@ def prepare(dataset, tokenizer="byte", out_dir=None, max_tokens=None, val_fracti
     # fails here, before anything is written, if the data cannot be reached
     rows = load_rows(dataset, quiet, split_articles, wikitext_val, text_extensions)
     size = None if is_named_source(dataset) else local_bytes(dataset, text_extensions)
+    chosen_by = ""
+    if val_fraction is None and not is_named_source(dataset) and not split_articles:
+        val_fraction, chosen_by = default_val_fraction(dataset, tok, seed, text_extensions)
     with token_files(out_dir, dtype) as files:
         try:
             meta = write_tokens(files, rows, tok, dataset, keep_sets, max_tokens, val_fraction, num_proc, seed, quiet,
                                 size)
             meta["source_path"] = source_of(dataset)
+            if chosen_by and meta["split"]["method"] == "document":
+                meta["split"]["chosen_by"] = chosen_by
             if split_articles:
                 meta["split_articles"] = True
             if meta["split"]["method"] == "source":
@@ -633,6 +645,10 @@ def prepare(dataset, tokenizer="byte", out_dir=None, max_tokens=None, val_fracti
                 raise
             raise DataError(where) from e
         files.commit(meta)
+    stderr = implied_stderr(out_dir, meta)
+    if stderr is not None:  # beside the data it describes (meta.json is rewritten whole, atomically)
+        meta["val_loss_stderr"] = stderr
+        write_json(meta, os.path.join(out_dir, "meta.json"))
     if not quiet:
         print(f"wrote {meta['train_tokens'] + meta['val_tokens']:,} {meta['dtype']} tokens of {meta['tokenizer']} to "
               f"{display_path(out_dir)}: "
@@ -643,6 +659,9 @@ def prepare(dataset, tokenizer="byte", out_dir=None, max_tokens=None, val_fracti
     line, warnings = describe_validation(meta)
     if not quiet:
         print(line)
+        if stderr is not None:
+            print(f"a validation loss over it has a standard error of about {stderr:.3g} nats (the unigram model's, "
+                  "documents as units): differences between runs well inside twice that are noise")
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
     return meta
@@ -658,7 +677,8 @@ def describe_validation(meta: dict) -> tuple[str, list[str]]:
     method = split.get("method")
     asked = split.get("val_fraction")
     what = {"source": "the source's own validation split", "token_tail": "the last tokens of the single document",
-            "document": f"{docs:,} of {total_docs:,} documents, each drawn with probability --val_fraction={asked}"}
+            "document": f"{docs:,} of {total_docs:,} documents, each drawn with probability --val_fraction={asked}"
+                        + (f" ({split['chosen_by']})" if split.get("chosen_by") else "")}
     line = (f"validation: {tokens:,} tokens ({100 * share:.2g}% of the tokens): "
             f"{what.get(method, split.get('method', 'as the source gives it'))}")
     warnings = []
@@ -699,6 +719,60 @@ def local_bytes(dataset, text_as="") -> int | None:
         return sum(os.path.getsize(f) for f in local_files(dataset, text_extensions(text_as), quiet=True))
     except (DataError, OSError):
         return None
+
+
+def local_documents(dataset, text_as="") -> int | None:
+    """How many documents a local dataset holds, counted without tokenising: a text file is one, a .jsonl line one,
+    a .parquet row one; None when a file's count is not known so cheaply (.json)."""
+    total = 0
+    for path in local_files(dataset, text_extensions(text_as), quiet=True):
+        extension = os.path.splitext(path)[1]
+        if extension == ".jsonl":
+            with open(path, "rb") as f:
+                total += sum(1 for line in f if line.strip())
+        elif extension == ".parquet":
+            import pyarrow.parquet
+
+            total += pyarrow.parquet.ParquetFile(path).metadata.num_rows
+        elif extension == ".json":
+            return None
+        else:
+            total += 1
+    return total
+
+
+def default_val_fraction(dataset, tok, seed, text_as="") -> tuple[float | None, str]:
+    """A local corpus's default --val_fraction, and why: the smallest that draws at least VAL_MIN_DOCUMENTS documents
+    (with this seed) and about VAL_MIN_TOKENS tokens, never above VAL_MOST, nor below VAL_FRACTION; None (the
+    defaults as they are) for a single document or when the documents cannot be counted cheaply."""
+    total_docs, size = local_documents(dataset, text_as), local_bytes(dataset, text_as)
+    if not total_docs or total_docs < 2 or not size:
+        return None, ""
+    first = local_files(dataset, text_extensions(text_as), quiet=True)[0]
+    with open(first, "rb") as f:
+        sample = f.read(1 << 16).decode("utf-8", errors="ignore")
+    tokens = size * len(tok.encode(sample)) / max(1, len(sample.encode()))  # an estimate from the first 64 KiB
+    for_docs = fraction_for_documents(VAL_MIN_DOCUMENTS, total_docs, seed, most=VAL_MOST) or VAL_MOST
+    fraction = min(VAL_MOST, max(VAL_FRACTION, for_docs, VAL_MIN_TOKENS / max(1.0, tokens)))
+    fraction = float(f"{fraction:.2g}")
+    return fraction, (f"the default for a local corpus of {total_docs:,} documents: at least {VAL_MIN_DOCUMENTS} "
+                      f"documents and about {VAL_MIN_TOKENS:,} tokens where it has them, at most {VAL_MOST}")
+
+
+def implied_stderr(out_dir, meta) -> float | None:
+    """The standard error of a validation loss over this split, in nats, as the unigram model (train's token
+    frequencies) shows it: the documents as units, the ratio estimator eval's perplexity reports. A loss
+    difference between two runs well inside twice it is noise. None for fewer than two documents."""
+    val = np.asarray(open_tokens(out_dir, "val"), dtype=np.int64)
+    train = np.asarray(open_tokens(out_dir, "train")[:10_000_000], dtype=np.int64)
+    counts = np.bincount(train, minlength=meta["vocab_size"]).astype(np.float64) + 1.0
+    nll = -np.log(counts / counts.sum())[val]
+    ends = np.flatnonzero(val == meta["eot_id"]) + 1
+    if len(ends) < 2:
+        return None
+    sums, n = np.add.reduceat(nll, np.r_[0, ends[:-1]]), np.diff(np.r_[0, ends]).astype(np.float64)
+    k, mean = len(n), sums.sum() / n.sum()
+    return float(math.sqrt(k / (k - 1) * ((sums - mean * n) ** 2).sum()) / n.sum())
 
 
 def write_tokens(files, rows, tok, dataset, keep_sets, max_tokens, val_fraction, num_proc, seed, quiet, size=None):
@@ -786,7 +860,7 @@ class PrepareConfig:
     tokenizer: str = "byte"  # byte, gpt2, or a Hugging Face tokenizer name or tokenizer.json path
     out_dir: str = ""  # empty: data/<dataset>_<tokenizer>
     max_tokens: int = -1  # stop after this many tokens (2_000_000 or 2e6; -1: all)
-    val_fraction: float = -1.0  # the share that becomes val.bin (-1: 0.005 of the documents, the last 0.1 of one)
+    val_fraction: float = -1.0  # the share that becomes val.bin (-1: the default, see above; the last 0.1 of one document)
     num_proc: int = 0  # tokeniser processes (0: one fewer than the cores, at most 8)
     seed: int = 0  # seed of the train/val split
     slimpajama_sets: str = ""  # comma-separated meta.redpajama_set_name values to keep (empty: all)

@@ -867,3 +867,17 @@ def test_a_jsonl_line_without_a_string_text_is_named_with_its_line_number(tmp_pa
     with pytest.raises(DataError, match=r"corpus\.jsonl, line 3: not an object with a string \"text\" field"):
         run_prepare(source, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_folders_default_validation_split_holds_enough_documents_to_compare_runs(tmp_path, capsys):
+    folder = tmp_path / "pages"
+    folder.mkdir()
+    for i in range(1532):  # as many documents as the man pages of the report, shorter
+        (folder / f"page{i}.txt").write_text(f"page {i}: " + "a line of a manual page. " * (4 + i % 7))
+    assert main([f"--dataset={folder}", f"--out_dir={tmp_path / 'out'}", "--num_proc=1"]) == 0
+    meta = load_meta(tmp_path / "out")
+    assert meta["val_documents"] >= 32 and meta["split"]["val_fraction"] <= 0.1
+    assert "the default for a local corpus of 1,532 documents" in meta["split"]["chosen_by"]
+    said = capsys.readouterr().out
+    assert f"a validation loss over it has a standard error of about {meta['val_loss_stderr']:.3g} nats" in said
+    assert 0 < meta["val_loss_stderr"] < 0.5
