@@ -375,6 +375,11 @@ def main(argv=None) -> int:
     except (ExportError, HFTokenizerError, CheckpointError, TokenizerUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a destination that cannot be written (read-only, full): nothing was put in place
+        where = e.filename or cfg.to or Path(cfg.out_dir) / "hf"
+        print(f"error: cannot write the export at {where}: {e.strerror or e}; nothing was written. Give --to a "
+              "folder you can write", file=sys.stderr)
+        return 2
     record = json.loads((folder / "export.json").read_text())
     print(f"wrote {folder}: {record['class']} ({record['why']})")
     if "drawn_per_forward" in record:

@@ -245,6 +245,9 @@ def locate_unreadable(dataset) -> str | None:
             continue
         with open(path, "rb") as f:
             for number, line in enumerate(f, start=1):
+                if b"\x00" in line:  # NUL bytes: a binary file, which no conversion makes text
+                    return (f"{path}, line {number}: a binary file (it holds NUL bytes), not text: leave it out of "
+                            "--dataset (a folder's files of other kinds are skipped unless --text_extensions names them)")
                 try:
                     text = line.decode("utf-8")
                 except UnicodeDecodeError as e:

@@ -90,6 +90,10 @@ def start_runtime(t) -> Runtime:
     if fsdp and dtype_name == "float16":
         fail("parallelism=fsdp trains in bfloat16 or float32, and this GPU has no bfloat16: use --dtype=float32 or "
              "--parallelism=ddp", status=2)
+    if device.type == "cpu" and dtype_name == "float16" and not simulate_cuda.gpu_path(device):
+        # CPU autocast in float16 with a gradient scaler: slower than float32 here and it trains worse
+        fail("--dtype=float16 on the CPU: use float32 (the CPU's default) or bfloat16; float16 is for GPUs without "
+             "bfloat16", status=2)
     dtype = getattr(torch, dtype_name)
     # under FSDP its mixed-precision policy computes in bf16 (parallelize.shard) instead of autocast
     autocast = nullcontext() if dtype == torch.float32 or fsdp else torch.autocast(device.type, dtype=dtype)

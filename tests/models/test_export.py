@@ -260,3 +260,20 @@ def test_an_sa_export_says_its_outputs_are_drawn_per_forward_and_the_determinist
         with torch.no_grad():
             logits += [hf(ids).logits, hf(ids).logits]  # no seed: nothing is drawn
     assert all(torch.equal(logits[0], other) for other in logits[1:])
+
+
+def test_an_export_into_a_read_only_folder_is_one_line(tmp_path, offline, capsys, monkeypatch):
+    import export
+
+    _, run = make_run(tmp_path / "run", CASES["llama"][0])
+    to = tmp_path / "locked" / "hf"
+
+    def read_only(prefix, dir):  # what a folder without write permission gives (the tests may run as root)
+        raise PermissionError(13, "Permission denied", str(dir))
+
+    monkeypatch.setattr(export.tempfile, "mkdtemp", read_only)
+    assert main([f"--out_dir={run}", f"--to={to}"]) == 2
+    said = capsys.readouterr().err
+    assert said.startswith(f"error: cannot write the export at {to.parent}: Permission denied") and \
+        said.count("\n") == 1
+    assert not to.exists()

@@ -881,3 +881,13 @@ def test_a_folders_default_validation_split_holds_enough_documents_to_compare_ru
     said = capsys.readouterr().out
     assert f"a validation loss over it has a standard error of about {meta['val_loss_stderr']:.3g} nats" in said
     assert 0 < meta["val_loss_stderr"] < 0.5
+
+
+def test_a_binary_file_is_named_as_binary_not_given_encoding_advice(tmp_path):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "a.txt").write_text("some text\n")
+    (folder / "b.txt").write_bytes(b"\x7fELF\x02\x01\x01\x00\x00\x00\xff\xfe binary\n")
+    with pytest.raises(DataError, match=r"b\.txt, line 1: a binary file \(it holds NUL bytes\)") as e:
+        run_prepare(folder, tmp_path / "out")
+    assert "iconv" not in str(e.value)
