@@ -116,12 +116,18 @@ def holds_run(path: Path) -> list[str]:
     return [name for name in RUN_FILES if (path / name).exists()]
 
 
-def _holder(lock_path: Path) -> str:
-    try:
-        info = json.loads(lock_path.read_text())
-        return f"PID {info['pid']}, since {info['started']}: {info['command']}"
-    except (OSError, ValueError, KeyError, TypeError):
-        return "another process"
+def _holder(lock_path: Path, wait_s: float = 1.0) -> str:
+    """Who holds the lock, from its record; a holder that has just taken it writes the record at once, so an empty
+    one is read again for up to wait_s."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            info = json.loads(lock_path.read_text())
+            return f"PID {info['pid']}, since {info['started']}: {info['command']}"
+        except (OSError, ValueError, KeyError, TypeError):
+            if time.monotonic() >= deadline:
+                return "another process, which has not said which"
+            time.sleep(0.05)
 
 
 class RunFolder:

@@ -3,6 +3,7 @@ overwritten unless asked (and then kept aside), resume from a moved folder or a 
 cannot be written, a full disk, a missing device) are one line and a non-zero exit, with nothing lost."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -237,3 +238,22 @@ def test_a_folder_that_cannot_take_the_old_run_aside_is_one_line(tmp_path, monke
 def test_a_device_this_machine_lacks_is_one_line(command, tmp_path):
     proc = run(command, "--device=mps", f"--out_dir={tmp_path / 'run'}")
     assert proc.returncode == 2 and "mps" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_run_started_at_the_same_moment_as_another_is_told_the_others_pid(tmp_path):
+    import threading
+
+    from common.run_folder import LOCK_NAME, RunFolderError, claim
+
+    first = claim(tmp_path / "run", fresh=True, command="python train.py first")
+    record = (tmp_path / "run" / LOCK_NAME).read_text()
+    (tmp_path / "run" / LOCK_NAME).write_text("")  # the first has the lock and has not written its record yet
+    writer = threading.Timer(0.2, lambda: (tmp_path / "run" / LOCK_NAME).write_text(record))
+    writer.start()
+    try:
+        with pytest.raises(RunFolderError, match=rf"in use by another training run \(PID {os.getpid()}, since .*: "
+                                                 r"python train.py first\)"):
+            claim(tmp_path / "run", fresh=True)
+    finally:
+        writer.join()
+        first.release()
