@@ -55,6 +55,7 @@ import glob
 import hashlib
 import importlib
 import json
+import logging
 import math
 import multiprocessing
 import re
@@ -227,6 +228,9 @@ def load_rows(dataset, quiet=False, split_articles=False, wikitext_val="validati
             raise DataError("--split_articles splits .txt files at their WikiText article headings; "
                             f"--dataset={dataset} is not .txt")
         return local_articles(files)
+    # a bad line: the json builder logs "row N" (counted from 0) before it raises; prepare names the file and line
+    # itself (locate_unreadable), so that log would only contradict it
+    logging.getLogger("datasets.packaged_modules.json.json").setLevel(logging.CRITICAL)
     # sample_by="document": a whole .txt file is one document, not one document per line
     options = {"sample_by": "document"} if builder == "text" else {}
     return iter(datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **options))

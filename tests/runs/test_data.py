@@ -891,3 +891,14 @@ def test_a_binary_file_is_named_as_binary_not_given_encoding_advice(tmp_path):
     with pytest.raises(DataError, match=r"b\.txt, line 1: a binary file \(it holds NUL bytes\)") as e:
         run_prepare(folder, tmp_path / "out")
     assert "iconv" not in str(e.value)
+
+
+@pytest.mark.e2e
+def test_a_bad_json_line_is_one_line_naming_the_files_line_not_the_librarys_row(tmp_path):
+    source = tmp_path / "corpus.jsonl"
+    lines = [json.dumps({"text": f"document {i} " * 5}) for i in range(3000)]
+    source.write_text("\n".join(lines[:2999] + ['{"text": "cut short'] + lines[2999:]) + "\n")
+    proc = run(["-m", "data.prepare"], f"--dataset={source}", f"--out_dir={tmp_path / 'out'}", "--num_proc=1")
+    said = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(said) == 1, proc.stderr
+    assert said[0].startswith(f"error: {source}, line 3000: not valid JSON")
