@@ -372,7 +372,10 @@ def main(argv=None) -> int:
     cfg = exit_on_config_error(parse, argv)
     try:
         folder = export_run(cfg, " ".join(["python export.py", *argv]))
-    except (ExportError, HFTokenizerError, CheckpointError, TokenizerUnavailable) as e:
+    except CheckpointError as e:  # missing or damaged: 1, as sample, eval and a resume say it
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except (ExportError, HFTokenizerError, TokenizerUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a destination that cannot be written (read-only, full): nothing was put in place

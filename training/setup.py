@@ -216,7 +216,7 @@ def read_resume_checkpoint(cfg: Config, rt: Runtime, data: RunData, out_dir: Pat
         other = out_dir / (f"ckpt_{t.resume_from}.pt" if rt.fsdp else f"ckpt_{t.resume_from}")
         hint = (f"; {other} exists: resume with --parallelism={'ddp' if rt.fsdp else 'fsdp'}, the run's own setting"
                 if other.exists() else "")
-        fail(f"cannot resume: {e}{hint}", status=2)
+        fail(f"cannot resume: {e}{hint}", status=1)  # a checkpoint that cannot be read: 1, as in sample, eval, export
     problem = tokenizer_mismatch(checkpoint_tokenizer_identity(ckpt), data.meta, data.data_dir,
                                  f"the run in {out_dir}")
     if problem:  # training on would relabel the run's checkpoints and compare losses of other token streams
