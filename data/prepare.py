@@ -750,17 +750,24 @@ def local_documents(dataset, text_as="") -> int | None:
 
 def default_val_fraction(dataset, tok, seed, text_as="") -> tuple[float | None, str]:
     """A local corpus's default --val_fraction, and why: the smallest that draws at least VAL_MIN_DOCUMENTS documents
-    (with this seed) and about VAL_MIN_TOKENS tokens, never above VAL_MOST, nor below VAL_FRACTION; None (the
+    (with this seed) and about VAL_MIN_TOKENS tokens (estimated where the files are text), never above VAL_MOST,
+    nor below VAL_FRACTION; None (the
     defaults as they are) for a single document or when the documents cannot be counted cheaply."""
     total_docs, size = local_documents(dataset, text_as), local_bytes(dataset, text_as)
     if not total_docs or total_docs < 2 or not size:
         return None, ""
     first = local_files(dataset, text_extensions(text_as), quiet=True)[0]
-    with open(first, "rb") as f:
-        sample = f.read(1 << 16).decode("utf-8", errors="ignore")
-    tokens = size * len(tok.encode(sample)) / max(1, len(sample.encode()))  # an estimate from the first 64 KiB
-    for_docs = fraction_for_documents(VAL_MIN_DOCUMENTS, total_docs, seed, most=VAL_MOST) or VAL_MOST
-    fraction = min(VAL_MOST, max(VAL_FRACTION, for_docs, VAL_MIN_TOKENS / max(1.0, tokens)))
+    for_tokens = 0.0
+    if not first.endswith(".parquet"):  # text on disk: its tokens per byte from the first 64 KiB (parquet is compressed)
+        with open(first, "rb") as f:
+            sample = f.read(1 << 16).decode("utf-8", errors="ignore")
+        tokens = size * len(tok.encode(sample)) / max(1, len(sample.encode()))
+        for_tokens = VAL_MIN_TOKENS / max(1.0, tokens)
+    if total_docs * VAL_FRACTION >= 4 * VAL_MIN_DOCUMENTS:  # plenty by chance alone: no survey of every draw
+        for_docs = VAL_FRACTION
+    else:
+        for_docs = fraction_for_documents(VAL_MIN_DOCUMENTS, total_docs, seed, most=VAL_MOST) or VAL_MOST
+    fraction = min(VAL_MOST, max(VAL_FRACTION, for_docs, for_tokens))
     fraction = float(f"{fraction:.2g}")
     return fraction, (f"the default for a local corpus of {total_docs:,} documents: at least {VAL_MIN_DOCUMENTS} "
                       f"documents and about {VAL_MIN_TOKENS:,} tokens where it has them, at most {VAL_MOST}")

@@ -50,6 +50,15 @@ def qkv(n, heads=4, dim=8, seed=0, dtype=torch.float64, device=None):
     return [torch.randn(2, heads, n, dim, generator=g, dtype=dtype, device=device).requires_grad_() for _ in range(3)]
 
 
+def weighted_fwd_bwd(fn, tensors, backward=True):
+    """fn(*tensors) and the gradients of its output weighted by a ramp over the last axis (None without backward)."""
+    if not backward:
+        return fn(*(t.detach() for t in tensors)), None
+    out = fn(*tensors)
+    weights = torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype, device=out.device)
+    return out, torch.autograd.grad((out * weights).sum(), tensors)
+
+
 def fwd_bwd(fn, tensors, backward=True):
     """fn(*tensors) and its gradients for a fixed random output gradient (None without backward)."""
     if not backward:

@@ -17,6 +17,7 @@ from attention.stochastic import (PermutedWindow, StochasticWindow, inverse_perm
 from config import ModelConfig, load_config
 from conftest import REPO, generator
 from helpers import CUDA_HEAD_DIM, LargestTensor, flex_has_backward
+from helpers import weighted_fwd_bwd as fwd_bwd  # the ramp-weighted gradients these tests were written with
 from model import GPT
 from scripts.sa import graph_stats as sa_stats
 
@@ -25,14 +26,6 @@ def qkv(n, batch=2, heads=3, dim=8, requires_grad=True, dtype=torch.float64, dev
     g = generator(n, device)
     return [torch.randn(batch, heads, n, dim, generator=g, dtype=dtype, device=device).requires_grad_(requires_grad)
             for _ in range(3)]
-
-
-def fwd_bwd(fn, tensors, backward=True):
-    if not backward:
-        return fn(*(t.detach() for t in tensors)), None
-    out = fn(*tensors)
-    weights = torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype, device=out.device)
-    return out, torch.autograd.grad((out * weights).sum(), tensors)
 
 
 def original_space_mask(order, window):

@@ -15,6 +15,7 @@ from attention.swat import AlibiBias, parse_bias, swat_slopes
 from config import ConfigError, ModelConfig, load_config
 from conftest import REPO, generator
 from helpers import CUDA_HEAD_DIM, LargestTensor, flex_has_backward
+from helpers import weighted_fwd_bwd as fwd_bwd  # the ramp-weighted gradients these tests were written with
 from model import GPT
 
 
@@ -22,14 +23,6 @@ def qkv(n, batch=2, heads=4, dim=8, dtype=torch.float32, device=None):
     g = generator(n, device)
     return [torch.randn(batch, heads, n, dim, generator=g, dtype=dtype, device=device).requires_grad_()
             for _ in range(3)]
-
-
-def fwd_bwd(fn, tensors, backward=True):
-    if not backward:
-        return fn(*(t.detach() for t in tensors)), None
-    out = fn(*tensors)
-    weights = torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype, device=out.device)
-    return out, torch.autograd.grad((out * weights).sum(), tensors)
 
 
 def test_slopes_by_schedule_and_split():

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from runtime.checkpoint import load_model
 from config import ModelConfig
-from conftest import REPO
+from conftest import REPO, TINY, train_subprocess
 from data.meta import load_meta, open_tokens
 from data.tokenizer import get_tokenizer
 from eval import niah
@@ -400,12 +400,9 @@ def test_a_ctrl_c_during_an_evaluation_ends_in_one_line_saying_what_was_written(
 @pytest.mark.e2e
 def test_an_sa_evaluation_says_its_results_are_drawn_and_sa_mode_deterministic_fixes_them(tmp_path):
     out = tmp_path / "sa"
-    proc = subprocess.run([sys.executable, "train.py", "configs/quickstart.py", f"--out_dir={out}", "--arch=llama",
-                           "--bias=False", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=64",
-                           "--attn_pattern=sa_swa,full", "--swa_window=16", "--max_iters=4", "--eval_interval=4",
-                           "--eval_iters=1", "--log_interval=4"], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    args = ["--tasks=ppl", "--ppl_lengths=64", "--ppl_max_tokens=2000"]
+    train_subprocess([*TINY, f"--out_dir={out}", "--attn_pattern=sa_swa,full", "--swa_window=16", "--max_iters=4",
+                      "--eval_interval=4"])
+    args = ["--tasks=ppl", "--ppl_lengths=32", "--ppl_max_tokens=2000"]
     drawn = [run_eval(out, *args, f"--seed={seed}") for seed in (1, 2)]
     assert all("note: the results are drawn per forward" in p.stderr for p in drawn)
     nll = lambda: json.load(open(out / "eval" / "ppl.json"))["results"]["rows"][-1]["nll"]  # noqa: E731
