@@ -27,6 +27,10 @@ the run's model on a probe sequence (float32): a mismatch past 1e-4 is refused, 
 export wrote. `--overwrite=True` replaces only such an earlier export (a folder whose export.json lists every
 file in it); a run folder, a folder holding one, or a folder with anything else in it is refused and left as it
 is. The folder and its files get the user's umask, like every other file the project writes.
+
+A variant's inference settings (those declared `Setting(..., inference=True)`, such as sa's `--sa_mode`) may be
+given: the export takes them instead of the run's (`--sa_mode=deterministic`: fixed permutations, so the exported
+model's outputs are not drawn per forward); `export.json` records them.
 """
 
 from __future__ import annotations
@@ -43,9 +47,9 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from attention.registry import layer_names
-from attention.stochastic import SA_MODES, drawn_per_forward
-from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error
+from attention.registry import SETTINGS, layer_names, validate_config
+from attention.stochastic import drawn_per_forward
+from config import ConfigError, apply_args, coerce, dataclass_fields, exit_on_config_error
 from data.tokenizer import TokenizerUnavailable
 from model import GPT
 from runtime.checkpoint import CheckpointError, git_hash, load_model, run_tokenizer
@@ -82,7 +86,6 @@ class ExportConfig:
     format: str = "auto"  # auto (transformers' own class where one is exact, else project) | project
     verify: bool = True  # reload the folder and compare logits with the run's before putting it in place
     overwrite: bool = False  # replace an earlier export at --to (never a run folder or anything else)
-    sa_mode: str = ""  # sa layers: "" the run's; deterministic: one fixed permutation per layer and length (sa_seed)
 
 
 # transformers' own classes -----------------------------------------------------------------------------------
@@ -301,16 +304,20 @@ def apply_umask(folder: Path) -> None:
         os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
 
 
-def export_run(cfg: ExportConfig, command: str = "") -> Path:
+def export_run(cfg: ExportConfig, command: str = "", settings: dict | None = None) -> Path:
     to = Path(cfg.to or Path(cfg.out_dir) / "hf")
     problem = destination_problem(to, Path(cfg.out_dir), cfg.overwrite)
     if problem:
         raise ExportError(problem)
     gpt, _, raw = load_model(cfg.out_dir, cfg.ckpt, "cpu")
     gpt = gpt.float()
-    if cfg.sa_mode and cfg.sa_mode != gpt.config.sa_mode:  # inference only: the same weights
-        weights = gpt.state_dict()
-        gpt = GPT(dataclasses.replace(gpt.config, sa_mode=cfg.sa_mode)).eval()
+    if settings:  # the variants' inference settings (sa_mode): the same weights
+        config = dataclasses.replace(gpt.config, **settings)
+        try:
+            validate_config(config)
+        except ValueError as e:
+            raise ExportError(str(e)) from None
+        weights, gpt = gpt.state_dict(), GPT(config).eval()
         gpt.load_state_dict(weights)
     tokenizer = run_tokenizer(raw)
     model, hf_tok, record = export_model(gpt, tokenizer, cfg.format)
@@ -331,6 +338,8 @@ def export_run(cfg: ExportConfig, command: str = "") -> Path:
             record["verified_max_logit_diff"] = diff
         if drawn_per_forward(gpt.config):
             record["drawn_per_forward"] = drawn_per_forward(gpt.config)
+        if settings:
+            record["inference_settings"] = settings
         record.update({"run": str(cfg.out_dir), "ckpt": raw.get("path"), "step": raw.get("step"),
                        "best_val_loss": raw.get("best_val_loss"), "tokenizer": tokenizer.identity(),
                        "git": git_hash(), "command": command,
@@ -355,23 +364,30 @@ def export_run(cfg: ExportConfig, command: str = "") -> Path:
     return to
 
 
-def parse(argv) -> ExportConfig:
+def parse(argv) -> tuple[ExportConfig, dict]:
+    """The export's options, and the variants' inference settings given (Setting.inference: --sa_mode=...), which
+    the exported model takes instead of the run's."""
+    inference = {name: setting for name, setting in SETTINGS.items() if setting.inference}
+    is_setting = lambda arg: arg.startswith("--") and arg[2:].partition("=")[0].replace("-", "_") in inference  # noqa: E731
     cfg = ExportConfig()
-    apply_args(cfg, argv, dataclass_fields(ExportConfig))
+    apply_args(cfg, [arg for arg in argv if not is_setting(arg)], dataclass_fields(ExportConfig))
     if cfg.ckpt not in ("best", "last"):
         raise ConfigError(f"ckpt={cfg.ckpt}: must be best or last")
     if cfg.format not in ("auto", "project"):
         raise ConfigError(f"format={cfg.format}: must be auto or project")
-    if cfg.sa_mode not in ("", *SA_MODES):
-        raise ConfigError(f"sa_mode={cfg.sa_mode}: must be empty (the run's) or one of {', '.join(SA_MODES)}")
-    return cfg
+    settings = {}
+    for arg in filter(is_setting, argv):
+        key, _, value = arg[2:].partition("=")
+        key = key.replace("-", "_")
+        settings[key] = coerce(key, value, inference[key].type)
+    return cfg, settings
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    cfg = exit_on_config_error(parse, argv)
+    cfg, settings = exit_on_config_error(parse, argv)
     try:
-        folder = export_run(cfg, " ".join(["python export.py", *argv]))
+        folder = export_run(cfg, " ".join(["python export.py", *argv]), settings)
     except CheckpointError as e:  # missing or damaged: 1, as sample, eval and a resume say it
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -21,13 +21,16 @@ class Setting:
     scripts/compare.py's setting columns all take it. Mixers list the settings they read in `settings`; one
     setting several variants read (swa_window) is declared once and imported by the others.
 
-    check(value) -> "" or why the value is wrong (with the fix): run for the settings some layer reads."""
+    check(value) -> "" or why the value is wrong (with the fix): run for the settings some layer reads.
+    inference: the setting changes only how a trained model infers, never its weights (sa_mode): a run may be
+    evaluated and exported under another value."""
 
     name: str
     type: type
     default: object
     help: str
     check: Callable | None = None
+    inference: bool = False
 
     def __post_init__(self):
         if self.type not in (int, float, str, bool) or type(self.default) is not self.type:

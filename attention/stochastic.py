@@ -38,11 +38,11 @@ from attention.capabilities import own_state_problem
 from attention.registry import Setting, layer_names, refuse_whole_context, register
 
 SA_MODE = Setting("sa_mode", str, "stochastic", "sa at inference: a fresh permutation every forward | deterministic "
-                  "(fixed per layer)")
+                  "(fixed per layer)", inference=True)
 SA_SHARED_BATCH = Setting("sa_shared_batch", bool, True, "sa: one permutation for the whole batch (paper 000) or one "
                           "per sequence")
 SA_SEED = Setting("sa_seed", int, 0, "sa_mode=deterministic: the fixed permutations come from this seed (training draws "
-                  "from the run's RNG)")
+                  "from the run's RNG)", inference=True)
 
 SA_MODES = ("stochastic", "deterministic")
 

@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from attention import simulate_cuda
-from attention.registry import used_settings, validate_config
+from attention.registry import SETTINGS, used_settings, validate_config
 from attention.stochastic import drawn_per_forward
 from config import (Config, ConfigError, ModelConfig, apply_args, coerce, dataclass_fields, exit_on_config_error,
                     resolve_device)
@@ -123,7 +123,8 @@ def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-INFERENCE_SETTINGS = ("sa_mode", "sa_seed")  # model settings a run may be evaluated under: inference only
+# model settings a run may be evaluated under: the variants' inference-only ones (Setting.inference)
+INFERENCE_SETTINGS = tuple(name for name, setting in SETTINGS.items() if setting.inference)
 
 
 def parse(argv) -> tuple[EvalRunConfig, dict]:
@@ -201,7 +202,8 @@ def run_ppl(e: EvalRunConfig, ctx) -> dict:
     if len(tokens) > e.ppl_max_tokens:
         print(f"ppl  scores {e.ppl_max_tokens:,} of the {len(tokens):,} validation tokens (--ppl_max_tokens): "
               + ("the first ones, as one stream" if e.ppl_stream else "documents from across the whole split"))
-    run_val_loss = None if e.hf else best_val_loss(Path(e.out_dir))
+    # the run's own number beside these, on its own validation split only (on other text it would not compare)
+    run_val_loss = best_val_loss(Path(e.out_dir)) if ctx.get("own_data") else None
     if e.ppl_stream:
         docs = [ppl_task.stream(tokens, e.ppl_max_tokens)]
     else:
@@ -230,7 +232,7 @@ def run_ppl(e: EvalRunConfig, ctx) -> dict:
                              "tokens": n}
                             for i, (v, n) in enumerate(zip(window_nll, window_tokens))]
             rows.append({**row, "window": window, "val_tokens": len(tokens),
-                         **({} if e.hf else {"run_val_loss": run_val_loss})})
+                         **({} if run_val_loss is None else {"run_val_loss": run_val_loss})})
             where = f"{e.window_key}={window:<6} " if window is not None else ""
             error = f" ± {row['nll_stderr']:.4f}" if row["nll_stderr"] is not None else ""
             print(f"ppl  L={length:<6} {where}{row['ppl']:10.4f}  (nll {row['nll']:.4f}{error}; {row['tokens']:,} tokens "
@@ -506,7 +508,7 @@ def main(argv):
               f"from the run's own, labelled data={data['name']} (in summary.md and scripts/compare.py)",
               file=sys.stderr)
     ctx = {"model": model, "cfg": cfg, "meta": meta, "tokenizer": tokenizer, "data_dir": data_dir,
-           "device": device, "with_config": with_config}
+           "device": device, "with_config": with_config, "own_data": data["own"]}
     eval_dir = Path(e.out_dir) / "eval"
     eval_dir.mkdir(parents=True, exist_ok=True)
     if e.hf:  # the evaluated model's resolved config, so scripts/compare.py reads the folder as a run

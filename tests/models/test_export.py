@@ -260,6 +260,10 @@ def test_an_sa_export_says_its_outputs_are_drawn_per_forward_and_the_determinist
         with torch.no_grad():
             logits += [hf(ids).logits, hf(ids).logits]  # no seed: nothing is drawn
     assert all(torch.equal(logits[0], other) for other in logits[1:])
+    assert json.loads((tmp_path / "fixed_a" / "export.json").read_text())["inference_settings"] == \
+        {"sa_mode": "deterministic"}
+    assert main([f"--out_dir={run}", f"--to={tmp_path / 'bad'}", "--sa_mode=sometimes"]) == 2
+    assert "sa_mode='sometimes'" in capsys.readouterr().err and not (tmp_path / "bad").exists()
 
 
 def test_an_export_into_a_read_only_folder_is_one_line(tmp_path, offline, capsys, monkeypatch):

@@ -289,24 +289,28 @@ def test_cuda_path_flex_runs_layouts_compiled_forward_and_backward(rule):
         torch.testing.assert_close(g, r, atol=2e-5, rtol=1e-4)
 
 
-@dataclass(frozen=True)
-class WindowAndGlobalTokens(EdgeRule):
-    """examples/longformer.py's rule (defined here: importing the example registers its mixer)."""
+def example_rule(name: str, monkeypatch):
+    """examples/NAME.py's module, loaded as a user drops it in, its mixer registered in a copy of the registry that
+    the test leaves behind (every other test keeps the registry's own variants)."""
+    import importlib.util
 
-    window: int = 128
-    stride: int = 128
+    from attention import registry
 
-    def allowed(self, q, k, h=None):
-        is_global = lambda t: t % self.stride == 0  # noqa: E731
-        return (k <= q) & ((q - k < self.window) | is_global(q) | is_global(k))
+    monkeypatch.setattr(registry, "MIXERS", dict(registry.MIXERS))
+    spec = importlib.util.spec_from_file_location(f"example_{name}", REPO / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def test_a_few_dense_rows_are_planned_and_run_without_an_n_by_n_tensor():
-    # the global rows attend every key: the plan's scan takes their key blocks in groups of their own, never
-    # padding every query block of a group to their width (which built (32, 64, 8192) at n = 8192)
+def test_a_few_dense_rows_are_planned_and_run_without_an_n_by_n_tensor(monkeypatch):
+    # examples/longformer.py's rule: the global rows attend every key, and the plan's scan takes their key blocks
+    # in groups of their own, never padding every query block of a group to their width (which built
+    # (32, 64, 8192) at n = 8192)
+    rule = example_rule("longformer", monkeypatch).WindowAndGlobalTokens(128, 128)
     n = 8192
     q, k, v = (torch.randn(1, 2, n, 16, device="cpu", requires_grad=True) for _ in range(3))
     with LargestTensor() as largest:
-        plan = plan_attention(WindowAndGlobalTokens(), "auto", n, 2, 16, "cpu")
+        plan = plan_attention(rule, "auto", n, 2, 16, "cpu")
         attend_planned(q, k, v, plan).sum().backward()
     assert largest.numel < n * n // 8, largest.shape

@@ -307,6 +307,10 @@ def test_evaluations_on_other_data_are_labelled_and_never_the_runs_own(tiny_run,
     ppl = {name: next(r["ppl"] for r in report["results"]["rows"] if r["setting"] == sid)
            for name, (sid, _) in by_data.items()}
     assert ppl["essay"] != ppl["embedded_byte"]
+    # the run's own validation loss stands beside its own split's cells only
+    carries = {name: "run_val_loss" in next(r for r in report["results"]["rows"] if r["setting"] == sid)
+               for name, (sid, _) in by_data.items()}
+    assert carries == {"embedded_byte": True, "essay": False}
     columns = {k: v for k, (_, v) in eval_summaries(load_local_run(run)["evals"]).items()}
     assert columns == {"ppl@L=32": ppl["embedded_byte"], "ppl@L=32 (data essay)": ppl["essay"]}
     rows, label = ppl_series(load_local_run(run)["evals"]["ppl"])
