@@ -66,6 +66,10 @@ class ModelConfig:
     attn_backend: str = "auto"  # auto (CUDA: span where every query's keys are one run, else flex; chunked on CPU;
     #                             sdpa for full) | dense | chunked | flex | sdpa | span
     attn_gate: bool = False  # sigmoid(W y) * y before the output projection (paper 000's recipe)
+    # packed documents (docs/documents.md): no attention edge or recurrent state crosses an end-of-text token,
+    # which begins the next document; positions stay the window's
+    document_mask: bool = False
+    eot_id: int = -1  # the end-of-text token that begins a document; -1: the data's (meta.json), set by train.py
 
     @property
     def head_dim(self) -> int:

@@ -102,15 +102,19 @@ def native_target(m) -> tuple[str | None, str]:
         if layers != {"full"} or pos != "learned" or m.kv_heads != m.n_head or m.attn_head_dim not in (0, m.n_embd // m.n_head) \
                 or m.qk_norm or m.qkv_bias:
             return None, "gpt2 arch with other than full attention, learned positions and plain heads"
-        return "gpt2", "gpt2 arch, full attention, learned positions: GPT2LMHeadModel computes the same"
+        return "gpt2", "gpt2 arch, full attention, learned positions: GPT2LMHeadModel computes the same" + (
+            "; document_mask: it masks no documents, so it equals the run on inputs without an end-of-text token "
+            "inside them" if m.document_mask else "")
     for problem, why in ((pos != "rope", f"{pos} positions (transformers' Llama-family classes use RoPE)"),
                          (m.bias, "bias=True (the Llama-family classes have no biases on their projections)"),
                          (m.qk_norm and m.qkv_bias, "both qk_norm and qkv_bias (Qwen3 has one, Qwen2 the other)")):
         if problem:
             return None, f"llama arch with {why}"
     family = "qwen3" if m.qk_norm else "qwen2" if m.qkv_bias else ("llama" if layers == {"full"} else "mistral")
+    unmasked = "; document_mask: it masks no documents, so it equals the run on inputs without an end-of-text " \
+               "token inside them" if m.document_mask else ""
     return family, f"llama arch, {'full attention' if layers == {'full'} else f'swa({m.swa_window})'}: " \
-                   f"{family}'s class computes the same"
+                   f"{family}'s class computes the same" + unmasked
 
 
 def native_config(m, family: str, tokenizer_ids: dict):
@@ -230,17 +234,25 @@ def export_model(gpt, tokenizer, fmt: str = "auto"):
     return model, hf_tok, {"class": type(model).__name__, "model_type": model.config.model_type, "why": why}
 
 
-def probe_ids(config, vocab_size: int) -> torch.Tensor:
-    """A sequence long enough to pass every window and block of the run (at most its block_size)."""
+def probe_ids(config, vocab_size: int, packed: bool = False) -> torch.Tensor:
+    """A sequence long enough to pass every window and block of the run (at most its block_size). A run that masks
+    documents is probed without an end-of-text token inside the sequence (what lm-eval and generate send, and all a
+    transformers class without a document mask can match), or, packed, with three (this project's class honours
+    the mask)."""
     n = min(config.block_size, 512)
-    return torch.randint(0, vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
+    if config.document_mask:
+        ids[ids == config.eot_id] = (config.eot_id + 1) % vocab_size
+        if packed:
+            ids[0, [n // 5, n // 2, n // 2 + 1]] = config.eot_id
+    return ids
 
 
 def verify(folder: Path, gpt, trust_remote_code: bool) -> float:
     """Max |logit difference| between the folder reloaded by AutoModelForCausalLM and the run's model."""
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, trust_remote_code=trust_remote_code).eval()
     gpt = gpt.float()
-    ids = probe_ids(gpt.config, gpt.config.vocab_size)
+    ids = probe_ids(gpt.config, gpt.config.vocab_size, packed=trust_remote_code)
     with torch.no_grad():  # the same seed for both: sa draws its permutations from torch's generator
         torch.manual_seed(0)
         ours, _ = gpt(ids)

@@ -9,6 +9,7 @@ at a mixer's name.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -17,6 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from attention import build_mixer, simulate_cuda
+from attention.documents import document_starts
 from attention.capabilities import set_window
 from config import ModelConfig
 
@@ -56,8 +58,11 @@ class Block(nn.Module):
         self.ln_2 = make_norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x, pos, cache=None, plan=None):
-        x = x + self.mixer(self.ln_1(x), pos, cache, plan)
+    def forward(self, x, pos, cache=None, plan=None, docs=None):
+        # docs only with document_mask: a mixer written without them still runs every model that does not mask
+        mixed = self.mixer(self.ln_1(x), pos, cache, plan) if docs is None else \
+            self.mixer(self.ln_1(x), pos, cache, plan, docs)
+        x = x + mixed
         return x + self.mlp(self.ln_2(x))
 
 
@@ -65,12 +70,21 @@ class GPT(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         assert config.vocab_size > 0, "vocab_size must be resolved (from the data's meta.json) before building"
+        if config.document_mask and not 0 <= config.eot_id < config.vocab_size:
+            raise ValueError(f"document_mask=True needs the end-of-text token: eot_id={config.eot_id} is not a token "
+                             f"of the vocabulary (0..{config.vocab_size - 1}); set --eot_id (train.py takes the data's)")
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         learned = config.resolved_pos_embedding == "learned"
         self.wpe = nn.Embedding(config.block_size, config.n_embd) if learned else None
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        if config.document_mask:
+            for block in self.blocks:
+                if "docs" not in inspect.signature(block.mixer.forward).parameters:
+                    raise ValueError(f"document_mask=True: {type(block.mixer).__name__}.forward takes no docs, so it "
+                                     "cannot stop at a document's end: give it forward(x, pos, cache=None, plan=None, "
+                                     "docs=None) (docs/documents.md), or train without document_mask")
         self.ln_f = make_norm(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -101,7 +115,8 @@ class GPT(nn.Module):
 
         With caches (one per layer, from init_caches) the call continues a sequence whose first start_pos
         tokens the caches already hold. loss_chunk > 0 computes the head and the loss loss_chunk tokens at a
-        time without keeping their logits (returned as None): see chunked_cross_entropy.
+        time without keeping their logits (returned as None): see chunked_cross_entropy. With document_mask, each
+        end-of-text token of idx begins a document that nothing before it reaches (attention/documents.py).
         """
         B, T = idx.shape
         if start_pos and caches is None:
@@ -111,15 +126,27 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of length {start_pos + T} exceeds block_size {self.config.block_size} "
                              "(learned positions cannot extrapolate)")
         x = self.embed(idx, pos)
+        docs = self.documents(idx, pos, caches)
         plans = self.plan(B, T, idx.device) if caches is None else [None] * len(self.blocks)
         for i, (block, plan) in enumerate(zip(self.blocks, plans)):
-            x = block(x, pos, None if caches is None else caches[i], plan)
+            x = block(x, pos, None if caches is None else caches[i], plan, docs)
         if loss_chunk and targets is not None:
             x = self.ln_f(x)
             count = (targets != -1).sum().clamp(min=1)
             loss = chunked_cross_entropy(x, self.lm_head.weight, targets, loss_chunk) / count
             return None, loss.to(torch.promote_types(x.dtype, torch.float32))
         return self.head(x, targets)
+
+    def documents(self, idx, pos, caches=None):
+        """Where each token's document begins (B, T), or None without document_mask; a cached call continues the
+        document its caches ended in (Caches.document)."""
+        if not self.config.document_mask:
+            return None
+        first = None if caches is None or getattr(caches, "document", None) is None else caches.document
+        docs = document_starts(idx, self.config.eot_id, pos, first)
+        if caches is not None:
+            caches.document = docs[:, -1]
+        return docs
 
     def embed(self, idx, pos):
         """Token (and learned position) embeddings of idx at positions pos: the blocks' input."""
@@ -154,7 +181,7 @@ class GPT(nn.Module):
 
     def init_caches(self, batch_size: int, max_len: int):
         p = self.wte.weight
-        return [block.mixer.init_cache(batch_size, max_len, p.device, p.dtype) for block in self.blocks]
+        return Caches(block.mixer.init_cache(batch_size, max_len, p.device, p.dtype) for block in self.blocks)
 
     def generation_bytes(self, batch_size: int, length: int, use_cache: bool = True) -> int:
         """The memory generate() holds at the end of `batch_size` sequences of `length` tokens: the token ids and,
@@ -215,6 +242,13 @@ class GPT(nn.Module):
             idx_next = sample_next(logits[:, -1, :], temperature, top_k, top_p, generator)
             idx = torch.cat((idx, idx_next), dim=1)
         return idx
+
+
+class Caches(list):
+    """Every layer's generation state, in order, and (with document_mask) the document each row's last token is
+    in: `document`, (B,) positions, None before the first call."""
+
+    document = None
 
 
 def _tensors(value):

@@ -13,7 +13,10 @@ and gated by SiLU(W_g x). Three forms, equal to float tolerance (tests), in atte
     fla         fla's Triton chunk kernel (the same chunked algorithm; fla_kernel.py): gdn_kernel=auto uses it for
                 bf16/fp16 activations on CUDA when the package is installed, gdn_kernel=fla on any CUDA input; on
                 the CPU standing in for CUDA (attention/simulate_cuda.py) its stand-in, fla_chunk_stand_in
-The short convolutions are conv.py's causal_conv.
+The short convolutions are conv.py's causal_conv. With packed documents (docs, attention/documents.py) every
+document starts from a zero state and its first tokens' convolutions read none of the previous document's
+inputs: exactly in the native forms, and in fla's kernel (which takes no documents but as cu_seqlens, built on
+the host) by a decay of RESTART_LOG_DECAY at a document's first token.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attention import simulate_cuda
+from attention.documents import begins_document
 from attention.memory import F32, linear_inputs, padded
 from attention.ops.gated_deltanet.chunk import chunked_gated_delta_rule
 from attention.ops.gated_deltanet.conv import causal_conv
@@ -39,6 +43,12 @@ GDN_KERNEL = Setting("gdn_kernel", str, "auto", "gated_deltanet: auto (fla's chu
                      "installed) | native | fla")
 
 KERNELS = ("auto", "native", "fla")
+# fla's kernel takes packed documents only as cu_seqlens, whose chunk indices it builds on the host (a
+# synchronisation): the log decay at a document's first token is set to this instead, which keeps exp(-30) ~ 1e-13
+# of the state before it. Finite, as the kernel takes differences of cumulative decays, which -inf would make
+# NaN; and no larger than it needs to be, as their float32 rounding grows with it (outputs within 1e-5 of the
+# exact form's). The native forms restart exactly
+RESTART_LOG_DECAY = -30.0
 
 
 @dataclass
@@ -162,13 +172,15 @@ class GatedDeltaNet(RecurrentMixer):
                                   "CUDA machine (pip install -r requirements-gpu.txt) and train in bfloat16 for "
                                   "fla's chunk kernel")
 
-    def forward(self, x, pos, cache=None, plan=None):
+    def forward(self, x, pos, cache=None, plan=None, docs=None):
         B, T, C = x.shape
         H, D = self.n_head, self.head_dim
         conv = (None, None, None) if cache is None or cache.conv is None else cache.conv
-        q, q_state = causal_conv(self.c_q(x), self.q_conv.weight, conv[0])
-        k, k_state = causal_conv(self.c_k(x), self.k_conv.weight, conv[1])
-        v, v_state = causal_conv(self.c_v(x), self.v_conv.weight, conv[2])
+        reach = None if docs is None else pos - docs  # the earlier tokens of each token's document
+        starts = None if docs is None else begins_document(docs, pos)
+        q, q_state = causal_conv(self.c_q(x), self.q_conv.weight, conv[0], reach)
+        k, k_state = causal_conv(self.c_k(x), self.k_conv.weight, conv[1], reach)
+        v, v_state = causal_conv(self.c_v(x), self.v_conv.weight, conv[2], reach)
         q, k, v = (F.silu(t).view(B, T, H, D) for t in (q, k, v))
         # the state sums many decayed terms: keep the recurrence in float32 or better under autocast
         compute = torch.promote_types(v.dtype, torch.float32)
@@ -180,6 +192,9 @@ class GatedDeltaNet(RecurrentMixer):
         if kernel is not None:
             beta = torch.sigmoid(beta_logit)
             g = -self.A_log.to(compute).exp() * F.softplus(decay_logit)
+            if starts is not None:  # fla's kernel takes no document starts: its decay forgets the state there
+                forgets = starts if previous is not None else starts & (torch.arange(T, device=x.device) > 0)
+                g = torch.where(forgets[..., None], RESTART_LOG_DECAY, g)
             y, state = kernel(q, k, v, g, beta.to(v.dtype), scale=D ** -0.5, initial_state=previous,
                               output_final_state=cache is not None, use_qk_l2norm_in_kernel=True)
             y = y.to(compute)
@@ -194,9 +209,9 @@ class GatedDeltaNet(RecurrentMixer):
             # autocast would run the products with the state (and build A) in bf16 again
             with torch.autocast(x.device.type, enabled=False):
                 if cache is not None and T == 1:
-                    y, state = recurrent_gated_delta_rule(q, k, v32, g, beta, previous)
+                    y, state = recurrent_gated_delta_rule(q, k, v32, g, beta, previous, starts)
                 else:
-                    y, state = chunked_gated_delta_rule(q, k, v32, g, beta, previous, self.chunk)
+                    y, state = chunked_gated_delta_rule(q, k, v32, g, beta, previous, self.chunk, starts)
             y = y.transpose(1, 2)
         if cache is not None:
             cache.state = state.to(compute)

@@ -59,7 +59,7 @@ import torch
 
 from attention.edges import EdgeRule
 from attention.ops.chunked.kernel import ChunkedKernel
-from attention.ops.contract import AttentionCall, AttentionPlan, Kernel, KernelRefused
+from attention.ops.contract import AttentionCall, AttentionPlan, Kernel, KernelRefused, full_problem
 from attention.ops.dense import DenseKernel, SdpaKernel
 from attention.ops.flex.kernel import FlexKernel
 from attention.ops.span.kernel import SpanKernel, span_available
@@ -110,7 +110,7 @@ def auto_kernels(call: AttentionCall):
     """The kernels auto would run for a call, best first: those of AUTO_ORDER that suit it and can run it."""
     for name in AUTO_ORDER:
         kernel = KERNELS[name]
-        if kernel.suits(call) and not kernel.problem(call):
+        if kernel.suits(call) and not full_problem(kernel, call):
             yield kernel
 
 
@@ -119,11 +119,12 @@ def in_place_of(kernel: Kernel, call: AttentionCall) -> Kernel:
     return next((other for other in KERNELS.values() if kernel.name in other.replaces and other.suits(call)), kernel)
 
 
-def resolve_backend(name: str, rule: EdgeRule, device: torch.device, head_dim: int = 64) -> str:
+def resolve_backend(name: str, rule: EdgeRule, device: torch.device, head_dim: int = 64,
+                    documents: bool = False) -> str:
     """The kernel attn_backend=name picks for a rule on a device, before planning (auto: its first choice)."""
     if name != "auto":
         return name
-    return next(auto_kernels(AttentionCall(rule, 0, 1, head_dim, str(device)))).name
+    return next(auto_kernels(AttentionCall(rule, 0, 1, head_dim, str(device), documents=documents))).name
 
 
 def plans_in(plan) -> list[AttentionPlan]:
@@ -139,21 +140,25 @@ def plans_in(plan) -> list[AttentionPlan]:
 
 
 def plan_attention(rule: EdgeRule, backend: str, n: int, n_head: int, head_dim: int, device, start: int = 0,
-                   score_mod=None, activation: str = "softmax", chunk: int = 0) -> AttentionPlan:
+                   score_mod=None, activation: str = "softmax", chunk: int = 0,
+                   documents: bool = False) -> AttentionPlan:
     """The plan attend_planned runs for attention of n queries at positions start.. under rule (see
     AttentionPlan): the kernel attn_backend names (or auto's first choice that plans it), or the one that runs
-    in its place. Call it outside compiled code; it refuses to run while torch.compile traces."""
+    in its place. documents: run() will get each batch's documents (attention/documents.py). Call it outside
+    compiled code; it refuses to run while torch.compile traces."""
     if activation not in ("softmax", "sigmoid"):
         raise ValueError(f"unknown attention activation {activation!r}: expected softmax or sigmoid")
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}: expected one of {', '.join(BACKENDS)}")
-    call = AttentionCall(rule, n, n_head, head_dim, str(device), start, score_mod, activation, chunk)
+    call = AttentionCall(rule, n, n_head, head_dim, str(device), start, score_mod, activation, chunk, documents)
     if backend != "auto":
-        problem = KERNELS[backend].problem(call)
+        problem = full_problem(KERNELS[backend], call)
         if problem:
             raise ValueError(f"attn_backend={backend}: {problem}")
     for chosen in auto_kernels(call) if backend == "auto" else [KERNELS[backend]]:
         kernel = in_place_of(chosen, call)
+        if kernel is not chosen and full_problem(kernel, call):
+            kernel = chosen
         try:
             data = kernel.plan(call)
         except KernelRefused as refused:
@@ -161,7 +166,7 @@ def plan_attention(rule: EdgeRule, backend: str, n: int, n_head: int, head_dim: 
                 raise ValueError(f"attn_backend={backend}: {refused}") from None
             continue  # auto: the next best
         return AttentionPlan(kernel.name, call, data)
-    raise AssertionError("the chunked kernel suits every call")  # auto_kernels ends with it
+    raise AssertionError("the chunked kernel suits every call and masks documents")  # auto_kernels ends with it
 
 
 def computed_scores(plan: AttentionPlan, n_head: int) -> int:
@@ -184,16 +189,22 @@ def layer_scores(mixer, seq_len: int, device="cpu") -> tuple[str, float | None]:
 
 
 def attend(q, k, v, rule: EdgeRule, backend: str, start: int = 0, score_mod=None, activation="softmax",
-           dropout_p: float = 0.0, chunk: int = 0, plan: AttentionPlan | None = None):
+           dropout_p: float = 0.0, chunk: int = 0, plan: AttentionPlan | None = None, docs=None):
     """Attention of q over k, v (B, H, T, D) at positions start..start+T-1 under rule, with one backend (or the
-    given plan, built by plan_attention for these arguments)."""
+    given plan, built by plan_attention for these arguments); docs: each token's document (attention/documents.py)
+    to mask edges between documents, or None."""
     if plan is None:
         plan = plan_attention(rule, backend, q.shape[2], q.shape[1], q.shape[3], q.device, start, score_mod,
-                              activation, chunk)
-    return attend_planned(q, k, v, plan, dropout_p)
+                              activation, chunk, documents=docs is not None)
+    return attend_planned(q, k, v, plan, dropout_p, docs)
 
 
-def attend_planned(q, k, v, plan: AttentionPlan, dropout_p: float = 0.0):
+def attend_planned(q, k, v, plan: AttentionPlan, dropout_p: float = 0.0, docs=None):
     """Run a plan from plan_attention on q (B, H, n, D) and k, v (B, H or fewer, n, D: grouped-query attention,
-    which SDPA and FlexAttention take as it is and the other kernels with k and v repeated)."""
-    return KERNELS[plan.kernel].run(q, k, v, plan, dropout_p)
+    which SDPA and FlexAttention take as it is and the other kernels with k and v repeated); docs (B, n) for a
+    plan made with documents (and only then)."""
+    if (docs is not None) != plan.documents:
+        raise ValueError("a plan made with documents runs with docs, and one made without runs without them")
+    if docs is None:
+        return KERNELS[plan.kernel].run(q, k, v, plan, dropout_p)
+    return KERNELS[plan.kernel].run(q, k, v, plan, dropout_p, docs)

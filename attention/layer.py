@@ -13,6 +13,7 @@ from torch import nn
 
 from attention.cache import KVCache, RollingKVCache
 from attention.capabilities import EdgeCounts, own_state_problem
+from attention.documents import keys_in_document, packed_document_starts
 from attention.edges import AnyOf, EdgeRule
 from attention.kernels import BACKENDS, attend_planned, plan_attention
 from attention.memory import attention_saved
@@ -51,8 +52,9 @@ class Attention(Mixer):
         self.rope_theta = config.rope_theta if config.resolved_pos_embedding == "rope" else None
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
+        self.document_mask = config.document_mask  # its plans are made for calls with documents
 
-    def forward(self, x, pos, cache=None, plan=None):
+    def forward(self, x, pos, cache=None, plan=None, docs=None):
         B, T, _ = x.shape
         q, k, v = (t.view(B, T, -1, self.head_dim) for t in self.c_attn(x).split(self.split, dim=2))
         if self.q_norm is not None:
@@ -62,14 +64,16 @@ class Attention(Mixer):
             q, k = apply_rope(q, pos, self.rope_theta), apply_rope(k, pos, self.rope_theta)
         if not self.native_gqa:  # grouped-query: each k/v head serves n_head / n_kv_head consecutive query heads
             k, v = repeat_kv(q, k, v)
-        return self.resid_dropout(self.c_proj(self.mix(q, k, v, pos, cache, plan)))
+        return self.resid_dropout(self.c_proj(self.mix(q, k, v, pos, cache, plan, docs)))
 
-    def mix(self, q, k, v, pos, cache, plan=None):
+    def mix(self, q, k, v, pos, cache, plan=None, docs=None):
         """Per-head q, k, v (B, H, T, D) -> the (B, T, C) input of the output projection: attention, heads
         merged, then the gate. Multi-path variants (sa_swa) override it to gate and sum their paths."""
-        return gated(self.gate, merge_heads(self.attend(q, k, v, pos, cache, plan)))
+        return gated(self.gate, merge_heads(self.attend(q, k, v, pos, cache, plan, docs)))
 
-    def attend(self, q, k, v, pos, cache, plan=None):
+    def attend(self, q, k, v, pos, cache, plan=None, docs=None):
+        """Per-head outputs (B, H, T, D). docs (B, T): where each token's document begins (attention/documents.py),
+        given when the model masks documents (then no edge crosses from one document into another), else None."""
         raise NotImplementedError
 
     def pretrained_problem(self):
@@ -86,15 +90,18 @@ class Attention(Mixer):
         return 4 * self.head_dim * edges / seq_len
 
     def kernel_inputs(self, batch, seq_len, device, dtype, generator=None):
-        # heads-first views of (B, n, H, D) projections, as the layer passes them (not contiguous copies)
+        # heads-first views of (B, n, H, D) projections, as the layer passes them (not contiguous copies); with
+        # document_mask, packed documents of 200-3000 tokens too
         shape = (batch, seq_len, self.n_head, self.head_dim)
-        return tuple(torch.randn(shape, generator=generator, device=device, dtype=dtype).transpose(1, 2)
-                     .detach().requires_grad_() for _ in range(3))
+        qkv = tuple(torch.randn(shape, generator=generator, device=device, dtype=dtype).transpose(1, 2)
+                    .detach().requires_grad_() for _ in range(3))
+        return (*qkv, packed_document_starts(batch, seq_len, device=device)) if self.document_mask else qkv
 
-    def kernel_forward(self, q, k, v):
-        """attend() at positions 0.. with the plan GPT.forward would make (sa draws its permutation here)."""
+    def kernel_forward(self, q, k, v, docs=None):
+        """attend() at positions 0.. with the plan GPT.forward would make (sa draws its permutation here); docs as
+        attend() takes them (a layer built with document_mask needs them)."""
         B, _, T, _ = q.shape
-        return self.attend(q, k, v, torch.arange(T, device=q.device), None, self.plan(B, T, q.device))
+        return self.attend(q, k, v, torch.arange(T, device=q.device), None, self.plan(B, T, q.device), docs)
 
 
 def merge_heads(y):
@@ -133,25 +140,28 @@ class MaskedAttention(Attention):
     def plan(self, batch_size, seq_len, device, start: int = 0):
         """One AttentionPlan per path (attention/kernels.py): its masks, built once per length and rule."""
         return tuple(plan_attention(rule, self.backend, seq_len, self.n_head, self.head_dim, device, start,
-                                    score_mod=self.score_mod(device), activation=self.activation)
+                                    score_mod=self.score_mod(device), activation=self.activation,
+                                    documents=self.document_mask)
                      for rule in self.paths())
 
-    def attend(self, q, k, v, pos, cache, plan=None):
+    def attend(self, q, k, v, pos, cache, plan=None, docs=None):
         """The sum of attention under each of the paths' rules, each normalised on its own."""
         dropout_p = self.dropout if self.training else 0.0
         if cache is None or (cache.empty and q.shape[2] > 1):  # training, or a prompt's first pass (from 0)
             plan = plan or self.plan(q.shape[0], q.shape[2], q.device, 0 if cache is None else int(pos[0]))
-            y = sum(attend_planned(q, k, v, path, dropout_p) for path in plan)
+            y = sum(attend_planned(q, k, v, path, dropout_p, docs) for path in plan)
             if cache is not None:
                 cache.update(k, v, pos)
             return y
         keys, values, key_pos = cache.update(k, v, pos)
-        return self.attend_cached(q, keys, values, pos, key_pos)
+        return self.attend_cached(q, keys, values, pos, key_pos, docs)
 
-    def attend_cached(self, q, keys, values, pos, key_pos):
+    def attend_cached(self, q, keys, values, pos, key_pos, docs=None):
         """New queries at positions pos over cached keys at key_pos (-1: an empty slot): generation's step, here
-        and inside a pretrained model (attention/hf.py)."""
-        return sum(masked_attention(q, keys, values, rule.dense_mask(pos, key_pos, self.n_head) & (key_pos >= 0),
+        and inside a pretrained model (attention/hf.py); docs (B, T) of the new queries: the keys of earlier
+        documents are left out."""
+        valid = (key_pos >= 0) if docs is None else keys_in_document(docs, key_pos)
+        return sum(masked_attention(q, keys, values, rule.dense_mask(pos, key_pos, self.n_head) & valid,
                                     pos, key_pos, self.score_mod(q.device), self.activation) for rule in self.paths())
 
     def edge_rule(self) -> EdgeRule:

@@ -9,6 +9,8 @@ attention/ops/linear (the feature map: feature_map.py):
     quadratic   the reference, O(n^2): (1 + t + t^2/2) causally masked, rows normalised (naive.py)
     chunked     training, O(n): exact within chunks, the running state (S, z) between them (chunk.py)
     recurrent   generation: one token at a time from the state, constant memory (recurrent.py)
+With packed documents (docs, attention/documents.py) every document's first token starts from a zero state, in
+every form.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from attention.documents import begins_document
 from attention.memory import F32, linear_inputs, padded, rope_tables
 from attention.ops.linear.chunk import chunked_linear_attention
 from attention.ops.linear.recurrent import recurrent_linear_attention
@@ -61,8 +64,9 @@ class TaylorLinearAttention(RecurrentMixer):
         self.rope_theta = config.rope_theta if config.resolved_pos_embedding == "rope" else None
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, pos, cache=None, plan=None):
+    def forward(self, x, pos, cache=None, plan=None, docs=None):
         B, T, C = x.shape
+        starts = None if docs is None else begins_document(docs, pos)
         q, k = (t.view(B, T, self.n_head, self.feature_dim).transpose(1, 2)
                 for t in self.c_qk(x).split(self.n_head * self.feature_dim, dim=2))
         v = self.c_v(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
@@ -73,9 +77,9 @@ class TaylorLinearAttention(RecurrentMixer):
         q, k, v32 = q.to(compute), k.to(compute), v.to(compute)
         previous = None if cache is None else cache.state
         if cache is not None and T == 1:
-            y, state = recurrent_linear_attention(q, k, v32, previous)
+            y, state = recurrent_linear_attention(q, k, v32, previous, starts)
         else:
-            y, state = chunked_linear_attention(q, k, v32, previous, self.chunk)
+            y, state = chunked_linear_attention(q, k, v32, previous, self.chunk, starts)
         if cache is not None:
             cache.state = state
         y = y.to(v.dtype).transpose(1, 2).reshape(B, T, C)

@@ -24,6 +24,11 @@ own, which sends no gradient through the normaliser max(|n . q|, exp(-m)): dv is
 differ from the exact gradient where |n . q| is the larger term (tests/layers/test_mlstm.py). mlstm_kernel=native
 trains with the exact gradient. Its two ops have CPU stand-ins with the same output
 contract, which run on the CPU standing in for CUDA (attention/simulate_cuda.py).
+
+With packed documents (docs, attention/documents.py) every document's first token starts from the zero state
+(m = 0), as if the sequence began there: the three forms exactly (masks inside chunks, the state dropped
+between them); the Triton kernel, which takes no documents, with the forget gate closed at that token (op.py's
+RESTART_FORGET, within float32 rounding of the exact forms).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attention import simulate_cuda
+from attention.documents import begins_document
 from attention.memory import F32, linear_inputs, padded
 from attention.ops.mlstm.op import (TRITON_CHUNK, mlstm_sequence, triton_available, triton_head_problem,
                                     triton_runs_on)
@@ -138,8 +144,9 @@ class MLSTMLayer(RecurrentMixer):
         with torch.no_grad():
             self.f_gate.bias.copy_(torch.linspace(3.0, 6.0, self.n_head))
 
-    def forward(self, x, pos, cache=None, plan=None):
+    def forward(self, x, pos, cache=None, plan=None, docs=None):
         B, T, C = x.shape
+        starts = None if docs is None else begins_document(docs, pos)
         q = self.q(x).view(B, T, self.n_head, -1).transpose(1, 2)
         k = self.k(x).view(B, T, self.n_head, -1).transpose(1, 2)
         v = self.v(x).view(B, T, self.n_head, -1).transpose(1, 2)
@@ -152,19 +159,19 @@ class MLSTMLayer(RecurrentMixer):
         with torch.autocast(x.device.type, enabled=False):
             if not triton:
                 q, k, v = (t.to(compute) for t in (q, k, v))
-            h = self.cell(q, k, v, i.to(compute), f.to(compute), cache, "triton" if triton else "native")
+            h = self.cell(q, k, v, i.to(compute), f.to(compute), cache, "triton" if triton else "native", starts)
             h = h.to(compute)
             # per-head LayerNorm without bias, weight shared layout with xLSTM 7B's MultiHeadLayerNorm
             h = F.layer_norm(h.transpose(1, 2), (self.v_head_dim,), eps=NORM_EPS).reshape(B, T, C)
         h = (h * self.norm_weight.to(compute)).to(activation)
         return self.resid_dropout(self.c_proj(torch.sigmoid(self.o_gate(x)) * h))
 
-    def cell(self, q, k, v, i, f, cache, kernel="native"):
+    def cell(self, q, k, v, i, f, cache, kernel="native", starts=None):
         if cache is not None and q.shape[2] == 1:
-            h, cache.state = recurrent_mlstm(q, k, v, i, f, cache.state)
+            h, cache.state = recurrent_mlstm(q, k, v, i, f, cache.state, starts=starts)
             return h
         h, state = mlstm_sequence(q, k, v, i, f, None if cache is None else cache.state, self.chunk, kernel,
-                                  need_state=cache is not None)
+                                  need_state=cache is not None, starts=starts)
         if cache is not None:
             cache.state = state
         return h

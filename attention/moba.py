@@ -19,6 +19,10 @@ head that chose it, in one batched matmul. O(n c k) scores, each group's only wh
 keeps q, k, v, the output and one log-sum-exp per query (memory and time within 2x of swa at c k keys per
 query: docs/benchmarks.md). Generation keeps every key (a full KV cache): a new query may choose any earlier
 block.
+
+With packed documents (document_mask) a query chooses among the blocks its document overlaps, each scored by the
+mean of the document's keys in it (the block where the document begins may hold keys of the one before), and
+attends to its document's keys alone; every kernel takes docs (naive.py).
 """
 
 from __future__ import annotations
@@ -57,8 +61,8 @@ class MixtureOfBlockAttention(Attention):
     def pretrained_problem(self):
         return ""  # no parameters of its own: the block choice reads the model's own q and k
 
-    def attend_cached(self, q, keys, values, pos, key_pos):
-        return self.attend_over(q, keys, values, pos)
+    def attend_cached(self, q, keys, values, pos, key_pos, docs=None):
+        return self.attend_over(q, keys, values, pos, docs=docs)
 
     @classmethod
     def check_config(cls, config):
@@ -79,20 +83,20 @@ class MixtureOfBlockAttention(Attention):
         guards on the answer instead of asking the environment at every call)."""
         return self.uses_triton(device)
 
-    def attend(self, q, k, v, pos, cache, plan=None):
+    def attend(self, q, k, v, pos, cache, plan=None, docs=None):
         if cache is not None:
             k, v, _ = cache.update(k, v, pos)
-        return self.attend_over(q, k, v, pos, self.kernel, plan)
+        return self.attend_over(q, k, v, pos, self.kernel, plan, docs)
 
-    def attend_over(self, q, keys, values, pos, kernel=None, triton=None):
+    def attend_over(self, q, keys, values, pos, kernel=None, triton=None, docs=None):
         """Queries at positions pos over the keys at 0 .. len - 1 (a prompt, or decoding over a cache). triton:
-        plan()'s answer (None: asked now)."""
+        plan()'s answer (None: asked now); docs (B, Tq): where each query's document begins, or None."""
         dropout_p = self.dropout if self.training else 0.0
         triton = self.uses_triton(q.device) if triton is None else triton
         if kernel is moba_blockwise and triton and q.shape[2] == keys.shape[2] and dropout_p == 0:
-            return moba_attention(q, keys, values, self.block, self.topk)  # training and prompts, on CUDA
-        chosen = moba_choose(q, keys, pos, self.block, self.topk)
-        return (kernel or moba_dense)(q, keys, values, pos, chosen, self.block, dropout_p)
+            return moba_attention(q, keys, values, self.block, self.topk, docs)  # training and prompts, on CUDA
+        chosen = moba_choose(q, keys, pos, self.block, self.topk, docs)
+        return (kernel or moba_dense)(q, keys, values, pos, chosen, self.block, dropout_p, docs)
 
     def uses_triton(self, device) -> bool:
         """Whether training and prompts run the Triton kernels (attention/ops/moba): on CUDA (and the CPU standing

@@ -56,10 +56,12 @@ class Mixer(nn.Module):
     """A token mixer (attention variant or recurrent layer): the runtime core the model, training and generation
     use. Everything a tool asks beyond it is an optional capability (attention/capabilities.py).
 
-    forward(x, pos, cache=None, plan=None) -> y
+    forward(x, pos, cache=None, plan=None, docs=None) -> y
         x: (B, T, C) normalised block input; pos: (T,) absolute positions of x's tokens (used for RoPE and
         position-dependent masks); cache: the object from init_cache, updated in place, during generation;
-        plan: what plan(B, T, device) returned for this forward (None: the mixer plans for itself).
+        plan: what plan(B, T, device) returned for this forward (None: the mixer plans for itself);
+        docs: (B, T) where each token's document begins (attention/documents.py), given when the model masks
+        documents (config.document_mask): no edge and no state may cross from one document into the next.
     plan(batch_size, seq_len, device) -> what forward needs that depends only on the shape and device (masks,
         tiles, block masks) or is drawn once per forward (sa's permutation). GPT.forward calls it before the
         blocks run, outside compiled code, so compiled blocks get their masks as inputs (built once per shape
@@ -122,7 +124,7 @@ class Mixer(nn.Module):
         """A line for the start-up summary (e.g. per-head windows); empty when there is nothing to add."""
         return ""
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, cache=None, plan=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, cache=None, plan=None, docs=None) -> torch.Tensor:
         raise NotImplementedError
 
 

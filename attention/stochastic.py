@@ -150,28 +150,33 @@ class StochasticPlan:
     attention: AttentionPlan
 
 
-def plan_stochastic(order, window: int, backend: str, n_head: int, head_dim: int, device) -> StochasticPlan:
+def plan_stochastic(order, window: int, backend: str, n_head: int, head_dim: int, device,
+                    documents: bool = False) -> StochasticPlan:
     n = order.shape[0]
     if backend == "dense":  # the reference: every pair, in original positions
         return StochasticPlan(order, None, plan_attention(StochasticWindow(inverse_permutation(order), window),
-                                                          "dense", n, n_head, head_dim, device))
+                                                          "dense", n, n_head, head_dim, device, documents=documents))
     if n // 2 <= stochastic_halo(window):  # every slot is inside every window: plain causal attention
-        return StochasticPlan(order, None, plan_attention(SlidingWindow(n), backend, n, n_head, head_dim, device))
+        return StochasticPlan(order, None, plan_attention(SlidingWindow(n), backend, n, n_head, head_dim, device,
+                                                          documents=documents))
     layout = Layout(order, stochastic_halo(window))
     rule = PermutedWindow(order, window)  # its token at every row is the layout's
-    return StochasticPlan(order, layout, plan_attention(rule, backend, layout.rows, n_head, head_dim, device))
+    return StochasticPlan(order, layout, plan_attention(rule, backend, layout.rows, n_head, head_dim, device,
+                                                        documents=documents))
 
 
 def stochastic_attention(q, k, v, order, window: int, backend: str, dropout_p: float = 0.0,
-                         plan: StochasticPlan | None = None):
+                         plan: StochasticPlan | None = None, docs=None):
     """sa(window) of q, k, v (B, H, n, D) with the tokens in slot order `order` (n,): slot s holds token
-    order[s], shared by the batch and the heads (plan: plan_stochastic's for these arguments)."""
+    order[s], shared by the batch and the heads (plan: plan_stochastic's for these arguments); docs (B, n):
+    each token's document, which the kernel reads in the layout's row order (same document: equal values)."""
     if plan is None:
-        plan = plan_stochastic(order, window, backend, q.shape[1], q.shape[3], q.device)
+        plan = plan_stochastic(order, window, backend, q.shape[1], q.shape[3], q.device, docs is not None)
     if plan.layout is None:
-        return attend_planned(q, k, v, plan.attention, dropout_p)
+        return attend_planned(q, k, v, plan.attention, dropout_p, docs)
     q, k, v = (to_layout(t, plan.layout) for t in (q, k, v))
-    return from_layout(attend_planned(q, k, v, plan.attention, dropout_p), plan.layout)
+    docs = None if docs is None else docs.index_select(1, plan.layout.token.to(docs.device))
+    return from_layout(attend_planned(q, k, v, plan.attention, dropout_p, docs), plan.layout)
 
 
 def stochastic_edge_count(n: int, window: int) -> int:
@@ -234,7 +239,8 @@ class StochasticAttention(Attention):
         sequence."""
         orders = self.draw_orders(batch_size, seq_len, device)
         self.last_order = orders
-        return tuple(plan_stochastic(order, self.window, self.backend, self.n_head, self.head_dim, device)
+        return tuple(plan_stochastic(order, self.window, self.backend, self.n_head, self.head_dim, device,
+                                     self.document_mask)
                      for order in (orders[None] if orders.dim() == 1 else orders))
 
     def plan(self, batch_size, seq_len, device, start=0):
@@ -243,15 +249,16 @@ class StochasticAttention(Attention):
     def compile_key(self):  # the permutation is an input of the compiled block, drawn anew at every step
         return (type(self).__name__, self.window, self.swa_rule)
 
-    def attend(self, q, k, v, pos, cache, plan=None):
+    def attend(self, q, k, v, pos, cache, plan=None, docs=None):
         if cache is not None:
             raise NotImplementedError("sa draws a new permutation every forward: generate without a cache")
         dropout_p = self.dropout if self.training else 0.0
         plans = plan if plan is not None else self.sa_plans(q.shape[0], q.shape[2], q.device)
         if len(plans) == 1:
-            return stochastic_attention(q, k, v, None, self.window, self.backend, dropout_p, plans[0])
+            return stochastic_attention(q, k, v, None, self.window, self.backend, dropout_p, plans[0], docs)
         return torch.cat([stochastic_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], None, self.window,
-                                               self.backend, dropout_p, plans[b]) for b in range(q.shape[0])])
+                                               self.backend, dropout_p, plans[b],
+                                               None if docs is None else docs[b:b + 1]) for b in range(q.shape[0])])
 
     def init_cache(self, batch_size, max_len, device, dtype):
         raise NotImplementedError("sa draws a new permutation every forward: generate with use_cache=False")
@@ -313,21 +320,21 @@ class GatedStochasticSlidingAttention(StochasticAttention):
 
     def plan(self, batch_size, seq_len, device, start=0):
         return self.sa_plans(batch_size, seq_len, device), plan_attention(
-            self.swa_rule, self.backend, seq_len, self.n_head, self.head_dim, device)
+            self.swa_rule, self.backend, seq_len, self.n_head, self.head_dim, device, documents=self.document_mask)
 
-    def mix(self, q, k, v, pos, cache, plan=None):
+    def mix(self, q, k, v, pos, cache, plan=None, docs=None):
         dropout_p = self.dropout if self.training else 0.0
         sa_plans, swa_plan = plan if plan is not None else self.plan(q.shape[0], q.shape[2], q.device)
-        y_sa = merge_heads(self.attend(q, k, v, pos, cache, sa_plans))
-        y_swa = merge_heads(attend_planned(q, k, v, swa_plan, dropout_p))
+        y_sa = merge_heads(self.attend(q, k, v, pos, cache, sa_plans, docs))
+        y_swa = merge_heads(attend_planned(q, k, v, swa_plan, dropout_p, docs))
         return torch.sigmoid(self.gate_sa(y_sa)) * y_sa + torch.sigmoid(self.gate_swa(y_swa)) * y_swa
 
-    def kernel_forward(self, q, k, v):
+    def kernel_forward(self, q, k, v, docs=None):
         """Both paths over the same q, k, v, summed (their gates are projections, left out)."""
         B, _, T, _ = q.shape
         pos = torch.arange(T, device=q.device)
         sa_plans, swa_plan = self.plan(B, T, q.device)
-        return self.attend(q, k, v, pos, None, sa_plans) + attend_planned(q, k, v, swa_plan)
+        return self.attend(q, k, v, pos, None, sa_plans, docs) + attend_planned(q, k, v, swa_plan, docs=docs)
 
     def pretrained_problem(self):
         return own_state_problem(self)  # its two path gates are parameters of its own

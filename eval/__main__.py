@@ -502,6 +502,9 @@ def main(argv):
     if drawn_per_forward(cfg.model):
         print(f"note: the results are drawn per forward: {drawn_per_forward(cfg.model)} (and --seed)",
               file=sys.stderr)
+    if cfg.model.document_mask:
+        print(f"note: scored with the run's document mask (document_mask=True, eot_id={cfg.model.eot_id}): each "
+              "end-of-text token begins a document that nothing before it in the window reaches", file=sys.stderr)
     data = data_record(e, cfg, data_dir, meta)
     if not e.hf and not data["own"]:
         print(f"note: {data_dir} is not this run's own validation split: its results are kept apart "
@@ -517,6 +520,7 @@ def main(argv):
     provenance = {"command": " ".join([os.path.basename(sys.executable), "-m", "eval", *argv]),
                   "git_hash": git_hash(), "seed": e.seed, **source, "data_tokenizer": tokenizer_identity(meta),
                   "eval_config": dataclasses.asdict(e), "device": device, "dtype": dtype_name, "data": data,
+                  "document_mask": cfg.model.document_mask,
                   **({"inference_settings": settings} if settings and not e.hf else {})}
     failed, tasks = [], e.tasks.split(",")
     for number, task in enumerate(tasks):

@@ -10,9 +10,10 @@ attention/ops/moba/op.py (choice, forward, backward) runs on stand-in CUDA tenso
 on CUDA: shapes, strides and dtypes, no memory), so it takes every branch it takes on a GPU (tiles, flags), with
 each kernel replaced by a recorder. Triton's own launch code then turns each recorded launch into what it would
 compile (argument types, constexprs, 16-byte alignment and divisibility, num_warps and num_stages), and Triton
-compiles it for sm_90a with its bundled ptxas. Span attention runs in five configurations (softmax; softmax with
-ALiBi, swat_softmax; softmax over a second order of the rows, sa; sigmoid; sigmoid with ALiBi, swat), MoBA in its
-default one; a kernel two configurations launch alike is compiled once.
+compiles it for sm_90a with its bundled ptxas. Span attention runs in eight configurations (softmax; softmax with
+ALiBi, swat_softmax; softmax over a second order of the rows, sa; sigmoid; sigmoid with ALiBi, swat; and softmax,
+sigmoid with ALiBi and sa over packed documents), MoBA in its default one with and without documents; a kernel two
+configurations launch alike is compiled once.
 
 Columns: registers per thread and the bytes ptxas spills to local memory (stores / loads: 0 / 0 is the goal),
 the shared memory a launch requests, and per innermost loop of the SASS (a loop that holds no other: the walk
@@ -62,15 +63,20 @@ from common.outputs import (atomic_write, claim_own_folder, markdown_table, own_
 # Triton is imported inside the functions that use it: --help and ptxas_problem must work where it is absent
 
 CAPABILITY = 90  # Hopper: Triton targets sm_90a there (wgmma, TMA)
-# (sigmoid, ALiBi slopes, a second order of the rows) per configuration of span attention, and the variants that
-# launch it: the constexprs that change a span kernel's code
+# (sigmoid, ALiBi slopes, a second order of the rows, packed documents) per configuration of span attention, and the
+# variants that launch it: the constexprs that change a span kernel's code
 SPAN_CONFIGURATIONS = {
-    "span softmax": (False, False, False),  # swa, mswa, blocks, the bridges; MoBA's own blocks
-    "span softmax, ALiBi": (False, True, False),  # swat_softmax
-    "span softmax, order": (False, False, True),  # sa: the band over permuted rows, causal in the tokens' order
-    "span sigmoid": (True, False, False),  # swat with swat_slopes=none
-    "span sigmoid, ALiBi": (True, True, False),  # swat
+    "span softmax": (False, False, False, False),  # swa, mswa, blocks, the bridges; MoBA's own blocks
+    "span softmax, ALiBi": (False, True, False, False),  # swat_softmax
+    "span softmax, order": (False, False, True, False),  # sa: the band over permuted rows, causal in the tokens' order
+    "span sigmoid": (True, False, False, False),  # swat with swat_slopes=none
+    "span sigmoid, ALiBi": (True, True, False, False),  # swat
+    # document_mask: spans cut to the documents, and a backward that stops at them; sa compares documents instead
+    "span softmax, docs": (False, False, False, True),
+    "span sigmoid, ALiBi, docs": (True, True, False, True),
+    "span softmax, order, docs": (False, False, True, True),
 }
+MOBA_CONFIGURATIONS = {"moba": False, "moba docs": True}  # packed documents or not
 WINDOW = 256  # the span configurations' windows: a window reaches the kernels only as lo and hi tensors
 
 
@@ -226,21 +232,25 @@ def record_launches(c: HopperConfig) -> list[Launch]:
         # laid out as the layers pass them: heads-first views of (B, n, H, D) projections
         q = torch.empty(B, n, H, D, dtype=dtype, device=CUDA).transpose(1, 2)
         k, v = (torch.empty(B, n, H_kv, D, dtype=dtype, device=CUDA).transpose(1, 2) for _ in range(2))
-        for name, (sigmoid, alibi, ordered) in SPAN_CONFIGURATIONS.items():
+        for name, (sigmoid, alibi, ordered, documents) in SPAN_CONFIGURATIONS.items():
             configuration[0] = name
             if ordered:
                 spans = band_spans(PermutedWindow(torch.randperm(n), WINDOW), n, CUDA)
             else:
                 spans = static_spans(SlidingWindow(WINDOW), n, 1, 0, "cpu").to(CUDA)
             slopes = torch.empty(H, dtype=torch.float32, device=CUDA) if alibi else None  # float32 in any model
-            out, lse = span_op.triton_forward(q, k, v, spans.lo, spans.hi, spans.order, slopes, 0.0, sigmoid)
-            span_op.triton_backward(torch.empty_like(out), q, k, v, out, lse, spans.lo, spans.hi, spans.key_first,
-                                    spans.key_end, spans.order, slopes, 0.0, sigmoid)
-        configuration[0] = "moba"
+            docs = torch.empty(B, n, dtype=torch.long, device=CUDA) if documents else None
+            lo, hi, docs, doc_end = span_op.document_spans(spans, docs)
+            out, lse = span_op.triton_forward(q, k, v, lo, hi, spans.order, slopes, 0.0, sigmoid, docs)
+            span_op.triton_backward(torch.empty_like(out), q, k, v, out, lse, lo, hi, spans.key_first,
+                                    spans.key_end, spans.order, slopes, 0.0, sigmoid, docs=docs, doc_end=doc_end)
         k, v = (torch.empty(B, n, H, D, dtype=dtype, device=CUDA).transpose(1, 2) for _ in range(2))
-        chosen = moba_op.triton_choose(q, k, c.moba_block, c.moba_topk)
-        out, lse = moba_op.triton_forward(q, k, v, chosen, c.moba_block)
-        moba_op.triton_backward(torch.empty_like(out), q, k, v, out, lse, chosen, c.moba_block)
+        for name, documents in MOBA_CONFIGURATIONS.items():
+            configuration[0] = name
+            docs = torch.empty(B, n, dtype=torch.long, device=CUDA) if documents else None
+            chosen = moba_op.triton_choose(q, k, c.moba_block, c.moba_topk, docs)
+            out, lse = moba_op.triton_forward(q, k, v, chosen, c.moba_block, docs)
+            moba_op.triton_backward(torch.empty_like(out), q, k, v, out, lse, chosen, c.moba_block, docs)
     launched = {launch.kernel.fn.__name__ for launch in launches}
     never = [name for module in kernel_modules() for name in kernels_of(module) if name not in launched]
     if never:

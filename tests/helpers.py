@@ -50,6 +50,48 @@ def qkv(n, heads=4, dim=8, seed=0, dtype=torch.float64, device=None):
     return [torch.randn(2, heads, n, dim, generator=g, dtype=dtype, device=device).requires_grad_() for _ in range(3)]
 
 
+@dataclass(frozen=True)
+class Dilated(EdgeRule):
+    """A dilated window per head (dilations 1, 2, 3, 4: odd classes at odd lengths), as allowed() alone: its heads
+    run in residue-class layouts (attention/layouts.py)."""
+
+    window: int = 6
+    dilations: tuple = (1, 2, 3, 4)
+    per_head = True
+
+    def allowed(self, q, k, h=None):
+        d = head_values(self.dilations, h)
+        return (k <= q) & ((q - k) % d == 0) & (q - k < d * self.window)
+
+
+def packed_documents(batch, n, lengths=(1, 40), seed=0, eot_first=True, eot_last=False, device=None):
+    """docs (batch, n) as GPT.forward finds them (attention/documents.py) for token rows of documents with random
+    lengths in [lengths[0], lengths[1]]: row 0 has an end-of-text token at position 0 (eot_first) and one document
+    of length 1; eot_last puts one at the last position of row 0; the last row (when batch > 1) has no end-of-text
+    token at all (one document)."""
+    from attention.documents import document_starts
+    g = torch.Generator().manual_seed(seed)
+    eot = torch.zeros(batch, n, dtype=torch.bool, device="cpu")  # on the CPU even under a default device
+    for b in range(batch if batch == 1 else batch - 1):
+        i = 0 if b == 0 and eot_first else int(torch.randint(lengths[0], lengths[1] + 1, (1,), generator=g))
+        while i < n:
+            eot[b, i] = True
+            i += int(torch.randint(lengths[0], lengths[1] + 1, (1,), generator=g))
+    if n > 3:
+        eot[0, 2] = eot[0, 3] = True  # a document of length 1 (position 2)
+    if eot_last:
+        eot[0, n - 1] = True
+    idx = torch.where(eot, 7, 1)
+    return document_starts(idx, 7, torch.arange(n, device="cpu")).to(device or "cpu")
+
+
+def assert_losses_close(a, b, tolerance, what):
+    """Two runs' metrics ({step: loss}) at the same steps, each within tolerance."""
+    assert a.keys() == b.keys(), (what, sorted(a), sorted(b))
+    worst = max(abs(a[s] - b[s]) for s in a)
+    assert worst <= tolerance, f"{what}: losses differ by {worst:.3g}"
+
+
 def weighted_fwd_bwd(fn, tensors, backward=True):
     """fn(*tensors) and the gradients of its output weighted by a ramp over the last axis (None without backward)."""
     if not backward:

@@ -146,6 +146,12 @@ def open_data(cfg: Config, rt: Runtime, source) -> RunData:
         data_tokenizer = check_vocabulary(data_dir, meta)  # the identity checkpoints record
     except DataError as e:
         fail(str(e))
+    if m.eot_id < 0:
+        m.eot_id = meta["eot_id"]  # the token that begins a document under document_mask
+    elif m.document_mask and m.eot_id != meta["eot_id"]:
+        fail(f"eot_id={m.eot_id} but the end-of-text token of {data_dir} is {meta['eot_id']} (tokenizer "
+             f"{meta['tokenizer']}): document_mask=True would split documents at the wrong token; leave eot_id at "
+             "-1 to take the data's", status=2)
     if m.vocab_size == 0:
         m.vocab_size = -(-meta["vocab_size"] // 64) * 64  # padded to a multiple of 64 for efficient matmuls
     elif m.vocab_size < meta["vocab_size"]:
@@ -227,6 +233,8 @@ def read_resume_checkpoint(cfg: Config, rt: Runtime, data: RunData, out_dir: Pat
              + "; ".join(changes) + ". Prepare it as it was, point --data_dir at the run's data, or pass "
              "--allow_data_change=True to train on regardless", status=2)
     saved = Config.from_dict(ckpt["config"]).model
+    if saved.eot_id < 0:  # a checkpoint older than the setting: its end-of-text token is the data's, as resolved now
+        saved.eot_id = data.meta["eot_id"]
     changed = [k for k in vars(m) if getattr(saved, k) != getattr(m, k)]
     if changed:
         fail("the model config differs from the checkpoint's in " + ", ".join(

@@ -9,7 +9,11 @@ A kernel (a subclass of Kernel, in the module or package of its algorithm beside
     selectable         whether attn_backend may name it
     plan(call)         its typed plan data (built outside compiled code, cached per rule and length where it
                        can be); raising KernelRefused sends auto to the next kernel in its order
-    run(q, k, v, plan, dropout_p)    attention of q (B, H, n, D) over k, v (B, H or fewer, n, D)
+    run(q, k, v, plan, dropout_p, docs)    attention of q (B, H, n, D) over k, v (B, H or fewer, n, D); docs
+                       (B, n), where each token's document begins (attention/documents.py), for a call planned
+                       with documents: the rule's edges AND same document
+    document_problem(call)    why it cannot mask documents for this call ("" when it can; the default: it
+                       cannot), asked only for calls with documents
     scores(plan, n_head)             the scores it computes over all heads (what it costs, against the edges)
 
 Adding a kernel is one package under attention/ops/ and one entry in attention/kernels.py's KERNELS.
@@ -29,7 +33,8 @@ from attention.edges import EdgeRule
 class AttentionCall:
     """What is to be planned: attention of n queries at positions start.. under rule, over n_head heads of
     head_dim on a device, with an optional score_mod and the score activation ("softmax" or "sigmoid");
-    chunk: the chunked kernel's query chunk (0: the rule's own)."""
+    chunk: the chunked kernel's query chunk (0: the rule's own); documents: whether run() gets each batch's
+    documents (attention/documents.py) and masks the edges between them."""
 
     rule: EdgeRule
     n: int
@@ -40,6 +45,7 @@ class AttentionCall:
     score_mod: object = None
     activation: str = "softmax"
     chunk: int = 0
+    documents: bool = False
 
     @property
     def gpu_path(self) -> bool:
@@ -86,6 +92,10 @@ class AttentionPlan:
     def activation(self) -> str:
         return self.call.activation
 
+    @property
+    def documents(self) -> bool:
+        return self.call.documents
+
 
 class KernelRefused(Exception):
     """Raised by Kernel.plan when the call turns out not to fit (found only while planning): attn_backend=auto
@@ -106,14 +116,22 @@ class Kernel:
     def suits(self, call: AttentionCall) -> bool:
         return False
 
+    def document_problem(self, call: AttentionCall) -> str:
+        return f"the {self.name} kernel has no document mask (document_mask=True): use attn_backend=auto"
+
     def plan(self, call: AttentionCall):
         raise NotImplementedError
 
-    def run(self, q, k, v, plan: AttentionPlan, dropout_p: float = 0.0):
+    def run(self, q, k, v, plan: AttentionPlan, dropout_p: float = 0.0, docs=None):
         raise NotImplementedError
 
     def scores(self, plan: AttentionPlan, n_head: int) -> int:
         raise NotImplementedError
+
+
+def full_problem(kernel: Kernel, call: AttentionCall) -> str:
+    """Why a kernel cannot run a call: its problem(), then, for a call with documents, its document_problem()."""
+    return kernel.problem(call) or (kernel.document_problem(call) if call.documents else "")
 
 
 def refuse_dropout(kernel: str, dropout_p: float) -> None:

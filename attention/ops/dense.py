@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from attention import simulate_cuda
+from attention.documents import document_mask
 from attention.edges import Causal, EdgeRule
 from attention.ops.blocks import refuse_while_compiling
 from attention.ops.contract import AttentionCall, AttentionPlan, Kernel
@@ -78,12 +79,15 @@ def fused_softmax(q, k, v, mask, dropout_p=0.0):
 
 
 def dense_attention(q, k, v, rule: EdgeRule, q_pos, k_pos=None, key_valid=None, score_mod=None,
-                    activation="softmax", dropout_p: float = 0.0, fused: bool = False):
-    """The reference: explicit scores over all (query, key) pairs, masked by the rule."""
+                    activation="softmax", dropout_p: float = 0.0, fused: bool = False, docs=None):
+    """The reference: explicit scores over all (query, key) pairs, masked by the rule (and, given docs (B, T) of a
+    sequence's tokens, by its documents: attention/documents.py)."""
     k_pos = q_pos if k_pos is None else k_pos
     mask = rule.dense_mask(q_pos, k_pos, n_head=q.shape[1])
     if key_valid is not None:
         mask = mask & key_valid
+    if docs is not None:
+        mask = mask & document_mask(docs)
     return masked_attention(q, k, v, mask, q_pos, k_pos, score_mod, activation, dropout_p, fused=fused)
 
 
@@ -96,17 +100,33 @@ class DenseKernel(Kernel):
 
     name = "dense"
 
+    def document_problem(self, call: AttentionCall) -> str:
+        return ""
+
     def plan(self, call: AttentionCall) -> DensePlan:
         return DensePlan()
 
-    def run(self, q, k, v, plan: AttentionPlan, dropout_p: float = 0.0):
+    def run(self, q, k, v, plan: AttentionPlan, dropout_p: float = 0.0, docs=None):
         k, v = repeat_kv(q, k, v)
         pos = torch.arange(plan.start, plan.start + q.shape[2], device=q.device)
         return dense_attention(q, k, v, plan.rule, pos, score_mod=plan.score_mod, activation=plan.activation,
-                               dropout_p=dropout_p)
+                               dropout_p=dropout_p, docs=docs)
 
     def scores(self, plan: AttentionPlan, n_head: int) -> int:
         return n_head * plan.n * (plan.start + plan.n)
+
+
+def per_document_causal(q, k, v, docs, dropout_p=0.0):
+    """Causal attention with each document of each row run on its own through SDPA's causal kernel: the edges of
+    the documents only (their boundaries read on the host: the CPU's path)."""
+    begins = (docs[:, 1:] != docs[:, :-1]).nonzero().tolist()  # (row, index - 1) of every document but the first
+    rows = []
+    for b in range(q.shape[0]):
+        bounds = [0, *(i + 1 for row, i in begins if row == b), q.shape[2]]
+        pieces = [sdpa(q[b:b + 1, :, s:e], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e], dropout_p=dropout_p, is_causal=True)
+                  for s, e in zip(bounds, bounds[1:])]
+        rows.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces, 2))
+    return rows[0] if len(rows) == 1 else torch.cat(rows, 0)
 
 
 class SdpaMask:
@@ -129,17 +149,31 @@ class SdpaKernel(Kernel):
     def suits(self, call: AttentionCall) -> bool:
         return type(call.rule) is Causal
 
+    def document_problem(self, call: AttentionCall) -> str:
+        # causal attention runs each document on its own, found on the host: the CPU's way (fewer edges, less
+        # time); on CUDA that would synchronise, and FlexAttention's document mask runs instead
+        if self.causal_from_start(call) and call.gpu_path:
+            return "on CUDA its documents would be found on the host: use attn_backend=flex or auto"
+        return ""
+
+    @staticmethod
+    def causal_from_start(call: AttentionCall) -> bool:
+        return isinstance(call.rule, Causal) and call.start == 0
+
     def plan(self, call: AttentionCall) -> SdpaMask:
-        if isinstance(call.rule, Causal) and call.start == 0:
+        if self.causal_from_start(call):
             return SdpaMask(None)
         refuse_while_compiling("sdpa's dense mask")
         pos = torch.arange(call.start, call.start + call.n, device=call.device)
         return SdpaMask(call.rule.dense_mask(pos, n_head=call.n_head))
 
-    def run(self, q, k, v, plan: AttentionPlan, dropout_p: float = 0.0):
+    def run(self, q, k, v, plan: AttentionPlan, dropout_p: float = 0.0, docs=None):
         if plan.data.mask is None:
+            if docs is not None:
+                return per_document_causal(q, k, v, docs, dropout_p)
             return sdpa(q, k, v, dropout_p=dropout_p, is_causal=True)
-        return fused_softmax(q, k, v, plan.data.mask, dropout_p)
+        mask = plan.data.mask if docs is None else plan.data.mask & document_mask(docs)
+        return fused_softmax(q, k, v, mask, dropout_p)
 
     def scores(self, plan: AttentionPlan, n_head: int) -> int:
         if plan.data.mask is None:  # causal from position 0: the fused kernels skip the tiles above the diagonal

@@ -49,6 +49,10 @@ class BenchConfig:
     job: str = ""  # internal: run one case (PART:NAME) in this process
 
 
+# the cost of packed documents (docs/documents.md): the same kernels with document_mask, documents of 200-3000 tokens
+DOCUMENT_CASES = ("full:document_mask=True", "swa:document_mask=True")
+
+
 def default_variants() -> tuple[list[str], list[str]]:
     """(kernel cases, training variants) from the registry: every case whose layer is attention (its kernel is
     what the kernels table times) with FlexAttention's baselines, and every attention mixer and pattern alias."""
@@ -56,7 +60,7 @@ def default_variants() -> tuple[list[str], list[str]]:
     kernels = [name for name, settings in example_cases(256).items()
                if len(pattern_names(settings["attn_pattern"])) == 1 and attention(pattern_names(settings["attn_pattern"]))]
     train = [name for name, cls in MIXERS.items() if issubclass(cls, Attention)] + list(PATTERN_ALIASES)
-    return kernels + list(FLEX_BASELINES), train
+    return kernels + list(FLEX_BASELINES) + list(DOCUMENT_CASES), train
 
 
 def jobs(b: BenchConfig) -> list[tuple[str, str]]:

@@ -1,6 +1,8 @@
 """The variant contract: a mixer with the runtime core alone trains and generates, and each tool either skips it
 with a note or refuses it with what to define; attention under an edge rule has every capability from its rule."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -40,6 +42,8 @@ def test_a_mixer_with_the_core_alone_trains_and_generates(bare):
     _, loss = model(idx[:, :-1], idx[:, 1:])
     loss.backward()
     assert torch.isfinite(loss) and model.blocks[0].mixer.proj.weight.grad is not None
+    with pytest.raises(ValueError, match="CumulativeMean.forward takes no docs"):  # said, not a TypeError mid-run
+        GPT(dataclasses.replace(bare, document_mask=True, eot_id=3))
     assert model.set_window(8) == 0 and not has_window_layers(bare)  # no window to schedule: nothing changes
     # no init_cache: generation re-runs the context, as it does for sa
     assert not model.blocks[0].mixer.supports_cache

@@ -115,7 +115,7 @@ def test_a_variant_in_one_new_file_reaches_every_tool(repo_with_variant, tmp_pat
     # compiled, forward and backward against dense; bf16 autocast, bf16 weights, bf16 cached generation
     simulated = run(copy, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/models/test_gpu_sim.py", "-k",
                     "sinkwin")
-    assert "4 passed" in simulated.stdout, simulated.stdout[-2000:]
+    assert "5 passed" in simulated.stdout, simulated.stdout[-2000:]
     # inside a small Hugging Face model
     folder, data = (tmp_path / "hf" / "tiny-qwen3", tmp_path / "hf" / "corpus_tok")
     run(copy, "-c", "from pathlib import Path; from scripts.gpucheck.tiny_hf import build_tiny_hf_model; "

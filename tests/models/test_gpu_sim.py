@@ -80,7 +80,7 @@ def assert_cuda_kernels(model: GPT) -> None:
     kernels report themselves in use."""
     for block, plan in zip(model.blocks, model.plan(2, LENGTH, "cpu")):
         for path in plans_in(plan):
-            on_cuda = resolve_backend("auto", path.rule, torch.device("cuda"), block.mixer.head_dim)
+            on_cuda = resolve_backend("auto", path.rule, torch.device("cuda"), block.mixer.head_dim, path.documents)
             assert path.kernel == on_cuda or path.kernel == "window" and on_cuda == "flex", (path.kernel, on_cuda)
             assert path.kernel != "chunked" or not path.data.cpu_flash  # the chunked kernel, where a rule takes it, as on CUDA
         if gpu_kernel(type(block.mixer)):
@@ -144,6 +144,53 @@ def test_compiled_training_equals_the_dense_reference_in_float32(name):
     # backward; the GPU kernels' stand-ins) against the dense reference: equal to float32 rounding
     _, (loss, grads), (ref_loss, ref_grads) = compiled_training(name, autocast=False)
     assert_close_to_reference(loss, grads, ref_loss, ref_grads, FLOAT32)
+
+
+EOT = 3  # the packed documents' end-of-text token in the tests with document_mask
+
+
+def packed_batch(seed: int = 1):
+    """batch() with end-of-text tokens: documents of length 1 and of 37 to 101 tokens, and one at the first position
+    of the second row."""
+    tokens = batch(seed)
+    tokens[tokens == EOT] = EOT + 1
+    tokens[0, [40, 41, 140, LENGTH - 1]] = EOT
+    tokens[1, [0, 101, 201]] = EOT
+    return tokens
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_compiled_training_with_document_mask_equals_the_dense_reference(name):
+    # packed documents on the CUDA path (FlexAttention's per-batch block masks, span attention's clipped runs, the
+    # GPU kernels' stand-ins with their resets) against the dense reference over rule AND same document; and no
+    # logit of a document moves when the one before it changes
+    tokens = packed_batch()
+    settings = {"document_mask": True, "eot_id": EOT}
+    torch.manual_seed(0)
+    reference = GPT(case_config(name, gpu_kernels=False, attn_backend="dense", **settings))
+    expected = step(reference, tokens, autocast=False)
+    torch._dynamo.reset()
+    with simulate_cuda.simulating():
+        model = GPT(case_config(name, gpu_kernels=True, **settings))
+        model.load_state_dict(reference.state_dict())
+        assert_cuda_kernels(model)
+        compile_blocks(model, "cpu", torch.float32)
+        calls = simulate_cuda.STAND_IN_CALLS.copy()
+        loss, grads = step(model, tokens, autocast=False)
+        assert_stand_ins_ran(model, calls)
+        changed, inside = tokens.clone(), (tokens[0, 42:140] + 1) % 128  # the third document of row 0 changed
+        changed[0, 42:140] = inside.where(inside != EOT, EOT + 1)
+        with torch.no_grad():
+            torch.manual_seed(7)
+            before = model.eval()(tokens[:, :-1])[0]
+            torch.manual_seed(7)
+            after = model(changed[:, :-1])[0]
+    assert_close_to_reference(loss, grads, *expected, FLOAT32)
+    assert torch.equal(before[1], after[1])
+    if gpu_kernel_packages(model):  # their GPU kernels take no documents: a closed gate, float32 rounding apart
+        assert relative_error(after[0, 140:], before[0, 140:]) <= 1e-5
+    else:
+        assert torch.equal(before[0, 140:], after[0, 140:])
 
 
 @pytest.mark.parametrize("name", list(CASES))

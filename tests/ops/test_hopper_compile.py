@@ -1,6 +1,7 @@
 """Every span attention and MoBA kernel compiles for Hopper (sm_90a) on the CPU with Triton's bundled ptxas, in the
-configurations the ops launch it with (scripts/hopper_compile.py), and its machine code keeps to the kernels'
-design: no register spills, and sigmoid at one special-function (MUFU) operation per score."""
+configurations the ops launch it with (scripts/hopper_compile.py), with packed documents and without, and its machine
+code keeps to the kernels' design: no register spills, and sigmoid at one special-function (MUFU) operation per
+score."""
 
 import json
 import os
@@ -11,7 +12,10 @@ import pytest
 from filelock import FileLock
 
 from conftest import REPO
-from scripts.hopper_compile import SPAN_CONFIGURATIONS, innermost_loops, loop_counts, ptxas_problem
+from scripts.hopper_compile import (MOBA_CONFIGURATIONS, SPAN_CONFIGURATIONS, innermost_loops, loop_counts,
+                                    ptxas_problem)
+
+SPAN_KERNELS = ("span_forward_kernel", "span_backward_kv_kernel", "span_backward_q_kernel")
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +41,25 @@ def test_every_span_and_moba_kernel_compiles_for_hopper_in_every_configuration(k
     failed = {f"{row['kernel']} ({'; '.join(row['launched_by'])})": row["error"] for row in kernels if "error" in row}
     assert not failed, "\n\n".join(f"{name}:\n{error}" for name, error in failed.items())
     configurations = {name for row in kernels for name in row["launched_by"]}
-    assert configurations == {*SPAN_CONFIGURATIONS, "moba"}
-    assert {row["kernel"] for row in kernels} >= {"span_forward_kernel", "span_backward_kv_kernel",
-                                                  "span_backward_q_kernel", "moba_choose_kernel"}
+    assert configurations == {*SPAN_CONFIGURATIONS, *MOBA_CONFIGURATIONS}
+    assert {row["kernel"] for row in kernels} >= {*SPAN_KERNELS, "moba_choose_kernel"}
+
+
+@pytest.mark.e2e
+def test_the_document_configurations_compile_every_kernel_in_its_document_form(kernels):
+    """The spill and MUFU bounds below cover the document forms (HAS_DOCS) only if they are compiled: each kernel
+    that takes documents in both forms, and exactly the document configurations launch the document forms."""
+    forms = {}
+    for row in kernels:
+        if "HAS_DOCS" in row["constexprs"]:
+            forms.setdefault(row["kernel"], set()).add(row["constexprs"]["HAS_DOCS"])
+    moba_kernels = ("moba_choose_kernel", "moba_pairs_forward_kernel", "moba_pairs_dq_kernel", "moba_pairs_dkdv_kernel")
+    assert forms == {kernel: {False, True} for kernel in (*SPAN_KERNELS, *moba_kernels)}
+    with_documents = {name for row in kernels if row["constexprs"].get("HAS_DOCS") for name in row["launched_by"]}
+    assert with_documents == ({name for name, (*_, documents) in SPAN_CONFIGURATIONS.items() if documents}
+                              | {name for name, documents in MOBA_CONFIGURATIONS.items() if documents})
+    ordered = [row for row in kernels if row["constexprs"].get("HAS_DOCS") and row["constexprs"].get("HAS_ORDER")]
+    assert {row["kernel"] for row in ordered} == set(SPAN_KERNELS)  # sa's documents: compared in every block
 
 
 @pytest.mark.e2e
@@ -54,7 +74,9 @@ def test_sigmoid_takes_at_most_one_special_function_operation_per_score(kernels)
     """1 / (1 + exp2(-s)) is two MUFU operations per score (exp2 and the reciprocal); 0.5 + 0.5 tanh(s / 2) is
     one, the bound a softmax loop's exp2 sets."""
     sigmoid = [row for row in kernels if row["constexprs"].get("SIGMOID") is True and "error" not in row]
-    assert len({row["kernel"] for row in sigmoid}) >= 3  # the forward and both backward kernels
+    # the forward and both backward kernels, with documents and without
+    assert {(row["kernel"], row["constexprs"]["HAS_DOCS"]) for row in sigmoid} == {
+        (kernel, documents) for kernel in SPAN_KERNELS for documents in (False, True)}
     costs = {(row["kernel"], row["launched_by"][0]): row["mufu_per_score"] for row in sigmoid}  # per loop
     assert all(loops and None not in loops and max(loops) <= 1 for loops in costs.values()), f"MUFU per score: {costs}"
 

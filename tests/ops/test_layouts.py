@@ -8,14 +8,14 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from attention.edges import AnyOf, EdgeRule, GlobalKeys, SlidingWindow, head_values
+from attention.edges import AnyOf, EdgeRule, GlobalKeys, SlidingWindow
 from attention.kernels import attend, attend_planned, computed_scores, plan_attention
 from attention.layouts import Layout, from_layout, layout_groups, residue_layout, to_layout
 from attention.ops.dense import dense_attention
 from conftest import REPO
 from model import GPT
 from config import ModelConfig
-from helpers import LargestTensor, fwd_bwd, qkv
+from helpers import Dilated, LargestTensor, fwd_bwd, qkv
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -39,19 +39,6 @@ class FixedPattern(EdgeRule):
 
     def allowed(self, q, k, h=None):
         return (k <= q) & ((q // self.block == k // self.block) | (k % self.block == self.block - 1))
-
-
-@dataclass(frozen=True)
-class Dilated(EdgeRule):
-    """A dilated window per head (dilations 1, 2, 3, 4: odd classes at odd lengths), as allowed() alone."""
-
-    window: int = 6
-    dilations: tuple = (1, 2, 3, 4)
-    per_head = True
-
-    def allowed(self, q, k, h=None):
-        d = head_values(self.dilations, h)
-        return (k <= q) & ((q - k) % d == 0) & (q - k < d * self.window)
 
 
 @dataclass(frozen=True)

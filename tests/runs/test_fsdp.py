@@ -12,6 +12,7 @@ import torch
 
 from runtime.checkpoint import load_model, load_sharded_meta, remove_stale_temp_files, sharded_checkpoint_path
 from conftest import REPO, read_metrics, sigterm_after_two_steps, train_subprocess
+from helpers import assert_losses_close
 
 # a small llama with swa and mlstm layers (swax), dropout off: runs on 1 and 2 processes must agree
 SWAX = ["configs/quickstart.py", "--arch=llama", "--bias=False", "--attn_pattern=swax", "--swa_window=8",
@@ -25,12 +26,6 @@ def train(out_dir, *args, processes=1, timeout=300, check=True):
 
 
 metrics = read_metrics
-
-
-def assert_losses_close(a, b, tolerance, what):
-    assert a.keys() == b.keys(), (what, sorted(a), sorted(b))
-    worst = max(abs(a[s] - b[s]) for s in a)
-    assert worst <= tolerance, f"{what}: losses differ by {worst:.3g}"
 
 
 @pytest.mark.e2e

@@ -29,6 +29,9 @@ class ChunkedKernel(Kernel):
     def suits(self, call: AttentionCall) -> bool:
         return True
 
+    def document_problem(self, call: AttentionCall) -> str:
+        return ""
+
     def plan(self, call: AttentionCall) -> ChunkedGroups:
         refuse_while_compiling("the chunked kernel's masks")
         tiles_of = cached_chunk_tiles if call.rule.static else chunk_tiles  # a permutation's tiles are its own
@@ -39,13 +42,13 @@ class ChunkedKernel(Kernel):
                                                        call.score_mod))
         return ChunkedGroups(groups, cpu_flash=not call.gpu_path)
 
-    def run(self, q, k, v, plan: AttentionPlan, dropout_p: float = 0.0):
+    def run(self, q, k, v, plan: AttentionPlan, dropout_p: float = 0.0, docs=None):
         k, v = repeat_kv(q, k, v)
         groups, cpu_flash = plan.data.groups, plan.data.cpu_flash
         start, score_mod, activation = plan.start, plan.score_mod, plan.activation
         if len(groups) == 1 and groups[0].layout is None:
             return chunked_attention(q, k, v, plan.rule, start, 0, score_mod, activation, dropout_p,
-                                     tiles=groups[0].data, cpu_flash=cpu_flash)
+                                     tiles=groups[0].data, cpu_flash=cpu_flash, docs=docs)
         # each head group at its own cost (its window, its layout), not the largest one's
         order = [i for group in groups for i in group.heads]
         in_order = order == list(range(q.shape[1]))
@@ -56,11 +59,12 @@ class ChunkedKernel(Kernel):
             for group in groups:
                 bounds.append((first, first + len(group.heads), group.data, group.layout))
                 first += len(group.heads)
-            return ChunkedFlashCPU.apply(q, k, v, tuple(bounds), score_mod, start)
+            return ChunkedFlashCPU.apply(q, k, v, tuple(bounds), score_mod, start, docs)
 
         def run(q_g, k_g, v_g, group):
+            group_docs = docs if docs is None or group.layout is None else docs.index_select(1, group.layout.token)
             return chunked_attention(q_g, k_g, v_g, group.rule, start, 0, head_subset(score_mod, group.heads, q.device),
-                                     activation, dropout_p, tiles=group.data, cpu_flash=cpu_flash)
+                                     activation, dropout_p, tiles=group.data, cpu_flash=cpu_flash, docs=group_docs)
         return per_group(q, k, v, groups, run)
 
     def scores(self, plan: AttentionPlan, n_head: int) -> int:

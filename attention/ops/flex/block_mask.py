@@ -1,6 +1,7 @@
 """FlexAttention's block masks of a rule: from its block structure (attention/ops/blocks.py) for a static rule,
 from its band for one drawn per forward, with the rule's mask_mod (shifted to a start, or over a padded length);
-and the compacted key order that reads sparsely attended keys from a prefix of copies."""
+a rule's block mask narrowed to a batch's documents; and the compacted key order that reads sparsely attended
+keys from a prefix of copies."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from attention.edges import EdgeRule
 from attention.ops.blocks import block_grid, used_keys, block_structure, span_tiles, stated_block_spans
@@ -94,6 +96,60 @@ def _static_block_mask(rule, n, n_head, device, start, valid=None):
         mask_mod = _padded_mask_mod(mask_mod, torch.tensor(valid, device=device))
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=size, mask_mod=mask_mod,
                                     seq_lengths=(n, rule.key_count(n)))
+
+
+def document_block_mask(block_mask, docs: torch.Tensor, key_docs: torch.Tensor | None = None):
+    """A rule's block mask (batch 1) narrowed to a batch's documents: its edges AND same document, one mask per row
+    of the batch. docs (B, rows) and key_docs (B, keys; None: docs) say each query row's and key's document
+    (attention/documents.py) in the order flex sees them, compared by equality, so any order of rows and keys
+    (a layout, a prefix of copied keys, stochastic attention's slots) works alike. A key block whose documents
+    cannot meet the query block's (their ranges of values are disjoint: in token order, exactly when they share
+    none) is dropped, and a full block stays full only where its rows and keys are all one document, so a batch
+    computes no more blocks than the rule alone. Built on the device, no host synchronisation: per forward."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    key_docs = docs if key_docs is None else key_docs
+    q_size, kv_size = block_mask.BLOCK_SIZE
+    q_lo, q_hi = (t[:, None, :, None] for t in _block_range(docs, q_size))  # (B, 1, query blocks, 1)
+    k_lo, k_hi = _block_range(key_docs, kv_size)  # (B, kv blocks)
+    kv_blocks = block_mask.kv_indices.shape[-1]
+
+    def narrowed(num_blocks, indices):
+        """Which listed blocks meet the query block's documents, and which lie in the one document of its rows."""
+        present = torch.arange(indices.shape[-1], device=indices.device) < num_blocks[..., None]
+        at = indices.long().expand(len(docs), *indices.shape[1:])
+        lo = k_lo[:, None, None, :].expand(*at.shape[:-1], kv_blocks).gather(-1, at)
+        hi = k_hi[:, None, None, :].expand(*at.shape[:-1], kv_blocks).gather(-1, at)
+        meets = present & (q_lo <= hi) & (lo <= q_hi)
+        return at, meets, meets & (lo == hi) & (q_lo == q_hi) & (lo == q_lo)
+
+    def listed(keep, indices):  # the kept blocks first, in their order, as kv_num_blocks and kv_indices
+        order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)[..., :kv_blocks]
+        return keep.sum(-1, dtype=torch.int32), indices.gather(-1, order).to(torch.int32).contiguous()
+
+    indices, meets, _ = narrowed(block_mask.kv_num_blocks, block_mask.kv_indices)
+    full_num = full_idx = None
+    if block_mask.full_kv_num_blocks is not None:
+        full_indices, full_meets, one_document = narrowed(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+        full_num, full_idx = listed(one_document, full_indices)
+        indices, meets = torch.cat([indices, full_indices], -1), torch.cat([meets, full_meets & ~one_document], -1)
+    kv_num, kv_idx = listed(meets, indices)
+    rule_mod = block_mask.mask_mod
+
+    def same_document(b, h, q_idx, kv_idx):
+        return rule_mod(b, h, q_idx, kv_idx) & (docs[b, q_idx] == key_docs[b, kv_idx])
+
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_mask.BLOCK_SIZE,
+                                    mask_mod=same_document, seq_lengths=block_mask.seq_lengths)
+
+
+def _block_range(docs: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lowest and highest docs value of every block of `size` columns (the last one may be short): (B, blocks)."""
+    pad = -docs.shape[1] % size
+    extreme = torch.iinfo(docs.dtype).max
+    lowest = F.pad(docs, (0, pad), value=extreme).unflatten(1, (-1, size)).amin(-1)
+    highest = F.pad(docs, (0, pad), value=-extreme).unflatten(1, (-1, size)).amax(-1)
+    return lowest, highest
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,6 +1,7 @@
 """FlexAttention under the kernel contract (attention/ops/contract.py): attn_backend=auto's pick on CUDA (and on
 the CPU standing in for it) for rules whose edges are not spans. One block mask for all heads in the tokens'
-order, or per group of heads (attention/ops/heads.py) in its layout or key order."""
+order, or per group of heads (attention/ops/heads.py) in its layout or key order; with packed documents, each
+batch's block masks narrowed to its documents at every call (block_mask.py: document_block_mask)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ class FlexKernel(Kernel):
     def suits(self, call: AttentionCall) -> bool:
         return call.gpu_path and call.head_dim >= FLEX_MIN_HEAD_DIM
 
+    def document_problem(self, call: AttentionCall) -> str:
+        return ""
+
     def plan(self, call: AttentionCall) -> FlexMasks:
         refuse_while_compiling("the flex kernel's masks")
         if simulate_cuda.simulated(call.device):  # before any block that calls flex_attention is traced
@@ -50,14 +54,15 @@ class FlexKernel(Kernel):
         return FlexMasks(None, tuple(flex_group(heads, sub_rule, layout, keys, n, call.device)
                                      for heads, sub_rule, layout, keys in groups), score_mod)
 
-    def run(self, q, k, v, plan: AttentionPlan, dropout_p: float = 0.0):
+    def run(self, q, k, v, plan: AttentionPlan, dropout_p: float = 0.0, docs=None):
         data = plan.data
         if data.groups is None:
             return flex(q, k, v, plan.rule, plan.start, data.score_mod, plan.activation, dropout_p,
-                        block_mask=data.block_mask)
+                        block_mask=data.block_mask, docs=docs)
         k, v = repeat_kv(q, k, v)
         return per_group(q, k, v, data.groups, lambda q_g, k_g, v_g, group: flex(
-            q_g, k_g, v_g, group.rule, 0, data.score_mod, plan.activation, dropout_p, block_mask=group.data))
+            q_g, k_g, v_g, group.rule, 0, data.score_mod, plan.activation, dropout_p, block_mask=group.data,
+            **group_documents(group, docs)))
 
     def scores(self, plan: AttentionPlan, n_head: int) -> int:
         if plan.data.groups is not None:
@@ -73,6 +78,16 @@ def flex_group(heads, rule, layout, keys, n, device) -> HeadGroup:
         return HeadGroup(tuple(heads), rule, flex_block_mask(rule, n, len(heads), device), None,
                          keys.index.to(device))
     return HeadGroup(tuple(heads), rule, flex_block_mask(rule, n, len(heads), device), layout)
+
+
+def group_documents(group: HeadGroup, docs) -> dict:
+    """flex's docs and key_docs for a group of heads: the documents of its rows (in its layout) and of its keys
+    (with a prefix of copies)."""
+    if docs is None:
+        return {}
+    if group.layout is not None:
+        docs = docs.index_select(1, group.layout.token)
+    return {"docs": docs, "key_docs": None if group.key_index is None else docs.index_select(1, group.key_index)}
 
 
 def flex_scores(mask, n_head: int) -> int:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from attention import simulate_cuda
 from attention.edges import EdgeRule
 from attention.ops.blocks import refuse_while_compiling
-from attention.ops.flex.block_mask import FLEX_BLOCK, flex_block_mask
+from attention.ops.flex.block_mask import FLEX_BLOCK, document_block_mask, flex_block_mask
 
 FLEX_MIN_HEAD_DIM = 16  # torch 2.13's CUDA FlexAttention lowering needs head_dim >= 16
 
@@ -42,10 +42,12 @@ def _compiled_flex(backend: str = "inductor"):
 
 
 def flex(q, k, v, rule: EdgeRule, start: int = 0, score_mod=None, activation="softmax", dropout_p: float = 0.0,
-         block_mask=None):
-    """FlexAttention under the rule's block mask. Sigmoid attention is computed by the softmax kernel: with
-    scores replaced by log sigmoid(s), softmax gives sigmoid(s_j) / sum_k sigmoid(s_k), and the row's
-    log-sum-exp is log sum_k sigmoid(s_k), so out * exp(lse) = sum_j sigmoid(s_j) v_j (rows without keys: 0).
+         block_mask=None, docs=None, key_docs=None):
+    """FlexAttention under the rule's block mask, narrowed to the documents of a batch when docs (B, n) of the
+    queries are given (and key_docs of the keys, where they are in another order: document_block_mask). Sigmoid
+    attention is computed by the softmax kernel: with scores replaced by log sigmoid(s), softmax gives sigmoid(s_j)
+    / sum_k sigmoid(s_k), and the row's log-sum-exp is log sum_k sigmoid(s_k), so out * exp(lse) = sum_j
+    sigmoid(s_j) v_j (rows without keys: 0).
 
     Inside a compiled block (training) flex_attention joins the block's graph, with the block mask and the
     score_mod planned outside it (plan_attention: score_mod already in flex's form). Called eagerly, it runs
@@ -74,18 +76,22 @@ def flex(q, k, v, rule: EdgeRule, start: int = 0, score_mod=None, activation="so
     if torch.compiler.is_compiling():
         if block_mask is None:
             refuse_while_compiling("the flex block mask")
-        return finish(flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, **kwargs))
+        return finish(flex_attention(q, k, v, score_mod=score_mod, block_mask=narrowed(block_mask, docs, key_docs),
+                                     **kwargs))
     if block_mask is None:  # not planned (a direct call): the score_mod in flex's form, as plan_attention makes it
         score_mod = flex_score_mod(score_mod, start, activation)
     n, H, device = q.shape[2], q.shape[1], str(q.device)
     if not (on_cuda if COMPILE_EAGER_FLEX is None else COMPILE_EAGER_FLEX):  # eager flex: CPU mask checks
         block_mask = block_mask if block_mask is not None else flex_block_mask(rule, n, H, device, start)
-        return finish(flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, **kwargs))
+        return finish(flex_attention(q, k, v, score_mod=score_mod, block_mask=narrowed(block_mask, docs, key_docs),
+                                     **kwargs))
     # a permutation's band, and keys with a prefix of copies, are planned at their own length
     padded = flex_length_bucket(n) if rule.static and rule.key_count(n) == n else n
     if padded != n:
         block_mask = flex_block_mask(rule, padded, H, device, start, valid=n)
         q, k, v = (F.pad(t, (0, 0, 0, padded - n)) for t in (q, k, v))
+        if docs is not None:  # padding is a document of its own, which no real row shares
+            docs, key_docs = (None if d is None else F.pad(d, (0, padded - n), value=-1) for d in (docs, key_docs))
     elif block_mask is None:
         block_mask = flex_block_mask(rule, n, H, device, start)
     # the default stance even where the caller runs eagerly (train.py's probes run under force_eager so that the
@@ -94,8 +100,8 @@ def flex(q, k, v, rule: EdgeRule, start: int = 0, score_mod=None, activation="so
     with torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True), \
             torch.compiler.set_stance("default"):
         try:
-            out = _compiled_flex(simulate_cuda.compile_backend(q.device))(q, k, v, score_mod=score_mod,
-                                                                           block_mask=block_mask, **kwargs)
+            out = _compiled_flex(simulate_cuda.compile_backend(q.device))(
+                q, k, v, score_mod=score_mod, block_mask=narrowed(block_mask, docs, key_docs), **kwargs)
         except torch._dynamo.exc.FailOnRecompileLimitHit:
             raise RuntimeError(f"compiled FlexAttention has built {FLEX_RECOMPILE_LIMIT} kernels (one per rule, padded "
                                "length, batch size and dtype) and would now fall back to materialising (B, H, n, n) "
@@ -104,8 +110,14 @@ def flex(q, k, v, rule: EdgeRule, start: int = 0, score_mod=None, activation="so
     return finish(out)[:, :, :n]
 
 
+def narrowed(block_mask, docs, key_docs):
+    """The block mask narrowed to a batch's documents (document_block_mask), or as it is without them."""
+    return block_mask if docs is None else document_block_mask(block_mask, docs, key_docs)
+
+
 def _sigmoid_output(out, aux, dtype):
-    return (out.float() * aux.lse.float().exp()[..., None]).to(dtype)
+    compute = torch.promote_types(dtype, torch.float32)  # float64 inputs keep their precision
+    return (out.to(compute) * aux.lse.to(compute).exp()[..., None]).to(dtype)
 
 
 @functools.lru_cache(maxsize=64)

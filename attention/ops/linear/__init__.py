@@ -6,4 +6,7 @@ three forms, equal to float tolerance (tests/layers/test_linear.py), over one fe
     naive.py        quadratic_linear_attention, the reference, O(n^2): the causal kernel matrix, rows normalised
     chunk.py        chunked_linear_attention, training, O(n): exact within chunks, the state (S, z) between them
     recurrent.py    recurrent_linear_attention, generation: one token at a time from the state, constant memory
+
+Each takes starts (B, n), the tokens where packed documents restart the state from zero
+(tests/layers/test_documents_recurrent.py).
 """

@@ -9,4 +9,7 @@ beside mlstm_kernels' Triton kernel (op.py):
     op.py         mlstm_kernels' Triton chunkwise kernel as two custom ops with autograd (CUDA, when installed;
                   CPU stand-ins with its output contract while the CPU stands in for CUDA), and mlstm_sequence,
                   which runs a whole sequence through it or chunkwise_mlstm
+
+Each form takes starts (B, n), the tokens where packed documents restart the state from zero (naive.py's
+attention/documents.py's document_cumsum: the cumulative gates of each document alone; tests/layers/test_documents_recurrent.py).
 """

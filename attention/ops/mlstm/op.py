@@ -12,6 +12,13 @@ from attention.ops.mlstm.chunkwise import NO_INPUT, chunkwise_mlstm
 from attention.ops.mlstm.naive import EPS
 
 TRITON_CHUNK = 64  # the chunk mlstm_kernels' Triton kernel runs with (its tuned default)
+# The forget-gate pre-activation the Triton kernel gets at a document's first token (it takes no documents):
+# log sigmoid = -50 puts every weight from before the start below exp(-20) of the largest (gates are soft-capped
+# to +-15, so stabilisers lie within +-15). Finite, as the kernel takes differences of cumulative gates, which
+# -inf would make NaN; and no larger than it needs to be, as their float32 rounding grows with it (outputs
+# within 1e-5 of the exact form's). The exact form keeps the zero state's stabiliser (m = 0), this drops it: the
+# two differ by eps exp(m) in the denominator alone
+RESTART_FORGET = -50.0
 TRITON_MIN_HEAD_DIM = 16  # Triton's tl.dot needs inner dimensions of at least 16: the kernel's blocks follow the heads
 
 
@@ -168,10 +175,12 @@ def _bw_samples():
     return samples
 
 
-def mlstm_sequence(q, k, v, i, f, state=None, chunk: int = 64, kernel: str = "auto", need_state: bool = True):
+def mlstm_sequence(q, k, v, i, f, state=None, chunk: int = 64, kernel: str = "auto", need_state: bool = True,
+                  starts=None):
     """A whole sequence in the training form: mlstm_kernels' Triton kernel on CUDA when it is installed (its CPU
     stand-in while simulating CUDA; kernel auto or triton, from a zero state, when the final state is not
-    needed), else chunkwise_mlstm.
+    needed), else chunkwise_mlstm. starts (B, n) bool: the tokens that begin a document, where the state
+    restarts from zero (the Triton kernel closes the forget gate there: RESTART_FORGET); None: none.
     Returns h and the final state (None from the Triton kernel). The Triton kernel takes q, k, v in their own
     dtype (bfloat16 under bf16 training: its matmuls run in bf16 with float32 accumulation, as xLSTM 7B
     trains) and the gates in float32; chunkwise_mlstm computes in float32 or better."""
@@ -183,10 +192,12 @@ def mlstm_sequence(q, k, v, i, f, state=None, chunk: int = 64, kernel: str = "au
         triton = False
     if not triton:
         compute = torch.promote_types(q.dtype, torch.float32)
-        return chunkwise_mlstm(*(t.to(compute) for t in (q, k, v, i, f)), state, chunk)
+        return chunkwise_mlstm(*(t.to(compute) for t in (q, k, v, i, f)), state, chunk, starts=starts)
     length, kernel_chunk = q.shape[2], TRITON_CHUNK
     pad = -length % kernel_chunk  # the kernel wants whole chunks; padding after the end changes no output
     i, f = i.float(), f.float()
+    if starts is not None:  # not at the first token: the state before it is zero already, and its gate keeps its bits
+        f = torch.where(starts[:, None] & (torch.arange(length, device=f.device) > 0), RESTART_FORGET, f)
     if pad:
         q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
         i, f = F.pad(i, (0, pad), value=NO_INPUT), F.pad(f, (0, pad), value=30.0)

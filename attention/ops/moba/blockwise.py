@@ -2,10 +2,14 @@
 path everywhere the Triton kernels (op.py) do not run: the CPU, decoding over a cache, attention dropout. Each query's
 own block is one batched causal attention within blocks; every other chosen block j takes the queries of every head
 that chose it in one batched matmul. O(n c k) scores, each group's only while it is computed; autograd keeps q, k,
-v, the output and one log-sum-exp per query. Held to the reference (naive.py) forward and backward."""
+v, the output and one log-sum-exp per query. Held to the reference (naive.py) forward and backward.
+
+With packed documents (docs, naive.py) the groups are the same: each query's keys are cut at where its document
+begins (the queries are in token order and MoBA is causal), which only the block holding that start can cut."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -17,7 +21,7 @@ OWN_SCORES_PER_CALL = 1 << 22  # scores of the own-block attention computed (and
 
 
 @torch.compiler.disable  # its per-block group sizes are data: a compiled block runs it eagerly (one graph break)
-def moba_blockwise(q, k, v, q_pos, chosen, block, dropout_p=0.0):
+def moba_blockwise(q, k, v, q_pos, chosen, block, dropout_p=0.0, docs=None):
     """Each query over the keys of its chosen blocks only, one key block at a time: O(Tq k c) scores, never
     Tq x Tk, and no copy of the keys per query. Forward and backward are FlashAttention's, over groups:
 
@@ -29,17 +33,19 @@ def moba_blockwise(q, k, v, q_pos, chosen, block, dropout_p=0.0):
 
     Each group's scores exist only while it is computed: forward merges the groups by their log-sum-exps into
     one softmax per query, and backward recomputes each group's probabilities from the saved log-sum-exp
-    (autograd keeps q, k, v, the output and one float per query and head)."""
+    (autograd keeps q, k, v, the output and one float per query and head). docs (B, Tq): where each query's
+    document begins, or None."""
     if dropout_p > 0:  # dropout's masks would have to be redrawn in backward: autograd over the same groups
-        return _moba_blockwise(q, k, v, q_pos, chosen, block, dropout_p)
-    return MobaBlockwise.apply(q, k, v, q_pos, chosen, block)
+        return _moba_blockwise(q, k, v, q_pos, chosen, block, dropout_p, docs)
+    return MobaBlockwise.apply(q, k, v, q_pos, chosen, block, docs)
 
 
 class _Groups:
     """Which queries meet which key blocks: the own blocks (a prompt's forward) and the other chosen blocks,
-    their pairs sorted by (block, head) with each pair's row in its block's padded batch."""
+    their pairs sorted by (block, head) with each pair's row in its block's padded batch; and, with documents,
+    where each query's document begins."""
 
-    def __init__(self, chosen, q_pos, Tq, Tk, block):
+    def __init__(self, chosen, q_pos, Tq, Tk, block, docs=None):
         BH = chosen.shape[0]
         self.BH, self.Tq, self.Tk, self.block = BH, Tq, Tk, block
         self.n_blocks = -(-Tk // block)
@@ -56,7 +62,8 @@ class _Groups:
         per_block = counts.view(self.n_blocks, BH)
         self.widths, self.sizes = per_block.amax(1).tolist(), per_block.sum(1).tolist()
         self.bh, self.query = pair_bh[self.order], self.order // self.slots % Tq
-        self.q_pos = q_pos
+        self.q_pos, self.docs = q_pos, docs
+        self.heads = BH if docs is None else BH // docs.shape[0]
 
     def blocks(self):
         """(block j, the slice of its pairs) for every block some query chose besides its own."""
@@ -75,12 +82,28 @@ class _Groups:
         """Block j's keys each of its pairs may read, by MoBA's edge (padding rows, at position -1: none)."""
         positions = self.padded(j, part, self.q_pos[self.query[part]], fill=-1)
         key_pos = j * self.block + torch.arange(self.block, device=positions.device)
-        return chosen_block_edges(positions[..., None], key_pos, j, self.block)
+        edges = chosen_block_edges(positions[..., None], key_pos, j, self.block)
+        if self.docs is None:
+            return edges
+        starts = self.padded(j, part, self.docs[self.bh[part] // self.heads, self.query[part]])
+        return edges & (key_pos >= starts[..., None])
 
-    def own_block_edges(self, device):
-        """MoBA's edge within a query's own block, at offsets inside it (the same for every block)."""
+    def own_block_edges(self, chunk, device):
+        """MoBA's edge within a query's own block, at offsets inside it: the same for every block, or with documents
+        (B, 1, blocks of the chunk, block, block), the same for every head (_scores)."""
         offsets = torch.arange(self.block, device=device)
-        return chosen_block_edges(offsets[:, None], offsets, 0, self.block)
+        causal = chosen_block_edges(offsets[:, None], offsets, 0, self.block)
+        if self.docs is None:
+            return causal
+        return (causal & (offsets >= self.own_starts[:, chunk, :, None]))[:, None]
+
+    @functools.cached_property
+    def own_starts(self):
+        """(B, n_blocks, block): where each query's document begins, as an offset into its own block (<= 0: before
+        it; padding rows 0)."""
+        pos = torch.arange(self.Tq, device=self.docs.device)
+        starts = (self.docs - pos // self.block * self.block)[..., None]
+        return _padded_blocks(starts, self.n_blocks, self.block)[..., 0]
 
     def own_chunks(self):
         step = max(1, OWN_SCORES_PER_CALL // (self.BH * self.block * self.block))
@@ -88,7 +111,11 @@ class _Groups:
 
 
 def _scores(queries, keys, allowed):
+    """Scaled scores (BH, ..., queries, keys), -inf where not allowed: allowed broadcasts against them, or is
+    (B, 1, ...), one mask per batch row for all its heads (never copied per head)."""
     scores = torch.matmul(queries, keys.transpose(-1, -2)) / math.sqrt(queries.shape[-1])
+    if allowed.dim() > scores.dim():
+        return scores.view(allowed.shape[0], -1, *scores.shape[1:]).masked_fill(~allowed, -math.inf).flatten(0, 1)
     return scores.masked_fill(~allowed, -math.inf)
 
 
@@ -99,13 +126,14 @@ def _padded_blocks(x, n_blocks, block):
 
 class MobaBlockwise(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, q_pos, chosen, block):
+    def forward(ctx, q, k, v, q_pos, chosen, block, docs):
         with torch.autocast(q.device.type, enabled=False):  # scores and softmax in float32 also under autocast
-            return MobaBlockwise._forward(ctx, q, k, v, q_pos, chosen, block)
+            return MobaBlockwise._forward(ctx, q, k, v, q_pos, chosen, block, docs)
 
     @staticmethod
-    def _forward(ctx, q, k, v, q_pos, chosen, block):
-        flat_q, key_blocks, value_blocks, groups, lse, outs = _attend_groups(q, k, v, q_pos, chosen, block, 0.0)
+    def _forward(ctx, q, k, v, q_pos, chosen, block, docs):
+        flat_q, key_blocks, value_blocks, groups, lse, outs = _attend_groups(q, k, v, q_pos, chosen, block, 0.0,
+                                                                             docs)
         out, total_lse = _merge(lse, outs)
         ctx.save_for_backward(flat_q, key_blocks, value_blocks, out, total_lse)
         ctx.groups, ctx.shape, ctx.dtype = groups, q.shape, q.dtype
@@ -132,15 +160,15 @@ class MobaBlockwise(torch.autograd.Function):
 
         if groups.own:
             n, block = groups.n_blocks, groups.block
-            causal = groups.own_block_edges(grad.device)
             query_blocks, grad_blocks = _padded_blocks(flat_q, n, block), _padded_blocks(grad, n, block)
             # padding rows: an infinite log-sum-exp gives them zero probability
             lse_blocks = F.pad(lse, (0, n * block - Tq), value=math.inf).view(-1, n, block)
             delta_blocks = F.pad(delta, (0, n * block - Tq)).view(-1, n, block)
             d_query_blocks = torch.zeros_like(query_blocks)
             for c in groups.own_chunks():
-                dq, dk, dv = group_grads(query_blocks[:, c], key_blocks[:, c], value_blocks[:, c], causal,
-                                         grad_blocks[:, c], lse_blocks[:, c], delta_blocks[:, c])
+                dq, dk, dv = group_grads(query_blocks[:, c], key_blocks[:, c], value_blocks[:, c],
+                                         groups.own_block_edges(c, grad.device), grad_blocks[:, c], lse_blocks[:, c],
+                                         delta_blocks[:, c])
                 d_query_blocks[:, c] = dq
                 d_keys[:, c] += dk
                 d_values[:, c] += dv
@@ -156,7 +184,7 @@ class MobaBlockwise(torch.autograd.Function):
             d_values[:, j] += dv
         Tk = groups.Tk
         unblock = lambda x: x.flatten(1, 2)[:, :Tk].reshape(B, H, Tk, D).to(ctx.dtype)  # noqa: E731
-        return d_q.view(B, H, Tq, D).to(ctx.dtype), unblock(d_keys), unblock(d_values), None, None, None
+        return d_q.view(B, H, Tq, D).to(ctx.dtype), unblock(d_keys), unblock(d_values), None, None, None, None
 
 
 def _softmax(queries, keys, values, allowed, dropout_p=0.0):
@@ -172,21 +200,20 @@ def _softmax(queries, keys, values, allowed, dropout_p=0.0):
     return (peak + torch.log(total))[..., 0], out
 
 
-def _attend_groups(q, k, v, q_pos, chosen, block, dropout_p):
+def _attend_groups(q, k, v, q_pos, chosen, block, dropout_p, docs):
     """Every group's softmax: the inputs as the groups read them (flat q, padded key and value blocks), the
     groups, and per query and slot the log-sum-exp (B H, Tq, topk) and normalised output (B H, Tq, topk, D)."""
     B, H, Tq, D = q.shape
     compute = torch.promote_types(q.dtype, torch.float32)
     flat_q, flat_k, flat_v = (t.reshape(B * H, -1, D).to(compute) for t in (q, k, v))
-    groups = _Groups(chosen.reshape(B * H, Tq, -1), q_pos, Tq, k.shape[2], block)
+    groups = _Groups(chosen.reshape(B * H, Tq, -1), q_pos, Tq, k.shape[2], block, docs)
     key_blocks = _padded_blocks(flat_k, groups.n_blocks, block)
     value_blocks = _padded_blocks(flat_v, groups.n_blocks, block)
     lse_parts, out_parts = [], []
     if groups.own:
-        causal = groups.own_block_edges(q.device)
         query_blocks = _padded_blocks(flat_q, groups.n_blocks, block)
-        own = [_softmax(query_blocks[:, c], key_blocks[:, c], value_blocks[:, c], causal, dropout_p)
-               for c in groups.own_chunks()]
+        own = [_softmax(query_blocks[:, c], key_blocks[:, c], value_blocks[:, c], groups.own_block_edges(c, q.device),
+                        dropout_p) for c in groups.own_chunks()]
         lse_parts.append(torch.cat([lse for lse, _ in own], 1).flatten(1)[:, :Tq, None])
         out_parts.append(torch.cat([out for _, out in own], 1).flatten(1, 2)[:, :Tq, None])
     if groups.slots:
@@ -209,8 +236,8 @@ def _merge(lse, outs):
     return (torch.exp(lse - total[..., None])[..., None, :] @ outs)[..., 0, :], total
 
 
-def _moba_blockwise(q, k, v, q_pos, chosen, block, dropout_p):
+def _moba_blockwise(q, k, v, q_pos, chosen, block, dropout_p, docs=None):
     """The same groups under autograd, with dropout on each group's probabilities (training with dropout)."""
     with torch.autocast(q.device.type, enabled=False):  # scores and softmax in float32 also under autocast
-        *_, lse, outs = _attend_groups(q, k, v, q_pos, chosen, block, dropout_p)
+        *_, lse, outs = _attend_groups(q, k, v, q_pos, chosen, block, dropout_p, docs)
         return _merge(lse, outs)[0].view(q.shape).to(q.dtype)

@@ -6,7 +6,12 @@ triton_on_cpu).
 Attention = a query's own block, causal (span attention over fixed blocks of c), plus its other chosen blocks
 (the pair tiles of triton_kernels.py), merged as one softmax by the parts' log-sum-exps (one kernel). The backward runs span
 attention's backward over the own blocks and the pair tiles' over the rest, both from the merged log-sum-exp and
-rowsum(dO * O), as FlashAttention's backward does for any split of the keys."""
+rowsum(dO * O), as FlashAttention's backward does for any split of the keys.
+
+With packed documents (docs (B, n): where each token's document begins) every part is cut at the query's document
+start (naive.py): the own blocks by raising each row's span start to it, one batch row at a time (spans are per
+head, not per batch row), the pairs inside their kernels, and the choice over the blocks' means within documents
+(naive.py's document_means) among the blocks from the document's first."""
 
 from __future__ import annotations
 
@@ -16,8 +21,9 @@ import math
 import torch
 
 from attention import simulate_cuda
+from attention.documents import document_starts
 from attention.edges import FixedBlock
-from attention.ops.moba.naive import moba_choose, moba_naive
+from attention.ops.moba.naive import document_means, moba_choose, moba_naive
 from attention.ops.span import op as span_op
 from attention.ops.span.spans import static_spans
 
@@ -46,7 +52,7 @@ def triton_kernels():
     return kernels
 
 
-def triton_choose(q, k, block: int, topk: int):
+def triton_choose(q, k, block: int, topk: int, docs=None):
     moba_choose_kernel = triton_kernels().moba_choose_kernel
 
     B, H, n, D = q.shape
@@ -54,12 +60,14 @@ def triton_choose(q, k, block: int, topk: int):
     with torch.no_grad():
         padded = torch.nn.functional.pad(k.detach().float(), (0, 0, 0, n_blocks * block - n))
         means = padded.view(B, H, n_blocks, block, D).mean(3)
+        if docs is not None:
+            means = document_means(padded, means, docs, n, block)
     chosen = torch.empty(B, H, n, topk, device=q.device, dtype=torch.long)
     rows, _, per_step = _sizes(q.device)
     moba_choose_kernel[(span_op.triton_cdiv(n, rows), B * H)](
-        q, means, chosen, *q.stride()[:3], *means.stride()[:3], H, n, D, n_blocks, block, TOPK=topk,
-        SLOTS_P2=1 << (topk - 1).bit_length(),
-        BLOCK_M=rows, BLOCK_C=per_step, BLOCK_D=_block_d(D), IEEE=True, WIDEN=False)
+        q, means, chosen, chosen if docs is None else docs, *q.stride()[:3], *means.stride()[:3], H, n, D,
+        n_blocks, block, TOPK=topk, SLOTS_P2=1 << (topk - 1).bit_length(),
+        BLOCK_M=rows, BLOCK_C=per_step, BLOCK_D=_block_d(D), IEEE=True, WIDEN=False, HAS_DOCS=docs is not None)
     return chosen
 
 
@@ -91,12 +99,28 @@ class PairTiles:
         return (self.tile_group, self.tile_start, self.pair_start, self.counts, self.order)
 
 
-def triton_forward(q, k, v, chosen, block: int):
+def own_block_spans(block: int, n: int, device, docs):
+    """The own blocks' spans (causal within fixed blocks), and with docs each batch row's span starts (1, n), cut at
+    where each query's document begins."""
+    spans = static_spans(FixedBlock(block), n, 1, 0, str(device))
+    if docs is None:
+        return spans, None
+    return spans, torch.maximum(spans.lo, docs.to(spans.lo.dtype)).split(1)
+
+
+def triton_forward(q, k, v, chosen, block: int, docs=None):
     moba_pairs_forward_kernel = triton_kernels().moba_pairs_forward_kernel
 
     B, H, n, D = q.shape
-    spans = static_spans(FixedBlock(block), n, 1, 0, str(q.device))
-    own, own_lse = span_op.triton_forward(q, k, v, spans.lo, spans.hi, None, None, 0.0, False)
+    spans, row_lo = own_block_spans(block, n, q.device, docs)
+    if docs is None:
+        own, own_lse = span_op.triton_forward(q, k, v, spans.lo, spans.hi, None, None, 0.0, False)
+    else:
+        own, own_lse = span_op.layout_like_q(q), q.new_empty(B, H, n, dtype=torch.float32)
+        for b, lo in enumerate(row_lo):
+            row = slice(b, b + 1)
+            own[row], own_lse[row] = span_op.triton_forward(q[row], k[row], v[row], lo, spans.hi, None, None, 0.0,
+                                                            False)
     topk = chosen.shape[-1]
     if topk == 1:
         return own, own_lse
@@ -104,10 +128,11 @@ def triton_forward(q, k, v, chosen, block: int):
     tiles = PairTiles(chosen, block, rows)
     out = torch.zeros(tiles.pairs, D, device=q.device, dtype=torch.float32)
     lse = torch.full((tiles.pairs,), -math.inf, device=q.device, dtype=torch.float32)
+    docs_or_order = tiles.order if docs is None else docs  # never read without documents
     moba_pairs_forward_kernel[(tiles.grid,)](
-        q, k, v, out, lse, *tiles.args(), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], H, n, D,
+        q, k, v, out, lse, *tiles.args(), docs_or_order, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], H, n, D,
         tiles.n_blocks, tiles.slots, block, 1.4426950408889634 / math.sqrt(D), tiles.groups,
-        BLOCK_M=rows, BLOCK_N=cols, BLOCK_D=_block_d(D), **_flags(q))
+        BLOCK_M=rows, BLOCK_N=cols, BLOCK_D=_block_d(D), HAS_DOCS=docs is not None, **_flags(q))
     result = span_op.layout_like_q(q)
     total = torch.empty_like(own_lse)
     triton_kernels().moba_merge_kernel[(span_op.triton_cdiv(n, rows), B * H)](
@@ -116,15 +141,23 @@ def triton_forward(q, k, v, chosen, block: int):
     return result, total
 
 
-def triton_backward(grad, q, k, v, out, lse, chosen, block: int):
+def triton_backward(grad, q, k, v, out, lse, chosen, block: int, docs=None):
     kernels = triton_kernels()
 
     B, H, n, D = q.shape
     grad = span_op.unit_stride(grad)
-    spans = static_spans(FixedBlock(block), n, 1, 0, str(q.device))
+    spans, row_lo = own_block_spans(block, n, q.device, docs)
     delta = span_op.triton_delta(grad, out)
-    dq, dk_own, dv_own = span_op.triton_backward(grad, q, k, v, out, lse, spans.lo, spans.hi, spans.key_first,
-                                                 spans.key_end, None, None, 0.0, False, delta=delta)
+    if docs is None:
+        dq, dk_own, dv_own = span_op.triton_backward(grad, q, k, v, out, lse, spans.lo, spans.hi, spans.key_first,
+                                                     spans.key_end, None, None, 0.0, False, delta=delta)
+    else:  # the blocks' key_first, key_end still bound the rows reading each key: raising lo only removes some
+        dq, dk_own, dv_own = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for b, lo in enumerate(row_lo):
+            row = slice(b, b + 1)
+            dq[row], dk_own[row], dv_own[row] = span_op.triton_backward(
+                grad[row], q[row], k[row], v[row], out[row], lse[row], lo, spans.hi, spans.key_first, spans.key_end,
+                None, None, 0.0, False, delta=delta[row])
     topk = chosen.shape[-1]
     if topk == 1:
         return dq, dk_own, dv_own
@@ -132,17 +165,18 @@ def triton_backward(grad, q, k, v, out, lse, chosen, block: int):
     tiles = PairTiles(chosen, block, rows)
     dq_pairs = torch.zeros(tiles.pairs, D, device=q.device, dtype=torch.float32)
     scales = (1 / math.sqrt(D), 1.4426950408889634 / math.sqrt(D))
+    docs_or_order = tiles.order if docs is None else docs  # never read without documents
     kernels.moba_pairs_dq_kernel[(tiles.grid,)](
-        q, k, v, grad, lse, delta, dq_pairs, *tiles.args(), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        *grad.stride()[:3], H, n, D, tiles.n_blocks, tiles.slots, block, *scales, tiles.groups,
-        BLOCK_M=rows, BLOCK_N=cols, BLOCK_D=_block_d(D), **_flags(q))
+        q, k, v, grad, lse, delta, dq_pairs, *tiles.args(), docs_or_order, *q.stride()[:3], *k.stride()[:3],
+        *v.stride()[:3], *grad.stride()[:3], H, n, D, tiles.n_blocks, tiles.slots, block, *scales, tiles.groups,
+        BLOCK_M=rows, BLOCK_N=cols, BLOCK_D=_block_d(D), HAS_DOCS=docs is not None, **_flags(q))
     dk, dv = torch.empty_like(k), torch.empty_like(v)  # the own part's strides: read with the same ones
     assert dk.stride() == dk_own.stride() and dv.stride() == dv_own.stride()
     kernels.moba_pairs_dkdv_kernel[(tiles.n_blocks * span_op.triton_cdiv(block, cols), B * H)](
         q, k, v, grad, lse, delta, dk_own, dv_own, dk, dv, tiles.pair_start, tiles.counts, tiles.order,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
-        H, n, D, tiles.n_blocks, tiles.slots, block, *scales,
-        BLOCK_M=rows, BLOCK_N=cols, BLOCK_D=_block_d(D), **_flags(q))
+        docs_or_order, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad.stride()[:3], *dk.stride()[:3],
+        *dv.stride()[:3], H, n, D, tiles.n_blocks, tiles.slots, block, *scales,
+        BLOCK_M=rows, BLOCK_N=cols, BLOCK_D=_block_d(D), HAS_DOCS=docs is not None, **_flags(q))
     dq.copy_(dq.float() + dq_pairs.view(B, H, n, topk - 1, D).sum(-2))  # in place: the strides of q
     return dq, dk, dv
 
@@ -154,115 +188,123 @@ def _use_triton(device) -> bool:
 # ---- the custom ops --------------------------------------------------------------------------------------------
 
 @torch.library.custom_op("efficient_attention::moba_choose", mutates_args=(), device_types=("cuda", "cpu"))
-def moba_choose_op(q: torch.Tensor, k: torch.Tensor, block: int, topk: int) -> torch.Tensor:
+def moba_choose_op(q: torch.Tensor, k: torch.Tensor, block: int, topk: int,
+                   docs: torch.Tensor | None = None) -> torch.Tensor:
     """moba_choose for queries at the keys' positions 0 .. n - 1 (a prompt, training)."""
     if _use_triton(q.device):
-        return triton_choose(q, k, block, topk)
-    return moba_choose(q, k, torch.arange(q.shape[2], device=q.device), block, topk)
+        return triton_choose(q, k, block, topk, docs)
+    return moba_choose(q, k, torch.arange(q.shape[2], device=q.device), block, topk, docs)
 
 
 @moba_choose_op.register_fake
-def _(q, k, block, topk):
+def _(q, k, block, topk, docs=None):
     B, H, n, _ = q.shape
     return q.new_empty(B, H, n, topk, dtype=torch.long)
 
 
 @torch.library.custom_op("efficient_attention::moba_forward", mutates_args=(), device_types="cuda")
-def moba_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chosen: torch.Tensor,
-                 block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return triton_forward(q, k, v, chosen, block)
+def moba_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chosen: torch.Tensor, block: int,
+                 docs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return triton_forward(q, k, v, chosen, block, docs)
 
 
 @moba_forward.register_fake
-def _(q, k, v, chosen, block):
+def _(q, k, v, chosen, block, docs=None):
     B, H, n, _ = q.shape
     return span_op.layout_like_q(q), q.new_empty(B, H, n, dtype=torch.float32)
 
 
 @torch.library.custom_op("efficient_attention::moba_backward", mutates_args=(), device_types="cuda")
 def moba_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                  lse: torch.Tensor, chosen: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return triton_backward(grad, q, k, v, out, lse, chosen, block)
+                  lse: torch.Tensor, chosen: torch.Tensor, block: int,
+                  docs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return triton_backward(grad, q, k, v, out, lse, chosen, block, docs)
 
 
 @moba_backward.register_fake
-def _(grad, q, k, v, out, lse, chosen, block):
+def _(grad, q, k, v, out, lse, chosen, block, docs=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 @moba_forward.register_kernel("cpu")
-def _cpu_forward(q, k, v, chosen, block):
+def _cpu_forward(q, k, v, chosen, block, docs=None):
     simulate_cuda.ran("moba")
     if _use_triton(q.device):
-        return triton_forward(q, k, v, chosen, block)
-    y, lse = moba_naive(q, k, v, chosen, block)
+        return triton_forward(q, k, v, chosen, block, docs)
+    y, lse = moba_naive(q, k, v, chosen, block, docs)
     out = span_op.layout_like_q(q)
     out.copy_(y)
     return out, lse
 
 
 @moba_backward.register_kernel("cpu")
-def _cpu_backward(grad, q, k, v, out, lse, chosen, block):
+def _cpu_backward(grad, q, k, v, out, lse, chosen, block, docs=None):
     simulate_cuda.ran("moba")
     if _use_triton(q.device):
-        return triton_backward(grad, q, k, v, out, lse, chosen, block)
+        return triton_backward(grad, q, k, v, out, lse, chosen, block, docs)
     with simulate_cuda.autograd_in_kernel():
         inputs = [t.detach().requires_grad_() for t in (q, k, v)]
-        y, _ = moba_naive(*inputs, chosen, block)
+        y, _ = moba_naive(*inputs, chosen, block, docs)
         dq, dk, dv = torch.autograd.grad(y, inputs, grad)
     return torch.empty_like(q).copy_(dq), torch.empty_like(k).copy_(dk), torch.empty_like(v).copy_(dv)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, chosen, block = inputs
+    q, k, v, chosen, block, docs = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, chosen)
+    ctx.save_for_backward(q, k, v, out, lse, chosen, docs)
     ctx.block = block
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, chosen = ctx.saved_tensors
-    return (*moba_backward(grad_out, q, k, v, out, lse, chosen, ctx.block), None, None)
+    q, k, v, out, lse, chosen, docs = ctx.saved_tensors
+    return (*moba_backward(grad_out, q, k, v, out, lse, chosen, ctx.block, docs), None, None, None)
 
 
 moba_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def moba_attention(q, k, v, block: int, topk: int):
-    """MoBA of queries over the keys at the same positions 0 .. n - 1 (training, a prompt): q, k, v (B, H, n, D);
-    the output (B, H, n, D), laid out (B, n, H, D) in memory."""
+def moba_attention(q, k, v, block: int, topk: int, docs=None):
+    """MoBA of queries over the keys at the same positions 0 .. n - 1 (training, a prompt): q, k, v (B, H, n, D),
+    docs (B, n) or None (naive.py); the output (B, H, n, D), laid out (B, n, H, D) in memory."""
     q, k, v = (span_op.unit_stride(t) for t in (q, k, v))
-    chosen = moba_choose_op(q, k, block, topk)
-    out, _ = moba_forward(q, k, v, chosen, block)
+    if docs is not None:
+        docs = docs.contiguous()  # the kernels read it as rows of n
+    chosen = moba_choose_op(q, k, block, topk, docs)
+    out, _ = moba_forward(q, k, v, chosen, block, docs)
     return out
 
 
 def _samples():
     generator = torch.Generator().manual_seed(0)
-    B, H, n, D, block = 1, 2, 40, 16, 8
+    B, H, n, D, block = 2, 2, 40, 16, 8
+    # documents from 0, 13, 14 (one token) and 30 in the first row; the second row one document
+    marks = torch.zeros(B, n, dtype=torch.long)
+    marks[0, [13, 14, 30]] = 1
     samples = []
     for dtype in (torch.float32, torch.bfloat16):
-        q, k, v = (torch.randn(B, n, H, D, generator=generator).to(dtype).transpose(1, 2) for _ in range(3))
-        samples.append((q, k, v, moba_choose(q, k, torch.arange(n), block, 2), block))
+        for docs in (None, document_starts(marks, 1, torch.arange(n))):
+            q, k, v = (torch.randn(B, n, H, D, generator=generator).to(dtype).transpose(1, 2) for _ in range(3))
+            samples.append((q, k, v, moba_choose(q, k, torch.arange(n), block, 2, docs), block, docs))
     return samples
 
 
 @simulate_cuda.opcheck_samples("efficient_attention::moba_choose")
 def _choose_samples():
-    return [(q, k, block, 2) for q, k, v, _, block in _samples()]
+    return [(q, k, block, 2, docs) for q, k, v, _, block, docs in _samples()]
 
 
 @simulate_cuda.opcheck_samples("efficient_attention::moba_forward")
 def _forward_samples():
-    return [(q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), chosen, block)
-            for q, k, v, chosen, block in _samples()]
+    return [(q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), chosen, block, docs)
+            for q, k, v, chosen, block, docs in _samples()]
 
 
 @simulate_cuda.opcheck_samples("efficient_attention::moba_backward")
 def _backward_samples():
     samples = []
-    for q, k, v, chosen, block in _samples():
-        out, lse = _cpu_forward(q, k, v, chosen, block)
+    for q, k, v, chosen, block, docs in _samples():
+        out, lse = _cpu_forward(q, k, v, chosen, block, docs)
         grad = torch.randn(out.shape[0], out.shape[2], out.shape[1], out.shape[3]).to(q.dtype).transpose(1, 2)
-        samples.append((grad, q, k, v, out, lse, chosen, block))
+        samples.append((grad, q, k, v, out, lse, chosen, block, docs))
     return samples

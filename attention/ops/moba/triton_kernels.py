@@ -14,6 +14,12 @@
 A query's own block (causal) runs span attention over fixed blocks (attention/ops/span), and the parts are merged
 by their log-sum-exps (attention/ops/moba/op.py). Checked against attention/ops/moba/naive.py and the dense
 reference in tests/ops/test_moba_kernel.py, under Triton's interpreter on the CPU.
+
+With packed documents (HAS_DOCS; DOCS (B, N): where each token's document begins) a row chooses among the blocks
+from its document's first on (their means over its document's keys: op.py), and its keys are cut at its
+document's start: the rows are in token order and MoBA is causal, so a row's document holds
+exactly its keys from that start on. Every pair of one key block then has the same start (only one document of a
+row runs past the block's end), so a tile skips the keys before it.
 """
 
 from __future__ import annotations
@@ -25,9 +31,9 @@ from attention.ops.span.triton_kernels import tile_dot
 
 
 @triton.jit
-def moba_choose_kernel(Q, MEANS, CHOSEN, sqb, sqh, sqn, smb, smh, smn, H, N, D, NB, block,
+def moba_choose_kernel(Q, MEANS, CHOSEN, DOCS, sqb, sqh, sqn, smb, smh, smn, H, N, D, NB, block,
                        TOPK: tl.constexpr, SLOTS_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
-                       IEEE: tl.constexpr, WIDEN: tl.constexpr):
+                       IEEE: tl.constexpr, WIDEN: tl.constexpr, HAS_DOCS: tl.constexpr):
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     b, h = pid_bh // H, pid_bh % H
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -37,16 +43,22 @@ def moba_choose_kernel(Q, MEANS, CHOSEN, sqb, sqh, sqn, smb, smh, smn, H, N, D, 
                 mask=row_ok[:, None] & (dims[None, :] < D), other=0.0).to(tl.float32)
     own = rows // block
     last_own = tl.max(tl.where(row_ok, own, 0), 0)
+    lowest = 0
+    if HAS_DOCS:
+        first = (tl.load(DOCS + b * N + rows, mask=row_ok, other=0) // block).to(tl.int32)  # its document's first block
+        lowest = tl.min(tl.where(row_ok, first, last_own), 0)
     # the running best TOPK (value, block) per row, best first (slot 0 is always the own block), in SLOTS_P2 >= TOPK
     # columns (a power of two); the columns past TOPK only ever hold entries pushed out of the list
     best_v = tl.full([BLOCK_M, SLOTS_P2], float("-inf"), dtype=tl.float32)
     best_i = tl.full([BLOCK_M, SLOTS_P2], -1, dtype=tl.int32)
     slots = tl.arange(0, SLOTS_P2)
-    for c0 in range(0, last_own + 1, BLOCK_C):
+    for c0 in range(lowest // BLOCK_C * BLOCK_C, last_own + 1, BLOCK_C):
         blocks = c0 + tl.arange(0, BLOCK_C)
         means = tl.load(MEANS + b * smb + h * smh + blocks[:, None] * smn + dims[None, :],
                         mask=(blocks[:, None] < NB) & (dims[None, :] < D), other=0.0)
         s = tile_dot(q, tl.trans(means), True, False)
+        if HAS_DOCS:
+            s = tl.where(blocks[None, :] < first[:, None], float("-inf"), s)
         s = tl.where(blocks[None, :] == own[:, None], float("inf"), s)
         s = tl.where((blocks[None, :] > own[:, None]) | (blocks[None, :] >= NB), float("-inf"), s)
         for _ in tl.static_range(TOPK):  # move the chunk's best into the running list, TOPK times
@@ -104,10 +116,16 @@ def _block_keys(K, V, b, h, j, block, start, N, D, dims, skb, skh, skn, svb, svh
 
 
 @triton.jit
-def moba_pairs_forward_kernel(Q, K, V, OUT, LSE, TILE_GROUP, TILE_START, PAIR_START, COUNTS, ORDER,
+def _document_starts(DOCS, b, rows, real, N):
+    """Where each row's document begins (32 bits: positions stay below 2^31)."""
+    return tl.load(DOCS + b * N + rows, mask=real, other=0).to(tl.int32)
+
+
+@triton.jit
+def moba_pairs_forward_kernel(Q, K, V, OUT, LSE, TILE_GROUP, TILE_START, PAIR_START, COUNTS, ORDER, DOCS,
                               sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, H, N, D, NB, SLOTS, block, qk_scale,
                               n_groups, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                              IEEE: tl.constexpr, WIDEN: tl.constexpr):
+                              IEEE: tl.constexpr, WIDEN: tl.constexpr, HAS_DOCS: tl.constexpr):
     pair, real, bh, b, h, j, rows = _tile(TILE_GROUP, TILE_START, PAIR_START, COUNTS, ORDER, tl.program_id(0),
                                           n_groups, H, N, NB, SLOTS, BLOCK_M)
     if tl.max(real.to(tl.int32), 0) > 0:
@@ -117,14 +135,25 @@ def moba_pairs_forward_kernel(Q, K, V, OUT, LSE, TILE_GROUP, TILE_START, PAIR_ST
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for start in range(j * block, tl.minimum(j * block + block, N), BLOCK_N):
+        key_lo = j * block
+        if HAS_DOCS:
+            doc_start = _document_starts(DOCS, b, rows, real, N)
+            key_lo = tl.maximum(key_lo, tl.min(tl.where(real, doc_start, N), 0))
+        for start in range(key_lo, tl.minimum(j * block + block, N), BLOCK_N):
             cols, col_ok, kv_mask, k, v = _block_keys(K, V, b, h, j, block, start, N, D, dims, skb, skh, skn, svb,
                                                       svh, svn, BLOCK_N)
-            # a chosen block other than the own one is earlier than the query: all its keys are allowed
-            s = tl.where(col_ok[None, :], tile_dot(q, tl.trans(k), IEEE, WIDEN) * qk_scale, float("-inf"))
+            # a chosen block other than the own one is earlier than the query: all its keys (of the query's
+            # document) are allowed
+            allowed = col_ok[None, :]
+            if HAS_DOCS:
+                allowed = allowed & (cols[None, :] >= doc_start[:, None])
+            s = tl.where(allowed, tile_dot(q, tl.trans(k), IEEE, WIDEN) * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
+            m_safe = m_new
+            if HAS_DOCS:  # a row whose document begins after these keys has none yet
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, IEEE, WIDEN)
             m_i = m_new
@@ -134,10 +163,10 @@ def moba_pairs_forward_kernel(Q, K, V, OUT, LSE, TILE_GROUP, TILE_START, PAIR_ST
 
 
 @triton.jit
-def moba_pairs_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ_PAIRS, TILE_GROUP, TILE_START, PAIR_START, COUNTS, ORDER,
+def moba_pairs_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ_PAIRS, TILE_GROUP, TILE_START, PAIR_START, COUNTS, ORDER, DOCS,
                          sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon, H, N, D, NB, SLOTS, block,
                          sm_scale, qk_scale, n_groups, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_D: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr):
+                         BLOCK_D: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr, HAS_DOCS: tl.constexpr):
     """Each pair's dq over its chosen block, from the query's final log-sum-exp and rowsum(dO * O)."""
     pair, real, bh, b, h, j, rows = _tile(TILE_GROUP, TILE_START, PAIR_START, COUNTS, ORDER, tl.program_id(0),
                                           n_groups, H, N, NB, SLOTS, BLOCK_M)
@@ -149,11 +178,18 @@ def moba_pairs_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ_PAIRS, TILE_GROUP, TILE_STA
         lse = tl.load(LSE + bh * N + rows, mask=real, other=float("inf"))
         delta = tl.load(DELTA + bh * N + rows, mask=real, other=0.0)
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        for start in range(j * block, tl.minimum(j * block + block, N), BLOCK_N):
+        key_lo = j * block
+        if HAS_DOCS:
+            doc_start = _document_starts(DOCS, b, rows, real, N)
+            key_lo = tl.maximum(key_lo, tl.min(tl.where(real, doc_start, N), 0))
+        for start in range(key_lo, tl.minimum(j * block + block, N), BLOCK_N):
             cols, col_ok, kv_mask, k, v = _block_keys(K, V, b, h, j, block, start, N, D, dims, skb, skh, skn, svb,
                                                       svh, svn, BLOCK_N)
             s = tile_dot(q, tl.trans(k), IEEE, WIDEN) * qk_scale
-            p = tl.where(col_ok[None, :] & real[:, None], tl.exp2(s - lse[:, None] * 1.4426950408889634), 0.0)
+            allowed = col_ok[None, :] & real[:, None]
+            if HAS_DOCS:
+                allowed = allowed & (cols[None, :] >= doc_start[:, None])
+            p = tl.where(allowed, tl.exp2(s - lse[:, None] * 1.4426950408889634), 0.0)
             dp = tile_dot(do, tl.trans(v), IEEE, WIDEN)
             ds = p * (dp - delta[:, None])
             dq += tile_dot(ds.to(k.dtype), k, IEEE, WIDEN)
@@ -161,11 +197,11 @@ def moba_pairs_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ_PAIRS, TILE_GROUP, TILE_STA
 
 
 @triton.jit
-def moba_pairs_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_OWN, DV_OWN, DK, DV, PAIR_START, COUNTS, ORDER,
+def moba_pairs_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_OWN, DV_OWN, DK, DV, PAIR_START, COUNTS, ORDER, DOCS,
                            sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon, sdkb, sdkh, sdkn,
                            sdvb, sdvh, sdvn, H, N, D, NB, SLOTS, block, sm_scale, qk_scale,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
-                           WIDEN: tl.constexpr):
+                           WIDEN: tl.constexpr, HAS_DOCS: tl.constexpr):
     """dk, dv of BLOCK_N keys of block j: the own blocks' part (span attention's backward, DK_OWN, DV_OWN) plus
     every pair that chose block j, walked in its sorted order by this program alone (no atomics: the pairs of a
     block are contiguous in ORDER), key-major (k q^T) so that no tile is transposed."""
@@ -191,7 +227,10 @@ def moba_pairs_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_OWN, DV_OWN, DK, DV, PAIR
         lse = tl.load(LSE + bh.to(tl.int64) * N + rows, mask=real, other=float("inf"))
         delta = tl.load(DELTA + bh.to(tl.int64) * N + rows, mask=real, other=0.0)
         s_t = tile_dot(k, tl.trans(q), IEEE, WIDEN) * qk_scale  # (keys, pairs)
-        p_t = tl.where(col_ok[:, None] & real[None, :], tl.exp2(s_t - lse[None, :] * 1.4426950408889634), 0.0)
+        allowed_t = col_ok[:, None] & real[None, :]
+        if HAS_DOCS:
+            allowed_t = allowed_t & (cols[:, None] >= _document_starts(DOCS, b, rows, real, N)[None, :])
+        p_t = tl.where(allowed_t, tl.exp2(s_t - lse[None, :] * 1.4426950408889634), 0.0)
         dp_t = tile_dot(v, tl.trans(do), IEEE, WIDEN)
         ds_t = p_t * (dp_t - delta[None, :])
         dv += tile_dot(p_t.to(do.dtype), do, IEEE, WIDEN)

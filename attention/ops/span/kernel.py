@@ -1,6 +1,6 @@
 """Span attention under the kernel contract (attention/ops/contract.py): attn_backend=auto's pick on CUDA (and on
 the CPU standing in for it) for every rule whose edges are spans, softmax or sigmoid, without a score_mod or
-with ALiBi's (computed in the kernel)."""
+with ALiBi's (computed in the kernel), with or without packed documents."""
 
 from __future__ import annotations
 
@@ -53,6 +53,9 @@ class SpanKernel(Kernel):
     def suits(self, call: AttentionCall) -> bool:
         return call.gpu_path and span_available()
 
+    def document_problem(self, call: AttentionCall) -> str:
+        return ""
+
     def plan(self, call: AttentionCall) -> SpanPlan:
         spans = plan_spans(call.rule, call.n, call.n_head, call.start, call.device)
         if spans is None:
@@ -61,10 +64,11 @@ class SpanKernel(Kernel):
         slopes, offset = span_bias(call.score_mod)
         return SpanPlan(spans, None if slopes is None else slopes.to(call.device).float(), float(offset))
 
-    def run(self, q, k, v, plan: AttentionPlan, dropout_p: float = 0.0):
+    def run(self, q, k, v, plan: AttentionPlan, dropout_p: float = 0.0, docs=None):
         refuse_dropout("span", dropout_p)
         data = plan.data
-        return span_attention(q, k, v, data.spans, data.slopes, data.offset, plan.activation == "sigmoid")
+        return span_attention(q, k, v, data.spans, data.slopes, data.offset, plan.activation == "sigmoid", docs,
+                              plan.start)
 
     def scores(self, plan: AttentionPlan, n_head: int) -> int:
         return span_scores(plan.data.spans, n_head, *span_blocks("cuda"))

@@ -15,7 +15,7 @@ import torch
 from attention import simulate_cuda
 from attention.edges import SlidingWindow
 from attention.ops.span.naive import span_attention_naive
-from attention.ops.span.spans import KEY_GROUP, static_spans
+from attention.ops.span.spans import KEY_GROUP, document_rows, static_spans
 
 TILES_ENV = "EFFICIENT_ATTENTION_SPAN_TILES"  # "BLOCK_M,BLOCK_N,WARPS,STAGES": another tiling, for benchmarks
 
@@ -71,10 +71,12 @@ def layout_like_q(q):
     return q.new_empty(B, n, H, D).transpose(1, 2)
 
 
-def _common(q, k, spans_lo, order, slopes):
+def _common(q, k, spans_lo, order, slopes, docs):
     B, H, n, D = q.shape
-    return dict(H=H, GROUP=H // k.shape[1], N=n, D=D, span_h=0 if spans_lo.shape[0] == 1 else n,
-                HAS_ORDER=order is not None, HAS_BIAS=slopes is not None, IEEE=q.dtype == torch.float32,
+    heads = spans_lo.shape[-2]
+    return dict(H=H, GROUP=H // k.shape[1], N=n, D=D, span_b=heads * n if spans_lo.dim() == 3 else 0,
+                span_h=0 if heads == 1 else n, HAS_ORDER=order is not None, HAS_DOCS=docs is not None,
+                HAS_BIAS=slopes is not None, IEEE=q.dtype == torch.float32,
                 # the hardware's tanh for sigmoid: compiled CUDA code at half precision (not the interpreter's)
                 FAST_SIGMOID=q.device.type == "cuda" and q.dtype != torch.float32,
                 WIDEN=q.dtype == torch.bfloat16 and q.device.type == "cpu",
@@ -90,7 +92,8 @@ def triton_kernels():
     return kernels
 
 
-def triton_forward(q, k, v, lo, hi, order, slopes, offset: float, sigmoid: bool):
+def triton_forward(q, k, v, lo, hi, order, slopes, offset: float, sigmoid: bool, docs=None):
+    """lo, hi (S, n), or (B, S, n) clipped to a batch's documents; docs (B, n) int32 or None: see span_attention."""
     span_forward_kernel = triton_kernels().span_forward_kernel
 
     B, H, n, D = q.shape
@@ -102,10 +105,10 @@ def triton_forward(q, k, v, lo, hi, order, slopes, offset: float, sigmoid: bool)
     dummy = lo  # never read when the option is off
     span_forward_kernel[(triton_cdiv(n, block_m), B * H)](
         q, k, v, out, lse, lo, hi, dummy if order is None else order, dummy if slopes is None else slopes,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        dummy if docs is None else docs, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         qk_scale=1.4426950408889634 / math.sqrt(D), offset=offset, SIGMOID=sigmoid,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=WARPS, num_stages=STAGES,
-        **_common(q, k, lo, order, slopes))
+        **_common(q, k, lo, order, slopes, docs))
     return out, lse
 
 
@@ -124,7 +127,7 @@ def triton_delta(grad, out):
 
 
 def triton_backward(grad, q, k, v, out, lse, lo, hi, key_first, key_end, order, slopes, offset: float,
-                    sigmoid: bool, delta=None):
+                    sigmoid: bool, delta=None, docs=None, doc_end=None):
     span_backward_kv_kernel = triton_kernels().span_backward_kv_kernel
     span_backward_q_kernel = triton_kernels().span_backward_q_kernel
 
@@ -132,21 +135,22 @@ def triton_backward(grad, q, k, v, out, lse, lo, hi, key_first, key_end, order, 
     H_kv = k.shape[1]
     grad = unit_stride(grad)
     block_m, block_n = span_blocks(q.device)
-    common = _common(q, k, lo, order, slopes)
+    common = _common(q, k, lo, order, slopes, docs)
     dummy = lo
     if delta is None:
         delta = lse if sigmoid else triton_delta(grad, out)  # sigmoid reads neither
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     order_, slopes_ = dummy if order is None else order, dummy if slopes is None else slopes
+    docs_, doc_end_ = dummy if docs is None else docs, dummy if doc_end is None else doc_end
     scales = dict(sm_scale=1 / math.sqrt(D), qk_scale=1.4426950408889634 / math.sqrt(D), offset=offset)
     span_backward_kv_kernel[(triton_cdiv(n, block_n), B * H_kv)](
-        q, k, v, grad, lse, delta, dk, dv, lo, hi, order_, slopes_, key_first, key_end,
+        q, k, v, grad, lse, delta, dk, dv, lo, hi, order_, slopes_, key_first, key_end, docs_, doc_end_,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
         plan_h=0 if key_first.shape[0] == 1 else key_first.shape[1], plan_len=key_first.shape[1], H_KV=H_kv,
         SIGMOID=sigmoid, BLOCK_M=block_m, BLOCK_N=block_n, KEY_GROUP=KEY_GROUP, num_warps=WARPS,
         num_stages=STAGES, **scales, **common)
     span_backward_q_kernel[(triton_cdiv(n, block_m), B * H)](
-        q, k, v, grad, lse, delta, dq, lo, hi, order_, slopes_,
+        q, k, v, grad, lse, delta, dq, lo, hi, order_, slopes_, docs_,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad.stride()[:3], *dq.stride()[:3],
         SIGMOID=sigmoid, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=WARPS, num_stages=STAGES,
         **scales, **common)
@@ -168,12 +172,13 @@ def triton_cdiv(a: int, b: int) -> int:
 @torch.library.custom_op("efficient_attention::span_forward", mutates_args=(), device_types="cuda")
 def span_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                  key_first: torch.Tensor, key_end: torch.Tensor, order: torch.Tensor | None,
-                 slopes: torch.Tensor | None, offset: float, sigmoid: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return triton_forward(q, k, v, lo, hi, order, slopes, offset, sigmoid)
+                 slopes: torch.Tensor | None, docs: torch.Tensor | None, doc_end: torch.Tensor | None, offset: float,
+                 sigmoid: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return triton_forward(q, k, v, lo, hi, order, slopes, offset, sigmoid, docs)
 
 
 @span_forward.register_fake
-def _(q, k, v, lo, hi, key_first, key_end, order, slopes, offset, sigmoid):
+def _(q, k, v, lo, hi, key_first, key_end, order, slopes, docs, doc_end, offset, sigmoid):
     B, H, n, _ = q.shape
     return layout_like_q(q), q.new_empty(B, H, n, dtype=torch.float32)
 
@@ -181,66 +186,87 @@ def _(q, k, v, lo, hi, key_first, key_end, order, slopes, offset, sigmoid):
 @torch.library.custom_op("efficient_attention::span_backward", mutates_args=(), device_types="cuda")
 def span_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                   lse: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, key_first: torch.Tensor,
-                  key_end: torch.Tensor, order: torch.Tensor | None, slopes: torch.Tensor | None, offset: float,
+                  key_end: torch.Tensor, order: torch.Tensor | None, slopes: torch.Tensor | None,
+                  docs: torch.Tensor | None, doc_end: torch.Tensor | None, offset: float,
                   sigmoid: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return triton_backward(grad, q, k, v, out, lse, lo, hi, key_first, key_end, order, slopes, offset, sigmoid)
+    return triton_backward(grad, q, k, v, out, lse, lo, hi, key_first, key_end, order, slopes, offset, sigmoid,
+                           docs=docs, doc_end=doc_end)
 
 
 @span_backward.register_fake
-def _(grad, q, k, v, out, lse, lo, hi, key_first, key_end, order, slopes, offset, sigmoid):
+def _(grad, q, k, v, out, lse, lo, hi, key_first, key_end, order, slopes, docs, doc_end, offset, sigmoid):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 # On the CPU (the CPU standing in for CUDA): the Triton kernels themselves under the interpreter, else the naive
 # reference, returning what the kernels return: the output laid out (B, n, H, D), gradients like their inputs
 @span_forward.register_kernel("cpu")
-def _cpu_forward(q, k, v, lo, hi, key_first, key_end, order, slopes, offset, sigmoid):
+def _cpu_forward(q, k, v, lo, hi, key_first, key_end, order, slopes, docs, doc_end, offset, sigmoid):
     simulate_cuda.ran("span")
     if triton_on_cpu():
-        return triton_forward(q, k, v, lo, hi, order, slopes, offset, sigmoid)
-    y, lse = span_attention_naive(q, k, v, lo, hi, order, slopes, offset, sigmoid)
+        return triton_forward(q, k, v, lo, hi, order, slopes, offset, sigmoid, docs)
+    y, lse = span_attention_naive(q, k, v, lo, hi, order, slopes, offset, sigmoid, docs)
     out = layout_like_q(q)
     out.copy_(y)
     return out, lse
 
 
 @span_backward.register_kernel("cpu")
-def _cpu_backward(grad, q, k, v, out, lse, lo, hi, key_first, key_end, order, slopes, offset, sigmoid):
+def _cpu_backward(grad, q, k, v, out, lse, lo, hi, key_first, key_end, order, slopes, docs, doc_end, offset,
+                  sigmoid):
     simulate_cuda.ran("span")
     if triton_on_cpu():
-        return triton_backward(grad, q, k, v, out, lse, lo, hi, key_first, key_end, order, slopes, offset, sigmoid)
+        return triton_backward(grad, q, k, v, out, lse, lo, hi, key_first, key_end, order, slopes, offset, sigmoid,
+                               docs=docs, doc_end=doc_end)
     with simulate_cuda.autograd_in_kernel():
         inputs = [t.detach().requires_grad_() for t in (q, k, v)]
-        y, _ = span_attention_naive(*inputs, lo, hi, order, slopes, offset, sigmoid)
+        y, _ = span_attention_naive(*inputs, lo, hi, order, slopes, offset, sigmoid, docs)
         dq, dk, dv = torch.autograd.grad(y, inputs, grad)
     return (torch.empty_like(q).copy_(dq), torch.empty_like(k).copy_(dk), torch.empty_like(v).copy_(dv))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, lo, hi, key_first, key_end, order, slopes, offset, sigmoid = inputs
+    q, k, v, lo, hi, key_first, key_end, order, slopes, docs, doc_end, offset, sigmoid = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, lo, hi, key_first, key_end, order, slopes)
+    ctx.save_for_backward(q, k, v, out, lse, lo, hi, key_first, key_end, order, slopes, docs, doc_end)
     ctx.offset, ctx.sigmoid = offset, sigmoid
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, lo, hi, key_first, key_end, order, slopes = ctx.saved_tensors
-    dq, dk, dv = span_backward(grad_out, q, k, v, out, lse, lo, hi, key_first, key_end, order, slopes, ctx.offset,
-                               ctx.sigmoid)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    q, k, v, out, lse, lo, hi, key_first, key_end, order, slopes, docs, doc_end = ctx.saved_tensors
+    dq, dk, dv = span_backward(grad_out, q, k, v, out, lse, lo, hi, key_first, key_end, order, slopes, docs, doc_end,
+                               ctx.offset, ctx.sigmoid)
+    return dq, dk, dv, *([None] * 10)
 
 
 span_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def span_attention(q, k, v, spans, slopes=None, offset: float = 0.0, sigmoid: bool = False):
+def document_spans(spans, docs, start: int = 0) -> tuple:
+    """(lo, hi, docs, doc_end) as the kernels take them for docs (B, n) or None. A document is a run of rows in
+    token order: each row's span is cut to it (spans (B, 1 or H, n)), so the kernels skip the key blocks (and the
+    backward the query rows) outside it at no cost per block; rows in another order (sa's slots) keep their spans
+    and the kernels compare documents."""
+    if docs is None:
+        return spans.lo, spans.hi, None, None
+    if spans.order is not None:
+        return spans.lo, spans.hi, docs.to(torch.int32).contiguous(), None
+    first, end = document_rows(docs, start)
+    return (torch.maximum(spans.lo, first[:, None]).contiguous(), torch.minimum(spans.hi, end[:, None]).contiguous(),
+            first, end)
+
+
+def span_attention(q, k, v, spans, slopes=None, offset: float = 0.0, sigmoid: bool = False, docs=None,
+                   start: int = 0):
     """Attention of q (B, H, n, D) over k, v (B, H_kv, n, D) along the spans (attention/ops/span/spans.py: Spans),
-    softmax or sigmoid, with the optional bias slopes[h] (i - j) + offset. The output is (B, H, n, D), laid out
-    (B, n, H, D) in memory."""
+    softmax or sigmoid, with the optional bias slopes[h] (i - j) + offset. docs (B, n): where each row's document
+    begins (attention/documents.py), rows at positions start.. (in the spans' order, when they have one), or None.
+    The output is (B, H, n, D), laid out (B, n, H, D) in memory."""
     if q.shape[-1] != k.shape[-1] or q.shape[-1] != v.shape[-1]:
         raise ValueError("span attention needs q, k and v of one head dimension")
     q, k, v = (unit_stride(t) for t in (q, k, v))
-    out, _ = span_forward(q, k, v, spans.lo, spans.hi, spans.key_first, spans.key_end, spans.order, slopes,
+    lo, hi, docs, doc_end = document_spans(spans, docs, start)
+    out, _ = span_forward(q, k, v, lo, hi, spans.key_first, spans.key_end, spans.order, slopes, docs, doc_end,
                           float(offset), bool(sigmoid))
     return out
 
@@ -253,7 +279,11 @@ def _samples():
     samples = []
     for dtype, sigmoid, slopes in ((torch.float32, False, None), (torch.bfloat16, True, torch.tensor([-0.5, 0.25]))):
         q, k, v = (torch.randn(B, n, H, D, generator=generator).to(dtype).transpose(1, 2) for _ in range(3))
-        samples.append((q, k, v, spans.lo, spans.hi, spans.key_first, spans.key_end, None, slopes, 0.5, sigmoid))
+        samples.append((q, k, v, spans.lo, spans.hi, spans.key_first, spans.key_end, None, slopes, None, None, 0.5,
+                        sigmoid))
+    docs, doc_end = document_rows(torch.tensor([0] * 15 + [15] * 25).expand(B, n), 0)  # two documents
+    lo, hi = torch.maximum(spans.lo, docs[:, None]), torch.minimum(spans.hi, doc_end[:, None])
+    samples.append((*samples[0][:3], lo, hi, *samples[0][5:9], docs, doc_end, *samples[0][11:]))
     return samples
 
 
@@ -265,8 +295,8 @@ def _forward_samples():
 @simulate_cuda.opcheck_samples("efficient_attention::span_backward")
 def _backward_samples():
     samples = []
-    for q, k, v, lo, hi, first, end, order, slopes, offset, sigmoid in _samples():
-        out, lse = _cpu_forward(q, k, v, lo, hi, first, end, order, slopes, offset, sigmoid)
+    for q, k, v, lo, hi, first, end, order, slopes, docs, doc_end, offset, sigmoid in _samples():
+        out, lse = _cpu_forward(q, k, v, lo, hi, first, end, order, slopes, docs, doc_end, offset, sigmoid)
         grad = torch.randn(out.shape[0], out.shape[2], out.shape[1], out.shape[3]).to(q.dtype).transpose(1, 2)
-        samples.append((grad, q, k, v, out, lse, lo, hi, first, end, order, slopes, offset, sigmoid))
+        samples.append((grad, q, k, v, out, lse, lo, hi, first, end, order, slopes, docs, doc_end, offset, sigmoid))
     return samples

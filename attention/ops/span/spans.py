@@ -206,6 +206,17 @@ def band_spans(rule: EdgeRule, n: int, device) -> Spans:
     return Spans(lo, hi, rule.token.to(device=device, dtype=torch.int32), key_first, key_end)
 
 
+def document_rows(docs: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first, end) (B, n) int32 of rows in token order at positions start..: each row's document is its rows
+    [first, end) (docs: attention/documents.py). Built on docs' device with no host synchronisation."""
+    n = docs.shape[1]
+    begins = torch.nn.functional.pad(docs[:, 1:] != docs[:, :-1], (1, 0), value=True)
+    rows = torch.arange(n, device=docs.device)
+    next_begin = torch.where(begins, rows, n).flip(1).cummin(1).values.flip(1)  # the first begin at or after a row
+    end = torch.nn.functional.pad(next_begin[:, 1:], (0, 1), value=n)
+    return (docs - start).to(torch.int32).contiguous(), end.to(torch.int32).contiguous()
+
+
 def span_scores(spans: Spans, n_head: int, block_m: int, block_n: int) -> int:
     """The scores the kernels compute over all heads: every tile of block_m rows over the key blocks of block_n
     between its rows' smallest lo and largest hi (masked entries included: what it costs)."""

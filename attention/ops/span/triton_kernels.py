@@ -17,6 +17,13 @@ under softmax the per-row term cancels and enters the log-sum-exp only, so a sco
 is 0.5 + 0.5 tanh(x / 2) with the hardware's tanh on the GPU: one special-function operation per score (two with
 1 / (1 + exp(-x))); in float32 (the tests' precision) and under the interpreter the exact form runs.
 
+Packed documents (attention/documents.py): a row attends only keys of its own document. Rows in token order have
+their spans clipped to their documents, one set per row of the batch (span_b), so a tile walks only the key blocks
+its rows' documents reach and no block pays for documents; with DOCS (each row's document's first row) and DOC_END
+(one past its last) the backward's walk over query rows for a key block stops at its keys' documents. Rows in a
+second order (HAS_ORDER: stochastic attention's slots, whose documents come permuted alike) compare DOCS of row
+and key for equality in every block instead.
+
 Layout: q, k, v (B, H, n, D) with any strides but a unit stride along D; k and v may have fewer heads
 (grouped-query attention: query head h reads key head h // (H / H_kv)). Batch and head offsets are 64-bit.
 Checked against attention/ops/span/naive.py in tests/ops/test_span_kernel.py, under Triton's interpreter on the CPU.
@@ -84,25 +91,32 @@ def _scores(q, k, cols, row_term, slope2, qk_scale, HAS_BIAS: tl.constexpr, SIGM
 
 
 @triton.jit
-def _allowed(rows, cols, lo, hi, row_order, ORDER, N, HAS_ORDER: tl.constexpr):
+def _allowed(rows, cols, lo, hi, row_order, row_doc, ORDER, docs, N, HAS_ORDER: tl.constexpr,
+             HAS_DOCS: tl.constexpr):
     ok = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
     if HAS_ORDER:
         col_order = tl.load(ORDER + cols, mask=cols < N, other=0)
         ok = ok & (col_order[None, :] <= row_order[:, None])
+        if HAS_DOCS:
+            col_doc = tl.load(docs + cols, mask=cols < N, other=-1)
+            ok = ok & (col_doc[None, :] == row_doc[:, None])
     return ok
 
 
 @triton.jit
-def _query_tile(LO, HI, ORDER, h, pid_m, span_h, N, HAS_ORDER: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr):
-    """A tile of BLOCK_M query rows: the rows, which are inside the sequence, their spans, their order, and its key
-    blocks: [first, inner) at its leading edge, [inner, outer) the interior (every row attends every key), [outer,
-    end) at its trailing edge. Without an interior (a row empty or past the sequence, spans shorter than a block,
-    an order) every block is an edge block."""
+def _query_tile(spans_lo, spans_hi, ORDER, docs, pid_m, N, HAS_ORDER: tl.constexpr, HAS_DOCS: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A tile of BLOCK_M query rows: the rows, which are inside the sequence, their spans, their order and (in that
+    order) documents, and its key blocks: [first, inner) at its leading edge, [inner, outer) the interior (every
+    row attends every key), [outer, end) at its trailing edge. Without an interior (a row empty or past the
+    sequence, spans shorter than a block, an order) every block is an edge block."""
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < N
-    lo = tl.load(LO + h * span_h + rows, mask=row_ok, other=0)
-    hi = tl.load(HI + h * span_h + rows, mask=row_ok, other=0)
+    lo = tl.load(spans_lo + rows, mask=row_ok, other=0)
+    hi = tl.load(spans_hi + rows, mask=row_ok, other=0)
+    row_doc = rows
+    if HAS_ORDER and HAS_DOCS:
+        row_doc = tl.load(docs + rows, mask=row_ok, other=0)
     nonempty = lo < hi
     first = tl.maximum(tl.min(tl.where(nonempty, lo, N), 0), 0) // BLOCK_N * BLOCK_N
     end = tl.minimum(tl.max(tl.where(nonempty, hi, 0), 0), N)
@@ -116,7 +130,7 @@ def _query_tile(LO, HI, ORDER, h, pid_m, span_h, N, HAS_ORDER: tl.constexpr, BLO
     row_order = rows
     if HAS_ORDER:
         row_order = tl.load(ORDER + rows, mask=row_ok, other=0)
-    return rows, row_ok, lo, hi, first, inner, outer, end, row_order
+    return rows, row_ok, lo, hi, first, inner, outer, end, row_order, row_doc
 
 
 @triton.jit
@@ -137,10 +151,10 @@ def _key_block(k_base, v_base, skn, svn, start, N, D: tl.constexpr, EDGE: tl.con
 
 @triton.jit
 def _forward_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, block_lo, block_hi, rows, lo, hi, row_order,
-                    row_term, slope2, ORDER, N, D: tl.constexpr, qk_scale, EDGE: tl.constexpr,
+                    row_doc, row_term, slope2, ORDER, docs, N, D: tl.constexpr, qk_scale, EDGE: tl.constexpr,
                     SIGMOID: tl.constexpr, FAST_SIGMOID: tl.constexpr, HAS_ORDER: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
+                    HAS_DOCS: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """The forward over key blocks [block_lo, block_hi): masked where EDGE, else every score counts."""
     for start in range(block_lo, block_hi, BLOCK_N):
         cols, k, v = _key_block(k_base, v_base, skn, svn, start, N, D, EDGE, BLOCK_N, BLOCK_D)
@@ -148,10 +162,12 @@ def _forward_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, block_lo, block_
         if SIGMOID:
             p = _sigmoid(s, FAST_SIGMOID)
             if EDGE:
-                p = tl.where(_allowed(rows, cols, lo, hi, row_order, ORDER, N, HAS_ORDER), p, 0.0)
+                allowed = _allowed(rows, cols, lo, hi, row_order, row_doc, ORDER, docs, N, HAS_ORDER, HAS_DOCS)
+                p = tl.where(allowed, p, 0.0)
         else:
             if EDGE:
-                s = tl.where(_allowed(rows, cols, lo, hi, row_order, ORDER, N, HAS_ORDER), s, float("-inf"))
+                allowed = _allowed(rows, cols, lo, hi, row_order, row_doc, ORDER, docs, N, HAS_ORDER, HAS_DOCS)
+                s = tl.where(allowed, s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             else:  # every score is finite: so is the new maximum
@@ -167,17 +183,19 @@ def _forward_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, block_lo, block_
 
 
 @triton.jit
-def span_forward_kernel(Q, K, V, O, LSE, LO, HI, ORDER, SLOPES,
-                        sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, span_h,
+def span_forward_kernel(Q, K, V, O, LSE, LO, HI, ORDER, SLOPES, DOCS,
+                        sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, span_b, span_h,
                         H, GROUP, N, D: tl.constexpr, qk_scale, offset,
                         SIGMOID: tl.constexpr, FAST_SIGMOID: tl.constexpr, HAS_ORDER: tl.constexpr,
-                        HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                        HAS_DOCS: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = (pid_bh // H).to(tl.int64), pid_bh % H
     hk = (h // GROUP).to(tl.int64)
-    rows, row_ok, lo, hi, first, inner, outer, end, row_order = _query_tile(LO, HI, ORDER, h, pid_m, span_h, N,
-                                                                            HAS_ORDER, BLOCK_M, BLOCK_N)
+    docs = DOCS + b * N
+    rows, row_ok, lo, hi, first, inner, outer, end, row_order, row_doc = _query_tile(
+        LO + b * span_b + h * span_h, HI + b * span_b + h * span_h, ORDER, docs, pid_m, N, HAS_ORDER, HAS_DOCS,
+        BLOCK_M, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     q = tl.load(Q + b * sqb + h.to(tl.int64) * sqh + rows[:, None] * sqn + dims[None, :],
                 mask=row_ok[:, None] & (dims[None, :] < D), other=0.0)
@@ -191,14 +209,17 @@ def span_forward_kernel(Q, K, V, O, LSE, LO, HI, ORDER, SLOPES,
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     acc, m_i, l_i = _forward_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, first, inner, rows, lo, hi,
-                                    row_order, row_term, slope2, ORDER, N, D, qk_scale, True, SIGMOID,
-                                    FAST_SIGMOID, HAS_ORDER, HAS_BIAS, IEEE, WIDEN, BLOCK_N, BLOCK_D)
+                                    row_order, row_doc, row_term, slope2, ORDER, docs, N, D, qk_scale, True,
+                                    SIGMOID, FAST_SIGMOID, HAS_ORDER, HAS_DOCS, HAS_BIAS, IEEE, WIDEN, BLOCK_N,
+                                    BLOCK_D)
     acc, m_i, l_i = _forward_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, inner, outer, rows, lo, hi,
-                                    row_order, row_term, slope2, ORDER, N, D, qk_scale, False, SIGMOID,
-                                    FAST_SIGMOID, HAS_ORDER, HAS_BIAS, IEEE, WIDEN, BLOCK_N, BLOCK_D)
+                                    row_order, row_doc, row_term, slope2, ORDER, docs, N, D, qk_scale, False,
+                                    SIGMOID, FAST_SIGMOID, HAS_ORDER, HAS_DOCS, HAS_BIAS, IEEE, WIDEN, BLOCK_N,
+                                    BLOCK_D)
     acc, m_i, l_i = _forward_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, outer, end, rows, lo, hi,
-                                    row_order, row_term, slope2, ORDER, N, D, qk_scale, True, SIGMOID,
-                                    FAST_SIGMOID, HAS_ORDER, HAS_BIAS, IEEE, WIDEN, BLOCK_N, BLOCK_D)
+                                    row_order, row_doc, row_term, slope2, ORDER, docs, N, D, qk_scale, True,
+                                    SIGMOID, FAST_SIGMOID, HAS_ORDER, HAS_DOCS, HAS_BIAS, IEEE, WIDEN, BLOCK_N,
+                                    BLOCK_D)
     if not SIGMOID:
         has_key = l_i > 0
         acc = acc / tl.where(has_key, l_i, 1.0)[:, None]
@@ -224,16 +245,18 @@ def span_delta_kernel(O, DO, DELTA, sob, soh, son, sdb, sdh, sdn, H, N, D,
 
 
 @triton.jit
-def span_backward_kv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, ORDER, SLOPES, KEY_FIRST, KEY_END,
-                            sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon,
-                            sdkb, sdkh, sdkn, sdvb, sdvh, sdvn, span_h, plan_h, plan_len,
+def span_backward_kv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, ORDER, SLOPES, KEY_FIRST, KEY_END, DOCS,
+                            DOC_END, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon,
+                            sdkb, sdkh, sdkn, sdvb, sdvh, sdvn, span_b, span_h, plan_h, plan_len,
                             H, H_KV, GROUP, N, D: tl.constexpr, sm_scale, qk_scale, offset,
                             SIGMOID: tl.constexpr, FAST_SIGMOID: tl.constexpr, HAS_ORDER: tl.constexpr,
-                            HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, KEY_GROUP: tl.constexpr):
+                            HAS_DOCS: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                            KEY_GROUP: tl.constexpr):
     """dk, dv of one block of BLOCK_N keys of key head hk: over the GROUP query heads that read it, each over the
-    query rows that attend to some key of the block (KEY_FIRST / KEY_END per KEY_GROUP keys). Key-major: the
-    tiles are (keys, rows), k q^T, so p^T and dS^T come out as the products dv and dk take."""
+    query rows that attend to some key of the block (KEY_FIRST / KEY_END per KEY_GROUP keys; in token order, in the
+    documents of its keys). Key-major: the tiles are (keys, rows), k q^T, so p^T and dS^T come out as the
+    products dv and dk take."""
     pid_n, pid_bh = tl.program_id(0), tl.program_id(1)
     b, hk = (pid_bh // H_KV).to(tl.int64), pid_bh % H_KV
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -248,10 +271,20 @@ def span_backward_kv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, ORDER, SLOP
     col_order = cols
     if HAS_ORDER:
         col_order = tl.load(ORDER + cols, mask=col_ok, other=0)
+    docs = DOCS + b * N
+    col_doc = cols
+    rows_first, rows_end = 0, N  # the rows of the block's documents
+    if HAS_DOCS and HAS_ORDER:
+        col_doc = tl.load(docs + cols, mask=col_ok, other=-1)
+    elif HAS_DOCS:
+        rows_first = tl.load(docs + pid_n * BLOCK_N)
+        rows_end = tl.load(DOC_END + b * N + tl.minimum(pid_n * BLOCK_N + BLOCK_N, N) - 1)
     for g in range(0, GROUP):
         h = hk * GROUP + g
-        first = tl.maximum(tl.min(tl.load(KEY_FIRST + h * plan_h + groups, mask=groups < plan_len, other=N), 0), 0)
-        end = tl.minimum(tl.max(tl.load(KEY_END + h * plan_h + groups, mask=groups < plan_len, other=0), 0), N)
+        first = tl.maximum(tl.min(tl.load(KEY_FIRST + h * plan_h + groups, mask=groups < plan_len, other=N), 0),
+                           rows_first)
+        end = tl.minimum(tl.max(tl.load(KEY_END + h * plan_h + groups, mask=groups < plan_len, other=0), 0),
+                         rows_end)
         slope = 0.0
         if HAS_BIAS:
             slope = tl.load(SLOPES + h)
@@ -264,8 +297,8 @@ def span_backward_kv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, ORDER, SLOP
             q_mask = row_ok[:, None] & (dims[None, :] < D)
             q = tl.load(q_base + rows[:, None] * sqn + dims[None, :], mask=q_mask, other=0.0)
             do = tl.load(do_base + rows[:, None] * sdon + dims[None, :], mask=q_mask, other=0.0)
-            lo = tl.load(LO + h * span_h + rows, mask=row_ok, other=0)
-            hi = tl.load(HI + h * span_h + rows, mask=row_ok, other=0)
+            lo = tl.load(LO + b * span_b + h * span_h + rows, mask=row_ok, other=0)
+            hi = tl.load(HI + b * span_b + h * span_h + rows, mask=row_ok, other=0)
             row_term, slope2 = _bias_terms(rows, slope, offset, HAS_BIAS, SIGMOID)
             s_t = tile_dot(k, tl.trans(q), IEEE, WIDEN) * qk_scale  # (keys, rows)
             if HAS_BIAS:
@@ -277,6 +310,9 @@ def span_backward_kv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, ORDER, SLOP
             if HAS_ORDER:
                 row_order = tl.load(ORDER + rows, mask=row_ok, other=0)
                 ok_t = ok_t & (col_order[:, None] <= row_order[None, :])
+                if HAS_DOCS:
+                    row_doc = tl.load(docs + rows, mask=row_ok, other=0)
+                    ok_t = ok_t & (col_doc[:, None] == row_doc[None, :])
             dp_t = tile_dot(v, tl.trans(do), IEEE, WIDEN)
             if SIGMOID:
                 p_t = tl.where(ok_t, _sigmoid(s_t, FAST_SIGMOID), 0.0)
@@ -297,9 +333,10 @@ def span_backward_kv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, ORDER, SLOP
 
 @triton.jit
 def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, block_lo, block_hi, rows, lo, hi, row_order,
-               row_term, slope2, ORDER, N, D: tl.constexpr, qk_scale, EDGE: tl.constexpr, SIGMOID: tl.constexpr,
-               FAST_SIGMOID: tl.constexpr, HAS_ORDER: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-               WIDEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+               row_doc, row_term, slope2, ORDER, docs, N, D: tl.constexpr, qk_scale, EDGE: tl.constexpr,
+               SIGMOID: tl.constexpr, FAST_SIGMOID: tl.constexpr, HAS_ORDER: tl.constexpr, HAS_DOCS: tl.constexpr,
+               HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_D: tl.constexpr):
     """dq over key blocks [block_lo, block_hi): masked where EDGE, else every score counts."""
     for start in range(block_lo, block_hi, BLOCK_N):
         cols, k, v = _key_block(k_base, v_base, skn, svn, start, N, D, EDGE, BLOCK_N, BLOCK_D)
@@ -310,7 +347,8 @@ def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, block_lo, block_
         else:
             p = tl.exp2(s - lse[:, None])
         if EDGE:
-            p = tl.where(_allowed(rows, cols, lo, hi, row_order, ORDER, N, HAS_ORDER), p, 0.0)
+            allowed = _allowed(rows, cols, lo, hi, row_order, row_doc, ORDER, docs, N, HAS_ORDER, HAS_DOCS)
+            p = tl.where(allowed, p, 0.0)
         if SIGMOID:
             ds = dp * p * (1.0 - p)
         else:
@@ -320,18 +358,20 @@ def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, block_lo, block_
 
 
 @triton.jit
-def span_backward_q_kernel(Q, K, V, DO, LSE, DELTA, DQ, LO, HI, ORDER, SLOPES,
-                           sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon, sdqb, sdqh, sdqn, span_h,
-                           H, GROUP, N, D: tl.constexpr, sm_scale, qk_scale, offset,
+def span_backward_q_kernel(Q, K, V, DO, LSE, DELTA, DQ, LO, HI, ORDER, SLOPES, DOCS,
+                           sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon, sdqb, sdqh, sdqn,
+                           span_b, span_h, H, GROUP, N, D: tl.constexpr, sm_scale, qk_scale, offset,
                            SIGMOID: tl.constexpr, FAST_SIGMOID: tl.constexpr, HAS_ORDER: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                           HAS_DOCS: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """dq of one tile of BLOCK_M query rows, walking its key blocks as the forward does."""
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = (pid_bh // H).to(tl.int64), pid_bh % H
     hk = (h // GROUP).to(tl.int64)
-    rows, row_ok, lo, hi, first, inner, outer, end, row_order = _query_tile(LO, HI, ORDER, h, pid_m, span_h, N,
-                                                                            HAS_ORDER, BLOCK_M, BLOCK_N)
+    docs = DOCS + b * N
+    rows, row_ok, lo, hi, first, inner, outer, end, row_order, row_doc = _query_tile(
+        LO + b * span_b + h * span_h, HI + b * span_b + h * span_h, ORDER, docs, pid_m, N, HAS_ORDER, HAS_DOCS,
+        BLOCK_M, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     q_mask = row_ok[:, None] & (dims[None, :] < D)
     q = tl.load(Q + b * sqb + h.to(tl.int64) * sqh + rows[:, None] * sqn + dims[None, :], mask=q_mask, other=0.0)
@@ -350,14 +390,14 @@ def span_backward_q_kernel(Q, K, V, DO, LSE, DELTA, DQ, LO, HI, ORDER, SLOPES,
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
-    dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, first, inner, rows, lo, hi, row_order, row_term,
-                    slope2, ORDER, N, D, qk_scale, True, SIGMOID, FAST_SIGMOID, HAS_ORDER, HAS_BIAS, IEEE, WIDEN,
-                    BLOCK_N, BLOCK_D)
-    dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, inner, outer, rows, lo, hi, row_order, row_term,
-                    slope2, ORDER, N, D, qk_scale, False, SIGMOID, FAST_SIGMOID, HAS_ORDER, HAS_BIAS, IEEE, WIDEN,
-                    BLOCK_N, BLOCK_D)
-    dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, outer, end, rows, lo, hi, row_order, row_term,
-                    slope2, ORDER, N, D, qk_scale, True, SIGMOID, FAST_SIGMOID, HAS_ORDER, HAS_BIAS, IEEE, WIDEN,
-                    BLOCK_N, BLOCK_D)
+    dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, first, inner, rows, lo, hi, row_order, row_doc,
+                    row_term, slope2, ORDER, docs, N, D, qk_scale, True, SIGMOID, FAST_SIGMOID, HAS_ORDER,
+                    HAS_DOCS, HAS_BIAS, IEEE, WIDEN, BLOCK_N, BLOCK_D)
+    dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, inner, outer, rows, lo, hi, row_order, row_doc,
+                    row_term, slope2, ORDER, docs, N, D, qk_scale, False, SIGMOID, FAST_SIGMOID, HAS_ORDER,
+                    HAS_DOCS, HAS_BIAS, IEEE, WIDEN, BLOCK_N, BLOCK_D)
+    dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, outer, end, rows, lo, hi, row_order, row_doc,
+                    row_term, slope2, ORDER, docs, N, D, qk_scale, True, SIGMOID, FAST_SIGMOID, HAS_ORDER,
+                    HAS_DOCS, HAS_BIAS, IEEE, WIDEN, BLOCK_N, BLOCK_D)
     tl.store(DQ + b * sdqb + h.to(tl.int64) * sdqh + rows[:, None] * sdqn + dims[None, :],
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
