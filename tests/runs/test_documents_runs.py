@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import read_metrics, train_subprocess
+from conftest import read_metrics, run_python, train_subprocess
 from helpers import assert_losses_close
 from runtime.checkpoint import load_checkpoint
 
@@ -47,3 +47,15 @@ def test_an_end_of_text_token_other_than_the_datas_is_refused(tmp_path):
                             120, False, 1)
     assert proc.returncode == 2 and "eot_id=10 but the end-of-text token" in proc.stderr, proc.stderr
     assert not list(tmp_path.glob("ckpt_*"))
+
+
+@pytest.mark.e2e
+def test_the_document_benchmark_times_each_layer_both_ways(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = run_python(["-m", "scripts.bench_documents", "--variants=swa,mlstm", "--lengths=512", "--repeats=1",
+                       "--min_doc=50", "--max_doc=200", f"--json={out}"])
+    assert proc.returncode == 0, proc.stderr
+    results = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
+    assert results.keys() == {"swa", "mlstm"} and results["swa"]["kernel"] == "chunked"
+    assert all(r["documents"] > 2 and r["with_ms"] > 0 and r["without_ms"] > 0 for r in results.values())
+    assert "| swa | 512 | chunked |" in proc.stdout
