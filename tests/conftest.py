@@ -1,6 +1,7 @@
 import os
 import re
 import socket
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -183,6 +184,12 @@ def assert_models_agree_in_bf16(config, reference_config, device, tolerance: flo
     for a, b in zip(*outputs):
         error = ((a - b).norm() / b.norm().clamp(min=1e-12)).item()
         assert error <= tolerance, (tuple(a.shape), error)
+
+
+def take_ctrl_c():
+    """A child's SIGINT as a terminal gives it (Popen's preexec_fn): a test worker may run with SIGINT ignored,
+    which its children would inherit, and then a Ctrl-C sent to them would do nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def generator(seed: int, device=None) -> torch.Generator:

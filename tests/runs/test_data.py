@@ -21,7 +21,7 @@ from data.embedded import documents
 from data.meta import DataError, load_meta, open_tokens, unigram_entropy
 from data.prepare import main, prepare, prepare_generated_if_missing
 from data.tokenizer import TokenizerUnavailable, get_tokenizer, vocab_dtype
-from conftest import REPO, run_python as run
+from conftest import REPO, run_python as run, take_ctrl_c
 
 TEXT = "Hello, wörld! Ünïcode: 日本語, emoji 🙂, and a literal <|endoftext|>.\nSecond line\n\n\tIndented third."
 SETS = ["RedPajamaC4", "RedPajamaWikipedia", "RedPajamaC4", "RedPajamaGithub"]
@@ -819,7 +819,8 @@ def test_ctrl_c_during_prepare_is_one_line_and_keeps_the_data(prepared, tmp_path
                                                for i in range(100_000)])
     before = {p.name: p.read_bytes() for p in Path(prepared).iterdir()}
     proc = subprocess.Popen([sys.executable, "-m", "data.prepare", f"--dataset={big}", f"--out_dir={prepared}",
-                             "--num_proc=1", "--replace_data=True"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--num_proc=1", "--replace_data=True"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=take_ctrl_c)
     deadline = time.time() + 60
     while not list(Path(prepared).glob(".tmp-*")) and time.time() < deadline:  # tokenising has begun
         time.sleep(0.05)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from runtime.checkpoint import load_model
 from config import ModelConfig
-from conftest import REPO, TINY, train_subprocess
+from conftest import REPO, TINY, take_ctrl_c, train_subprocess
 from data.meta import load_meta, open_tokens
 from data.tokenizer import get_tokenizer
 from eval import niah
@@ -385,7 +385,8 @@ def test_a_ctrl_c_during_an_evaluation_ends_in_one_line_saying_what_was_written(
     with open(tmp_path / "stderr", "w") as stderr:
         proc = subprocess.Popen([sys.executable, "-m", "eval", f"--out_dir={out}", "--progress=False",
                                  "--tasks=ppl,niah", "--ppl_lengths=32", "--niah_lengths=512", "--niah_samples=100000"],
-                                cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+                                cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr, text=True,
+                                preexec_fn=take_ctrl_c)
     try:
         while not (out / "eval" / "ppl.json").exists():  # ppl written; niah has long to go
             assert proc.poll() is None, (tmp_path / "stderr").read_text()
