@@ -208,3 +208,12 @@ def attend_planned(q, k, v, plan: AttentionPlan, dropout_p: float = 0.0, docs=No
     if docs is None:
         return KERNELS[plan.kernel].run(q, k, v, plan, dropout_p)
     return KERNELS[plan.kernel].run(q, k, v, plan, dropout_p, docs)
+
+
+def attend_in_layout(q, k, v, plan: AttentionPlan, layout, dropout_p: float = 0.0, docs=None):
+    """attend_planned for a plan over a layout's rows (attention/layouts.py), with q, k, v (B, H, n, D) and docs
+    in token order, where the plan's kernel reads each row at its token (Kernel.run_in_layout); None where it
+    does not (the caller gathers q, k, v to the layout and scatters the output back)."""
+    if (docs is not None) != plan.documents:
+        raise ValueError("a plan made with documents runs with docs, and one made without runs without them")
+    return KERNELS[plan.kernel].run_in_layout(q, k, v, plan, layout, dropout_p, docs)

@@ -11,7 +11,8 @@
 The edge is defined once (stochastic_window_edges, below). The dense backend evaluates it over
 all (query, key) pairs in original positions (StochasticWindow, the O(n^2) reference); every other backend
 runs in permuted space, where it is a band (PermutedWindow): the chunked kernel and FlexAttention cost
-O(n w) plus an O(n) gather and scatter.
+O(n w) plus an O(n) gather and scatter; span attention reads each slot from its token's row inside its loads
+(Kernel.run_in_layout), so nothing is gathered or scattered around it.
 
 Permutations: training always draws fresh ones from the torch RNG (seeded per rank by train.py and restored
 on resume, so a run and its resumption draw the same ones). At inference sa_mode=stochastic keeps drawing;
@@ -29,7 +30,7 @@ import torch
 from torch import nn
 
 from attention.edges import EdgeRule, SlidingWindow
-from attention.kernels import AttentionPlan, attend_planned, plan_attention, resolve_backend
+from attention.kernels import AttentionPlan, attend_in_layout, attend_planned, plan_attention, resolve_backend
 from attention.layouts import Layout, from_layout, inverse_permutation, to_layout
 from attention.layer import Attention, merge_heads
 from attention.local import SWA_WINDOW
@@ -174,6 +175,9 @@ def stochastic_attention(q, k, v, order, window: int, backend: str, dropout_p: f
         plan = plan_stochastic(order, window, backend, q.shape[1], q.shape[3], q.device, docs is not None)
     if plan.layout is None:
         return attend_planned(q, k, v, plan.attention, dropout_p, docs)
+    out = attend_in_layout(q, k, v, plan.attention, plan.layout, dropout_p, docs)
+    if out is not None:  # the kernel read the slots from the tokens' rows (span attention)
+        return out
     q, k, v = (to_layout(t, plan.layout) for t in (q, k, v))
     docs = None if docs is None else docs.index_select(1, plan.layout.token.to(docs.device))
     return from_layout(attend_planned(q, k, v, plan.attention, dropout_p, docs), plan.layout)
@@ -281,7 +285,9 @@ class StochasticAttention(Attention):
         which keeps only the permutation), attended there as a band, and scattered back (FromLayout). So the
         kernel keeps the extended q, k, v, output and lse (ext = (n + 2 halo) / n of the plain sizes) and neither
         qkv nor the rotated q, k survive the forward; the scattered output is merged into (B, T, C) (a C).
-        At lengths where every slot is inside every window (n // 2 <= halo) sa is plain causal attention."""
+        Span attention reads the slots from the tokens' rows instead: it keeps q, k, v, output and lse of the
+        plain sizes. At lengths where every slot is inside every window (n // 2 <= halo) sa is plain causal
+        attention."""
         C, H, D, a, tokens = m.n_embd, m.n_head, m.head_dim, k.act, B * T
         halo = stochastic_halo(self.window)
         permuted = T // 2 > halo
@@ -291,6 +297,8 @@ class StochasticAttention(Attention):
         else:
             sa_rule = SlidingWindow(T)
         sa_kernel = resolve_backend(self.backend, sa_rule, torch.device(k.device), D)
+        if permuted and sa_kernel == "span":  # read in slot order from the tokens' rows: nothing is gathered
+            n_ext = T
         saved = {"c_attn input": tokens * linear_inputs(k, 1, C)}
         if self.rope_theta is not None:
             saved["RoPE cos/sin tables"] = rope_tables(T, D)

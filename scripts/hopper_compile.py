@@ -68,7 +68,8 @@ CAPABILITY = 90  # Hopper: Triton targets sm_90a there (wgmma, TMA)
 SPAN_CONFIGURATIONS = {
     "span softmax": (False, False, False, False),  # swa, mswa, blocks, the bridges; MoBA's own blocks
     "span softmax, ALiBi": (False, True, False, False),  # swat_softmax
-    "span softmax, order": (False, False, True, False),  # sa: the band over permuted rows, causal in the tokens' order
+    # sa: the band over permuted rows (read in slots), causal in the tokens' order
+    "span softmax, order": (False, False, True, False),
     "span sigmoid": (True, False, False, False),  # swat with swat_slopes=none
     "span sigmoid, ALiBi": (True, True, False, False),  # swat
     # document_mask: spans cut to the documents, and a backward that stops at them; sa compares documents instead
@@ -234,16 +235,20 @@ def record_launches(c: HopperConfig) -> list[Launch]:
         k, v = (torch.empty(B, n, H_kv, D, dtype=dtype, device=CUDA).transpose(1, 2) for _ in range(2))
         for name, (sigmoid, alibi, ordered, documents) in SPAN_CONFIGURATIONS.items():
             configuration[0] = name
-            if ordered:
-                spans = band_spans(PermutedWindow(torch.randperm(n), WINDOW), n, CUDA)
+            halo = -1
+            if ordered:  # sa in slots, as its layer runs it: the layout's rows read at their tokens
+                rule = PermutedWindow(torch.randperm(n), WINDOW)
+                halo = rule.halo
+                spans = band_spans(rule, n + 2 * halo, CUDA)
             else:
                 spans = static_spans(SlidingWindow(WINDOW), n, 1, 0, "cpu").to(CUDA)
             slopes = torch.empty(H, dtype=torch.float32, device=CUDA) if alibi else None  # float32 in any model
             docs = torch.empty(B, n, dtype=torch.long, device=CUDA) if documents else None
             lo, hi, docs, doc_end = span_op.document_spans(spans, docs)
-            out, lse = span_op.triton_forward(q, k, v, lo, hi, spans.order, slopes, 0.0, sigmoid, docs)
+            out, lse = span_op.triton_forward(q, k, v, lo, hi, spans.order, slopes, 0.0, sigmoid, docs, halo)
             span_op.triton_backward(torch.empty_like(out), q, k, v, out, lse, lo, hi, spans.key_first,
-                                    spans.key_end, spans.order, slopes, 0.0, sigmoid, docs=docs, doc_end=doc_end)
+                                    spans.key_end, spans.order, slopes, 0.0, sigmoid, docs=docs, doc_end=doc_end,
+                                    halo=halo)
         k, v = (torch.empty(B, n, H, D, dtype=dtype, device=CUDA).transpose(1, 2) for _ in range(2))
         for name, documents in MOBA_CONFIGURATIONS.items():
             configuration[0] = name

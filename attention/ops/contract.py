@@ -14,6 +14,9 @@ A kernel (a subclass of Kernel, in the module or package of its algorithm beside
                        with documents: the rule's edges AND same document
     document_problem(call)    why it cannot mask documents for this call ("" when it can; the default: it
                        cannot), asked only for calls with documents
+    run_in_layout(q, k, v, plan, layout, dropout_p, docs)    the same for a plan over a layout's rows
+                       (attention/layouts.py) with q, k, v, docs and the output in token order, the kernel reading
+                       each row at its token; None where it cannot (the default: the caller gathers and scatters)
     scores(plan, n_head)             the scores it computes over all heads (what it costs, against the edges)
 
 Adding a kernel is one package under attention/ops/ and one entry in attention/kernels.py's KERNELS.
@@ -124,6 +127,9 @@ class Kernel:
 
     def run(self, q, k, v, plan: AttentionPlan, dropout_p: float = 0.0, docs=None):
         raise NotImplementedError
+
+    def run_in_layout(self, q, k, v, plan: AttentionPlan, layout, dropout_p: float = 0.0, docs=None):
+        return None
 
     def scores(self, plan: AttentionPlan, n_head: int) -> int:
         raise NotImplementedError

@@ -16,6 +16,7 @@ from scripts.hopper_compile import (MOBA_CONFIGURATIONS, SPAN_CONFIGURATIONS, in
                                     ptxas_problem)
 
 SPAN_KERNELS = ("span_forward_kernel", "span_backward_kv_kernel", "span_backward_q_kernel")
+SLOTS_KERNEL = "span_backward_kv_slots_kernel"  # sa's dk and dv (read in slots)
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +55,15 @@ def test_the_document_configurations_compile_every_kernel_in_its_document_form(k
         if "HAS_DOCS" in row["constexprs"]:
             forms.setdefault(row["kernel"], set()).add(row["constexprs"]["HAS_DOCS"])
     moba_kernels = ("moba_choose_kernel", "moba_pairs_forward_kernel", "moba_pairs_dq_kernel", "moba_pairs_dkdv_kernel")
-    assert forms == {kernel: {False, True} for kernel in (*SPAN_KERNELS, *moba_kernels)}
+    assert forms == {kernel: {False, True} for kernel in (*SPAN_KERNELS, SLOTS_KERNEL, *moba_kernels)}
     with_documents = {name for row in kernels if row["constexprs"].get("HAS_DOCS") for name in row["launched_by"]}
     assert with_documents == ({name for name, (*_, documents) in SPAN_CONFIGURATIONS.items() if documents}
                               | {name for name, documents in MOBA_CONFIGURATIONS.items() if documents})
-    ordered = [row for row in kernels if row["constexprs"].get("HAS_DOCS") and row["constexprs"].get("HAS_ORDER")]
-    assert {row["kernel"] for row in ordered} == set(SPAN_KERNELS)  # sa's documents: compared in every block
+    ordered = [row for row in kernels if row["constexprs"].get("HAS_DOCS")
+               and (row["constexprs"].get("HAS_ORDER") or row["kernel"] == SLOTS_KERNEL)]
+    # sa's documents, compared in every block, in slots: each row read at its token, dk and dv summed in one kernel
+    assert {row["kernel"] for row in ordered} == {"span_forward_kernel", SLOTS_KERNEL, "span_backward_q_kernel"}
+    assert all(row["constexprs"].get("IN_SLOTS", True) for row in ordered)
 
 
 @pytest.mark.e2e

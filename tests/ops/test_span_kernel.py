@@ -105,6 +105,32 @@ def test_stochastic_band_is_causal_in_the_tokens_order():
         torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
 
 
+def test_stochastic_band_in_slots_reads_each_row_at_its_token(monkeypatch):
+    """sa through span attention in slots (Kernel.run_in_layout): q, k, v stay in token order and the kernels read
+    each slot at its token's row, so nothing is gathered to the layout (ToLayout is never called); the output and
+    gradients equal the dense reference in original positions, with packed documents and without, at a length
+    whose halo copies wrap at both ends, in both sizes of tile (the GPU's 64 x 64 under the interpreter too)."""
+    import attention.stochastic as stochastic
+
+    def gathered(*args):
+        raise AssertionError("span attention in slots gathered q, k, v to the layout")
+
+    monkeypatch.setattr(stochastic, "to_layout", gathered)
+    n, window = 150, 22
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(4), device="cpu")
+    starts = (0, 1, 37, 38, 90, 149)  # documents of one token, and one at the last position
+    docs = torch.tensor([max(s for s in starts if s <= t) for t in range(n)], device="cpu").expand(2, n)
+    for blocks in ((16, 16), (64, 64)):
+        monkeypatch.setattr(op, "TEST_BLOCKS", blocks)
+        for documents in (None, docs):
+            q, k, v = inputs(n)
+            y = stochastic.stochastic_attention(q, k, v, order, window, "span", docs=documents)
+            ref = stochastic.stochastic_attention(q, k, v, order, window, "dense", docs=documents)
+            torch.testing.assert_close(y, ref, atol=2e-5, rtol=1e-4)
+            for ours, theirs in zip(grads(y, (q, k, v)), grads(ref, (q, k, v))):
+                torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
+
+
 def test_bfloat16_inputs_accumulate_in_float32():
     n, rule = 70, SlidingWindow(20)
     q, k, v = inputs(n, dtype=torch.bfloat16)

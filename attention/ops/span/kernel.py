@@ -70,8 +70,19 @@ class SpanKernel(Kernel):
         return span_attention(q, k, v, data.spans, data.slopes, data.offset, plan.activation == "sigmoid", docs,
                               plan.start)
 
+    def run_in_layout(self, q, k, v, plan: AttentionPlan, layout, dropout_p: float = 0.0, docs=None):
+        # a band over a layout's rows in an order (sa): the kernels read and write each row at its token
+        data = plan.data
+        if (data.spans.order is None or layout.runs is not None or data.slopes is not None
+                or plan.activation != "softmax" or plan.start or plan.n != q.shape[2] + 2 * layout.halo):
+            return None
+        refuse_dropout("span", dropout_p)
+        return span_attention(q, k, v, data.spans, docs=docs, halo=layout.halo)
+
     def scores(self, plan: AttentionPlan, n_head: int) -> int:
-        return span_scores(plan.data.spans, n_head, *span_blocks("cuda"))
+        halo = getattr(plan.rule, "halo", 0) if plan.data.spans.order is not None else 0
+        # a band over a layout's rows runs in slots (run_in_layout): its queries are the main rows only
+        return span_scores(plan.data.spans, n_head, *span_blocks("cuda"), rows=slice(halo, plan.n - halo))
 
 
 def plan_spans(rule: EdgeRule, n: int, n_head: int, start: int, device: str) -> Spans | None:

@@ -73,14 +73,21 @@ def layout_like_q(q):
 
 def _common(q, k, spans_lo, order, slopes, docs):
     B, H, n, D = q.shape
-    heads = spans_lo.shape[-2]
-    return dict(H=H, GROUP=H // k.shape[1], N=n, D=D, span_b=heads * n if spans_lo.dim() == 3 else 0,
-                span_h=0 if heads == 1 else n, HAS_ORDER=order is not None, HAS_DOCS=docs is not None,
+    heads, rows = spans_lo.shape[-2:]
+    return dict(H=H, GROUP=H // k.shape[1], N=rows, D=D, span_b=heads * rows if spans_lo.dim() == 3 else 0,
+                span_h=0 if heads == 1 else rows, HAS_ORDER=order is not None, HAS_DOCS=docs is not None,
                 HAS_BIAS=slopes is not None, IEEE=q.dtype == torch.float32,
                 # the hardware's tanh for sigmoid: compiled CUDA code at half precision (not the interpreter's)
                 FAST_SIGMOID=q.device.type == "cuda" and q.dtype != torch.float32,
                 WIDEN=q.dtype == torch.bfloat16 and q.device.type == "cpu",
                 BLOCK_D=max(16, 1 << (D - 1).bit_length()))
+
+
+def _query_rows(q, halo: int) -> dict:
+    """The query rows the forward and dq kernels walk: every row, or with halo >= 0 (in slots) the main rows of a
+    layout's N_MEM + 2 halo rows, whose tokens are q's rows."""
+    n = q.shape[2]
+    return dict(N_MEM=n, ROW0=max(halo, 0), ROW_END=max(halo, 0) + n, IN_SLOTS=halo >= 0)
 
 
 @functools.cache
@@ -92,8 +99,9 @@ def triton_kernels():
     return kernels
 
 
-def triton_forward(q, k, v, lo, hi, order, slopes, offset: float, sigmoid: bool, docs=None):
-    """lo, hi (S, n), or (B, S, n) clipped to a batch's documents; docs (B, n) int32 or None: see span_attention."""
+def triton_forward(q, k, v, lo, hi, order, slopes, offset: float, sigmoid: bool, docs=None, halo: int = -1):
+    """lo, hi (S, n), or (B, S, n) clipped to a batch's documents; docs (B, n) int32 or None; halo >= 0: the rows
+    are a layout's in slots (see span_attention)."""
     span_forward_kernel = triton_kernels().span_forward_kernel
 
     B, H, n, D = q.shape
@@ -108,7 +116,7 @@ def triton_forward(q, k, v, lo, hi, order, slopes, offset: float, sigmoid: bool,
         dummy if docs is None else docs, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         qk_scale=1.4426950408889634 / math.sqrt(D), offset=offset, SIGMOID=sigmoid,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=WARPS, num_stages=STAGES,
-        **_common(q, k, lo, order, slopes, docs))
+        **_common(q, k, lo, order, slopes, docs), **_query_rows(q, halo))
     return out, lse
 
 
@@ -127,9 +135,8 @@ def triton_delta(grad, out):
 
 
 def triton_backward(grad, q, k, v, out, lse, lo, hi, key_first, key_end, order, slopes, offset: float,
-                    sigmoid: bool, delta=None, docs=None, doc_end=None):
-    span_backward_kv_kernel = triton_kernels().span_backward_kv_kernel
-    span_backward_q_kernel = triton_kernels().span_backward_q_kernel
+                    sigmoid: bool, delta=None, docs=None, doc_end=None, halo: int = -1):
+    kernels = triton_kernels()
 
     B, H, n, D = q.shape
     H_kv = k.shape[1]
@@ -143,17 +150,27 @@ def triton_backward(grad, q, k, v, out, lse, lo, hi, key_first, key_end, order, 
     order_, slopes_ = dummy if order is None else order, dummy if slopes is None else slopes
     docs_, doc_end_ = dummy if docs is None else docs, dummy if doc_end is None else doc_end
     scales = dict(sm_scale=1 / math.sqrt(D), qk_scale=1.4426950408889634 / math.sqrt(D), offset=offset)
-    span_backward_kv_kernel[(triton_cdiv(n, block_n), B * H_kv)](
-        q, k, v, grad, lse, delta, dk, dv, lo, hi, order_, slopes_, key_first, key_end, docs_, doc_end_,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
-        plan_h=0 if key_first.shape[0] == 1 else key_first.shape[1], plan_len=key_first.shape[1], H_KV=H_kv,
-        SIGMOID=sigmoid, BLOCK_M=block_m, BLOCK_N=block_n, KEY_GROUP=KEY_GROUP, num_warps=WARPS,
-        num_stages=STAGES, **scales, **common)
-    span_backward_q_kernel[(triton_cdiv(n, block_m), B * H)](
+    rows = _query_rows(q, halo)
+    if halo >= 0:  # in slots: sa's band (softmax, no bias), dk and dv summed over each token's copies
+        kernels.span_backward_kv_slots_kernel[(triton_cdiv(n, block_n), B * H_kv)](
+            q, k, v, grad, lse, delta, dk, dv, lo, hi, order, docs_,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad.stride()[:3], *dk.stride()[:3],
+            *dv.stride()[:3], span_h=common["span_h"], H=H, H_KV=H_kv, GROUP=common["GROUP"], N=common["N"],
+            N_MEM=n, HALO=halo, D=D, sm_scale=scales["sm_scale"], qk_scale=scales["qk_scale"],
+            HAS_DOCS=docs is not None, IEEE=common["IEEE"], WIDEN=common["WIDEN"], BLOCK_M=block_m,
+            BLOCK_N=block_n, BLOCK_D=common["BLOCK_D"], num_warps=WARPS, num_stages=STAGES)
+    else:
+        kernels.span_backward_kv_kernel[(triton_cdiv(n, block_n), B * H_kv)](
+            q, k, v, grad, lse, delta, dk, dv, lo, hi, order_, slopes_, key_first, key_end, docs_, doc_end_,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad.stride()[:3], *dk.stride()[:3],
+            *dv.stride()[:3], plan_h=0 if key_first.shape[0] == 1 else key_first.shape[1],
+            plan_len=key_first.shape[1], H_KV=H_kv, SIGMOID=sigmoid, BLOCK_M=block_m, BLOCK_N=block_n,
+            KEY_GROUP=KEY_GROUP, num_warps=WARPS, num_stages=STAGES, **scales, **common)
+    kernels.span_backward_q_kernel[(triton_cdiv(n, block_m), B * H)](
         q, k, v, grad, lse, delta, dq, lo, hi, order_, slopes_, docs_,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad.stride()[:3], *dq.stride()[:3],
         SIGMOID=sigmoid, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=WARPS, num_stages=STAGES,
-        **scales, **common)
+        **scales, **common, **rows)
     return dq, dk, dv
 
 
@@ -173,12 +190,12 @@ def triton_cdiv(a: int, b: int) -> int:
 def span_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                  key_first: torch.Tensor, key_end: torch.Tensor, order: torch.Tensor | None,
                  slopes: torch.Tensor | None, docs: torch.Tensor | None, doc_end: torch.Tensor | None, offset: float,
-                 sigmoid: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return triton_forward(q, k, v, lo, hi, order, slopes, offset, sigmoid, docs)
+                 sigmoid: bool, halo: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return triton_forward(q, k, v, lo, hi, order, slopes, offset, sigmoid, docs, halo)
 
 
 @span_forward.register_fake
-def _(q, k, v, lo, hi, key_first, key_end, order, slopes, docs, doc_end, offset, sigmoid):
+def _(q, k, v, lo, hi, key_first, key_end, order, slopes, docs, doc_end, offset, sigmoid, halo):
     B, H, n, _ = q.shape
     return layout_like_q(q), q.new_empty(B, H, n, dtype=torch.float32)
 
@@ -188,24 +205,38 @@ def span_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                   lse: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, key_first: torch.Tensor,
                   key_end: torch.Tensor, order: torch.Tensor | None, slopes: torch.Tensor | None,
                   docs: torch.Tensor | None, doc_end: torch.Tensor | None, offset: float,
-                  sigmoid: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  sigmoid: bool, halo: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return triton_backward(grad, q, k, v, out, lse, lo, hi, key_first, key_end, order, slopes, offset, sigmoid,
-                           docs=docs, doc_end=doc_end)
+                           docs=docs, doc_end=doc_end, halo=halo)
 
 
 @span_backward.register_fake
-def _(grad, q, k, v, out, lse, lo, hi, key_first, key_end, order, slopes, docs, doc_end, offset, sigmoid):
+def _(grad, q, k, v, out, lse, lo, hi, key_first, key_end, order, slopes, docs, doc_end, offset, sigmoid, halo):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 # On the CPU (the CPU standing in for CUDA): the Triton kernels themselves under the interpreter, else the naive
 # reference, returning what the kernels return: the output laid out (B, n, H, D), gradients like their inputs
+def naive_in_slots(q, k, v, lo, hi, order, slopes, offset, sigmoid, docs, halo: int):
+    """The reference where the rows are a layout's in slots (halo >= 0): q, k, v and docs gathered to the rows
+    (row r holds token order[r]), attended there, and each token's output taken from its main row (halo..)."""
+    if halo < 0:
+        return span_attention_naive(q, k, v, lo, hi, order, slopes, offset, sigmoid, docs)
+    rows, n = order.long(), q.shape[2]
+    q, k, v = (t.index_select(2, rows) for t in (q, k, v))
+    y, lse = span_attention_naive(q, k, v, lo, hi, order, slopes, offset, sigmoid,
+                                  None if docs is None else docs.index_select(1, rows))
+    main = torch.empty(n, dtype=torch.long, device=rows.device)
+    main[rows[halo:halo + n]] = torch.arange(halo, halo + n, device=rows.device)  # each token's main row
+    return y.index_select(2, main), lse.index_select(2, main)
+
+
 @span_forward.register_kernel("cpu")
-def _cpu_forward(q, k, v, lo, hi, key_first, key_end, order, slopes, docs, doc_end, offset, sigmoid):
+def _cpu_forward(q, k, v, lo, hi, key_first, key_end, order, slopes, docs, doc_end, offset, sigmoid, halo):
     simulate_cuda.ran("span")
     if triton_on_cpu():
-        return triton_forward(q, k, v, lo, hi, order, slopes, offset, sigmoid, docs)
-    y, lse = span_attention_naive(q, k, v, lo, hi, order, slopes, offset, sigmoid, docs)
+        return triton_forward(q, k, v, lo, hi, order, slopes, offset, sigmoid, docs, halo)
+    y, lse = naive_in_slots(q, k, v, lo, hi, order, slopes, offset, sigmoid, docs, halo)
     out = layout_like_q(q)
     out.copy_(y)
     return out, lse
@@ -213,30 +244,30 @@ def _cpu_forward(q, k, v, lo, hi, key_first, key_end, order, slopes, docs, doc_e
 
 @span_backward.register_kernel("cpu")
 def _cpu_backward(grad, q, k, v, out, lse, lo, hi, key_first, key_end, order, slopes, docs, doc_end, offset,
-                  sigmoid):
+                  sigmoid, halo):
     simulate_cuda.ran("span")
     if triton_on_cpu():
         return triton_backward(grad, q, k, v, out, lse, lo, hi, key_first, key_end, order, slopes, offset, sigmoid,
-                               docs=docs, doc_end=doc_end)
+                               docs=docs, doc_end=doc_end, halo=halo)
     with simulate_cuda.autograd_in_kernel():
         inputs = [t.detach().requires_grad_() for t in (q, k, v)]
-        y, _ = span_attention_naive(*inputs, lo, hi, order, slopes, offset, sigmoid, docs)
+        y, _ = naive_in_slots(*inputs, lo, hi, order, slopes, offset, sigmoid, docs, halo)
         dq, dk, dv = torch.autograd.grad(y, inputs, grad)
     return (torch.empty_like(q).copy_(dq), torch.empty_like(k).copy_(dk), torch.empty_like(v).copy_(dv))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, lo, hi, key_first, key_end, order, slopes, docs, doc_end, offset, sigmoid = inputs
+    q, k, v, lo, hi, key_first, key_end, order, slopes, docs, doc_end, offset, sigmoid, halo = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, lo, hi, key_first, key_end, order, slopes, docs, doc_end)
-    ctx.offset, ctx.sigmoid = offset, sigmoid
+    ctx.offset, ctx.sigmoid, ctx.halo = offset, sigmoid, halo
 
 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, lo, hi, key_first, key_end, order, slopes, docs, doc_end = ctx.saved_tensors
     dq, dk, dv = span_backward(grad_out, q, k, v, out, lse, lo, hi, key_first, key_end, order, slopes, docs, doc_end,
-                               ctx.offset, ctx.sigmoid)
-    return dq, dk, dv, *([None] * 10)
+                               ctx.offset, ctx.sigmoid, ctx.halo)
+    return dq, dk, dv, *([None] * 11)
 
 
 span_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -257,17 +288,25 @@ def document_spans(spans, docs, start: int = 0) -> tuple:
 
 
 def span_attention(q, k, v, spans, slopes=None, offset: float = 0.0, sigmoid: bool = False, docs=None,
-                   start: int = 0):
+                   start: int = 0, halo: int = -1):
     """Attention of q (B, H, n, D) over k, v (B, H_kv, n, D) along the spans (attention/ops/span/spans.py: Spans),
     softmax or sigmoid, with the optional bias slopes[h] (i - j) + offset. docs (B, n): where each row's document
     begins (attention/documents.py), rows at positions start.. (in the spans' order, when they have one), or None.
-    The output is (B, H, n, D), laid out (B, n, H, D) in memory."""
+    The output is (B, H, n, D), laid out (B, n, H, D) in memory.
+
+    halo >= 0, in slots: the spans are over a layout's n + 2 halo rows (attention/layouts.py: row r holds token
+    spans.order[r], the main rows halo.. each token once, the rest copies of the slots at either end: stochastic
+    attention's band); q, k, v, docs and the output stay in token order, and the kernels read and write each row
+    at its token, so nothing is gathered or scattered around them."""
     if q.shape[-1] != k.shape[-1] or q.shape[-1] != v.shape[-1]:
         raise ValueError("span attention needs q, k and v of one head dimension")
+    if halo >= 0 and (spans.order is None or slopes is not None or sigmoid
+                      or spans.lo.shape[-1] != q.shape[2] + 2 * halo):
+        raise ValueError("span attention in slots takes softmax over a layout's band: n + 2 halo rows in an order")
     q, k, v = (unit_stride(t) for t in (q, k, v))
     lo, hi, docs, doc_end = document_spans(spans, docs, start)
     out, _ = span_forward(q, k, v, lo, hi, spans.key_first, spans.key_end, spans.order, slopes, docs, doc_end,
-                          float(offset), bool(sigmoid))
+                          float(offset), bool(sigmoid), int(halo))
     return out
 
 
@@ -280,10 +319,17 @@ def _samples():
     for dtype, sigmoid, slopes in ((torch.float32, False, None), (torch.bfloat16, True, torch.tensor([-0.5, 0.25]))):
         q, k, v = (torch.randn(B, n, H, D, generator=generator).to(dtype).transpose(1, 2) for _ in range(3))
         samples.append((q, k, v, spans.lo, spans.hi, spans.key_first, spans.key_end, None, slopes, None, None, 0.5,
-                        sigmoid))
+                        sigmoid, -1))
     docs, doc_end = document_rows(torch.tensor([0] * 15 + [15] * 25).expand(B, n), 0)  # two documents
     lo, hi = torch.maximum(spans.lo, docs[:, None]), torch.minimum(spans.hi, doc_end[:, None])
     samples.append((*samples[0][:3], lo, hi, *samples[0][5:9], docs, doc_end, *samples[0][11:]))
+    # in slots: a band of half-width 4 over a permutation extended by 4 rows at either end, with the two documents
+    halo, order = 4, torch.randperm(n, generator=generator)
+    rows = torch.arange(n + 2 * halo)
+    token = order[(rows - halo) % n].to(torch.int32)
+    lo = (rows - halo).clamp(min=0).to(torch.int32)[None]
+    hi = (rows + halo + 1).clamp(max=n + 2 * halo).to(torch.int32)[None]
+    samples.append((*samples[0][:3], lo, hi, *samples[0][5:7], token, None, docs, None, 0.0, False, halo))
     return samples
 
 
@@ -295,8 +341,9 @@ def _forward_samples():
 @simulate_cuda.opcheck_samples("efficient_attention::span_backward")
 def _backward_samples():
     samples = []
-    for q, k, v, lo, hi, first, end, order, slopes, docs, doc_end, offset, sigmoid in _samples():
-        out, lse = _cpu_forward(q, k, v, lo, hi, first, end, order, slopes, docs, doc_end, offset, sigmoid)
+    for q, k, v, lo, hi, first, end, order, slopes, docs, doc_end, offset, sigmoid, halo in _samples():
+        out, lse = _cpu_forward(q, k, v, lo, hi, first, end, order, slopes, docs, doc_end, offset, sigmoid, halo)
         grad = torch.randn(out.shape[0], out.shape[2], out.shape[1], out.shape[3]).to(q.dtype).transpose(1, 2)
-        samples.append((grad, q, k, v, out, lse, lo, hi, first, end, order, slopes, docs, doc_end, offset, sigmoid))
+        samples.append((grad, q, k, v, out, lse, lo, hi, first, end, order, slopes, docs, doc_end, offset, sigmoid,
+                        halo))
     return samples

@@ -209,25 +209,26 @@ def band_spans(rule: EdgeRule, n: int, device) -> Spans:
 def document_rows(docs: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(first, end) (B, n) int32 of rows in token order at positions start..: each row's document is its rows
     [first, end) (docs: attention/documents.py). Built on docs' device with no host synchronisation."""
-    n = docs.shape[1]
-    begins = torch.nn.functional.pad(docs[:, 1:] != docs[:, :-1], (1, 0), value=True)
-    rows = torch.arange(n, device=docs.device)
-    next_begin = torch.where(begins, rows, n).flip(1).cummin(1).values.flip(1)  # the first begin at or after a row
-    end = torch.nn.functional.pad(next_begin[:, 1:], (0, 1), value=n)
-    return (docs - start).to(torch.int32).contiguous(), end.to(torch.int32).contiguous()
+    docs = docs.contiguous()
+    # docs never decrease along a row, and the next document's first row holds its own position: the first row
+    # whose value exceeds a row's is where its document ends (one search per row: no flips or scans)
+    end = torch.searchsorted(docs, docs, right=True, out_int32=True)
+    return (docs - start).to(torch.int32).contiguous(), end
 
 
-def span_scores(spans: Spans, n_head: int, block_m: int, block_n: int) -> int:
-    """The scores the kernels compute over all heads: every tile of block_m rows over the key blocks of block_n
-    between its rows' smallest lo and largest hi (masked entries included: what it costs)."""
-    lo, hi = spans.lo.long().cpu(), spans.hi.long().cpu()
+def span_scores(spans: Spans, n_head: int, block_m: int, block_n: int, rows: slice = slice(None)) -> int:
+    """The scores the kernels compute over all heads: every tile of block_m rows (of `rows`: sa in slots runs its
+    main rows only) over the key blocks of block_n between its rows' smallest lo and largest hi (masked entries
+    included: what it costs)."""
+    keys = spans.lo.shape[-1]
+    lo, hi = spans.lo.long().cpu()[:, rows], spans.hi.long().cpu()[:, rows]
     S, n = lo.shape
     tiles = -(-n // block_m)
     pad = tiles * block_m - n
     empty = lo >= hi
-    first = torch.nn.functional.pad(torch.where(empty, n, lo), (0, pad), value=n).view(S, tiles, block_m).amin(-1)
+    first = torch.nn.functional.pad(torch.where(empty, keys, lo), (0, pad), value=keys).view(S, tiles, block_m).amin(-1)
     end = torch.nn.functional.pad(torch.where(empty, 0, hi), (0, pad), value=0).view(S, tiles, block_m).amax(-1)
     blocks = (-(-(end - first // block_n * block_n) // block_n)).clamp(min=0)
-    rows = torch.clamp(n - torch.arange(tiles) * block_m, max=block_m)
-    total = int((blocks * block_n * rows).sum())
+    tile_rows = torch.clamp(n - torch.arange(tiles) * block_m, max=block_m)
+    total = int((blocks * block_n * tile_rows).sum())
     return total * (n_head if S == 1 else 1)

@@ -24,6 +24,12 @@ its rows' documents reach and no block pays for documents; with DOCS (each row's
 second order (HAS_ORDER: stochastic attention's slots, whose documents come permuted alike) compare DOCS of row
 and key for equality in every block instead.
 
+In slots (IN_SLOTS, stochastic attention's band, attention/stochastic.py): the rows are a layout's (attention/
+layouts.py) N = N_MEM + 2 HALO rows, row r holding token ORDER[r]; the queries are the main rows HALO ..
+HALO + N_MEM - 1 (each token once) and every row is read and written at its token's row of q, k, v, the output
+and the gradients, which stay in token order: no copy gathers them to the layout or scatters them back. dk and dv
+sum over each token's copies in one program per block of main rows (span_backward_kv_slots_kernel).
+
 Layout: q, k, v (B, H, n, D) with any strides but a unit stride along D; k and v may have fewer heads
 (grouped-query attention: query head h reads key head h // (H / H_kv)). Batch and head offsets are 64-bit.
 Checked against attention/ops/span/naive.py in tests/ops/test_span_kernel.py, under Triton's interpreter on the CPU.
@@ -91,32 +97,36 @@ def _scores(q, k, cols, row_term, slope2, qk_scale, HAS_BIAS: tl.constexpr, SIGM
 
 
 @triton.jit
-def _allowed(rows, cols, lo, hi, row_order, row_doc, ORDER, docs, N, HAS_ORDER: tl.constexpr,
-             HAS_DOCS: tl.constexpr):
+def _allowed(cols, lo, hi, row_order, row_doc, col_order, col_doc, HAS_ORDER: tl.constexpr, HAS_DOCS: tl.constexpr):
     ok = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
     if HAS_ORDER:
-        col_order = tl.load(ORDER + cols, mask=cols < N, other=0)
         ok = ok & (col_order[None, :] <= row_order[:, None])
         if HAS_DOCS:
-            col_doc = tl.load(docs + cols, mask=cols < N, other=-1)
             ok = ok & (col_doc[None, :] == row_doc[:, None])
     return ok
 
 
 @triton.jit
-def _query_tile(spans_lo, spans_hi, ORDER, docs, pid_m, N, HAS_ORDER: tl.constexpr, HAS_DOCS: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A tile of BLOCK_M query rows: the rows, which are inside the sequence, their spans, their order and (in that
-    order) documents, and its key blocks: [first, inner) at its leading edge, [inner, outer) the interior (every
-    row attends every key), [outer, end) at its trailing edge. Without an interior (a row empty or past the
-    sequence, spans shorter than a block, an order) every block is an edge block."""
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < N
+def _query_tile(spans_lo, spans_hi, ORDER, docs, pid_m, ROW0, ROW_END, N, HAS_ORDER: tl.constexpr,
+                HAS_DOCS: tl.constexpr, IN_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A tile of BLOCK_M query rows from ROW0 (rows before ROW_END are real): the rows, where they are in memory
+    (IN_SLOTS: their tokens), their spans, their order and (in that order) documents, and its key blocks: [first,
+    inner) at its leading edge, [inner, outer) the interior (every row attends every key), [outer, end) at its
+    trailing edge. Without an interior (a row empty or past the sequence, spans shorter than a block, an order)
+    every block is an edge block."""
+    rows = ROW0 + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < ROW_END
     lo = tl.load(spans_lo + rows, mask=row_ok, other=0)
     hi = tl.load(spans_hi + rows, mask=row_ok, other=0)
+    row_order = rows
+    if HAS_ORDER:
+        row_order = tl.load(ORDER + rows, mask=row_ok, other=0)
+    addr = rows
+    if IN_SLOTS:
+        addr = row_order
     row_doc = rows
     if HAS_ORDER and HAS_DOCS:
-        row_doc = tl.load(docs + rows, mask=row_ok, other=0)
+        row_doc = tl.load(docs + addr, mask=row_ok, other=0)
     nonempty = lo < hi
     first = tl.maximum(tl.min(tl.where(nonempty, lo, N), 0), 0) // BLOCK_N * BLOCK_N
     end = tl.minimum(tl.max(tl.where(nonempty, hi, 0), 0), N)
@@ -127,16 +137,15 @@ def _query_tile(spans_lo, spans_hi, ORDER, docs, pid_m, N, HAS_ORDER: tl.constex
     has_interior = inner < outer
     inner = tl.where(has_interior, tl.maximum(inner, first), first)
     outer = tl.where(has_interior, outer, first)
-    row_order = rows
-    if HAS_ORDER:
-        row_order = tl.load(ORDER + rows, mask=row_ok, other=0)
-    return rows, row_ok, lo, hi, first, inner, outer, end, row_order, row_doc
+    return rows, row_ok, addr, lo, hi, first, inner, outer, end, row_order, row_doc
 
 
 @triton.jit
-def _key_block(k_base, v_base, skn, svn, start, N, D: tl.constexpr, EDGE: tl.constexpr, BLOCK_N: tl.constexpr,
+def _key_block(k_base, v_base, skn, svn, start, ORDER, docs, N, D: tl.constexpr, EDGE: tl.constexpr,
+               HAS_ORDER: tl.constexpr, HAS_DOCS: tl.constexpr, IN_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_D: tl.constexpr):
-    """The keys and values of the block from `start`: bounded by the sequence at a tile's edges only (an interior
+    """The keys and values of the block from `start` (IN_SLOTS: read from their tokens' rows), with their order and
+    documents where the rows have a second order: bounded by the sequence at a tile's edges only (an interior
     block lies inside every row's span, so inside the sequence)."""
     cols = start + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
@@ -144,29 +153,39 @@ def _key_block(k_base, v_base, skn, svn, start, N, D: tl.constexpr, EDGE: tl.con
         kv_mask = (cols < N)[:, None] & (dims < D)[None, :]
     else:
         kv_mask = (dims < D)[None, :]
-    k = tl.load(k_base + cols[:, None] * skn + dims[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_base + cols[:, None] * svn + dims[None, :], mask=kv_mask, other=0.0)
-    return cols, k, v
+    col_order = cols
+    col_doc = cols
+    addr = cols
+    if HAS_ORDER:
+        col_order = tl.load(ORDER + cols, mask=cols < N, other=0)
+        if IN_SLOTS:
+            addr = col_order
+        if HAS_DOCS:
+            col_doc = tl.load(docs + addr, mask=cols < N, other=-1)
+    k = tl.load(k_base + addr[:, None] * skn + dims[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_base + addr[:, None] * svn + dims[None, :], mask=kv_mask, other=0.0)
+    return cols, k, v, col_order, col_doc
 
 
 @triton.jit
-def _forward_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, block_lo, block_hi, rows, lo, hi, row_order,
-                    row_doc, row_term, slope2, ORDER, docs, N, D: tl.constexpr, qk_scale, EDGE: tl.constexpr,
+def _forward_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, block_lo, block_hi, lo, hi, row_order, row_doc,
+                    row_term, slope2, ORDER, docs, N, D: tl.constexpr, qk_scale, EDGE: tl.constexpr,
                     SIGMOID: tl.constexpr, FAST_SIGMOID: tl.constexpr, HAS_ORDER: tl.constexpr,
-                    HAS_DOCS: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                    HAS_DOCS: tl.constexpr, IN_SLOTS: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                    WIDEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """The forward over key blocks [block_lo, block_hi): masked where EDGE, else every score counts."""
     for start in range(block_lo, block_hi, BLOCK_N):
-        cols, k, v = _key_block(k_base, v_base, skn, svn, start, N, D, EDGE, BLOCK_N, BLOCK_D)
+        cols, k, v, col_order, col_doc = _key_block(k_base, v_base, skn, svn, start, ORDER, docs, N, D, EDGE,
+                                                    HAS_ORDER, HAS_DOCS, IN_SLOTS, BLOCK_N, BLOCK_D)
         s = _scores(q, k, cols, row_term, slope2, qk_scale, HAS_BIAS, SIGMOID, IEEE, WIDEN)
         if SIGMOID:
             p = _sigmoid(s, FAST_SIGMOID)
             if EDGE:
-                allowed = _allowed(rows, cols, lo, hi, row_order, row_doc, ORDER, docs, N, HAS_ORDER, HAS_DOCS)
+                allowed = _allowed(cols, lo, hi, row_order, row_doc, col_order, col_doc, HAS_ORDER, HAS_DOCS)
                 p = tl.where(allowed, p, 0.0)
         else:
             if EDGE:
-                allowed = _allowed(rows, cols, lo, hi, row_order, row_doc, ORDER, docs, N, HAS_ORDER, HAS_DOCS)
+                allowed = _allowed(cols, lo, hi, row_order, row_doc, col_order, col_doc, HAS_ORDER, HAS_DOCS)
                 s = tl.where(allowed, s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -185,19 +204,19 @@ def _forward_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, block_lo, block_
 @triton.jit
 def span_forward_kernel(Q, K, V, O, LSE, LO, HI, ORDER, SLOPES, DOCS,
                         sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, span_b, span_h,
-                        H, GROUP, N, D: tl.constexpr, qk_scale, offset,
+                        H, GROUP, N, N_MEM, ROW0, ROW_END, D: tl.constexpr, qk_scale, offset,
                         SIGMOID: tl.constexpr, FAST_SIGMOID: tl.constexpr, HAS_ORDER: tl.constexpr,
-                        HAS_DOCS: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                        HAS_DOCS: tl.constexpr, IN_SLOTS: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                        WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = (pid_bh // H).to(tl.int64), pid_bh % H
     hk = (h // GROUP).to(tl.int64)
-    docs = DOCS + b * N
-    rows, row_ok, lo, hi, first, inner, outer, end, row_order, row_doc = _query_tile(
-        LO + b * span_b + h * span_h, HI + b * span_b + h * span_h, ORDER, docs, pid_m, N, HAS_ORDER, HAS_DOCS,
-        BLOCK_M, BLOCK_N)
+    docs = DOCS + b * N_MEM
+    rows, row_ok, addr, lo, hi, first, inner, outer, end, row_order, row_doc = _query_tile(
+        LO + b * span_b + h * span_h, HI + b * span_b + h * span_h, ORDER, docs, pid_m, ROW0, ROW_END, N,
+        HAS_ORDER, HAS_DOCS, IN_SLOTS, BLOCK_M, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
-    q = tl.load(Q + b * sqb + h.to(tl.int64) * sqh + rows[:, None] * sqn + dims[None, :],
+    q = tl.load(Q + b * sqb + h.to(tl.int64) * sqh + addr[:, None] * sqn + dims[None, :],
                 mask=row_ok[:, None] & (dims[None, :] < D), other=0.0)
     slope = 0.0
     if HAS_BIAS:
@@ -208,25 +227,25 @@ def span_forward_kernel(Q, K, V, O, LSE, LO, HI, ORDER, SLOPES, DOCS,
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
-    acc, m_i, l_i = _forward_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, first, inner, rows, lo, hi,
-                                    row_order, row_doc, row_term, slope2, ORDER, docs, N, D, qk_scale, True,
-                                    SIGMOID, FAST_SIGMOID, HAS_ORDER, HAS_DOCS, HAS_BIAS, IEEE, WIDEN, BLOCK_N,
+    acc, m_i, l_i = _forward_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, first, inner, lo, hi, row_order,
+                                    row_doc, row_term, slope2, ORDER, docs, N, D, qk_scale, True, SIGMOID,
+                                    FAST_SIGMOID, HAS_ORDER, HAS_DOCS, IN_SLOTS, HAS_BIAS, IEEE, WIDEN, BLOCK_N,
                                     BLOCK_D)
-    acc, m_i, l_i = _forward_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, inner, outer, rows, lo, hi,
-                                    row_order, row_doc, row_term, slope2, ORDER, docs, N, D, qk_scale, False,
-                                    SIGMOID, FAST_SIGMOID, HAS_ORDER, HAS_DOCS, HAS_BIAS, IEEE, WIDEN, BLOCK_N,
+    acc, m_i, l_i = _forward_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, inner, outer, lo, hi, row_order,
+                                    row_doc, row_term, slope2, ORDER, docs, N, D, qk_scale, False, SIGMOID,
+                                    FAST_SIGMOID, HAS_ORDER, HAS_DOCS, IN_SLOTS, HAS_BIAS, IEEE, WIDEN, BLOCK_N,
                                     BLOCK_D)
-    acc, m_i, l_i = _forward_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, outer, end, rows, lo, hi,
-                                    row_order, row_doc, row_term, slope2, ORDER, docs, N, D, qk_scale, True,
-                                    SIGMOID, FAST_SIGMOID, HAS_ORDER, HAS_DOCS, HAS_BIAS, IEEE, WIDEN, BLOCK_N,
+    acc, m_i, l_i = _forward_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, outer, end, lo, hi, row_order,
+                                    row_doc, row_term, slope2, ORDER, docs, N, D, qk_scale, True, SIGMOID,
+                                    FAST_SIGMOID, HAS_ORDER, HAS_DOCS, IN_SLOTS, HAS_BIAS, IEEE, WIDEN, BLOCK_N,
                                     BLOCK_D)
     if not SIGMOID:
         has_key = l_i > 0
         acc = acc / tl.where(has_key, l_i, 1.0)[:, None]
         lse = tl.where(has_key, (m_i + row_term + tl.log2(tl.where(has_key, l_i, 1.0))) * 0.6931471805599453,
                        float("inf"))
-        tl.store(LSE + pid_bh.to(tl.int64) * N + rows, lse, mask=row_ok)
-    tl.store(O + b * sob + h.to(tl.int64) * soh + rows[:, None] * son + dims[None, :], acc.to(O.dtype.element_ty),
+        tl.store(LSE + pid_bh.to(tl.int64) * N_MEM + addr, lse, mask=row_ok)
+    tl.store(O + b * sob + h.to(tl.int64) * soh + addr[:, None] * son + dims[None, :], acc.to(O.dtype.element_ty),
              mask=row_ok[:, None] & (dims[None, :] < D))
 
 
@@ -245,6 +264,53 @@ def span_delta_kernel(O, DO, DELTA, sob, soh, son, sdb, sdh, sdn, H, N, D,
 
 
 @triton.jit
+def _kv_rows(dk, dv, k, v, cols, col_order, col_doc, rows, row_ok, q_base, do_base, sqn, sdon, span_lo, span_hi,
+             LSE, DELTA, row_base, ORDER, docs, slope, offset, qk_scale, D: tl.constexpr, SIGMOID: tl.constexpr,
+             FAST_SIGMOID: tl.constexpr, HAS_ORDER: tl.constexpr, HAS_DOCS: tl.constexpr, IN_SLOTS: tl.constexpr,
+             HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr, BLOCK_D: tl.constexpr):
+    """dk, dv of a block of keys (at positions cols of the rows' spans) plus what the query rows `rows` give them.
+    Key-major: the tiles are (keys, rows), k q^T, so p^T and dS^T come out as the products dv and dk take."""
+    dims = tl.arange(0, BLOCK_D)
+    row_order = rows
+    if HAS_ORDER:
+        row_order = tl.load(ORDER + rows, mask=row_ok, other=0)
+    addr = rows
+    if IN_SLOTS:
+        addr = row_order
+    q_mask = row_ok[:, None] & (dims[None, :] < D)
+    q = tl.load(q_base + addr[:, None] * sqn + dims[None, :], mask=q_mask, other=0.0)
+    do = tl.load(do_base + addr[:, None] * sdon + dims[None, :], mask=q_mask, other=0.0)
+    lo = tl.load(span_lo + rows, mask=row_ok, other=0)
+    hi = tl.load(span_hi + rows, mask=row_ok, other=0)
+    row_term, slope2 = _bias_terms(rows, slope, offset, HAS_BIAS, SIGMOID)
+    s_t = tile_dot(k, tl.trans(q), IEEE, WIDEN) * qk_scale  # (keys, rows)
+    if HAS_BIAS:
+        if SIGMOID:
+            s_t += row_term[None, :] - slope2 * cols[:, None].to(tl.float32)
+        else:
+            s_t -= slope2 * cols[:, None].to(tl.float32)
+    ok_t = (cols[:, None] >= lo[None, :]) & (cols[:, None] < hi[None, :])
+    if HAS_ORDER:
+        ok_t = ok_t & (col_order[:, None] <= row_order[None, :])
+        if HAS_DOCS:
+            row_doc = tl.load(docs + addr, mask=row_ok, other=0)
+            ok_t = ok_t & (col_doc[:, None] == row_doc[None, :])
+    dp_t = tile_dot(v, tl.trans(do), IEEE, WIDEN)
+    if SIGMOID:
+        p_t = tl.where(ok_t, _sigmoid(s_t, FAST_SIGMOID), 0.0)
+        ds_t = dp_t * p_t * (1.0 - p_t)
+    else:
+        # the log-sum-exp less the bias's row term, which the scores leave out
+        lse = tl.load(LSE + row_base + addr, mask=row_ok, other=float("inf")) * LOG2E - row_term
+        delta = tl.load(DELTA + row_base + addr, mask=row_ok, other=0.0)
+        p_t = tl.where(ok_t, tl.exp2(s_t - lse[None, :]), 0.0)
+        ds_t = p_t * (dp_t - delta[None, :])
+    dv += tile_dot(p_t.to(do.dtype), do, IEEE, WIDEN)
+    dk += tile_dot(ds_t.to(q.dtype), q, IEEE, WIDEN)
+    return dk, dv
+
+
+@triton.jit
 def span_backward_kv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, ORDER, SLOPES, KEY_FIRST, KEY_END, DOCS,
                             DOC_END, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon,
                             sdkb, sdkh, sdkn, sdvb, sdvh, sdvn, span_b, span_h, plan_h, plan_len,
@@ -255,8 +321,7 @@ def span_backward_kv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, ORDER, SLOP
                             KEY_GROUP: tl.constexpr):
     """dk, dv of one block of BLOCK_N keys of key head hk: over the GROUP query heads that read it, each over the
     query rows that attend to some key of the block (KEY_FIRST / KEY_END per KEY_GROUP keys; in token order, in the
-    documents of its keys). Key-major: the tiles are (keys, rows), k q^T, so p^T and dS^T come out as the
-    products dv and dk take."""
+    documents of its keys)."""
     pid_n, pid_bh = tl.program_id(0), tl.program_id(1)
     b, hk = (pid_bh // H_KV).to(tl.int64), pid_bh % H_KV
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -293,38 +358,10 @@ def span_backward_kv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, ORDER, SLOP
         row_base = (b * H + h) * N
         for start in range(first // BLOCK_M * BLOCK_M, end, BLOCK_M):
             rows = start + tl.arange(0, BLOCK_M)
-            row_ok = rows < N
-            q_mask = row_ok[:, None] & (dims[None, :] < D)
-            q = tl.load(q_base + rows[:, None] * sqn + dims[None, :], mask=q_mask, other=0.0)
-            do = tl.load(do_base + rows[:, None] * sdon + dims[None, :], mask=q_mask, other=0.0)
-            lo = tl.load(LO + b * span_b + h * span_h + rows, mask=row_ok, other=0)
-            hi = tl.load(HI + b * span_b + h * span_h + rows, mask=row_ok, other=0)
-            row_term, slope2 = _bias_terms(rows, slope, offset, HAS_BIAS, SIGMOID)
-            s_t = tile_dot(k, tl.trans(q), IEEE, WIDEN) * qk_scale  # (keys, rows)
-            if HAS_BIAS:
-                if SIGMOID:
-                    s_t += row_term[None, :] - slope2 * cols[:, None].to(tl.float32)
-                else:
-                    s_t -= slope2 * cols[:, None].to(tl.float32)
-            ok_t = (cols[:, None] >= lo[None, :]) & (cols[:, None] < hi[None, :])
-            if HAS_ORDER:
-                row_order = tl.load(ORDER + rows, mask=row_ok, other=0)
-                ok_t = ok_t & (col_order[:, None] <= row_order[None, :])
-                if HAS_DOCS:
-                    row_doc = tl.load(docs + rows, mask=row_ok, other=0)
-                    ok_t = ok_t & (col_doc[:, None] == row_doc[None, :])
-            dp_t = tile_dot(v, tl.trans(do), IEEE, WIDEN)
-            if SIGMOID:
-                p_t = tl.where(ok_t, _sigmoid(s_t, FAST_SIGMOID), 0.0)
-                ds_t = dp_t * p_t * (1.0 - p_t)
-            else:
-                # the log-sum-exp less the bias's row term, which the scores leave out
-                lse = tl.load(LSE + row_base + rows, mask=row_ok, other=float("inf")) * LOG2E - row_term
-                delta = tl.load(DELTA + row_base + rows, mask=row_ok, other=0.0)
-                p_t = tl.where(ok_t, tl.exp2(s_t - lse[None, :]), 0.0)
-                ds_t = p_t * (dp_t - delta[None, :])
-            dv += tile_dot(p_t.to(do.dtype), do, IEEE, WIDEN)
-            dk += tile_dot(ds_t.to(q.dtype), q, IEEE, WIDEN)
+            dk, dv = _kv_rows(dk, dv, k, v, cols, col_order, col_doc, rows, rows < N, q_base, do_base, sqn, sdon,
+                              LO + b * span_b + h * span_h, HI + b * span_b + h * span_h, LSE, DELTA, row_base,
+                              ORDER, docs, slope, offset, qk_scale, D, SIGMOID, FAST_SIGMOID, HAS_ORDER, HAS_DOCS,
+                              False, HAS_BIAS, IEEE, WIDEN, BLOCK_D)
     tl.store(DK + b * sdkb + hk.to(tl.int64) * sdkh + cols[:, None] * sdkn + dims[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + b * sdvb + hk.to(tl.int64) * sdvh + cols[:, None] * sdvn + dims[None, :],
@@ -332,14 +369,63 @@ def span_backward_kv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, ORDER, SLOP
 
 
 @triton.jit
-def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, block_lo, block_hi, rows, lo, hi, row_order,
-               row_doc, row_term, slope2, ORDER, docs, N, D: tl.constexpr, qk_scale, EDGE: tl.constexpr,
+def span_backward_kv_slots_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, ORDER, DOCS,
+                                  sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon,
+                                  sdkb, sdkh, sdkn, sdvb, sdvh, sdvn, span_h, H, H_KV, GROUP, N, N_MEM, HALO,
+                                  D: tl.constexpr, sm_scale, qk_scale, HAS_DOCS: tl.constexpr, IEEE: tl.constexpr,
+                                  WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                  BLOCK_D: tl.constexpr):
+    """dk, dv of BLOCK_N tokens in slot space (stochastic attention's band over N = N_MEM + 2 HALO rows: row r holds
+    token ORDER[r], the main rows HALO .. HALO + N_MEM - 1 each slot once, the others a copy of a slot at either
+    end): each key's main row and its copy, shifted by -N_MEM or +N_MEM, meet the main query rows within HALO
+    of them; so every token's dk and dv are summed here, read and written at its own row, with no scatter."""
+    pid_n, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, hk = (pid_bh // H_KV).to(tl.int64), pid_bh % H_KV
+    cols = HALO + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    col_ok = cols < HALO + N_MEM
+    kv_mask = col_ok[:, None] & (dims[None, :] < D)
+    tokens = tl.load(ORDER + cols, mask=col_ok, other=0)
+    k = tl.load(K + b * skb + hk.to(tl.int64) * skh + tokens[:, None] * skn + dims[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + b * svb + hk.to(tl.int64) * svh + tokens[:, None] * svn + dims[None, :], mask=kv_mask, other=0.0)
+    docs = DOCS + b * N_MEM
+    col_doc = cols
+    if HAS_DOCS:
+        col_doc = tl.load(docs + tokens, mask=col_ok, other=-1)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    lowest = tl.min(tl.where(col_ok, cols, N), 0)
+    highest = tl.max(tl.where(col_ok, cols, 0), 0)
+    for g in range(0, GROUP):
+        h = hk * GROUP + g
+        q_base = Q + b * sqb + h.to(tl.int64) * sqh
+        do_base = DO + b * sdob + h.to(tl.int64) * sdoh
+        row_base = (b * H + h) * N_MEM
+        for shift in range(-N_MEM, N_MEM + 1, N_MEM):  # the copy before the main rows, the main row, the copy after
+            first = tl.maximum(lowest + shift - HALO, HALO)
+            end = tl.minimum(highest + shift + HALO + 1, HALO + N_MEM)
+            for start in range(first, end, BLOCK_M):
+                rows = start + tl.arange(0, BLOCK_M)
+                dk, dv = _kv_rows(dk, dv, k, v, cols + shift, tokens, col_doc, rows, rows < end, q_base, do_base,
+                                  sqn, sdon, LO + h * span_h, HI + h * span_h, LSE, DELTA, row_base, ORDER, docs,
+                                  0.0, 0.0, qk_scale, D, False, False, True, HAS_DOCS, True, False, IEEE, WIDEN,
+                                  BLOCK_D)
+    tl.store(DK + b * sdkb + hk.to(tl.int64) * sdkh + tokens[:, None] * sdkn + dims[None, :],
+             (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + b * sdvb + hk.to(tl.int64) * sdvh + tokens[:, None] * sdvn + dims[None, :],
+             dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, block_lo, block_hi, lo, hi, row_order, row_doc,
+               row_term, slope2, ORDER, docs, N, D: tl.constexpr, qk_scale, EDGE: tl.constexpr,
                SIGMOID: tl.constexpr, FAST_SIGMOID: tl.constexpr, HAS_ORDER: tl.constexpr, HAS_DOCS: tl.constexpr,
-               HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_D: tl.constexpr):
+               IN_SLOTS: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """dq over key blocks [block_lo, block_hi): masked where EDGE, else every score counts."""
     for start in range(block_lo, block_hi, BLOCK_N):
-        cols, k, v = _key_block(k_base, v_base, skn, svn, start, N, D, EDGE, BLOCK_N, BLOCK_D)
+        cols, k, v, col_order, col_doc = _key_block(k_base, v_base, skn, svn, start, ORDER, docs, N, D, EDGE,
+                                                    HAS_ORDER, HAS_DOCS, IN_SLOTS, BLOCK_N, BLOCK_D)
         s = _scores(q, k, cols, row_term, slope2, qk_scale, HAS_BIAS, SIGMOID, IEEE, WIDEN)
         dp = tile_dot(do, tl.trans(v), IEEE, WIDEN)
         if SIGMOID:
@@ -347,7 +433,7 @@ def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, block_lo, block_
         else:
             p = tl.exp2(s - lse[:, None])
         if EDGE:
-            allowed = _allowed(rows, cols, lo, hi, row_order, row_doc, ORDER, docs, N, HAS_ORDER, HAS_DOCS)
+            allowed = _allowed(cols, lo, hi, row_order, row_doc, col_order, col_doc, HAS_ORDER, HAS_DOCS)
             p = tl.where(allowed, p, 0.0)
         if SIGMOID:
             ds = dp * p * (1.0 - p)
@@ -360,22 +446,22 @@ def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, block_lo, block_
 @triton.jit
 def span_backward_q_kernel(Q, K, V, DO, LSE, DELTA, DQ, LO, HI, ORDER, SLOPES, DOCS,
                            sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon, sdqb, sdqh, sdqn,
-                           span_b, span_h, H, GROUP, N, D: tl.constexpr, sm_scale, qk_scale, offset,
-                           SIGMOID: tl.constexpr, FAST_SIGMOID: tl.constexpr, HAS_ORDER: tl.constexpr,
-                           HAS_DOCS: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                           span_b, span_h, H, GROUP, N, N_MEM, ROW0, ROW_END, D: tl.constexpr, sm_scale, qk_scale,
+                           offset, SIGMOID: tl.constexpr, FAST_SIGMOID: tl.constexpr, HAS_ORDER: tl.constexpr,
+                           HAS_DOCS: tl.constexpr, IN_SLOTS: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                           WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """dq of one tile of BLOCK_M query rows, walking its key blocks as the forward does."""
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = (pid_bh // H).to(tl.int64), pid_bh % H
     hk = (h // GROUP).to(tl.int64)
-    docs = DOCS + b * N
-    rows, row_ok, lo, hi, first, inner, outer, end, row_order, row_doc = _query_tile(
-        LO + b * span_b + h * span_h, HI + b * span_b + h * span_h, ORDER, docs, pid_m, N, HAS_ORDER, HAS_DOCS,
-        BLOCK_M, BLOCK_N)
+    docs = DOCS + b * N_MEM
+    rows, row_ok, addr, lo, hi, first, inner, outer, end, row_order, row_doc = _query_tile(
+        LO + b * span_b + h * span_h, HI + b * span_b + h * span_h, ORDER, docs, pid_m, ROW0, ROW_END, N,
+        HAS_ORDER, HAS_DOCS, IN_SLOTS, BLOCK_M, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     q_mask = row_ok[:, None] & (dims[None, :] < D)
-    q = tl.load(Q + b * sqb + h.to(tl.int64) * sqh + rows[:, None] * sqn + dims[None, :], mask=q_mask, other=0.0)
-    do = tl.load(DO + b * sdob + h.to(tl.int64) * sdoh + rows[:, None] * sdon + dims[None, :], mask=q_mask,
+    q = tl.load(Q + b * sqb + h.to(tl.int64) * sqh + addr[:, None] * sqn + dims[None, :], mask=q_mask, other=0.0)
+    do = tl.load(DO + b * sdob + h.to(tl.int64) * sdoh + addr[:, None] * sdon + dims[None, :], mask=q_mask,
                  other=0.0)
     slope = 0.0
     if HAS_BIAS:
@@ -385,19 +471,19 @@ def span_backward_q_kernel(Q, K, V, DO, LSE, DELTA, DQ, LO, HI, ORDER, SLOPES, D
     delta = tl.zeros([BLOCK_M], dtype=tl.float32)
     if not SIGMOID:
         # in log2 units, less the bias's row term, which the scores leave out
-        lse = tl.load(LSE + pid_bh.to(tl.int64) * N + rows, mask=row_ok, other=float("inf")) * LOG2E - row_term
-        delta = tl.load(DELTA + pid_bh.to(tl.int64) * N + rows, mask=row_ok, other=0.0)
+        lse = tl.load(LSE + pid_bh.to(tl.int64) * N_MEM + addr, mask=row_ok, other=float("inf")) * LOG2E - row_term
+        delta = tl.load(DELTA + pid_bh.to(tl.int64) * N_MEM + addr, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
-    dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, first, inner, rows, lo, hi, row_order, row_doc,
+    dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, first, inner, lo, hi, row_order, row_doc,
                     row_term, slope2, ORDER, docs, N, D, qk_scale, True, SIGMOID, FAST_SIGMOID, HAS_ORDER,
-                    HAS_DOCS, HAS_BIAS, IEEE, WIDEN, BLOCK_N, BLOCK_D)
-    dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, inner, outer, rows, lo, hi, row_order, row_doc,
+                    HAS_DOCS, IN_SLOTS, HAS_BIAS, IEEE, WIDEN, BLOCK_N, BLOCK_D)
+    dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, inner, outer, lo, hi, row_order, row_doc,
                     row_term, slope2, ORDER, docs, N, D, qk_scale, False, SIGMOID, FAST_SIGMOID, HAS_ORDER,
-                    HAS_DOCS, HAS_BIAS, IEEE, WIDEN, BLOCK_N, BLOCK_D)
-    dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, outer, end, rows, lo, hi, row_order, row_doc,
+                    HAS_DOCS, IN_SLOTS, HAS_BIAS, IEEE, WIDEN, BLOCK_N, BLOCK_D)
+    dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, outer, end, lo, hi, row_order, row_doc,
                     row_term, slope2, ORDER, docs, N, D, qk_scale, True, SIGMOID, FAST_SIGMOID, HAS_ORDER,
-                    HAS_DOCS, HAS_BIAS, IEEE, WIDEN, BLOCK_N, BLOCK_D)
-    tl.store(DQ + b * sdqb + h.to(tl.int64) * sdqh + rows[:, None] * sdqn + dims[None, :],
+                    HAS_DOCS, IN_SLOTS, HAS_BIAS, IEEE, WIDEN, BLOCK_N, BLOCK_D)
+    tl.store(DQ + b * sdqb + h.to(tl.int64) * sdqh + addr[:, None] * sdqn + dims[None, :],
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
