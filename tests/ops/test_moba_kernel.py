@@ -2,10 +2,13 @@
 TRITON_INTERPRET=1 without a GPU): the choice against moba_choose, attention against the dense reference over
 MoBA's own edges, forward and backward, at odd sizes; and the layer taking them on CUDA's path."""
 
+import math
+
 import pytest
 import torch
 
 from attention import simulate_cuda
+from attention.documents import document_starts
 from attention.ops.moba import op
 from attention.ops.moba.naive import moba_choose, moba_dense
 from attention.ops.span.op import interpreting
@@ -31,6 +34,36 @@ def test_moba_kernels_equal_the_dense_reference_forward_and_backward(n, block, t
     g = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), device="cpu")
     for ours, theirs in zip(torch.autograd.grad(y, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
         torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
+
+
+def lower_block_first(q, k, block, topk, docs=None):
+    """naive.py's choice with ties in a stated order: among equal scores the lower block first (a stable sort)."""
+    B, H, n, D = q.shape
+    n_blocks = n // block
+    means = k.reshape(B, H, n_blocks, block, D).mean(3)
+    scores = q @ means.transpose(-1, -2)
+    own = (torch.arange(n) // block)[:, None]
+    blocks = torch.arange(n_blocks)
+    unseen = blocks > own
+    if docs is not None:
+        unseen = unseen | (blocks < (docs // block)[:, None, :, None])
+    scores = scores.masked_fill(unseen, -math.inf).masked_fill(blocks == own, math.inf)
+    best, chosen = scores.sort(dim=-1, descending=True, stable=True)
+    return chosen[..., :topk].masked_fill(best[..., :topk] == -math.inf, -1)
+
+
+def test_the_choice_takes_the_lower_block_first_among_equal_scores():
+    """Small integers tie often, and exactly in any order of summation: among equal scores the kernel takes the
+    lower block first, within a chunk of blocks and across chunks (25 blocks: two chunks of 16 here), with packed
+    documents too (starting at block edges: the blocks' means stay plain, their scores exact)."""
+    n, block = 200, 8
+    generator = torch.Generator().manual_seed(0)
+    q, k = (torch.randint(-2, 3, (2, n, 3, 16), generator=generator).float().transpose(1, 2) for _ in range(2))
+    marks = torch.zeros(2, n, dtype=torch.long)
+    marks[0, [40, 48, 120]] = 1
+    for docs in (None, document_starts(marks, 1, torch.arange(n))):
+        for topk in (2, 4):
+            assert torch.equal(op.triton_choose(q, k, block, topk, docs), lower_block_first(q, k, block, topk, docs))
 
 
 def test_bfloat16_and_a_head_dimension_that_is_no_power_of_two():

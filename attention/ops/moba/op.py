@@ -27,12 +27,26 @@ from attention.ops.moba.naive import document_means, moba_choose, moba_naive
 from attention.ops.span import op as span_op
 from attention.ops.span.spans import static_spans
 
-PAIR_ROWS, KEY_COLS, CHOSEN_BLOCKS = 64, 64, 16  # pair tile rows, keys per step, mean keys per step on the GPU
-TEST_SIZES = (16, 16, 16)
+PAIR_ROWS, KEY_COLS = 64, 64  # pair tile rows, keys per step on the GPU
+TEST_SIZES = (16, 16)
+# the choice on the GPU: rows x mean keys per step x the TOPK - 1 places of each column's list (a score and a
+# block each, in registers), at most CHOICE_TILE: 128 x 32 at top-2 (32 scores per thread, its shared-memory reads
+# per product a third of 64 x 16's: the IEEE float32 tl.dot reads both operands from shared memory for every
+# product), fewer rows and keys per step as the lists grow, without spills
+CHOICE_TILE, CHOICE_ROWS, CHOICE_BLOCKS = 128 * 32, 128, 32
 
 
 def _sizes(device):
-    return TEST_SIZES if torch.device(device).type == "cpu" else (PAIR_ROWS, KEY_COLS, CHOSEN_BLOCKS)
+    return TEST_SIZES if torch.device(device).type == "cpu" else (PAIR_ROWS, KEY_COLS)
+
+
+def _choice_sizes(device, topk: int):
+    """The choice's rows per tile and mean keys per step (tl.dot: 16 or more each)."""
+    if torch.device(device).type == "cpu":
+        return TEST_SIZES
+    per_step = CHOICE_BLOCKS if topk <= 2 else 16
+    rows = CHOICE_TILE // (per_step * max(topk - 1, 1))
+    return max(16, min(CHOICE_ROWS, 1 << (rows.bit_length() - 1))), per_step
 
 
 def _flags(q):
@@ -58,16 +72,19 @@ def triton_choose(q, k, block: int, topk: int, docs=None):
     B, H, n, D = q.shape
     n_blocks = -(-n // block)
     with torch.no_grad():
-        padded = torch.nn.functional.pad(k.detach().float(), (0, 0, 0, n_blocks * block - n))
+        # naive.py's F.pad(k.float()) in one copy (not a float32 copy and a padded copy of it): the same values in
+        # the same contiguous layout, so the same means to the bit
+        padded = torch.empty(B, H, n_blocks * block, D, device=k.device, dtype=torch.float32)
+        padded[:, :, n:].zero_()
+        padded[:, :, :n].copy_(k.detach())
         means = padded.view(B, H, n_blocks, block, D).mean(3)
         if docs is not None:
             means = document_means(padded, means, docs, n, block)
     chosen = torch.empty(B, H, n, topk, device=q.device, dtype=torch.long)
-    rows, _, per_step = _sizes(q.device)
+    rows, per_step = _choice_sizes(q.device, topk)
     moba_choose_kernel[(span_op.triton_cdiv(n, rows), B * H)](
         q, means, chosen, chosen if docs is None else docs, *q.stride()[:3], *means.stride()[:3], H, n, D,
-        n_blocks, block, TOPK=topk, SLOTS_P2=1 << (topk - 1).bit_length(),
-        BLOCK_M=rows, BLOCK_C=per_step, BLOCK_D=_block_d(D), IEEE=True, WIDEN=False, HAS_DOCS=docs is not None)
+        n_blocks, block, TOPK=topk, BLOCK_M=rows, BLOCK_C=per_step, BLOCK_D=_block_d(D), HAS_DOCS=docs is not None)
     return chosen
 
 
@@ -124,7 +141,7 @@ def triton_forward(q, k, v, chosen, block: int, docs=None):
     topk = chosen.shape[-1]
     if topk == 1:
         return own, own_lse
-    rows, cols, _ = _sizes(q.device)
+    rows, cols = _sizes(q.device)
     tiles = PairTiles(chosen, block, rows)
     out = torch.zeros(tiles.pairs, D, device=q.device, dtype=torch.float32)
     lse = torch.full((tiles.pairs,), -math.inf, device=q.device, dtype=torch.float32)
@@ -161,7 +178,7 @@ def triton_backward(grad, q, k, v, out, lse, chosen, block: int, docs=None):
     topk = chosen.shape[-1]
     if topk == 1:
         return dq, dk_own, dv_own
-    rows, cols, _ = _sizes(q.device)
+    rows, cols = _sizes(q.device)
     tiles = PairTiles(chosen, block, rows)
     dq_pairs = torch.zeros(tiles.pairs, D, device=q.device, dtype=torch.float32)
     scales = (1 / math.sqrt(D), 1.4426950408889634 / math.sqrt(D))

@@ -1,8 +1,9 @@
 """MoBA in Triton: the block choice, and attention over the chosen blocks other than a query's own.
 
-    choose        each tile of BLOCK_M queries walks the key blocks' mean keys a chunk at a time (q . mean by
-                  tl.dot), keeping every row's TOPK best blocks in registers: its own block first (MoBA's infinite
-                  score), no later block, never the (n, n / c) score matrix
+    choose        each tile of BLOCK_M queries walks the mean keys of the blocks before its own a chunk of BLOCK_C
+                  at a time (q . mean by tl.dot, IEEE float32), each column of the chunk keeping its best TOPK - 1
+                  blocks in registers by elementwise compares, merged into every row's best once at the end; its own
+                  block (MoBA's infinite score) is slot 0 without a compare; never the (n, n / c) score matrix
     pairs         (query, chosen block) pairs sorted by (batch x head, block) are cut into tiles of BLOCK_M pairs
                   that read one key block (MoBA's own implementation: varlen attention over the queries of each
                   block; FlashMoBA fuses the same grouping): a tile gathers its queries and runs one softmax over
@@ -32,60 +33,69 @@ from attention.ops.span.triton_kernels import tile_dot
 
 @triton.jit
 def moba_choose_kernel(Q, MEANS, CHOSEN, DOCS, sqb, sqh, sqn, smb, smh, smn, H, N, D, NB, block,
-                       TOPK: tl.constexpr, SLOTS_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
-                       IEEE: tl.constexpr, WIDEN: tl.constexpr, HAS_DOCS: tl.constexpr):
+                       TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+                       HAS_DOCS: tl.constexpr):
+    """Each row's own block (slot 0: MoBA's infinite score, never compared) and its TOPK - 1 best earlier blocks,
+    best first, -1 past the blocks a row has: naive.py's choice, from IEEE float32 scores as its own; among equal
+    scores the lower block first (torch.topk there leaves ties in no stated order). Each column of the chunk
+    (blocks c0 + column) keeps its own best TOPK - 1 in registers by elementwise compares: no reduction across
+    threads in the walk (a block enters its column's list only past the entries at least as good, all earlier
+    blocks); the columns' lists are merged into each row's once, after it."""
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     b, h = pid_bh // H, pid_bh % H
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, BLOCK_D)
     row_ok = rows < N
-    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqn + dims[None, :],
-                mask=row_ok[:, None] & (dims[None, :] < D), other=0.0).to(tl.float32)
     own = rows // block
-    last_own = tl.max(tl.where(row_ok, own, 0), 0)
-    lowest = 0
-    if HAS_DOCS:
-        first = (tl.load(DOCS + b * N + rows, mask=row_ok, other=0) // block).to(tl.int32)  # its document's first block
-        lowest = tl.min(tl.where(row_ok, first, last_own), 0)
-    # the running best TOPK (value, block) per row, best first (slot 0 is always the own block), in SLOTS_P2 >= TOPK
-    # columns (a power of two); the columns past TOPK only ever hold entries pushed out of the list
-    best_v = tl.full([BLOCK_M, SLOTS_P2], float("-inf"), dtype=tl.float32)
-    best_i = tl.full([BLOCK_M, SLOTS_P2], -1, dtype=tl.int32)
-    slots = tl.arange(0, SLOTS_P2)
-    for c0 in range(lowest // BLOCK_C * BLOCK_C, last_own + 1, BLOCK_C):
-        blocks = c0 + tl.arange(0, BLOCK_C)
-        means = tl.load(MEANS + b * smb + h * smh + blocks[:, None] * smn + dims[None, :],
-                        mask=(blocks[:, None] < NB) & (dims[None, :] < D), other=0.0)
-        s = tile_dot(q, tl.trans(means), True, False)
+    at = CHOSEN + (pid_bh * N + rows) * TOPK
+    tl.store(at, own.to(CHOSEN.dtype.element_ty), mask=row_ok)
+    if TOPK > 1:
+        dims = tl.arange(0, BLOCK_D)
+        q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqn + dims[None, :],
+                    mask=row_ok[:, None] & (dims[None, :] < D), other=0.0).to(tl.float32)
+        last_own = tl.max(tl.where(row_ok, own, 0), 0)
+        lowest = 0
         if HAS_DOCS:
-            s = tl.where(blocks[None, :] < first[:, None], float("-inf"), s)
-        s = tl.where(blocks[None, :] == own[:, None], float("inf"), s)
-        s = tl.where((blocks[None, :] > own[:, None]) | (blocks[None, :] >= NB), float("-inf"), s)
-        for _ in tl.static_range(TOPK):  # move the chunk's best into the running list, TOPK times
-            top = tl.max(s, 1)
-            arg = tl.min(tl.where(s == top[:, None], blocks[None, :], NB + BLOCK_C), 1)
-            s = tl.where(blocks[None, :] == arg[:, None], float("-inf"), s)
-            # insert (top, arg) into the sorted list: its rank is the number of entries strictly better
-            rank = tl.sum((best_v > top[:, None]).to(tl.int32), 1)
-            shifted_v = tl.where(slots[None, :] > rank[:, None], _shift(best_v, slots, SLOTS_P2), best_v)
-            shifted_i = tl.where(slots[None, :] > rank[:, None], _shift(best_i, slots, SLOTS_P2), best_i)
-            take = (slots[None, :] == rank[:, None]) & (top[:, None] > float("-inf"))
-            keep = top[:, None] > float("-inf")
-            best_v = tl.where(take, top[:, None], tl.where(keep, shifted_v, best_v))
-            best_i = tl.where(take, arg[:, None], tl.where(keep, shifted_i, best_i))
-    best_i = tl.where(best_v == float("-inf"), -1, best_i)
-    tl.store(CHOSEN + (pid_bh * N + rows[:, None]) * TOPK + slots[None, :], best_i.to(CHOSEN.dtype.element_ty),
-             mask=row_ok[:, None] & (slots[None, :] < TOPK))
-
-
-@triton.jit
-def _shift(x, slots, TOPK: tl.constexpr):
-    """x[:, j - 1] at column j (column 0 keeps x[:, 0]): the list moved one slot to the right."""
-    out = x
-    for j in tl.static_range(1, TOPK):
-        previous = tl.sum(tl.where(slots[None, :] == j - 1, x, 0), 1)
-        out = tl.where(slots[None, :] == j, previous[:, None], out)
-    return out
+            first = (tl.load(DOCS + b * N + rows, mask=row_ok, other=0) // block).to(tl.int32)  # its document's first
+            lowest = tl.min(tl.where(row_ok, first, last_own), 0)
+        # the columns' lists: values[place], picks[place] the score and block in that place, best first (-inf, -1:
+        # none; a list fills from its head)
+        values = ()
+        picks = ()
+        for _ in tl.static_range(TOPK - 1):
+            values = values + (tl.full([BLOCK_M, BLOCK_C], float("-inf"), dtype=tl.float32),)
+            picks = picks + (tl.full([BLOCK_M, BLOCK_C], -1, dtype=tl.int32),)
+        for c0 in range(lowest // BLOCK_C * BLOCK_C, last_own, BLOCK_C):  # the blocks before the last row's own
+            blocks = c0 + tl.arange(0, BLOCK_C)
+            means = tl.load(MEANS + b * smb + h * smh + blocks[:, None] * smn + dims[None, :],
+                            mask=(blocks[:, None] < NB) & (dims[None, :] < D), other=0.0)
+            s = tile_dot(q, tl.trans(means), True, False)
+            earlier = blocks[None, :] < own[:, None]  # before the row's own block (so before NB)
+            if HAS_DOCS:
+                earlier = earlier & (blocks[None, :] >= first[:, None])
+            s = tl.where(earlier, s, float("-inf"))
+            block_of = tl.broadcast_to(blocks[None, :], [BLOCK_M, BLOCK_C])
+            kept_v = ()
+            kept_i = ()
+            for place in tl.static_range(TOPK - 1):  # the score sinks down its column's list: a place keeps the better
+                better = s > values[place]
+                kept_v = kept_v + (tl.where(better, s, values[place]),)
+                kept_i = kept_i + (tl.where(better, block_of, picks[place]),)
+                s, block_of = tl.where(better, values[place], s), tl.where(better, picks[place], block_of)
+            values, picks = kept_v, kept_i
+        # the merge, TOPK - 1 times: the best of the columns' heads (the lowest block among equal scores) is taken,
+        # and its column's list moves up one place
+        for slot in tl.static_range(1, TOPK):
+            top = tl.max(values[0], 1)
+            pick = tl.min(tl.where(values[0] == top[:, None], picks[0], NB), 1)
+            taken = picks[0] == pick[:, None]
+            moved_v = ()
+            moved_i = ()
+            for place in tl.static_range(TOPK - 2):
+                moved_v = moved_v + (tl.where(taken, values[place + 1], values[place]),)
+                moved_i = moved_i + (tl.where(taken, picks[place + 1], picks[place]),)
+            values = moved_v + (tl.where(taken, float("-inf"), values[TOPK - 2]),)
+            picks = moved_i + (picks[TOPK - 2],)
+            tl.store(at + slot, tl.where(top > float("-inf"), pick, -1).to(CHOSEN.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
