@@ -23,6 +23,7 @@ machine.passive_openmp()
 import torch  # noqa: E402
 import torch.distributed as dist
 
+from attention import simulate_cuda
 from config import Config, exit_on_config_error, load_config
 from data.meta import data_identity, open_tokens
 from eval.probes import training_probes
@@ -94,8 +95,9 @@ def evaluate_and_log(run: Run, hooks: list) -> bool:
     t, ev, step = cfg.train, cfg.eval, progress.step
     for hook in hooks:
         hook.before_eval(run.raw_model)
+    model = StepMarked(run.model) if t.cuda_graphs else run.model
     with isolated_rng(t.seed + rt.rank, rt.device):
-        val_loss = evaluate(run.model, data.val, ev.eval_iters, rt.rank, rt.world_size, rt.autocast, rt.device,
+        val_loss = evaluate(model, data.val, ev.eval_iters, rt.rank, rt.world_size, rt.autocast, rt.device,
                             t.loss_chunk, sharded=rt.fsdp)
         improved = val_loss < progress.best_val_loss
         budget = eval_budget(cfg)
@@ -142,9 +144,11 @@ def train_step(run: Run, stop_signals: list) -> tuple[float, bool]:
             run.raw_model.set_requires_gradient_sync(micro_step == micro_steps - 1)
         elif rt.distributed:  # gradients are all-reduced only on the last micro-step
             model.require_backward_grad_sync = micro_step == micro_steps - 1
+        if t.cuda_graphs:  # a new step of the CUDA graph trees: the last replay's outputs may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
         with rt.autocast:
             _, loss = model(x, y, loss_chunk=t.loss_chunk)
-        loss_sum += loss.detach()
+        loss_sum += loss.detach()  # added now: a replay's loss is overwritten by the next one
         scaler.scale(loss / micro_steps).backward()
     # one small collective per step: the mean loss over ranks, and whether any rank was told to stop
     status = torch.stack([loss_sum / micro_steps, torch.tensor(float(bool(stop_signals)), device=rt.device)])
@@ -166,6 +170,42 @@ def train_step(run: Run, stop_signals: list) -> tuple[float, bool]:
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return train_loss, stopping
+
+
+class StepMarked:
+    """The model for evaluation with cuda_graphs: each forward a new step of the CUDA graph trees (its outputs
+    overwrite the last replay's; evaluate adds each loss up before the next forward)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        torch.compiler.cudagraph_mark_step_begin()
+        return self.model(*args, **kwargs)
+
+    def eval(self):
+        return self.model.eval()
+
+    def train(self, mode: bool = True):
+        return self.model.train(mode)
+
+
+def cuda_graphs_check(t, rt: Runtime) -> None:
+    """cuda_graphs=True with gradient accumulation is refused (exit 2): CUDA graph trees hand the first micro-step's
+    gradients to .grad in the graphs' memory, which the next micro-step's replay overwrites (pytorch/pytorch#169545).
+    Where the mode does nothing, it is said."""
+    micro_steps = t.gradient_accumulation_steps // rt.world_size
+    if micro_steps > 1:
+        fail(f"cuda_graphs=True with gradient_accumulation_steps={t.gradient_accumulation_steps} over "
+             f"{rt.world_size} process(es): {micro_steps} micro-batches per step, and CUDA graph trees overwrite the "
+             "gradients one micro-batch's backward left in .grad with the next one's (pytorch/pytorch#169545). Use "
+             f"--gradient_accumulation_steps={rt.world_size} (one micro-batch per process) with a --batch_size "
+             f"{micro_steps} times larger, or --cuda_graphs=False", status=2)
+    if rt.master and rt.device.type != "cuda":
+        why = ("the CPU standing in for CUDA compiles with aot_eager, which takes no mode; the steps are still marked"
+               if simulate_cuda.simulated(rt.device) else f"inductor skips them on {rt.device.type}: the run trains as "
+               "with --compile=True alone")
+        print(f"cuda_graphs=True: no CUDA graphs here ({why})")
 
 
 def finish(run: Run, stopping: bool, signum: int) -> None:
@@ -202,6 +242,8 @@ def main(argv):
     cfg: Config = exit_on_config_error(load_config, argv)  # any error here exits 2 before anything is written
     t, ev = cfg.train, cfg.eval
     rt = start_runtime(t)
+    if t.cuda_graphs:
+        cuda_graphs_check(t, rt)
     source, hf_model = pretrained_model(cfg, rt)  # init_from=gpt2 / hf:...: its architecture replaces the config's
     data = open_data(cfg, rt, source)
     claim_folder(Path(t.out_dir), t, rt)

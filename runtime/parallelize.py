@@ -4,10 +4,10 @@ The order is torchtitan's: activation checkpointing wraps each block, then each 
 (layers with the same mixer share one compiled graph, and everything the blocks need that depends only on the
 shape, masks and sa's permutations, is planned by GPT.forward outside them; see Mixer.plan), and, outside FSDP,
 the embeddings and the head with its loss (GPT.embed, GPT.head: uncompiled they cost about 15% of a GPT-2 step,
-the float32 logits of the loss above all), then data
-parallelism: DDP around the whole model, or FSDP2 (`fully_shard`) on each block and then on the root, which
-shards parameters, gradients and optimizer state over the processes. State-dict keys are those of the bare
-model whatever is applied.
+the float32 logits of the loss above all), with cuda_graphs as CUDA graphs (mode="reduce-overhead": a step's
+kernels replayed, not launched one by one from python), then data parallelism: DDP around the whole model, or FSDP2
+(`fully_shard`) on each block and then on the root, which shards parameters, gradients and optimizer state over the
+processes. State-dict keys are those of the bare model whatever is applied.
 """
 
 from __future__ import annotations
@@ -98,15 +98,26 @@ def shard(model, dtype: torch.dtype, reshard_after_forward: bool = True) -> None
     fully_shard(model, mp_policy=mp_policy, reshard_after_forward=False)
 
 
+def compile_options(t, device: torch.device) -> dict:
+    """torch.compile's options for the blocks and the ends: mode="reduce-overhead" (CUDA graph trees: each step
+    replays recorded graphs, the caller marking each step with torch.compiler.cudagraph_mark_step_begin) with
+    t.cuda_graphs. Inductor takes the mode on the CPU too and skips the graphs there; the CPU standing in for CUDA
+    compiles with aot_eager, which takes no mode (torch.compile refuses a backend and a mode together): none there."""
+    if getattr(t, "cuda_graphs", False) and not simulate_cuda.simulated(device):
+        return {"mode": "reduce-overhead"}
+    return {}
+
+
 def parallelize(model, t, device: torch.device, dtype: torch.dtype, distributed: bool, local_rank: int = 0):
-    """Activation checkpointing and compilation (in place, per block), then data parallelism: FSDP2 in place
-    when t.parallelism is fsdp, else DDP around the model when running under torchrun. Returns the module the
-    training loop calls."""
+    """Activation checkpointing and compilation (in place, per block; CUDA graphs with t.cuda_graphs:
+    compile_options), then data parallelism: FSDP2 in place when t.parallelism is fsdp, else DDP around the model
+    when running under torchrun. Returns the module the training loop calls."""
     apply_activation_checkpointing(model, t.activation_checkpointing)
     if t.compile:
-        compile_blocks(model, device, dtype)
+        options = compile_options(t, device)
+        compile_blocks(model, device, dtype, **options)
         if t.parallelism != "fsdp":  # FSDP2 gathers the root's parameters around its forward: left eager there
-            compile_ends(model, device)
+            compile_ends(model, device, **options)
     if t.parallelism == "fsdp":
         shard(model, dtype, t.fsdp_reshard_after_forward)
         return model

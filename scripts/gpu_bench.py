@@ -4,6 +4,7 @@ and train.py's step against nanoGPT's.
     python -m scripts.gpu_bench --nanogpt=../nanoGPT/model.py          # the three tables (about 6 minutes, H200)
     python -m scripts.gpu_bench --parts=kernels --lengths=8192 --kernel_variants=full,swa,swat
     python -m scripts.gpu_bench --parts=train --train_variants=full,swa,swax --train_len=16384
+    python -m scripts.gpu_bench --parts=train --train_variants=full,swa --train_cuda_graphs=True
 
 Parts:
   kernels   forward + backward of each variant's attention op (bench_attention's cases: the layer's own plan and
@@ -12,8 +13,11 @@ Parts:
             kernel), scores computed per allowed edge, and time per allowed edge relative to swa's
   train     a GPT-2 124M (configs/bridges/owt_124m_full.py) at --train_len tokens, batch 1, each variant's windows and
             blocks --train_window long (MoBA: blocks of half of it, top 2), compiled bf16 with train.py's layout
-            (runtime/parallelize.py): median tokens/s of the timed steps against full attention, and MFU; the
-            --train_profile cases then profile 3 steps (the kernels that took their time)
+            (runtime/parallelize.py), with --train_cuda_graphs as CUDA graphs (train.py's --cuda_graphs): median
+            step time and tokens/s of the timed steps against full attention, MFU, and the host's time to enqueue a
+            step; the --train_profile cases then profile 3 steps (the kernels that took their time, and the GPU's
+            busy time per step: a host time near the step's and a busy time well below it is a step bound by the
+            host's kernel launches)
   nanogpt   GPT-2 124M, batch 16 x 1024, bf16 autocast, fused AdamW, steps alternating between train.py's layout, the
             same model compiled whole and nanoGPT's model.py compiled whole (--nanogpt: its file, from a clone of
             github.com/karpathy/nanoGPT; without it this part is left out and says so)

@@ -14,7 +14,7 @@ from attention.capabilities import EdgeCounts
 from attention.kernels import layer_scores
 from attention.registry import build_mixer
 from common.flops import peak_flops
-from config import load_config
+from config import ConfigError, load_config
 from model import GPT
 from runtime.parallelize import parallelize
 from scripts.bench_attention import BenchConfig as AttentionConfig
@@ -77,9 +77,12 @@ def train_settings(variant: str, b: BenchConfig) -> list[str]:
 
 def train_case(name: str, b: BenchConfig, out: Path) -> list[dict]:
     device, dtype = torch.device(b.device), torch.bfloat16
+    if b.train_cuda_graphs and not b.train_compile:
+        raise ConfigError("--train_cuda_graphs=True replays compiled steps as CUDA graphs: add --train_compile=True")
     layers = [f"--n_layer={b.train_layers}"] if b.train_layers else []
     cfg = load_config(["configs/bridges/owt_124m_full.py", *train_settings(name, b), *layers, f"--compile={b.train_compile}",
-                       "--activation_checkpointing=none", "--parallelism=ddp", "--dropout=0.0"])
+                       f"--cuda_graphs={b.train_cuda_graphs}", "--activation_checkpointing=none", "--parallelism=ddp",
+                       "--dropout=0.0"])
     torch.manual_seed(0)
     model = GPT(cfg.model).to(device)
     optimizer = model.configure_optimizer(0.1, 1e-4, (0.9, 0.95), device.type)
@@ -87,6 +90,8 @@ def train_case(name: str, b: BenchConfig, out: Path) -> list[dict]:
     x = torch.randint(0, cfg.model.vocab_size, (1, cfg.model.block_size + 1), device=device)
 
     def step():
+        if b.train_cuda_graphs:  # a new step of the CUDA graph trees, as train.py marks it
+            torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(device.type, dtype=dtype):
             _, loss = step_fn(x[:, :-1], x[:, 1:])
         loss.backward()
@@ -96,7 +101,7 @@ def train_case(name: str, b: BenchConfig, out: Path) -> list[dict]:
     for _ in range(3):
         step()
         progress(f"{name} warm-up step")
-    times = []
+    times, host = [], []  # each step's wall time, and the host's time to enqueue it (until zero_grad returns)
     release_memory()
     with TurnToTime(out):
         step()  # untimed: the allocator's blocks again
@@ -105,13 +110,15 @@ def train_case(name: str, b: BenchConfig, out: Path) -> list[dict]:
         for _ in range(b.train_steps):
             t0 = time.perf_counter()
             step()
+            host.append(time.perf_counter() - t0)
             synchronize()
             times.append(time.perf_counter() - t0)
-        profile = profile_steps(step, 3) if name in b.train_profile.split(",") else []
+        profile, busy = profile_steps(step, 3) if name in b.train_profile.split(",") else ([], None)
     seconds = sorted(times)[len(times) // 2]
     tokens_per_s = cfg.model.block_size / seconds
     peak = peak_flops(device, dtype)
-    return [{"variant": name, "tokens": cfg.model.block_size, "step_ms": 1000 * seconds, "tokens_per_s": tokens_per_s,
+    return [{"variant": name, "tokens": cfg.model.block_size, "step_ms": 1000 * seconds,
+             "host_ms": 1000 * sorted(host)[len(host) // 2], "gpu_busy_ms": busy, "tokens_per_s": tokens_per_s,
              "mfu": model.flops_per_token(cfg.model.block_size) * tokens_per_s / peak if peak else 0.0,
              "max_memory_gib": max_memory_gib(), "profile": profile,
              "layers": sorted({type(block.mixer).__name__ for block in model.blocks})}]

@@ -37,6 +37,9 @@ class BenchConfig:
     # training cases whose timed steps are followed by 3 profiled ones: the GPU kernels that took their time
     train_profile: str = "full,swa"
     train_compile: bool = True  # False: eager (a quick check of the script on the CPU)
+    # the training cases with CUDA graphs (train.py's --cuda_graphs: blocks and ends compiled with
+    # mode="reduce-overhead", each step marked): whether a step bound by the host's kernel launches gets faster
+    train_cuda_graphs: bool = False
     # nanogpt
     nanogpt: str = ""  # nanoGPT's model.py
     nanogpt_steps: int = 20

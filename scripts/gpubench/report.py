@@ -26,8 +26,14 @@ def report(b: BenchConfig, argv: list[str], header: str, wall_s: float, rows: di
     if kernels:
         lines += ["## Attention kernels, forward + backward", "", *kernel_tables(kernels)]
     if train:
+        how = ("compiled bf16 with CUDA graphs (--train_cuda_graphs: mode=reduce-overhead)" if b.train_cuda_graphs
+               else "compiled bf16" if b.train_compile else "eager bf16")
         lines += [f"## Training GPT-2 124M at {b.train_len} tokens, batch 1, windows and blocks {b.train_window}, "
-                  "compiled bf16", "", *train_table(train), ""]
+                  f"{how}", "", *train_table(train), "",
+                  "host ms: the host's time to enqueue a step (until zero_grad returns, before synchronising); GPU "
+                  "busy ms: the time some kernel ran, per profiled step (--train_profile). A host time near the "
+                  "step's and a GPU busy time well below it: the step is bound by the host's kernel launches "
+                  "(--train_cuda_graphs replays them).", ""]
     for row in train:
         if row.get("profile"):
             lines += [f"### Where {row['variant']}'s training step spends its time (top kernels, ms per step)", "",
@@ -62,10 +68,13 @@ def kernel_tables(rows: list[dict]) -> list[str]:
 
 def train_table(rows: list[dict]) -> list[str]:
     full = next((r for r in rows if r["variant"] == "full"), None)
-    table = [[r["variant"], f"{r['step_ms']:.1f}", f"{r['tokens_per_s']:,.0f}",
-              f"{r['tokens_per_s'] / full['tokens_per_s']:.2f}x" if full else "", f"{100 * r['mfu']:.1f}%",
-              f"{r['max_memory_gib']:.1f}"] for r in rows]
-    return [markdown_table(["variant", "step ms", "tokens/s", "vs full", "MFU", "max GiB"], table)]
+    def ms(value):  # rows of older results lack the host's and the GPU's times
+        return "-" if value is None else f"{value:.1f}"
+    table = [[r["variant"], f"{r['step_ms']:.1f}", ms(r.get("host_ms")), ms(r.get("gpu_busy_ms")),
+              f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s'] / full['tokens_per_s']:.2f}x" if full else "",
+              f"{100 * r['mfu']:.1f}%", f"{r['max_memory_gib']:.1f}"] for r in rows]
+    return [markdown_table(["variant", "step ms", "host ms", "GPU busy ms", "tokens/s", "vs full", "MFU", "max GiB"],
+                           table)]
 
 
 def nanogpt_table(rows: list[dict]) -> list[str]:

@@ -65,9 +65,11 @@ class TurnToTime:
         self.file.close()
 
 
-def profile_steps(step, steps: int, top: int = 15) -> list[dict]:
+def profile_steps(step, steps: int, top: int = 15) -> tuple[list[dict], float | None]:
     """The device kernels that took the most time over `steps` steps (ms per step each), from torch.profiler: where
-    a step's time goes when the attention kernel's own time does not explain it."""
+    a step's time goes when the attention kernel's own time does not explain it; and the GPU's busy time per step
+    (ms; None without CUDA kernels: on the CPU), the union of its kernels' intervals: against the step's wall time
+    it says whether the GPU or the host (launching the kernels) bounds the step."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -77,5 +79,21 @@ def profile_steps(step, steps: int, top: int = 15) -> list[dict]:
         synchronize()
     device_time = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     rows = sorted(prof.key_averages(), key=lambda e: getattr(e, device_time, 0), reverse=True)[:top]
+    kernels = [(e.time_range.start, e.time_range.end) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = busy_us(kernels) / 1000 / steps if kernels else None
     return [{"kernel": e.key[:90], "ms_per_step": getattr(e, device_time, 0) / 1000 / steps,
-             "calls_per_step": e.count / steps} for e in rows]
+             "calls_per_step": e.count / steps} for e in rows], busy
+
+
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of (start, end) intervals: the time at least one of them ran (kernels on several
+    streams overlap, and are counted once)."""
+    total, start, end = 0.0, None, None
+    for s, e in sorted(intervals):
+        if end is None or s > end:
+            total += 0.0 if end is None else end - start
+            start, end = s, e
+        else:
+            end = max(end, e)
+    return total + (0.0 if end is None else end - start)

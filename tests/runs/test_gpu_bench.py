@@ -57,8 +57,12 @@ def test_training_cases_run_in_rounds_and_the_profiled_ones_say_where_their_step
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = (out / "report.md").read_text()
     assert "Where swa's training step spends its time" in report and "Where full's" not in report
+    assert "| host ms | GPU busy ms |" in report and "eager bf16" in report  # said as run: not compiled
     results = json.loads((out / "gpu_bench.json").read_text())
     profiled = {r["variant"]: r["profile"] for r in results["train"]}
     assert profiled["full"] == [] and profiled["swa"] and all(p["ms_per_step"] >= 0 for p in profiled["swa"])
+    # the host's time to enqueue a step (here all of it) in every row; the GPU's busy time only from a GPU's profile
+    assert all(0 < r["host_ms"] <= r["step_ms"] for r in results["train"])
+    assert [r["gpu_busy_ms"] for r in results["train"]] == [None, None]
     # one round after the other: the second started once the first was timed
     assert proc.stdout.index("round 1/2: train:full") < proc.stdout.index("round 2/2: train:swa")
