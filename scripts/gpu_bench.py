@@ -5,6 +5,7 @@ and train.py's step against nanoGPT's.
     python -m scripts.gpu_bench --parts=kernels --lengths=8192 --kernel_variants=full,swa,swat
     python -m scripts.gpu_bench --parts=train --train_variants=full,swa,swax --train_len=16384
     python -m scripts.gpu_bench --parts=train --train_variants=full,swa --train_cuda_graphs=True
+    python -m scripts.gpu_bench --parts=train --train_variants=full,swa,full:cuda_graphs=True,swa:cuda_graphs=True
 
 Parts:
   kernels   forward + backward of each variant's attention op (bench_attention's cases: the layer's own plan and
@@ -13,8 +14,10 @@ Parts:
             kernel), scores computed per allowed edge, and time per allowed edge relative to swa's
   train     a GPT-2 124M (configs/bridges/owt_124m_full.py) at --train_len tokens, batch 1, each variant's windows and
             blocks --train_window long (MoBA: blocks of half of it, top 2), compiled bf16 with train.py's layout
-            (runtime/parallelize.py), with --train_cuda_graphs as CUDA graphs (train.py's --cuda_graphs): median
-            step time and tokens/s of the timed steps against full attention, MFU, and the host's time to enqueue a
+            (runtime/parallelize.py), with --train_cuda_graphs as CUDA graphs (train.py's --cuda_graphs), and
+            VARIANT:KEY=VALUE for train.py's settings of one case (the defaults include full and swa with
+            cuda_graphs=True): median step time and tokens/s of the timed steps against full attention with the
+            same settings, MFU, and the host's time to enqueue a
             step; the --train_profile cases then profile 3 steps (the kernels that took their time, and the GPU's
             busy time per step: a host time near the step's and a busy time well below it is a step bound by the
             host's kernel launches)

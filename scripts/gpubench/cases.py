@@ -77,12 +77,15 @@ def train_settings(variant: str, b: BenchConfig) -> list[str]:
 
 def train_case(name: str, b: BenchConfig, out: Path) -> list[dict]:
     device, dtype = torch.device(b.device), torch.bfloat16
-    if b.train_cuda_graphs and not b.train_compile:
-        raise ConfigError("--train_cuda_graphs=True replays compiled steps as CUDA graphs: add --train_compile=True")
+    variant, *settings = name.split(":")  # VARIANT:KEY=VALUE: train.py settings of this case
+    graphs = b.train_cuda_graphs or "cuda_graphs=True" in settings
+    if graphs and not b.train_compile:
+        raise ConfigError("cuda_graphs replays compiled steps as CUDA graphs: add --train_compile=True")
     layers = [f"--n_layer={b.train_layers}"] if b.train_layers else []
-    cfg = load_config(["configs/bridges/owt_124m_full.py", *train_settings(name, b), *layers, f"--compile={b.train_compile}",
-                       f"--cuda_graphs={b.train_cuda_graphs}", "--activation_checkpointing=none", "--parallelism=ddp",
-                       "--dropout=0.0"])
+    cfg = load_config(["configs/bridges/owt_124m_full.py", *train_settings(variant, b), *layers,
+                       f"--compile={b.train_compile}", f"--cuda_graphs={graphs}", "--activation_checkpointing=none",
+                       "--parallelism=ddp", "--dropout=0.0", *(f"--{setting}" for setting in settings)])
+    graphs = cfg.train.cuda_graphs
     torch.manual_seed(0)
     model = GPT(cfg.model).to(device)
     optimizer = model.configure_optimizer(0.1, 1e-4, (0.9, 0.95), device.type)
@@ -90,7 +93,7 @@ def train_case(name: str, b: BenchConfig, out: Path) -> list[dict]:
     x = torch.randint(0, cfg.model.vocab_size, (1, cfg.model.block_size + 1), device=device)
 
     def step():
-        if b.train_cuda_graphs:  # a new step of the CUDA graph trees, as train.py marks it
+        if graphs:  # a new step of the CUDA graph trees, as train.py marks it
             torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(device.type, dtype=dtype):
             _, loss = step_fn(x[:, :-1], x[:, 1:])

@@ -30,7 +30,9 @@ class BenchConfig:
     window: int = 256
     repeats: int = 10
     # train
-    train_variants: str = ""  # mixers or pattern aliases; "": every attention mixer of the registry and every alias
+    # mixers or pattern aliases, VARIANT:KEY=VALUE for train.py settings (swa:cuda_graphs=True); "": every attention
+    # mixer of the registry and every alias, and GRAPH_CASES
+    train_variants: str = ""
     train_len: int = 8192
     train_window: int = 512
     train_steps: int = 10
@@ -54,6 +56,8 @@ class BenchConfig:
 
 # the cost of packed documents (docs/documents.md): the same kernels with document_mask, documents of 200-3000 tokens
 DOCUMENT_CASES = ("full:document_mask=True", "swa:document_mask=True")
+# training as train.py --cuda_graphs=True runs it: a step bound by the host's launches replayed (docs/training.md)
+GRAPH_CASES = ("full:cuda_graphs=True", "swa:cuda_graphs=True")
 
 
 def default_variants() -> tuple[list[str], list[str]]:
@@ -63,7 +67,7 @@ def default_variants() -> tuple[list[str], list[str]]:
     kernels = [name for name, settings in example_cases(256).items()
                if len(pattern_names(settings["attn_pattern"])) == 1 and attention(pattern_names(settings["attn_pattern"]))]
     train = [name for name, cls in MIXERS.items() if issubclass(cls, Attention)] + list(PATTERN_ALIASES)
-    return kernels + list(FLEX_BASELINES) + list(DOCUMENT_CASES), train
+    return kernels + list(FLEX_BASELINES) + list(DOCUMENT_CASES), train + list(GRAPH_CASES)
 
 
 def jobs(b: BenchConfig) -> list[tuple[str, str]]:

@@ -33,7 +33,8 @@ def report(b: BenchConfig, argv: list[str], header: str, wall_s: float, rows: di
                   "host ms: the host's time to enqueue a step (until zero_grad returns, before synchronising); GPU "
                   "busy ms: the time some kernel ran, per profiled step (--train_profile). A host time near the "
                   "step's and a GPU busy time well below it: the step is bound by the host's kernel launches "
-                  "(--train_cuda_graphs replays them).", ""]
+                  "(--train_cuda_graphs replays them). vs full: against full attention with the case's own "
+                  "settings (VARIANT:KEY=VALUE).", ""]
     for row in train:
         if row.get("profile"):
             lines += [f"### Where {row['variant']}'s training step spends its time (top kernels, ms per step)", "",
@@ -67,11 +68,17 @@ def kernel_tables(rows: list[dict]) -> list[str]:
 
 
 def train_table(rows: list[dict]) -> list[str]:
-    full = next((r for r in rows if r["variant"] == "full"), None)
+    by_name = {r["variant"]: r for r in rows}
+
+    def full(name):  # full attention with the case's own settings (VARIANT:KEY=VALUE), else plain
+        settings = name.partition(":")[2]
+        return by_name.get(f"full:{settings}" if settings else "full") or by_name.get("full")
+
     def ms(value):  # rows of older results lack the host's and the GPU's times
         return "-" if value is None else f"{value:.1f}"
     table = [[r["variant"], f"{r['step_ms']:.1f}", ms(r.get("host_ms")), ms(r.get("gpu_busy_ms")),
-              f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s'] / full['tokens_per_s']:.2f}x" if full else "",
+              f"{r['tokens_per_s']:,.0f}",
+              f"{r['tokens_per_s'] / full(r['variant'])['tokens_per_s']:.2f}x" if full(r["variant"]) else "",
               f"{100 * r['mfu']:.1f}%", f"{r['max_memory_gib']:.1f}"] for r in rows]
     return [markdown_table(["variant", "step ms", "host ms", "GPU busy ms", "tokens/s", "vs full", "MFU", "max GiB"],
                            table)]

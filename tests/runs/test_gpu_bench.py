@@ -66,3 +66,27 @@ def test_training_cases_run_in_rounds_and_the_profiled_ones_say_where_their_step
     assert [r["gpu_busy_ms"] for r in results["train"]] == [None, None]
     # one round after the other: the second started once the first was timed
     assert proc.stdout.index("round 1/2: train:full") < proc.stdout.index("round 2/2: train:swa")
+
+
+def test_training_cases_take_settings_and_compare_with_full_attention_under_the_same_ones():
+    """VARIANT:KEY=VALUE trains one case with train.py's settings (the defaults time full and swa with CUDA graphs
+    too), and its "vs full" is against full attention with the same settings."""
+    from scripts.gpubench.options import GRAPH_CASES, default_variants
+    from scripts.gpubench.report import train_table
+
+    assert set(GRAPH_CASES) <= set(default_variants()[1]) and "full:cuda_graphs=True" in GRAPH_CASES
+    row = lambda name, tokens_per_s: {"variant": name, "step_ms": 1.0, "tokens_per_s": tokens_per_s,  # noqa: E731
+                                      "mfu": 0.1, "max_memory_gib": 1.0}
+    table = train_table([row("full", 100.0), row("swa", 120.0), row("full:cuda_graphs=True", 200.0),
+                         row("swa:cuda_graphs=True", 300.0)])[0]
+    assert "| swa | 1.0 | - | - | 120 | 1.20x |" in table
+    assert "| swa:cuda_graphs=True | 1.0 | - | - | 300 | 1.50x |" in table
+
+
+def test_a_training_case_with_cuda_graphs_but_no_compilation_is_refused():
+    from config import ConfigError
+    from scripts.gpubench.cases import train_case
+    from scripts.gpubench.options import BenchConfig
+
+    with pytest.raises(ConfigError, match="add --train_compile=True"):
+        train_case("swa:cuda_graphs=True", BenchConfig(device="cpu", train_compile=False), None)

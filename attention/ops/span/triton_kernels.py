@@ -107,6 +107,19 @@ def _allowed(cols, lo, hi, row_order, row_doc, col_order, col_doc, HAS_ORDER: tl
 
 
 @triton.jit
+def _order_and_address(index, ok, ORDER, HAS_ORDER: tl.constexpr, IN_SLOTS: tl.constexpr):
+    """Rows' (or keys') order, ORDER's entry where the rows have a second one, and where they are in memory: their
+    own index, or IN_SLOTS their token."""
+    order = index
+    if HAS_ORDER:
+        order = tl.load(ORDER + index, mask=ok, other=0)
+    address = index
+    if IN_SLOTS:
+        address = order
+    return order, address
+
+
+@triton.jit
 def _query_tile(spans_lo, spans_hi, ORDER, docs, pid_m, ROW0, ROW_END, N, HAS_ORDER: tl.constexpr,
                 HAS_DOCS: tl.constexpr, IN_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """A tile of BLOCK_M query rows from ROW0 (rows before ROW_END are real): the rows, where they are in memory
@@ -118,12 +131,7 @@ def _query_tile(spans_lo, spans_hi, ORDER, docs, pid_m, ROW0, ROW_END, N, HAS_OR
     row_ok = rows < ROW_END
     lo = tl.load(spans_lo + rows, mask=row_ok, other=0)
     hi = tl.load(spans_hi + rows, mask=row_ok, other=0)
-    row_order = rows
-    if HAS_ORDER:
-        row_order = tl.load(ORDER + rows, mask=row_ok, other=0)
-    addr = rows
-    if IN_SLOTS:
-        addr = row_order
+    row_order, addr = _order_and_address(rows, row_ok, ORDER, HAS_ORDER, IN_SLOTS)
     row_doc = rows
     if HAS_ORDER and HAS_DOCS:
         row_doc = tl.load(docs + addr, mask=row_ok, other=0)
@@ -153,15 +161,10 @@ def _key_block(k_base, v_base, skn, svn, start, ORDER, docs, N, D: tl.constexpr,
         kv_mask = (cols < N)[:, None] & (dims < D)[None, :]
     else:
         kv_mask = (dims < D)[None, :]
-    col_order = cols
+    col_order, addr = _order_and_address(cols, cols < N, ORDER, HAS_ORDER, IN_SLOTS)
     col_doc = cols
-    addr = cols
-    if HAS_ORDER:
-        col_order = tl.load(ORDER + cols, mask=cols < N, other=0)
-        if IN_SLOTS:
-            addr = col_order
-        if HAS_DOCS:
-            col_doc = tl.load(docs + addr, mask=cols < N, other=-1)
+    if HAS_ORDER and HAS_DOCS:
+        col_doc = tl.load(docs + addr, mask=cols < N, other=-1)
     k = tl.load(k_base + addr[:, None] * skn + dims[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_base + addr[:, None] * svn + dims[None, :], mask=kv_mask, other=0.0)
     return cols, k, v, col_order, col_doc
@@ -271,12 +274,7 @@ def _kv_rows(dk, dv, k, v, cols, col_order, col_doc, rows, row_ok, q_base, do_ba
     """dk, dv of a block of keys (at positions cols of the rows' spans) plus what the query rows `rows` give them.
     Key-major: the tiles are (keys, rows), k q^T, so p^T and dS^T come out as the products dv and dk take."""
     dims = tl.arange(0, BLOCK_D)
-    row_order = rows
-    if HAS_ORDER:
-        row_order = tl.load(ORDER + rows, mask=row_ok, other=0)
-    addr = rows
-    if IN_SLOTS:
-        addr = row_order
+    row_order, addr = _order_and_address(rows, row_ok, ORDER, HAS_ORDER, IN_SLOTS)
     q_mask = row_ok[:, None] & (dims[None, :] < D)
     q = tl.load(q_base + addr[:, None] * sqn + dims[None, :], mask=q_mask, other=0.0)
     do = tl.load(do_base + addr[:, None] * sdon + dims[None, :], mask=q_mask, other=0.0)
