@@ -291,18 +291,17 @@ class StochasticAttention(Attention):
         C, H, D, a, tokens = m.n_embd, m.n_head, m.head_dim, k.act, B * T
         halo = stochastic_halo(self.window)
         permuted = T // 2 > halo
-        n_ext = T + 2 * halo if permuted else T
         if permuted:
             sa_rule = PermutedWindow(torch.arange(T), self.window)
         else:
             sa_rule = SlidingWindow(T)
         sa_kernel = resolve_backend(self.backend, sa_rule, torch.device(k.device), D)
-        if permuted and sa_kernel == "span":  # read in slot order from the tokens' rows: nothing is gathered
-            n_ext = T
+        gathered = permuted and sa_kernel != "span"  # span reads the slots from the tokens' rows
+        n_ext = T + 2 * halo if gathered else T
         saved = {"c_attn input": tokens * linear_inputs(k, 1, C)}
         if self.rope_theta is not None:
             saved["RoPE cos/sin tables"] = rope_tables(T, D)
-        saved["sa q, k, v in slot order"] = 3 * a * B * H * n_ext * D
+        saved["sa q, k, v in slot order" if gathered else "sa q, k, v"] = 3 * a * B * H * n_ext * D
         for name, size in kernel_saved(sa_kernel, sa_rule, "softmax", k, B, H, D, n_ext).items():
             saved["sa " + name] = size
         saved["sa merged heads"] = a * C * tokens
