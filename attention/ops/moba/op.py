@@ -116,28 +116,23 @@ class PairTiles:
         return (self.tile_group, self.tile_start, self.pair_start, self.counts, self.order)
 
 
-def own_block_spans(block: int, n: int, device, docs):
-    """The own blocks' spans (causal within fixed blocks), and with docs each batch row's span starts (1, n), cut at
-    where each query's document begins."""
+def own_block_spans(block: int, n: int, device, docs) -> tuple:
+    """The own blocks' spans (causal within fixed blocks) as the span kernels take them: (lo, hi, key_first,
+    key_end), with docs one (lo, hi) per batch row (B, 1, n), each row's run starting where its document begins;
+    the blocks' key_first and key_end still bound the rows reading each key (raising lo only removes some)."""
     spans = static_spans(FixedBlock(block), n, 1, 0, str(device))
     if docs is None:
-        return spans, None
-    return spans, torch.maximum(spans.lo, docs.to(spans.lo.dtype)).split(1)
+        return spans.lo, spans.hi, spans.key_first, spans.key_end
+    lo = torch.maximum(spans.lo, docs.to(spans.lo.dtype))[:, None].contiguous()
+    return lo, spans.hi.expand_as(lo).contiguous(), spans.key_first, spans.key_end
 
 
 def triton_forward(q, k, v, chosen, block: int, docs=None):
     moba_pairs_forward_kernel = triton_kernels().moba_pairs_forward_kernel
 
     B, H, n, D = q.shape
-    spans, row_lo = own_block_spans(block, n, q.device, docs)
-    if docs is None:
-        own, own_lse = span_op.triton_forward(q, k, v, spans.lo, spans.hi, None, None, 0.0, False)
-    else:
-        own, own_lse = span_op.layout_like_q(q), q.new_empty(B, H, n, dtype=torch.float32)
-        for b, lo in enumerate(row_lo):
-            row = slice(b, b + 1)
-            own[row], own_lse[row] = span_op.triton_forward(q[row], k[row], v[row], lo, spans.hi, None, None, 0.0,
-                                                            False)
+    lo, hi, _, _ = own_block_spans(block, n, q.device, docs)
+    own, own_lse = span_op.triton_forward(q, k, v, lo, hi, None, None, 0.0, False)
     topk = chosen.shape[-1]
     if topk == 1:
         return own, own_lse
@@ -163,18 +158,9 @@ def triton_backward(grad, q, k, v, out, lse, chosen, block: int, docs=None):
 
     B, H, n, D = q.shape
     grad = span_op.unit_stride(grad)
-    spans, row_lo = own_block_spans(block, n, q.device, docs)
     delta = span_op.triton_delta(grad, out)
-    if docs is None:
-        dq, dk_own, dv_own = span_op.triton_backward(grad, q, k, v, out, lse, spans.lo, spans.hi, spans.key_first,
-                                                     spans.key_end, None, None, 0.0, False, delta=delta)
-    else:  # the blocks' key_first, key_end still bound the rows reading each key: raising lo only removes some
-        dq, dk_own, dv_own = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        for b, lo in enumerate(row_lo):
-            row = slice(b, b + 1)
-            dq[row], dk_own[row], dv_own[row] = span_op.triton_backward(
-                grad[row], q[row], k[row], v[row], out[row], lse[row], lo, spans.hi, spans.key_first, spans.key_end,
-                None, None, 0.0, False, delta=delta[row])
+    dq, dk_own, dv_own = span_op.triton_backward(grad, q, k, v, out, lse, *own_block_spans(block, n, q.device, docs),
+                                                 None, None, 0.0, False, delta=delta)
     topk = chosen.shape[-1]
     if topk == 1:
         return dq, dk_own, dv_own
