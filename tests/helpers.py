@@ -209,3 +209,13 @@ def save_run(model, folder, step=7):
     save_checkpoint({"model": model.state_dict(), "config": cfg.to_dict(), "step": step, "tokenizer": "byte",
                      "tokenizer_identity": get_tokenizer("byte").identity()}, folder / "ckpt_best.pt")
     return folder
+
+
+def cached_logits(model, idx, prompt: int):
+    """The logits of idx (B, T) as cached generation computes them: the first `prompt` tokens in one call, then one
+    token per call through the same caches (to compare with the model's single pass)."""
+    caches = model.init_caches(idx.shape[0], idx.shape[1])
+    logits = [model(idx[:, :prompt], caches=caches)[0]]
+    for t in range(prompt, idx.shape[1]):
+        logits.append(model(idx[:, t:t + 1], caches=caches, start_pos=t)[0])
+    return torch.cat(logits, dim=1)

@@ -23,7 +23,7 @@ from attention.ops.mlstm.op import mlstm_sequence
 from attention.ops.mlstm.recurrent import recurrent_mlstm
 from config import ModelConfig
 from conftest import generator
-from helpers import LargestTensor, packed_documents
+from helpers import LargestTensor, cached_logits, packed_documents
 from model import GPT
 
 ROWS, HEADS = 3, 2
@@ -322,11 +322,7 @@ def test_model_with_document_mask_generates_as_it_scores(mixer):
     idx[0, [0, 5, 6, 21, 39]] = 7
     idx[1, [17, 30]] = 7
     full, _ = model(idx)
-    caches = model.init_caches(2, 40)
-    logits = [model(idx[:, :11], caches=caches)[0]]
-    for t in range(11, 40):
-        logits.append(model(idx[:, t:t + 1], caches=caches, start_pos=t)[0])
-    torch.testing.assert_close(torch.cat(logits, dim=1), full)
+    torch.testing.assert_close(cached_logits(model, idx, 11), full)
     # the first document's logits are the model's on it alone
     torch.testing.assert_close(full[1:, :17], model(idx[1:, :17])[0])
 

@@ -12,7 +12,7 @@ from attention.ops.mlstm.naive import quadratic_mlstm
 from attention.ops.mlstm.recurrent import recurrent_mlstm
 from config import ModelConfig
 from conftest import assert_models_agree_in_bf16, generator
-from helpers import LargestTensor
+from helpers import LargestTensor, cached_logits
 from model import GPT
 
 
@@ -154,11 +154,7 @@ def test_model_cached_generation_equals_uncached_and_single_pass(pattern):
     model = tiny(pattern)
     idx = torch.randint(0, 50, (2, 40), generator=torch.Generator().manual_seed(3))
     full, _ = model(idx)
-    caches = model.init_caches(2, 40)
-    logits = [model(idx[:, :23], caches=caches)[0]]
-    for t in range(23, 40):
-        logits.append(model(idx[:, t:t + 1], caches=caches, start_pos=t)[0])
-    torch.testing.assert_close(torch.cat(logits, dim=1), full)
+    torch.testing.assert_close(cached_logits(model, idx, 23), full)
     prompt = idx[:, :10]
     torch.testing.assert_close(model.generate(prompt, 20, temperature=0, use_cache=True),
                                model.generate(prompt, 20, temperature=0, use_cache=False))
