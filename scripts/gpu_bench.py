@@ -46,7 +46,7 @@ if not __package__:  # run as a file, the project's modules cannot be imported: 
     sys.exit("run it from the repository root as a module: python -m scripts.gpu_bench ...")
 
 from config import ConfigError, apply_args, dataclass_fields, exit_on_config_error  # noqa: E402
-from common.outputs import claim_own_folder, own_folder_problem, write_json  # noqa: E402
+from common.outputs import atomic_write, claim_own_folder, own_folder_problem, write_json  # noqa: E402
 from scripts.gpubench.cases import CASES  # noqa: E402
 from scripts.gpubench.options import OUTPUT_MARKER, PARTS, BenchConfig  # noqa: E402
 from scripts.gpubench.report import collect, report  # noqa: E402
@@ -97,11 +97,19 @@ def main(argv):
               f"kernels: B={b.batch} H={b.heads} d={b.head_dim} bf16, window {b.window}")
     print(header, flush=True)
     started = time.time()
-    rows = collect(run_jobs(b, argv, out))
-    text = report(b, argv, header, time.time() - started, rows)
+
+    def write(results: dict, partial: str = "") -> tuple[str, dict]:
+        rows = collect(results)
+        text = report(b, argv, header + partial, time.time() - started, rows)
+        atomic_write(out / "report.md", lambda f: f.write((text + "\n").encode()))
+        write_json({"header": header + partial, "config": asdict(b), **rows}, out / "gpu_bench.json")
+        return text, rows
+
+    # after each round, the report so far: a run stopped from outside (a machine's time running out) keeps what
+    # its finished rounds measured, labelled as partial
+    text, rows = write(run_jobs(b, argv, out, after_round=lambda results, done, rounds: write(
+        results, f" (partial: {done} of {rounds} rounds done, the rest still running or stopped)")))
     print(text)
-    (out / "report.md").write_text(text + "\n")
-    write_json({"header": header, "config": asdict(b), **rows}, out / "gpu_bench.json")
     sys.exit(1 if rows["errors"] else 0)
 
 

@@ -123,7 +123,7 @@ def train_case(name: str, b: BenchConfig, out: Path) -> list[dict]:
     return [{"variant": name, "tokens": cfg.model.block_size, "step_ms": 1000 * seconds,
              "host_ms": 1000 * sorted(host)[len(host) // 2], "gpu_busy_ms": busy, "tokens_per_s": tokens_per_s,
              "mfu": model.flops_per_token(cfg.model.block_size) * tokens_per_s / peak if peak else 0.0,
-             "max_memory_gib": max_memory_gib(), "profile": profile,
+             "max_memory_gib": max_memory_gib(graphs), "profile": profile,
              "layers": sorted({type(block.mixer).__name__ for block in model.blocks})}]
 
 

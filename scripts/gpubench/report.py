@@ -34,7 +34,8 @@ def report(b: BenchConfig, argv: list[str], header: str, wall_s: float, rows: di
                   "busy ms: the time some kernel ran, per profiled step (--train_profile). A host time near the "
                   "step's and a GPU busy time well below it: the step is bound by the host's kernel launches "
                   "(--train_cuda_graphs replays them). vs full: against full attention with the case's own "
-                  "settings (VARIANT:KEY=VALUE).", ""]
+                  "settings (VARIANT:KEY=VALUE). max GiB: the peak allocated in the timed steps; with CUDA graphs, at "
+                  "least the memory reserved (the graphs' pools hold theirs from the recording).", ""]
     for row in train:
         if row.get("profile"):
             lines += [f"### Where {row['variant']}'s training step spends its time (top kernels, ms per step)", "",

@@ -15,11 +15,13 @@ from scripts.gpubench.options import BenchConfig, jobs
 from scripts.gpubench.timing import GO, safe
 
 
-def run_jobs(b: BenchConfig, argv: list[str], out: Path) -> dict:
+def run_jobs(b: BenchConfig, argv: list[str], out: Path, after_round=None) -> dict:
     """Every case in its own process, in rounds of --jobs: a round's cases warm up at once (compiling into the
-    caches on disk), and once all are warm (or --ready_by has passed: the late ones are stopped and reported) they
-    time one after another. A round ends before the next starts, so only --jobs cases hold GPU memory at a time
-    (every case of a default run held at once overflowed an 80 GiB H100). What each wrote, or why it did not."""
+    caches on disk), and once all are warm (or --ready_by has passed, or --timeout: the late ones are stopped and
+    reported) they time one after another. A round ends before the next starts, so only --jobs cases hold GPU
+    memory at a time (every case of a default run held at once overflowed an 80 GiB H100). What each wrote, or why
+    it did not; after_round(results so far, rounds done, rounds) is called after each round, so that a run stopped
+    from outside still leaves what its finished rounds measured."""
     started, pending, results = time.time(), list(jobs(b)), {}
     rounds = -(-len(pending) // b.jobs)
     for number in range(1, rounds + 1):
@@ -33,6 +35,8 @@ def run_jobs(b: BenchConfig, argv: list[str], out: Path) -> dict:
         for old in (out / "ready").iterdir():  # the last round's marks, GO among them
             old.unlink()
         results.update(run_round(b, argv, out, batch, started))
+        if after_round is not None and pending:
+            after_round(results, number, rounds)
     print(f"[{time.time() - started:5.0f} s] done", flush=True)
     return results
 
@@ -51,10 +55,13 @@ def run_round(b: BenchConfig, argv: list[str], out: Path, batch: list[tuple[str,
         procs[(part, name)] = (subprocess.Popen([sys.executable, "-m", "scripts.gpu_bench", *argv,
                                                  f"--job={part}:{name}"], stdout=log, stderr=subprocess.STDOUT,
                                                 env=env), log)
-    while True:  # warm ones wait for the rest of their round
+    # warm ones wait for the rest of their round, until --ready_by, and never past --timeout (a round begun late
+    # still times the cases that are warm by then)
+    deadline = min(round_started + b.ready_by, started + b.timeout)
+    while True:
         waiting = [key for key, (proc, _) in procs.items()
                    if proc.poll() is None and not (out / "ready" / safe(f"{key[0]}_{key[1]}")).exists()]
-        if not waiting or time.time() - round_started > b.ready_by:
+        if not waiting or time.time() > deadline:
             break
         time.sleep(0.5)
     for key in waiting:  # not warm in time: stopped, so that no timing runs beside its warm-up
@@ -72,7 +79,8 @@ def run_round(b: BenchConfig, argv: list[str], out: Path, batch: list[tuple[str,
         if path.exists():
             results[(part, name)] = json.loads(path.read_text())
         elif (part, name) in waiting:
-            results[(part, name)] = {"error": f"not warm after --ready_by={b.ready_by} s: stopped"}
+            results[(part, name)] = {"error": f"not warm after --ready_by={b.ready_by} s or by --timeout={b.timeout} "
+                                              "s: stopped"}
         else:
             tail = (out / "logs" / f"{part}_{safe(name)}.log").read_text()[-1500:]
             results[(part, name)] = {"error": f"exit {proc.returncode}: {tail}"}

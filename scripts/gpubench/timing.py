@@ -37,8 +37,14 @@ def release_memory():
         torch.cuda.empty_cache()
 
 
-def max_memory_gib():
-    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+def max_memory_gib(graphs: bool = False):
+    """The peak allocated since the last reset; with CUDA graphs, at least what the allocator holds: the graphs'
+    private pools keep their memory from the recording, which the peak after a reset does not count (2.2 GiB
+    against 6.7 for the same model on an H100)."""
+    if not torch.cuda.is_available():
+        return 0.0
+    peak = torch.cuda.max_memory_allocated()
+    return max(peak, torch.cuda.memory_reserved()) / 2**30 if graphs else peak / 2**30
 
 
 class TurnToTime:

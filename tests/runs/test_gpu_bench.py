@@ -90,3 +90,35 @@ def test_a_training_case_with_cuda_graphs_but_no_compilation_is_refused():
 
     with pytest.raises(ConfigError, match="add --train_compile=True"):
         train_case("swa:cuda_graphs=True", BenchConfig(device="cpu", train_compile=False), None)
+
+
+def test_each_round_leaves_the_report_so_far_and_no_round_waits_past_the_timeout(tmp_path, monkeypatch):
+    """A run stopped from outside (a lent machine's time running out) keeps what its finished rounds measured:
+    after_round is called after every round but the last, with the results so far."""
+    from scripts.gpubench import rounds
+    from scripts.gpubench.options import BenchConfig
+
+    monkeypatch.setattr(rounds, "run_round", lambda b, argv, out, batch, started: {key: [{"case": key}]
+                                                                                  for key in batch})
+    (tmp_path / "ready").mkdir()
+    calls = []
+    results = rounds.run_jobs(BenchConfig(parts="kernels", kernel_variants="full,swa,block", jobs=2), [], tmp_path,
+                              after_round=lambda so_far, done, total: calls.append((sorted(so_far), done, total)))
+    assert calls == [([("kernels", "full"), ("kernels", "swa")], 1, 2)]
+    assert set(results) == {("kernels", "full"), ("kernels", "swa"), ("kernels", "block")}
+
+
+@pytest.mark.e2e
+def test_a_round_begun_near_the_timeout_stops_its_late_cases_by_the_timeout(tmp_path):
+    """--ready_by counts from a round's start, but no round waits past --timeout: the cases not warm by then are
+    stopped and reported, the rounds not begun are reported, and the report is written."""
+    out = tmp_path / "bench"
+    proc = subprocess.run([sys.executable, "-m", "scripts.gpu_bench", "--device=cpu", "--parts=kernels",
+                           "--kernel_variants=full,swa", "--lengths=96", "--jobs=1", "--timeout=1",
+                           "--ready_by=600", f"--out={out}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    errors = json.loads((out / "gpu_bench.json").read_text())["errors"]
+    assert "or by --timeout=1 s: stopped" in errors["kernels:full"]
+    assert errors["kernels:swa"] == "not started before --timeout=1 s"
+    assert "not started before --timeout=1 s" in (out / "report.md").read_text()
