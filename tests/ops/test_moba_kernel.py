@@ -36,6 +36,48 @@ def test_moba_kernels_equal_the_dense_reference_forward_and_backward(n, block, t
         torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
 
 
+def test_the_kernels_read_no_partial_they_did_not_write(monkeypatch):
+    """The pairs' partial outputs and dq are allocated unfilled (no zero fill at 32K: a pass over 0.5 GB each):
+    with every fresh float tensor filled with NaN, a pair of no chosen block (early queries have fewer than topk - 1
+    blocks to choose) must never be read, and the results still equal the dense reference."""
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(math.nan) if t.is_floating_point() else t
+
+    n, block, topk = 90, 12, 4
+    q, k, v = inputs(n)
+    pos = torch.arange(n, device="cpu")
+    chosen = op.triton_choose(q, k, block, topk)
+    assert (chosen[..., 1:] < 0).any() and (chosen[..., 1:] >= 0).any()
+    ref = moba_dense(q, k, v, pos, chosen, block)
+    g = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1), device="cpu")
+    expected = torch.autograd.grad(ref, (q, k, v), g)
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    y = op.moba_attention(q, k, v, block, topk)
+    grads = torch.autograd.grad(y, (q, k, v), g)
+    monkeypatch.undo()
+    torch.testing.assert_close(y, ref, atol=2e-5, rtol=1e-4)
+    for ours, theirs in zip(grads, expected):
+        torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
+
+
+def test_the_pairs_are_sorted_into_tiles_once_for_a_forward_and_its_backward(monkeypatch):
+    """The argsort of every (query, chosen block) pair and its tile tables are built once by moba_attention and
+    handed to the backward, not rebuilt there."""
+    init, builds = op.PairTiles.__init__, []
+
+    def counting(self, chosen, block, rows, packed=None):
+        builds.append(packed is None or packed.numel() == 0)
+        init(self, chosen, block, rows, packed)
+
+    monkeypatch.setattr(op.PairTiles, "__init__", counting)
+    q, k, v = inputs(70)
+    op.moba_attention(q, k, v, 8, 3).sum().backward()
+    assert builds == [True, False, False]  # built; read by the forward; read by the backward
+
+
 def lower_block_first(q, k, block, topk, docs=None):
     """naive.py's choice with ties in a stated order: among equal scores the lower block first (a stable sort)."""
     B, H, n, D = q.shape

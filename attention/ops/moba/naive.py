@@ -33,11 +33,7 @@ def moba_choose(q, k, q_pos, block: int, topk: int, docs=None):
     B, H, Tq, D = q.shape
     n_blocks = -(-k.shape[2] // block)
     with torch.no_grad(), torch.autocast(q.device.type, enabled=False):  # the choice in float32, also under autocast
-        keys = F.pad(k.detach().float(), (0, 0, 0, n_blocks * block - k.shape[2]))
-        # a partial last block's mean is never compared: it is the own block or a later one of every query
-        means = keys.reshape(B, H, n_blocks, block, D).mean(3)
-        if docs is not None:
-            means = document_means(keys, means, docs, k.shape[2], block)
+        means = block_means(k, block, docs)
         scores = q.detach().float() @ means.transpose(-1, -2)  # (B, H, Tq, n_blocks)
         own = (q_pos // block)[:, None]
         blocks = torch.arange(n_blocks, device=q.device)
@@ -48,6 +44,25 @@ def moba_choose(q, k, q_pos, block: int, topk: int, docs=None):
         best, chosen = scores.topk(min(topk, n_blocks), dim=-1)
         chosen = chosen.masked_fill(best == -math.inf, -1)
         return F.pad(chosen, (0, topk - chosen.shape[-1]), value=-1)
+
+
+def block_means(k, block: int, docs=None):
+    """Each block's mean key (B, H, n_blocks, D) in float32, the scores' keys (the Triton choice reads the same
+    tensor, so both choose alike to the bit); with docs (B, Tq), document_means. Without documents the means are
+    reduced from k as it is, with no float32 copy of it (at 32K a pass over 0.5 GB and a reduction over it); a
+    partial last block's mean is never compared (it is the own block or a later one of every query): its keys'
+    sum over the block size, as if padded with zeros."""
+    B, H, n, D = k.shape
+    n_blocks, full = -(-n // block), n // block
+    k = k.detach()
+    if docs is not None:
+        keys = F.pad(k.float(), (0, 0, 0, n_blocks * block - n))
+        return document_means(keys, keys.reshape(B, H, n_blocks, block, D).mean(3), docs, n, block)
+    means = torch.empty(B, H, n_blocks, D, device=k.device, dtype=torch.float32)
+    means[:, :, :full] = k[:, :, :full * block].unflatten(2, (full, block)).mean(3, dtype=torch.float32)
+    if full < n_blocks:
+        means[:, :, full] = k[:, :, full * block:].float().sum(2) / block
+    return means
 
 
 def document_means(keys, means, docs, n_keys: int, block: int):

@@ -23,7 +23,7 @@ import torch
 from attention import simulate_cuda
 from attention.documents import document_starts
 from attention.edges import FixedBlock
-from attention.ops.moba.naive import document_means, moba_choose, moba_naive
+from attention.ops.moba.naive import block_means, moba_choose, moba_naive
 from attention.ops.span import op as span_op
 from attention.ops.span.spans import static_spans
 
@@ -71,15 +71,7 @@ def triton_choose(q, k, block: int, topk: int, docs=None):
 
     B, H, n, D = q.shape
     n_blocks = -(-n // block)
-    with torch.no_grad():
-        # naive.py's F.pad(k.float()) in one copy (not a float32 copy and a padded copy of it): the same values in
-        # the same contiguous layout, so the same means to the bit
-        padded = torch.empty(B, H, n_blocks * block, D, device=k.device, dtype=torch.float32)
-        padded[:, :, n:].zero_()
-        padded[:, :, :n].copy_(k.detach())
-        means = padded.view(B, H, n_blocks, block, D).mean(3)
-        if docs is not None:
-            means = document_means(padded, means, docs, n, block)
+    means = block_means(k, block, docs)  # naive.py's: the same means to the bit
     chosen = torch.empty(B, H, n, topk, device=q.device, dtype=torch.long)
     rows, per_step = _choice_sizes(q.device, topk)
     moba_choose_kernel[(span_op.triton_cdiv(n, rows), B * H)](
@@ -91,12 +83,21 @@ def triton_choose(q, k, block: int, topk: int, docs=None):
 class PairTiles:
     """The (query, chosen block) pairs beyond each query's own block, sorted by (batch x head, block) and cut into
     tiles of `rows` pairs of one group, on the device with no host synchronisation: the grid is an upper bound
-    (every group's last tile may be partial), and tiles past the real ones find no group and return at once."""
+    (every group's last tile may be partial), and tiles past the real ones find no group and return at once.
+    Built once per forward (moba_attention) and read by the forward and backward kernels alike: `packed` is an
+    earlier build's packed() (empty: build it here)."""
 
-    def __init__(self, chosen, block: int, rows: int):
+    def __init__(self, chosen, block: int, rows: int, packed=None):
         B, H, n, topk = chosen.shape
         self.slots, self.n_blocks = topk - 1, -(-n // block)
-        groups = B * H * self.n_blocks
+        self.groups, self.pairs = B * H * self.n_blocks, B * H * n * (topk - 1)
+        self.grid = -(-self.pairs // rows) + self.groups
+        if packed is not None and packed.numel():
+            self.tile_group, self.tile_start, self.pair_start, self.counts, order = packed.split(
+                (self.grid, self.groups, self.groups, self.groups, self.pairs))
+            self.order = order.to(torch.int32)
+            return
+        groups = self.groups
         others = chosen[..., 1:]
         bh = torch.arange(B * H, device=chosen.device).view(B, H, 1, 1)
         key = torch.where(others >= 0, bh.view(B, H, 1, 1) * self.n_blocks + others, groups).flatten()
@@ -108,12 +109,22 @@ class PairTiles:
         tile_end = tiles.cumsum(0)
         self.tile_start = tile_end - tiles
         self.pair_start = self.counts.cumsum(0) - self.counts
-        self.grid = -(-key.numel() // rows) + groups
         self.tile_group = torch.searchsorted(tile_end, torch.arange(self.grid, device=chosen.device), right=True)
-        self.groups, self.pairs = groups, key.numel()
 
     def args(self):
         return (self.tile_group, self.tile_start, self.pair_start, self.counts, self.order)
+
+    def packed(self) -> torch.Tensor:
+        """The tiles as one int64 tensor (a custom op's argument, saved for the backward)."""
+        return torch.cat((self.tile_group, self.tile_start, self.pair_start, self.counts, self.order.long()))
+
+
+def pair_tiles(chosen, block: int) -> torch.Tensor:
+    """PairTiles(...).packed() for the kernels on chosen's device, built once for a forward and its backward; empty
+    where the kernels do not run (one block per query, or the reference standing in on the CPU)."""
+    if chosen.shape[-1] == 1 or not _use_triton(chosen.device):
+        return chosen.new_empty(0)
+    return PairTiles(chosen, block, _sizes(chosen.device)[0]).packed()
 
 
 def own_block_spans(block: int, n: int, device, docs) -> tuple:
@@ -127,7 +138,7 @@ def own_block_spans(block: int, n: int, device, docs) -> tuple:
     return lo, spans.hi.expand_as(lo).contiguous(), spans.key_first, spans.key_end
 
 
-def triton_forward(q, k, v, chosen, block: int, docs=None):
+def triton_forward(q, k, v, chosen, block: int, docs=None, tiles=None):
     moba_pairs_forward_kernel = triton_kernels().moba_pairs_forward_kernel
 
     B, H, n, D = q.shape
@@ -137,8 +148,8 @@ def triton_forward(q, k, v, chosen, block: int, docs=None):
     if topk == 1:
         return own, own_lse
     rows, cols = _sizes(q.device)
-    tiles = PairTiles(chosen, block, rows)
-    out = torch.zeros(tiles.pairs, D, device=q.device, dtype=torch.float32)
+    tiles = PairTiles(chosen, block, rows, tiles)
+    out = torch.empty(tiles.pairs, D, device=q.device, dtype=torch.float32)  # the merge reads filled pairs only
     lse = torch.full((tiles.pairs,), -math.inf, device=q.device, dtype=torch.float32)
     docs_or_order = tiles.order if docs is None else docs  # never read without documents
     moba_pairs_forward_kernel[(tiles.grid,)](
@@ -153,7 +164,7 @@ def triton_forward(q, k, v, chosen, block: int, docs=None):
     return result, total
 
 
-def triton_backward(grad, q, k, v, out, lse, chosen, block: int, docs=None):
+def triton_backward(grad, q, k, v, out, lse, chosen, block: int, docs=None, tiles=None):
     kernels = triton_kernels()
 
     B, H, n, D = q.shape
@@ -165,8 +176,8 @@ def triton_backward(grad, q, k, v, out, lse, chosen, block: int, docs=None):
     if topk == 1:
         return dq, dk_own, dv_own
     rows, cols = _sizes(q.device)
-    tiles = PairTiles(chosen, block, rows)
-    dq_pairs = torch.zeros(tiles.pairs, D, device=q.device, dtype=torch.float32)
+    tiles = PairTiles(chosen, block, rows, tiles)
+    dq_pairs = torch.empty(tiles.pairs, D, device=q.device, dtype=torch.float32)  # read for chosen blocks only
     scales = (1 / math.sqrt(D), 1.4426950408889634 / math.sqrt(D))
     docs_or_order = tiles.order if docs is None else docs  # never read without documents
     kernels.moba_pairs_dq_kernel[(tiles.grid,)](
@@ -180,7 +191,8 @@ def triton_backward(grad, q, k, v, out, lse, chosen, block: int, docs=None):
         docs_or_order, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad.stride()[:3], *dk.stride()[:3],
         *dv.stride()[:3], H, n, D, tiles.n_blocks, tiles.slots, block, *scales,
         BLOCK_M=rows, BLOCK_N=cols, BLOCK_D=_block_d(D), HAS_DOCS=docs is not None, **_flags(q))
-    dq.copy_(dq.float() + dq_pairs.view(B, H, n, topk - 1, D).sum(-2))  # in place: the strides of q
+    kernels.moba_dq_merge_kernel[(span_op.triton_cdiv(n, rows), B * H)](
+        dq, dq_pairs, chosen.contiguous(), *dq.stride()[:3], H, n, D, topk - 1, BLOCK_M=rows, BLOCK_D=_block_d(D))
     return dq, dk, dv
 
 
@@ -206,34 +218,35 @@ def _(q, k, block, topk, docs=None):
 
 
 @torch.library.custom_op("efficient_attention::moba_forward", mutates_args=(), device_types="cuda")
-def moba_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chosen: torch.Tensor, block: int,
-                 docs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    return triton_forward(q, k, v, chosen, block, docs)
+def moba_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chosen: torch.Tensor, tiles: torch.Tensor,
+                 block: int, docs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """tiles: pair_tiles(chosen, block), built once for the forward and its backward (empty: built here)."""
+    return triton_forward(q, k, v, chosen, block, docs, tiles)
 
 
 @moba_forward.register_fake
-def _(q, k, v, chosen, block, docs=None):
+def _(q, k, v, chosen, tiles, block, docs=None):
     B, H, n, _ = q.shape
     return span_op.layout_like_q(q), q.new_empty(B, H, n, dtype=torch.float32)
 
 
 @torch.library.custom_op("efficient_attention::moba_backward", mutates_args=(), device_types="cuda")
 def moba_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                  lse: torch.Tensor, chosen: torch.Tensor, block: int,
+                  lse: torch.Tensor, chosen: torch.Tensor, tiles: torch.Tensor, block: int,
                   docs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return triton_backward(grad, q, k, v, out, lse, chosen, block, docs)
+    return triton_backward(grad, q, k, v, out, lse, chosen, block, docs, tiles)
 
 
 @moba_backward.register_fake
-def _(grad, q, k, v, out, lse, chosen, block, docs=None):
+def _(grad, q, k, v, out, lse, chosen, tiles, block, docs=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 @moba_forward.register_kernel("cpu")
-def _cpu_forward(q, k, v, chosen, block, docs=None):
+def _cpu_forward(q, k, v, chosen, tiles, block, docs=None):
     simulate_cuda.ran("moba")
     if _use_triton(q.device):
-        return triton_forward(q, k, v, chosen, block, docs)
+        return triton_forward(q, k, v, chosen, block, docs, tiles)
     y, lse = moba_naive(q, k, v, chosen, block, docs)
     out = span_op.layout_like_q(q)
     out.copy_(y)
@@ -241,10 +254,10 @@ def _cpu_forward(q, k, v, chosen, block, docs=None):
 
 
 @moba_backward.register_kernel("cpu")
-def _cpu_backward(grad, q, k, v, out, lse, chosen, block, docs=None):
+def _cpu_backward(grad, q, k, v, out, lse, chosen, tiles, block, docs=None):
     simulate_cuda.ran("moba")
     if _use_triton(q.device):
-        return triton_backward(grad, q, k, v, out, lse, chosen, block, docs)
+        return triton_backward(grad, q, k, v, out, lse, chosen, block, docs, tiles)
     with simulate_cuda.autograd_in_kernel():
         inputs = [t.detach().requires_grad_() for t in (q, k, v)]
         y, _ = moba_naive(*inputs, chosen, block, docs)
@@ -253,15 +266,15 @@ def _cpu_backward(grad, q, k, v, out, lse, chosen, block, docs=None):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, chosen, block, docs = inputs
+    q, k, v, chosen, tiles, block, docs = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, chosen, docs)
+    ctx.save_for_backward(q, k, v, out, lse, chosen, docs, tiles)
     ctx.block = block
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, chosen, docs = ctx.saved_tensors
-    return (*moba_backward(grad_out, q, k, v, out, lse, chosen, ctx.block, docs), None, None, None)
+    q, k, v, out, lse, chosen, docs, tiles = ctx.saved_tensors
+    return (*moba_backward(grad_out, q, k, v, out, lse, chosen, tiles, ctx.block, docs), None, None, None, None)
 
 
 moba_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -274,7 +287,7 @@ def moba_attention(q, k, v, block: int, topk: int, docs=None):
     if docs is not None:
         docs = docs.contiguous()  # the kernels read it as rows of n
     chosen = moba_choose_op(q, k, block, topk, docs)
-    out, _ = moba_forward(q, k, v, chosen, block, docs)
+    out, _ = moba_forward(q, k, v, chosen, pair_tiles(chosen, block), block, docs)
     return out
 
 
@@ -299,15 +312,18 @@ def _choose_samples():
 
 @simulate_cuda.opcheck_samples("efficient_attention::moba_forward")
 def _forward_samples():
-    return [(q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), chosen, block, docs)
-            for q, k, v, chosen, block, docs in _samples()]
+    # with the pairs' tiles built beforehand (as moba_attention passes them) and without (built inside)
+    return [(q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), chosen,
+             PairTiles(chosen, block, TEST_SIZES[0]).packed() if i % 2 else chosen.new_empty(0), block, docs)
+            for i, (q, k, v, chosen, block, docs) in enumerate(_samples())]
 
 
 @simulate_cuda.opcheck_samples("efficient_attention::moba_backward")
 def _backward_samples():
     samples = []
-    for q, k, v, chosen, block, docs in _samples():
-        out, lse = _cpu_forward(q, k, v, chosen, block, docs)
+    for i, (q, k, v, chosen, block, docs) in enumerate(_samples()):
+        tiles = PairTiles(chosen, block, TEST_SIZES[0]).packed() if i % 2 else chosen.new_empty(0)
+        out, lse = _cpu_forward(q, k, v, chosen, tiles, block, docs)
         grad = torch.randn(out.shape[0], out.shape[2], out.shape[1], out.shape[3]).to(q.dtype).transpose(1, 2)
-        samples.append((grad, q, k, v, out, lse, chosen, block, docs))
+        samples.append((grad, q, k, v, out, lse, chosen, tiles, block, docs))
     return samples

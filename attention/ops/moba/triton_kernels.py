@@ -257,7 +257,7 @@ def moba_pairs_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_OWN, DV_OWN, DK, DV, PAIR
 def moba_merge_kernel(OWN, OWN_LSE, PAIR_OUT, PAIR_LSE, OUT, LSE, sab, sah, san, sob, soh, son, H, N, D, SLOTS,
                       BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """A query's parts as one softmax: its own block's output and each chosen block's, weighted by their
-    log-sum-exps (a pair never filled keeps -inf: weight 0), in one pass over the partials."""
+    log-sum-exps (a pair never filled keeps -inf: weight 0, its output not read), in one pass over the partials."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -275,9 +275,33 @@ def moba_merge_kernel(OWN, OWN_LSE, PAIR_OUT, PAIR_LSE, OUT, LSE, sab, sah, san,
                                     other=0.0).to(tl.float32)
     for s in range(0, SLOTS):
         pair = at * SLOTS + s
-        weight = tl.exp(tl.load(PAIR_LSE + pair, mask=row_ok, other=float("-inf")) - m)
+        pair_lse = tl.load(PAIR_LSE + pair, mask=row_ok, other=float("-inf"))
+        weight = tl.exp(pair_lse - m)
         total += weight
-        acc += weight[:, None] * tl.load(PAIR_OUT + pair[:, None] * D + dims[None, :], mask=mask, other=0.0)
+        # a pair never filled is never read: its partial output is left unwritten (no zero fill beforehand)
+        filled = mask & (pair_lse > float("-inf"))[:, None]
+        acc += weight[:, None] * tl.load(PAIR_OUT + pair[:, None] * D + dims[None, :], mask=filled, other=0.0)
     tl.store(OUT + b * sob + h * soh + rows[:, None] * son + dims[None, :], (acc / total[:, None])
              .to(OUT.dtype.element_ty), mask=mask)
     tl.store(LSE + at, m + tl.log(total), mask=row_ok)
+
+
+@triton.jit
+def moba_dq_merge_kernel(DQ, DQ_PAIRS, CHOSEN, sdb, sdh, sdn, H, N, D, SLOTS, BLOCK_M: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
+    """dq += the chosen blocks' parts, in place, in one pass: each query's own-block dq (in q's strides) plus its
+    pairs' float32 partials, the pairs of no chosen block (-1) never read (left unwritten by the pairs' kernel)."""
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    row_ok = rows < N
+    mask = row_ok[:, None] & (dims[None, :] < D)
+    at = bh.to(tl.int64) * N + rows
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for s in range(0, SLOTS):
+        chosen = tl.load(CHOSEN + at * (SLOTS + 1) + 1 + s, mask=row_ok, other=-1)
+        pair = at * SLOTS + s
+        acc += tl.load(DQ_PAIRS + pair[:, None] * D + dims[None, :], mask=mask & (chosen >= 0)[:, None], other=0.0)
+    own = DQ + b * sdb + h * sdh + rows[:, None] * sdn + dims[None, :]
+    tl.store(own, (tl.load(own, mask=mask, other=0.0).to(tl.float32) + acc).to(DQ.dtype.element_ty), mask=mask)
