@@ -70,8 +70,9 @@ KERNELS: dict[str, Kernel] = {kernel.name: kernel for kernel in (
     DenseKernel(), ChunkedKernel(), FlexKernel(), SdpaKernel(), SpanKernel(), WindowKernel())}
 BACKENDS = ("auto", *(name for name, kernel in KERNELS.items() if kernel.selectable))
 
-__all__ = ["AttentionPlan", "BACKENDS", "GPU_CHOICES", "GPU_MEASUREMENTS", "KERNELS", "attend", "attend_planned",
-           "computed_scores", "layer_scores", "plan_attention", "plans_in", "resolve_backend", "span_available"]
+__all__ = ["AttentionPlan", "BACKENDS", "GPU_CHOICES", "GPU_MEASUREMENTS", "KERNELS", "attend", "attend_paths",
+           "attend_planned", "computed_scores", "layer_scores", "plan_attention", "plans_in", "resolve_backend",
+           "span_available"]
 
 
 @dataclass(frozen=True)
@@ -210,6 +211,17 @@ def attend_planned(q, k, v, plan: AttentionPlan, dropout_p: float = 0.0, docs=No
     if docs is None:
         return KERNELS[plan.kernel].run(q, k, v, plan, dropout_p)
     return KERNELS[plan.kernel].run(q, k, v, plan, dropout_p, docs)
+
+
+def attend_paths(q, k, v, plans, dropout_p: float = 0.0, docs=None):
+    """The sum of attend_planned over several plans (a layer's separately normalised paths): in one call where
+    their kernel fuses the sum (Kernel.run_sum: span attention's two paths), else each plan's output added."""
+    if len(plans) > 1 and len({p.kernel for p in plans}) == 1 and all(p.documents == (docs is not None)
+                                                                      for p in plans):
+        out = KERNELS[plans[0].kernel].run_sum(q, k, v, tuple(plans), dropout_p, docs)
+        if out is not None:
+            return out
+    return sum(attend_planned(q, k, v, plan, dropout_p, docs) for plan in plans)
 
 
 def attend_in_layout(q, k, v, plan: AttentionPlan, layout, dropout_p: float = 0.0, docs=None):

@@ -15,7 +15,7 @@ from attention.cache import KVCache, RollingKVCache
 from attention.capabilities import EdgeCounts, own_state_problem
 from attention.documents import keys_in_document, packed_document_starts
 from attention.edges import AnyOf, EdgeRule
-from attention.kernels import BACKENDS, attend_planned, plan_attention
+from attention.kernels import BACKENDS, attend_paths, plan_attention
 from attention.memory import attention_saved
 from attention.ops.dense import masked_attention, repeat_kv
 from attention.registry import Mixer
@@ -149,7 +149,7 @@ class MaskedAttention(Attention):
         dropout_p = self.dropout if self.training else 0.0
         if cache is None or (cache.empty and q.shape[2] > 1):  # training, or a prompt's first pass (from 0)
             plan = plan or self.plan(q.shape[0], q.shape[2], q.device, 0 if cache is None else int(pos[0]))
-            y = sum(attend_planned(q, k, v, path, dropout_p, docs) for path in plan)
+            y = attend_paths(q, k, v, plan, dropout_p, docs)
             if cache is not None:
                 cache.update(k, v, pos)
             return y

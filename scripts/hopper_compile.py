@@ -50,7 +50,7 @@ from torch.utils._pytree import tree_map
 if not __package__:  # run as a file, the project's modules cannot be imported: say how to run it
     sys.exit("run it from the repository root as a module: python -m scripts.hopper_compile ...")
 
-from attention.edges import SlidingWindow  # noqa: E402
+from attention.edges import FixedBlock, SlidingWindow  # noqa: E402
 from attention.moba import MOBA_BLOCK, MOBA_TOPK  # noqa: E402
 from attention.ops.moba import op as moba_op  # noqa: E402
 from attention.ops.span import op as span_op  # noqa: E402
@@ -77,6 +77,7 @@ SPAN_CONFIGURATIONS = {
     "span sigmoid, ALiBi, docs": (True, True, False, True),
     "span softmax, order, docs": (False, False, True, True),
 }
+PAIR_CONFIGURATION = "span softmax, two paths summed"  # bridge, pbb, se_bridge (branch fusion): Kernel.run_sum
 MOBA_CONFIGURATIONS = {"moba": False, "moba docs": True}  # packed documents or not
 WINDOW = 256  # the span configurations' windows: a window reaches the kernels only as lo and hi tensors
 
@@ -249,6 +250,12 @@ def record_launches(c: HopperConfig) -> list[Launch]:
             span_op.triton_backward(torch.empty_like(out), q, k, v, out, lse, lo, hi, spans.key_first,
                                     spans.key_end, spans.order, slopes, 0.0, sigmoid, docs=docs, doc_end=doc_end,
                                     halo=halo)
+        # the bridges' branch fusion: two paths summed, the second pass adding the first's output and gradients
+        configuration[0] = PAIR_CONFIGURATION
+        a, b = (static_spans(rule, n, 1, 0, "cpu").to(CUDA) for rule in (FixedBlock(WINDOW), SlidingWindow(WINDOW)))
+        out, out_a, lse_a, lse_b = span_op.triton_pair_forward(q, k, v, a.lo, a.hi, b.lo, b.hi, None)
+        span_op.triton_pair_backward(torch.empty_like(out), q, k, v, out, out_a, lse_a, lse_b, a.lo, a.hi, a.key_first,
+                                     a.key_end, b.lo, b.hi, b.key_first, b.key_end, None, None)
         k, v = (torch.empty(B, n, H, D, dtype=dtype, device=CUDA).transpose(1, 2) for _ in range(2))
         for name, documents in MOBA_CONFIGURATIONS.items():
             configuration[0] = name

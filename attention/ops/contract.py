@@ -131,6 +131,11 @@ class Kernel:
     def run_in_layout(self, q, k, v, plan: AttentionPlan, layout, dropout_p: float = 0.0, docs=None):
         return None
 
+    def run_sum(self, q, k, v, plans: tuple, dropout_p: float = 0.0, docs=None):
+        """The sum of several of this kernel's plans over the same q, k, v in one call, where the kernel fuses it;
+        None where it does not (the caller adds the plans' outputs)."""
+        return None
+
     def scores(self, plan: AttentionPlan, n_head: int) -> int:
         raise NotImplementedError
 

@@ -71,6 +71,38 @@ def test_span_kernels_equal_the_dense_reference_forward_and_backward(name, n):
         torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["bridge", "pbb", "se_bridge"])
+@pytest.mark.parametrize("documents", [False, True])
+def test_two_paths_summed_in_one_call_equal_the_dense_reference(kind, documents, monkeypatch):
+    """Branch fusion (a layer's two separately normalised span paths, summed: Kernel.run_sum): the second pass adds
+    the first's output and gradients in as it stores them, and equals the two paths' dense references added,
+    forward and backward, with grouped-query heads and packed documents; no output is added after the kernels."""
+    from attention.documents import document_starts
+    from attention.kernels import attend_paths
+
+    n, block = 77, 16
+    rules = (FixedBlock(block), BoundaryWindows(kind, block, 6 if kind == "se_bridge" else 8, n))
+    q, k, v = inputs(n, H=4, H_kv=2)
+    docs = None
+    if documents:
+        marks = torch.zeros(2, n, dtype=torch.long)
+        marks[0, [5, 30, 31, 60]] = 1
+        marks[1, 76] = 1
+        docs = document_starts(marks, 1, torch.arange(n))
+    plans = tuple(plan_attention(rule, "span", n, 4, 16, "cpu", documents=documents) for rule in rules)
+    calls = []
+    pair = op.span_pair_attention
+    monkeypatch.setattr("attention.ops.span.kernel.span_pair_attention",
+                        lambda *args, **kwargs: calls.append(1) or pair(*args, **kwargs))
+    y = attend_paths(q, k, v, plans, docs=docs)
+    assert calls == [1]
+    pos = torch.arange(n, device="cpu")
+    ref = sum(dense_attention(q, k, v, rule, pos, docs=docs) for rule in rules)
+    torch.testing.assert_close(y, ref, atol=2e-5, rtol=1e-4)
+    for ours, theirs in zip(grads(y, (q, k, v)), grads(ref, (q, k, v))):
+        torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("activation", ["sigmoid", "softmax"])
 @pytest.mark.parametrize("window", [11, 40])  # 40: tiles with interior key blocks (no mask, ALiBi's row term apart)
 def test_swat_scores_alibi_and_sigmoid_in_the_kernel(activation, window):

@@ -13,7 +13,7 @@ from attention.edges import EdgeRule
 from attention.ops.blocks import refuse_while_compiling
 from attention.ops.contract import AttentionCall, AttentionPlan, Kernel, KernelRefused, refuse_dropout
 from attention.ops.score_mod import ScoreBias
-from attention.ops.span.op import span_attention, span_blocks, triton_installed
+from attention.ops.span.op import span_attention, span_blocks, span_pair_attention, triton_installed
 from attention.ops.span.spans import Spans, band_spans, span_scores, spans_problem, static_spans
 
 
@@ -78,6 +78,15 @@ class SpanKernel(Kernel):
             return None
         refuse_dropout("span", dropout_p)
         return span_attention(q, k, v, data.spans, docs=docs, halo=layout.halo)
+
+    def run_sum(self, q, k, v, plans: tuple, dropout_p: float = 0.0, docs=None):
+        # two softmax paths in token order (the bridges' block and window paths): the second pass adds the first's
+        # output and gradients in as it stores its own
+        if len(plans) != 2 or dropout_p or any(
+                p.data.spans.order is not None or p.data.slopes is not None or p.activation != "softmax"
+                or p.start != plans[0].start for p in plans):
+            return None
+        return span_pair_attention(q, k, v, plans[0].data.spans, plans[1].data.spans, docs, plans[0].start)
 
     def scores(self, plan: AttentionPlan, n_head: int) -> int:
         halo = getattr(plan.rule, "halo", 0) if plan.data.spans.order is not None else 0

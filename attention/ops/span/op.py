@@ -13,7 +13,7 @@ import os
 import torch
 
 from attention import simulate_cuda
-from attention.edges import SlidingWindow
+from attention.edges import FixedBlock, SlidingWindow
 from attention.ops.span.naive import span_attention_naive
 from attention.ops.span.spans import KEY_GROUP, document_rows, static_spans
 
@@ -99,9 +99,11 @@ def triton_kernels():
     return kernels
 
 
-def triton_forward(q, k, v, lo, hi, order, slopes, offset: float, sigmoid: bool, docs=None, halo: int = -1):
+def triton_forward(q, k, v, lo, hi, order, slopes, offset: float, sigmoid: bool, docs=None, halo: int = -1,
+                   prev=None):
     """lo, hi (S, n), or (B, S, n) clipped to a batch's documents; docs (B, n) int32 or None; halo >= 0: the rows
-    are a layout's in slots (see span_attention)."""
+    are a layout's in slots (see span_attention); prev: another path's output (laid out as this one's), which the
+    output includes (a sum of separately normalised paths, span_pair_attention)."""
     span_forward_kernel = triton_kernels().span_forward_kernel
 
     B, H, n, D = q.shape
@@ -111,31 +113,40 @@ def triton_forward(q, k, v, lo, hi, order, slopes, offset: float, sigmoid: bool,
         lse.zero_()
     block_m, block_n = span_blocks(q.device)
     dummy = lo  # never read when the option is off
+    if prev is not None:
+        assert prev.stride() == out.stride()
     span_forward_kernel[(triton_cdiv(n, block_m), B * H)](
         q, k, v, out, lse, lo, hi, dummy if order is None else order, dummy if slopes is None else slopes,
-        dummy if docs is None else docs, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        qk_scale=1.4426950408889634 / math.sqrt(D), offset=offset, SIGMOID=sigmoid,
+        dummy if docs is None else docs, out if prev is None else prev, *q.stride()[:3], *k.stride()[:3],
+        *v.stride()[:3], *out.stride()[:3], qk_scale=1.4426950408889634 / math.sqrt(D), offset=offset,
+        SIGMOID=sigmoid, ACCUMULATE=prev is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=WARPS, num_stages=STAGES,
         **_common(q, k, lo, order, slopes, docs), **_query_rows(q, halo))
     return out, lse
 
 
-def triton_delta(grad, out):
-    """rowsum(dO * O) (B, H, n) in float32: FlashAttention's backward preprocessing."""
+def triton_delta(grad, out, out_sum=None):
+    """rowsum(dO * O) (B, H, n) in float32: FlashAttention's backward preprocessing. With out_sum (out one path's
+    output of a sum of two, laid out alike): (out's delta, the other path's: rowsum(dO * (out_sum - out)))."""
     span_delta_kernel = triton_kernels().span_delta_kernel
 
     B, H, n, D = out.shape
     grad = unit_stride(grad)
     delta = torch.empty(B, H, n, device=out.device, dtype=torch.float32)
+    rest = delta if out_sum is None else torch.empty_like(delta)
+    if out_sum is not None:
+        assert out_sum.stride() == out.stride()
     block_m = span_blocks(out.device)[0]
-    span_delta_kernel[(triton_cdiv(n, block_m), B * H)](out, grad, delta, *out.stride()[:3], *grad.stride()[:3],
-                                                          H, n, D, BLOCK_M=block_m,
+    span_delta_kernel[(triton_cdiv(n, block_m), B * H)](out, grad, delta, out if out_sum is None else out_sum, rest,
+                                                          *out.stride()[:3], *grad.stride()[:3], H, n, D,
+                                                          PAIR=out_sum is not None, BLOCK_M=block_m,
                                                           BLOCK_D=max(16, 1 << (D - 1).bit_length()))
-    return delta
+    return delta if out_sum is None else (delta, rest)
 
 
 def triton_backward(grad, q, k, v, out, lse, lo, hi, key_first, key_end, order, slopes, offset: float,
-                    sigmoid: bool, delta=None, docs=None, doc_end=None, halo: int = -1):
+                    sigmoid: bool, delta=None, docs=None, doc_end=None, halo: int = -1, into=None):
+    """dq, dk, dv; into: another path's (dq, dk, dv), which these are added to, in the kernels, and returned."""
     kernels = triton_kernels()
 
     B, H, n, D = q.shape
@@ -146,7 +157,9 @@ def triton_backward(grad, q, k, v, out, lse, lo, hi, key_first, key_end, order, 
     dummy = lo
     if delta is None:
         delta = lse if sigmoid else triton_delta(grad, out)  # sigmoid reads neither
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)) if into is None else into
+    if into is not None:
+        assert halo < 0 and dq.stride() == q.stride() and dk.stride() == k.stride() and dv.stride() == v.stride()
     order_, slopes_ = dummy if order is None else order, dummy if slopes is None else slopes
     docs_, doc_end_ = dummy if docs is None else docs, dummy if doc_end is None else doc_end
     scales = dict(sm_scale=1 / math.sqrt(D), qk_scale=1.4426950408889634 / math.sqrt(D), offset=offset)
@@ -164,13 +177,13 @@ def triton_backward(grad, q, k, v, out, lse, lo, hi, key_first, key_end, order, 
             q, k, v, grad, lse, delta, dk, dv, lo, hi, order_, slopes_, key_first, key_end, docs_, doc_end_,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad.stride()[:3], *dk.stride()[:3],
             *dv.stride()[:3], plan_h=0 if key_first.shape[0] == 1 else key_first.shape[1],
-            plan_len=key_first.shape[1], H_KV=H_kv, SIGMOID=sigmoid, BLOCK_M=block_m, BLOCK_N=block_n,
-            KEY_GROUP=KEY_GROUP, num_warps=WARPS, num_stages=STAGES, **scales, **common)
+            plan_len=key_first.shape[1], H_KV=H_kv, SIGMOID=sigmoid, ACCUMULATE=into is not None, BLOCK_M=block_m,
+            BLOCK_N=block_n, KEY_GROUP=KEY_GROUP, num_warps=WARPS, num_stages=STAGES, **scales, **common)
     kernels.span_backward_q_kernel[(triton_cdiv(n, block_m), B * H)](
         q, k, v, grad, lse, delta, dq, lo, hi, order_, slopes_, docs_,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad.stride()[:3], *dq.stride()[:3],
-        SIGMOID=sigmoid, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=WARPS, num_stages=STAGES,
-        **scales, **common, **rows)
+        SIGMOID=sigmoid, ACCUMULATE=into is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=WARPS,
+        num_stages=STAGES, **scales, **common, **rows)
     return dq, dk, dv
 
 
@@ -273,16 +286,16 @@ def _backward(ctx, grad_out, grad_lse):
 span_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def document_spans(spans, docs, start: int = 0) -> tuple:
+def document_spans(spans, docs, start: int = 0, rows=None) -> tuple:
     """(lo, hi, docs, doc_end) as the kernels take them for docs (B, n) or None. A document is a run of rows in
     token order: each row's span is cut to it (spans (B, 1 or H, n)), so the kernels skip the key blocks (and the
     backward the query rows) outside it at no cost per block; rows in another order (sa's slots) keep their spans
-    and the kernels compare documents."""
+    and the kernels compare documents. rows: document_rows(docs, start), when the caller has them already."""
     if docs is None:
         return spans.lo, spans.hi, None, None
     if spans.order is not None:
         return spans.lo, spans.hi, docs.to(torch.int32).contiguous(), None
-    first, end = document_rows(docs, start)
+    first, end = document_rows(docs, start) if rows is None else rows
     return (torch.maximum(spans.lo, first[:, None]).contiguous(), torch.minimum(spans.hi, end[:, None]).contiguous(),
             first, end)
 
@@ -310,6 +323,122 @@ def span_attention(q, k, v, spans, slopes=None, offset: float = 0.0, sigmoid: bo
     return out
 
 
+# ---- two paths summed: attention under two rules, each normalised on its own (the bridges' branch fusion) -----
+
+def triton_pair_forward(q, k, v, lo_a, hi_a, lo_b, hi_b, docs):
+    """(out = path a's output + path b's, path a's output, each path's log-sum-exp): b's forward adds a's output
+    into its own as it stores it."""
+    out_a, lse_a = triton_forward(q, k, v, lo_a, hi_a, None, None, 0.0, False, docs)
+    out, lse_b = triton_forward(q, k, v, lo_b, hi_b, None, None, 0.0, False, docs, prev=out_a)
+    return out, out_a, lse_a, lse_b
+
+
+def triton_pair_backward(grad, q, k, v, out, out_a, lse_a, lse_b, lo_a, hi_a, first_a, end_a, lo_b, hi_b, first_b,
+                         end_b, docs, doc_end):
+    """dq, dk, dv of both paths: both deltas from one read of dO (b's from out - out_a), and b's kernels adding
+    their gradients into a's as they store them (no additions after)."""
+    delta_a, delta_b = triton_delta(grad, out_a, out)
+    into = triton_backward(grad, q, k, v, out_a, lse_a, lo_a, hi_a, first_a, end_a, None, None, 0.0, False,
+                           delta=delta_a, docs=docs, doc_end=doc_end)
+    return triton_backward(grad, q, k, v, out, lse_b, lo_b, hi_b, first_b, end_b, None, None, 0.0, False,
+                           delta=delta_b, docs=docs, doc_end=doc_end, into=into)
+
+
+@torch.library.custom_op("efficient_attention::span_pair_forward", mutates_args=(), device_types="cuda")
+def span_pair_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo_a: torch.Tensor, hi_a: torch.Tensor,
+                      key_first_a: torch.Tensor, key_end_a: torch.Tensor, lo_b: torch.Tensor, hi_b: torch.Tensor,
+                      key_first_b: torch.Tensor, key_end_b: torch.Tensor, docs: torch.Tensor | None,
+                      doc_end: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return triton_pair_forward(q, k, v, lo_a, hi_a, lo_b, hi_b, docs)
+
+
+@span_pair_forward.register_fake
+def _(q, k, v, lo_a, hi_a, key_first_a, key_end_a, lo_b, hi_b, key_first_b, key_end_b, docs, doc_end):
+    B, H, n, _ = q.shape
+    return (layout_like_q(q), layout_like_q(q), q.new_empty(B, H, n, dtype=torch.float32),
+            q.new_empty(B, H, n, dtype=torch.float32))
+
+
+@torch.library.custom_op("efficient_attention::span_pair_backward", mutates_args=(), device_types="cuda")
+def span_pair_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                       out_a: torch.Tensor, lse_a: torch.Tensor, lse_b: torch.Tensor, lo_a: torch.Tensor,
+                       hi_a: torch.Tensor, key_first_a: torch.Tensor, key_end_a: torch.Tensor, lo_b: torch.Tensor,
+                       hi_b: torch.Tensor, key_first_b: torch.Tensor, key_end_b: torch.Tensor,
+                       docs: torch.Tensor | None,
+                       doc_end: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return triton_pair_backward(grad, q, k, v, out, out_a, lse_a, lse_b, lo_a, hi_a, key_first_a, key_end_a, lo_b,
+                                hi_b, key_first_b, key_end_b, docs, doc_end)
+
+
+@span_pair_backward.register_fake
+def _(grad, q, k, v, out, out_a, lse_a, lse_b, lo_a, hi_a, key_first_a, key_end_a, lo_b, hi_b, key_first_b,
+      key_end_b, docs, doc_end):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _naive_pair(q, k, v, lo_a, hi_a, lo_b, hi_b, docs):
+    y_a, lse_a = span_attention_naive(q, k, v, lo_a, hi_a, None, None, 0.0, False, docs)
+    y_b, lse_b = span_attention_naive(q, k, v, lo_b, hi_b, None, None, 0.0, False, docs)
+    return y_a, y_b, lse_a, lse_b
+
+
+@span_pair_forward.register_kernel("cpu")
+def _cpu_pair_forward(q, k, v, lo_a, hi_a, key_first_a, key_end_a, lo_b, hi_b, key_first_b, key_end_b, docs,
+                      doc_end):
+    simulate_cuda.ran("span")
+    if triton_on_cpu():
+        return triton_pair_forward(q, k, v, lo_a, hi_a, lo_b, hi_b, docs)
+    y_a, y_b, lse_a, lse_b = _naive_pair(q, k, v, lo_a, hi_a, lo_b, hi_b, docs)
+    out, out_a = layout_like_q(q), layout_like_q(q)
+    out_a.copy_(y_a)
+    out.copy_(out_a + y_b)
+    return out, out_a, lse_a, lse_b
+
+
+@span_pair_backward.register_kernel("cpu")
+def _cpu_pair_backward(grad, q, k, v, out, out_a, lse_a, lse_b, lo_a, hi_a, key_first_a, key_end_a, lo_b, hi_b,
+                       key_first_b, key_end_b, docs, doc_end):
+    simulate_cuda.ran("span")
+    if triton_on_cpu():
+        return triton_pair_backward(grad, q, k, v, out, out_a, lse_a, lse_b, lo_a, hi_a, key_first_a, key_end_a,
+                                    lo_b, hi_b, key_first_b, key_end_b, docs, doc_end)
+    with simulate_cuda.autograd_in_kernel():
+        inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+        y_a, y_b, _, _ = _naive_pair(*inputs, lo_a, hi_a, lo_b, hi_b, docs)
+        dq, dk, dv = torch.autograd.grad(y_a + y_b, inputs, grad)
+    return (torch.empty_like(q).copy_(dq), torch.empty_like(k).copy_(dk), torch.empty_like(v).copy_(dv))
+
+
+def _pair_setup_context(ctx, inputs, output):
+    q, k, v, lo_a, hi_a, key_first_a, key_end_a, lo_b, hi_b, key_first_b, key_end_b, docs, doc_end = inputs
+    out, out_a, lse_a, lse_b = output
+    ctx.save_for_backward(q, k, v, out, out_a, lse_a, lse_b, lo_a, hi_a, key_first_a, key_end_a, lo_b, hi_b,
+                          key_first_b, key_end_b, docs, doc_end)
+
+
+def _pair_backward(ctx, grad_out, grad_out_a, grad_lse_a, grad_lse_b):
+    dq, dk, dv = span_pair_backward(grad_out, *ctx.saved_tensors)
+    return dq, dk, dv, *([None] * 10)
+
+
+span_pair_forward.register_autograd(_pair_backward, setup_context=_pair_setup_context)
+
+
+def span_pair_attention(q, k, v, spans_a, spans_b, docs=None, start: int = 0):
+    """span_attention(q, k, v, spans_a) + span_attention(q, k, v, spans_b), softmax, in token order, with no
+    addition after either pass: the second path's kernels add the first's output and gradients in as they store
+    theirs (the branch fusion of a layer whose paths() are two span rules: Kernel.run_sum)."""
+    if spans_a.order is not None or spans_b.order is not None:
+        raise ValueError("span attention of two paths takes rows in token order")
+    q, k, v = (unit_stride(t) for t in (q, k, v))
+    rows = None if docs is None else document_rows(docs, start)
+    lo_a, hi_a, docs_, doc_end = document_spans(spans_a, docs, start, rows)
+    lo_b, hi_b, _, _ = document_spans(spans_b, docs, start, rows)
+    out, _, _, _ = span_pair_forward(q, k, v, lo_a, hi_a, spans_a.key_first, spans_a.key_end, lo_b, hi_b,
+                                     spans_b.key_first, spans_b.key_end, docs_, doc_end)
+    return out
+
+
 def _samples():
     """Arguments laid out as the layers pass them (heads-first views of (B, n, H, D) projections)."""
     generator = torch.Generator().manual_seed(0)
@@ -330,6 +459,39 @@ def _samples():
     lo = (rows - halo).clamp(min=0).to(torch.int32)[None]
     hi = (rows + halo + 1).clamp(max=n + 2 * halo).to(torch.int32)[None]
     samples.append((*samples[0][:3], lo, hi, *samples[0][5:7], token, None, docs, None, 0.0, False, halo))
+    return samples
+
+
+def _pair_samples():
+    """Two rules' spans (a window and fixed blocks) over the same q, k, v, without and with two documents."""
+    generator = torch.Generator().manual_seed(1)
+    B, H, n, D = 1, 2, 40, 16
+    a, b = static_spans(SlidingWindow(9), n, H, 0, "cpu"), static_spans(FixedBlock(8), n, H, 0, "cpu")
+    docs = torch.tensor([0] * 15 + [15] * 25).expand(B, n)
+    samples = []
+    for dtype, documents in ((torch.float32, None), (torch.bfloat16, docs)):
+        q, k, v = (torch.randn(B, n, H, D, generator=generator).to(dtype).transpose(1, 2) for _ in range(3))
+        rows = None if documents is None else document_rows(documents, 0)
+        lo_a, hi_a, first, end = document_spans(a, documents, 0, rows)
+        lo_b, hi_b, _, _ = document_spans(b, documents, 0, rows)
+        samples.append((q, k, v, lo_a, hi_a, a.key_first, a.key_end, lo_b, hi_b, b.key_first, b.key_end, first, end))
+    return samples
+
+
+@simulate_cuda.opcheck_samples("efficient_attention::span_pair_forward")
+def _pair_forward_samples():
+    return [tuple(t.requires_grad_() if i < 3 else t for i, t in enumerate(s)) for s in _pair_samples()]
+
+
+@simulate_cuda.opcheck_samples("efficient_attention::span_pair_backward")
+def _pair_backward_samples():
+    samples = []
+    for q, k, v, *rest in _pair_samples():
+        out, out_a, lse_a, lse_b = _cpu_pair_forward(q, k, v, *rest)
+        grad = torch.randn(out.shape[0], out.shape[2], out.shape[1], out.shape[3]).to(q.dtype).transpose(1, 2)
+        lo_a, hi_a, first_a, end_a, lo_b, hi_b, first_b, end_b, docs, doc_end = rest
+        samples.append((grad, q, k, v, out, out_a, lse_a, lse_b, lo_a, hi_a, first_a, end_a, lo_b, hi_b, first_b,
+                        end_b, docs, doc_end))
     return samples
 
 

@@ -205,12 +205,15 @@ def _forward_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, block_lo, block_
 
 
 @triton.jit
-def span_forward_kernel(Q, K, V, O, LSE, LO, HI, ORDER, SLOPES, DOCS,
+def span_forward_kernel(Q, K, V, O, LSE, LO, HI, ORDER, SLOPES, DOCS, PREV,
                         sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, span_b, span_h,
                         H, GROUP, N, N_MEM, ROW0, ROW_END, D: tl.constexpr, qk_scale, offset,
                         SIGMOID: tl.constexpr, FAST_SIGMOID: tl.constexpr, HAS_ORDER: tl.constexpr,
                         HAS_DOCS: tl.constexpr, IN_SLOTS: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-                        WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                        WIDEN: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_D: tl.constexpr):
+    """The output of one tile of BLOCK_M query rows (and their log-sum-exp); ACCUMULATE: plus PREV's (another
+    path's output with O's strides: a sum of separately normalised paths written in one pass, no addition after)."""
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = (pid_bh // H).to(tl.int64), pid_bh % H
     hk = (h // GROUP).to(tl.int64)
@@ -248,14 +251,18 @@ def span_forward_kernel(Q, K, V, O, LSE, LO, HI, ORDER, SLOPES, DOCS,
         lse = tl.where(has_key, (m_i + row_term + tl.log2(tl.where(has_key, l_i, 1.0))) * 0.6931471805599453,
                        float("inf"))
         tl.store(LSE + pid_bh.to(tl.int64) * N_MEM + addr, lse, mask=row_ok)
-    tl.store(O + b * sob + h.to(tl.int64) * soh + addr[:, None] * son + dims[None, :], acc.to(O.dtype.element_ty),
-             mask=row_ok[:, None] & (dims[None, :] < D))
+    at = b * sob + h.to(tl.int64) * soh + addr[:, None] * son + dims[None, :]
+    if ACCUMULATE:
+        acc += tl.load(PREV + at, mask=row_ok[:, None] & (dims[None, :] < D), other=0.0).to(tl.float32)
+    tl.store(O + at, acc.to(O.dtype.element_ty), mask=row_ok[:, None] & (dims[None, :] < D))
 
 
 @triton.jit
-def span_delta_kernel(O, DO, DELTA, sob, soh, son, sdb, sdh, sdn, H, N, D,
+def span_delta_kernel(O, DO, DELTA, O_SUM, DELTA_REST, sob, soh, son, sdb, sdh, sdn, H, N, D, PAIR: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """delta = rowsum(dO * O) in float32: FlashAttention's backward preprocessing (softmax only)."""
+    """delta = rowsum(dO * O) in float32: FlashAttention's backward preprocessing (softmax only). PAIR: O is one
+    path's output of a sum of two (O_SUM, O's strides), and DELTA_REST the other path's, rowsum(dO * (O_SUM - O)),
+    from the one read of dO."""
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -263,7 +270,12 @@ def span_delta_kernel(O, DO, DELTA, sob, soh, son, sdb, sdh, sdn, H, N, D,
     mask = (rows[:, None] < N) & (dims[None, :] < D)
     o = tl.load(O + b * sob + h * soh + rows[:, None] * son + dims[None, :], mask=mask, other=0.0).to(tl.float32)
     do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sdn + dims[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(DELTA + pid_bh.to(tl.int64) * N + rows, tl.sum(o * do, 1), mask=rows < N)
+    delta = tl.sum(o * do, 1)
+    tl.store(DELTA + pid_bh.to(tl.int64) * N + rows, delta, mask=rows < N)
+    if PAIR:
+        total = tl.load(O_SUM + b * sob + h * soh + rows[:, None] * son + dims[None, :], mask=mask, other=0.0)
+        tl.store(DELTA_REST + pid_bh.to(tl.int64) * N + rows, tl.sum(total.to(tl.float32) * do, 1) - delta,
+                 mask=rows < N)
 
 
 @triton.jit
@@ -315,11 +327,11 @@ def span_backward_kv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, ORDER, SLOP
                             H, H_KV, GROUP, N, D: tl.constexpr, sm_scale, qk_scale, offset,
                             SIGMOID: tl.constexpr, FAST_SIGMOID: tl.constexpr, HAS_ORDER: tl.constexpr,
                             HAS_DOCS: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                            KEY_GROUP: tl.constexpr):
+                            ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_D: tl.constexpr, KEY_GROUP: tl.constexpr):
     """dk, dv of one block of BLOCK_N keys of key head hk: over the GROUP query heads that read it, each over the
     query rows that attend to some key of the block (KEY_FIRST / KEY_END per KEY_GROUP keys; in token order, in the
-    documents of its keys)."""
+    documents of its keys). ACCUMULATE: added to what DK and DV hold (another path's)."""
     pid_n, pid_bh = tl.program_id(0), tl.program_id(1)
     b, hk = (pid_bh // H_KV).to(tl.int64), pid_bh % H_KV
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -360,10 +372,14 @@ def span_backward_kv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, ORDER, SLOP
                               LO + b * span_b + h * span_h, HI + b * span_b + h * span_h, LSE, DELTA, row_base,
                               ORDER, docs, slope, offset, qk_scale, D, SIGMOID, FAST_SIGMOID, HAS_ORDER, HAS_DOCS,
                               False, HAS_BIAS, IEEE, WIDEN, BLOCK_D)
-    tl.store(DK + b * sdkb + hk.to(tl.int64) * sdkh + cols[:, None] * sdkn + dims[None, :],
-             (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + b * sdvb + hk.to(tl.int64) * sdvh + cols[:, None] * sdvn + dims[None, :],
-             dv.to(DV.dtype.element_ty), mask=kv_mask)
+    dk_at = DK + b * sdkb + hk.to(tl.int64) * sdkh + cols[:, None] * sdkn + dims[None, :]
+    dv_at = DV + b * sdvb + hk.to(tl.int64) * sdvh + cols[:, None] * sdvn + dims[None, :]
+    dk = dk * sm_scale
+    if ACCUMULATE:
+        dk += tl.load(dk_at, mask=kv_mask, other=0.0).to(tl.float32)
+        dv += tl.load(dv_at, mask=kv_mask, other=0.0).to(tl.float32)
+    tl.store(dk_at, dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(dv_at, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
 @triton.jit
@@ -447,8 +463,10 @@ def span_backward_q_kernel(Q, K, V, DO, LSE, DELTA, DQ, LO, HI, ORDER, SLOPES, D
                            span_b, span_h, H, GROUP, N, N_MEM, ROW0, ROW_END, D: tl.constexpr, sm_scale, qk_scale,
                            offset, SIGMOID: tl.constexpr, FAST_SIGMOID: tl.constexpr, HAS_ORDER: tl.constexpr,
                            HAS_DOCS: tl.constexpr, IN_SLOTS: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-                           WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """dq of one tile of BLOCK_M query rows, walking its key blocks as the forward does."""
+                           WIDEN: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """dq of one tile of BLOCK_M query rows, walking its key blocks as the forward does; ACCUMULATE: added to what
+    DQ holds (another path's)."""
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = (pid_bh // H).to(tl.int64), pid_bh % H
     hk = (h // GROUP).to(tl.int64)
@@ -483,5 +501,8 @@ def span_backward_q_kernel(Q, K, V, DO, LSE, DELTA, DQ, LO, HI, ORDER, SLOPES, D
     dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, outer, end, lo, hi, row_order, row_doc,
                     row_term, slope2, ORDER, docs, N, D, qk_scale, True, SIGMOID, FAST_SIGMOID, HAS_ORDER,
                     HAS_DOCS, IN_SLOTS, HAS_BIAS, IEEE, WIDEN, BLOCK_N, BLOCK_D)
-    tl.store(DQ + b * sdqb + h.to(tl.int64) * sdqh + addr[:, None] * sdqn + dims[None, :],
-             (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
+    dq_at = DQ + b * sdqb + h.to(tl.int64) * sdqh + addr[:, None] * sdqn + dims[None, :]
+    dq = dq * sm_scale
+    if ACCUMULATE:
+        dq += tl.load(dq_at, mask=q_mask, other=0.0).to(tl.float32)
+    tl.store(dq_at, dq.to(DQ.dtype.element_ty), mask=q_mask)
