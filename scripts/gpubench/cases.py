@@ -12,13 +12,15 @@ import torch
 
 from attention.capabilities import EdgeCounts
 from attention.kernels import layer_scores
-from attention.registry import build_mixer
+from attention.registry import build_mixer, pattern_names
 from common.flops import peak_flops
 from config import ConfigError, load_config
 from model import GPT
 from runtime.parallelize import parallelize
 from scripts.bench_attention import BenchConfig as AttentionConfig
 from scripts.bench_attention import backend_of, variant_config
+from scripts.gpucheck.environment import HOPPER_WRONG_TRITON, version_tuple
+from scripts.gpucheck.options import gpu_kernel_mixers
 from scripts.gpubench.options import BenchConfig
 from scripts.gpubench.timing import TurnToTime, max_memory_gib, profile_steps, progress, release_memory, synchronize
 
@@ -75,6 +77,22 @@ def train_settings(variant: str, b: BenchConfig) -> list[str]:
             f"--bridge_width={w}", f"--bridge_extension={w // 2}", f"--moba_block={w // 2}", "--moba_topk=2"]
 
 
+def fla_refusal(pattern: str, device: torch.device) -> str:
+    """Why a pattern with a mixer on fla's kernels cannot train here ("" where it can): fla refuses its gated
+    backward on a Hopper GPU under Triton 3.4.0 to 3.7.0 (fla issue #640), after its kernels have compiled."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+        return ""
+    import triton
+
+    fla = {name for name, kernel in gpu_kernel_mixers().items() if kernel[1] == "fla"}
+    mixers = set(pattern_names(pattern)) & fla
+    if not mixers or not HOPPER_WRONG_TRITON[0] <= version_tuple(triton.__version__) < HOPPER_WRONG_TRITON[1]:
+        return ""
+    return (f"{', '.join(sorted(mixers))} trains on fla's kernels, which refuse their gated backward on a Hopper GPU "
+            f"under Triton {triton.__version__} (3.4.0 to 3.7.0 compile it wrongly: fla issue #640): run it with "
+            "Triton 3.7.1 (torch 2.13.0), as requirements.txt pins")
+
+
 def train_case(name: str, b: BenchConfig, out: Path) -> list[dict]:
     device, dtype = torch.device(b.device), torch.bfloat16
     variant, *settings = name.split(":")  # VARIANT:KEY=VALUE: train.py settings of this case
@@ -86,6 +104,9 @@ def train_case(name: str, b: BenchConfig, out: Path) -> list[dict]:
                        f"--compile={b.train_compile}", f"--cuda_graphs={graphs}", "--activation_checkpointing=none",
                        "--parallelism=ddp", "--dropout=0.0", *(f"--{setting}" for setting in settings)])
     graphs = cfg.train.cuda_graphs
+    problem = fla_refusal(cfg.model.attn_pattern, device)
+    if problem:  # said at once, not after a minute of compiling that ends in fla's own refusal
+        raise RuntimeError(problem)
     torch.manual_seed(0)
     model = GPT(cfg.model).to(device)
     optimizer = model.configure_optimizer(0.1, 1e-4, (0.9, 0.95), device.type)

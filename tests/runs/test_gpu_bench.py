@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import REPO
 
@@ -122,3 +123,22 @@ def test_a_round_begun_near_the_timeout_stops_its_late_cases_by_the_timeout(tmp_
     assert "or by --timeout=1 s: stopped" in errors["kernels:full"]
     assert errors["kernels:swa"] == "not started before --timeout=1 s"
     assert "not started before --timeout=1 s" in (out / "report.md").read_text()
+
+
+def test_a_training_case_that_fla_would_refuse_on_hopper_is_refused_before_it_compiles(monkeypatch):
+    """fla refuses its gated backward on Hopper under Triton 3.4.0-3.7.0 (fla #640), but only after its kernels
+    compile (a minute of a round's warm-up on an H100): the case says so at once, and only for a pattern with a
+    mixer on fla's kernels."""
+    import triton
+
+    from scripts.gpubench import cases
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    cuda = torch.device("cuda")
+    assert "fla issue #640" in cases.fla_refusal("swax_gdn", cuda) and "Triton 3.6.0" in cases.fla_refusal(
+        "gated_deltanet", cuda)
+    assert cases.fla_refusal("swax", cuda) == cases.fla_refusal("swa", cuda) == ""  # mlstm_kernels, attention
+    assert cases.fla_refusal("swax_gdn", torch.device("cpu")) == ""
+    monkeypatch.setattr(triton, "__version__", "3.7.1")
+    assert cases.fla_refusal("swax_gdn", cuda) == ""
