@@ -254,17 +254,24 @@ def moba_pairs_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_OWN, DV_OWN, DK, DV, PAIR
 
 
 @triton.jit
-def moba_merge_kernel(OWN, OWN_LSE, PAIR_OUT, PAIR_LSE, OUT, LSE, sab, sah, san, sob, soh, son, H, N, D, SLOTS,
-                      BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """A query's parts as one softmax: its own block's output and each chosen block's, weighted by their
-    log-sum-exps (a pair never filled keeps -inf: weight 0, its output not read), in one pass over the partials."""
+def _row_tile(H, N, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A program's BLOCK_M rows of one batch row and head, over the head dimension: (b, h, rows, dims, the rows
+    inside the sequence, the (rows, dims) mask, the rows' index in a (B, H, N) tensor)."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     row_ok = rows < N
     mask = row_ok[:, None] & (dims[None, :] < D)
-    at = bh.to(tl.int64) * N + rows
+    return b, h, rows, dims, row_ok, mask, bh.to(tl.int64) * N + rows
+
+
+@triton.jit
+def moba_merge_kernel(OWN, OWN_LSE, PAIR_OUT, PAIR_LSE, OUT, LSE, sab, sah, san, sob, soh, son, H, N, D, SLOTS,
+                      BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A query's parts as one softmax: its own block's output and each chosen block's, weighted by their
+    log-sum-exps (a pair never filled keeps -inf: weight 0, its output not read), in one pass over the partials."""
+    b, h, rows, dims, row_ok, mask, at = _row_tile(H, N, D, BLOCK_M, BLOCK_D)
     own_lse = tl.load(OWN_LSE + at, mask=row_ok, other=0.0)
     m = own_lse
     for s in range(0, SLOTS):
@@ -291,13 +298,7 @@ def moba_dq_merge_kernel(DQ, DQ_PAIRS, CHOSEN, sdb, sdh, sdn, H, N, D, SLOTS, BL
                          BLOCK_D: tl.constexpr):
     """dq += the chosen blocks' parts, in place, in one pass: each query's own-block dq (in q's strides) plus its
     pairs' float32 partials, the pairs of no chosen block (-1) never read (left unwritten by the pairs' kernel)."""
-    pid_m, bh = tl.program_id(0), tl.program_id(1)
-    b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, BLOCK_D)
-    row_ok = rows < N
-    mask = row_ok[:, None] & (dims[None, :] < D)
-    at = bh.to(tl.int64) * N + rows
+    b, h, rows, dims, row_ok, mask, at = _row_tile(H, N, D, BLOCK_M, BLOCK_D)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for s in range(0, SLOTS):
         chosen = tl.load(CHOSEN + at * (SLOTS + 1) + 1 + s, mask=row_ok, other=-1)
