@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from attention import build_mixer, simulate_cuda
 from attention.documents import document_starts
+from attention.kernels import bind_documents
 from attention.capabilities import set_window
 from config import ModelConfig
 
@@ -127,7 +128,8 @@ class GPT(nn.Module):
                              "(learned positions cannot extrapolate)")
         x = self.embed(idx, pos)
         docs = self.documents(idx, pos, caches)
-        plans = self.plan(B, T, idx.device) if caches is None else [None] * len(self.blocks)
+        # each batch's documents bound into the plans once, not at every layer (FlexAttention's narrowed masks)
+        plans = bind_documents(self.plan(B, T, idx.device), docs) if caches is None else [None] * len(self.blocks)
         for i, (block, plan) in enumerate(zip(self.blocks, plans)):
             x = block(x, pos, None if caches is None else caches[i], plan, docs)
         if loss_chunk and targets is not None:

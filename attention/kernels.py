@@ -71,7 +71,7 @@ KERNELS: dict[str, Kernel] = {kernel.name: kernel for kernel in (
 BACKENDS = ("auto", *(name for name, kernel in KERNELS.items() if kernel.selectable))
 
 __all__ = ["AttentionPlan", "BACKENDS", "GPU_CHOICES", "GPU_MEASUREMENTS", "KERNELS", "attend", "attend_paths",
-           "attend_planned", "computed_scores", "layer_scores", "plan_attention", "plans_in", "resolve_backend",
+           "attend_planned", "bind_documents", "computed_scores", "layer_scores", "plan_attention", "plans_in", "resolve_backend",
            "span_available"]
 
 
@@ -211,6 +211,25 @@ def attend_planned(q, k, v, plan: AttentionPlan, dropout_p: float = 0.0, docs=No
     if docs is None:
         return KERNELS[plan.kernel].run(q, k, v, plan, dropout_p)
     return KERNELS[plan.kernel].run(q, k, v, plan, dropout_p, docs)
+
+
+def bind_documents(plans: list, docs) -> list:
+    """Every layer's plans (what each Mixer.plan returned, GPT.plan) bound to one batch's documents by their kernels
+    (Kernel.bind_documents): FlexAttention's block masks narrowed to the documents once per forward and shared by
+    every layer with the same masks, not narrowed again at each layer's call. An AttentionPlan at the top of a
+    layer's plan or in its tuple of paths is bound; sa's plans (whose layouts gather the documents themselves)
+    stay as they are."""
+    if docs is None:
+        return plans
+    memo = {}
+
+    def bind(plan):
+        if isinstance(plan, AttentionPlan):
+            return KERNELS[plan.kernel].bind_documents(plan, docs, memo) if plan.documents else plan
+        if isinstance(plan, tuple):
+            return tuple(bind(item) for item in plan)
+        return plan
+    return [bind(plan) for plan in plans]
 
 
 def attend_paths(q, k, v, plans, dropout_p: float = 0.0, docs=None):

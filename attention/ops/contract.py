@@ -131,6 +131,12 @@ class Kernel:
     def run_in_layout(self, q, k, v, plan: AttentionPlan, layout, dropout_p: float = 0.0, docs=None):
         return None
 
+    def bind_documents(self, plan: AttentionPlan, docs, memo: dict) -> AttentionPlan:
+        """The plan bound to one batch's documents (docs (B, n), token order): what the kernel derives from the
+        documents alone, built once per forward and shared through memo by the layers' plans, not at each call
+        (attention/kernels.py: bind_documents). The default: nothing to derive, the plan as it is."""
+        return plan
+
     def run_sum(self, q, k, v, plans: tuple, dropout_p: float = 0.0, docs=None):
         """The sum of several of this kernel's plans over the same q, k, v in one call, where the kernel fuses it;
         None where it does not (the caller adds the plans' outputs)."""

@@ -193,6 +193,45 @@ def test_compiled_training_with_document_mask_equals_the_dense_reference(name):
         assert torch.equal(before[0, 140:], after[0, 140:])
 
 
+@pytest.mark.parametrize("name", ["swa", "mswa_h"])
+def test_flex_block_masks_are_narrowed_to_the_documents_once_per_batch(name, monkeypatch):
+    # attn_backend=flex with document_mask in compiled blocks: each distinct block mask narrowed to the batch's
+    # documents once per forward (GPT.forward: bind_documents), not at every layer's call; equal to the dense
+    # reference over rule AND same document; and a batch with other documents runs without recompiling
+    from torch._dynamo.utils import counters
+
+    from attention.ops.flex import kernel as flex_kernel
+    from attention.ops.flex import op as flex_op
+
+    narrowings = []
+    for module in (flex_kernel, flex_op):
+        original = module.document_block_mask
+        monkeypatch.setattr(module, "document_block_mask", lambda *args, _original=original, **kwargs:
+                            narrowings.append(1) or _original(*args, **kwargs))
+    settings = {"document_mask": True, "eot_id": EOT, "n_layer": 3}
+    torch.manual_seed(0)
+    reference = GPT(case_config(name, gpu_kernels=False, attn_backend="dense", **settings))
+    torch._dynamo.reset()
+    counters.clear()
+    with simulate_cuda.simulating():
+        model = GPT(case_config(name, gpu_kernels=False, attn_backend="flex", **settings))
+        model.load_state_dict(reference.state_dict())
+        masks = {id(group.data) if group is not None else id(path.data.block_mask)
+                 for plan in model.plan(2, LENGTH, "cpu") for path in plans_in(plan)
+                 for group in (path.data.groups or [None])}
+        compile_blocks(model, "cpu", torch.float32)
+        graphs = []
+        for seed in (1, 2):
+            tokens = packed_batch(seed)
+            expected = step(reference, tokens, autocast=False)
+            narrowings.clear()
+            loss, grads = step(model, tokens, autocast=False)
+            assert len(narrowings) == len(masks) < model.config.n_layer * len(masks)
+            assert_close_to_reference(loss, grads, *expected, FLOAT32)
+            graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] >= 1 and graphs[1] == graphs[0], graphs  # other documents: the same compiled blocks
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_compiled_training_and_evaluation_under_bf16_autocast(name):
     # train.py on a GPU: blocks compiled (aot_eager standing in for inductor), bf16 autocast, FlexAttention's

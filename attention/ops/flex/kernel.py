@@ -1,18 +1,22 @@
 """FlexAttention under the kernel contract (attention/ops/contract.py): attn_backend=auto's pick on CUDA (and on
 the CPU standing in for it) for rules whose edges are not spans. One block mask for all heads in the tokens'
 order, or per group of heads (attention/ops/heads.py) in its layout or key order; with packed documents, each
-batch's block masks narrowed to its documents at every call (block_mask.py: document_block_mask)."""
+batch's block masks narrowed to its documents (block_mask.py: document_block_mask) once per forward
+(bind_documents), or at the call where a plan comes unbound."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+
+import torch
 
 from attention import simulate_cuda
 from attention.layouts import KeyPrefixRule
 from attention.ops.blocks import refuse_while_compiling
 from attention.ops.contract import AttentionCall, AttentionPlan, Kernel
 from attention.ops.dense import repeat_kv
-from attention.ops.flex.block_mask import FLEX_BLOCK, flex_block_mask, key_prefix
+from attention.ops.flex.block_mask import FLEX_BLOCK, document_block_mask, flex_block_mask, key_prefix
 from attention.ops.flex.op import FLEX_MIN_HEAD_DIM, flex, flex_score_mod
 from attention.ops.heads import HeadGroup, head_groups, may_reorder, per_group
 
@@ -26,6 +30,16 @@ class FlexMasks:
     block_mask: object = None
     groups: tuple | None = None
     score_mod: object = None
+
+
+@dataclass(eq=False)
+class DocumentFlexMasks:
+    """FlexMasks bound to one batch's documents (FlexKernel.bind_documents): `narrowed`, every block mask narrowed
+    to them, which a compiled call runs as it is; and the plan's own, for an eager call (which may pad the
+    sequence and plan its masks anew, narrowing them there)."""
+
+    plan: FlexMasks
+    narrowed: FlexMasks
 
 
 class FlexKernel(Kernel):
@@ -54,8 +68,30 @@ class FlexKernel(Kernel):
         return FlexMasks(None, tuple(flex_group(heads, sub_rule, layout, keys, n, call.device)
                                      for heads, sub_rule, layout, keys in groups), score_mod)
 
+    def bind_documents(self, plan: AttentionPlan, docs, memo: dict) -> AttentionPlan:
+        data = plan.data
+
+        def narrowed(mask, group=None):  # once per mask (and group) in a forward: the layers share their masks
+            key = ("flex", id(mask), None if group is None else (id(group.layout), id(group.key_index)))
+            if key not in memo:
+                memo[key] = (mask, document_block_mask(mask, **(group_documents(group, docs) if group is not None
+                                                                 else {"docs": docs})))
+            return memo[key][1]
+
+        if data.groups is None:
+            bound = dataclasses.replace(data, block_mask=narrowed(data.block_mask))
+        else:
+            bound = dataclasses.replace(data, groups=tuple(dataclasses.replace(group, data=narrowed(group.data, group))
+                                                           for group in data.groups))
+        return AttentionPlan(plan.kernel, plan.call, DocumentFlexMasks(data, bound))
+
     def run(self, q, k, v, plan: AttentionPlan, dropout_p: float = 0.0, docs=None):
         data = plan.data
+        if isinstance(data, DocumentFlexMasks):
+            if torch.compiler.is_compiling():  # narrowed to this batch's documents once, for every layer
+                data, docs = data.narrowed, None
+            else:
+                data = data.plan
         if data.groups is None:
             return flex(q, k, v, plan.rule, plan.start, data.score_mod, plan.activation, dropout_p,
                         block_mask=data.block_mask, docs=docs)
@@ -65,9 +101,10 @@ class FlexKernel(Kernel):
             **group_documents(group, docs)))
 
     def scores(self, plan: AttentionPlan, n_head: int) -> int:
-        if plan.data.groups is not None:
-            return sum(flex_scores(group.data, len(group.heads)) for group in plan.data.groups)
-        return flex_scores(plan.data.block_mask, n_head)
+        data = plan.data.plan if isinstance(plan.data, DocumentFlexMasks) else plan.data
+        if data.groups is not None:
+            return sum(flex_scores(group.data, len(group.heads)) for group in data.groups)
+        return flex_scores(data.block_mask, n_head)
 
 
 def flex_group(heads, rule, layout, keys, n, device) -> HeadGroup:
