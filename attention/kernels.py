@@ -71,8 +71,8 @@ KERNELS: dict[str, Kernel] = {kernel.name: kernel for kernel in (
 BACKENDS = ("auto", *(name for name, kernel in KERNELS.items() if kernel.selectable))
 
 __all__ = ["AttentionPlan", "BACKENDS", "GPU_CHOICES", "GPU_MEASUREMENTS", "KERNELS", "attend", "attend_paths",
-           "attend_planned", "bind_documents", "computed_scores", "layer_scores", "plan_attention", "plans_in", "resolve_backend",
-           "span_available"]
+           "attend_planned", "bind_documents", "computed_scores", "layer_scores", "plan_attention", "plans_in",
+           "resolve_backend", "span_available"]
 
 
 @dataclass(frozen=True)
