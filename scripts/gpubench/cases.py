@@ -19,7 +19,7 @@ from model import GPT
 from runtime.parallelize import parallelize
 from scripts.bench_attention import BenchConfig as AttentionConfig
 from scripts.bench_attention import backend_of, variant_config
-from scripts.gpucheck.environment import HOPPER_WRONG_TRITON, version_tuple
+from scripts.gpucheck.environment import wrong_triton_for_hopper
 from scripts.gpucheck.options import gpu_kernel_mixers
 from scripts.gpubench.options import BenchConfig
 from scripts.gpubench.timing import TurnToTime, max_memory_gib, profile_steps, progress, release_memory, synchronize
@@ -80,13 +80,13 @@ def train_settings(variant: str, b: BenchConfig) -> list[str]:
 def fla_refusal(pattern: str, device: torch.device) -> str:
     """Why a pattern with a mixer on fla's kernels cannot train here ("" where it can): fla refuses its gated
     backward on a Hopper GPU under Triton 3.4.0 to 3.7.0 (fla issue #640), after its kernels have compiled."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+    if device.type != "cuda":
         return ""
     import triton
 
     fla = {name for name, kernel in gpu_kernel_mixers().items() if kernel[1] == "fla"}
     mixers = set(pattern_names(pattern)) & fla
-    if not mixers or not HOPPER_WRONG_TRITON[0] <= version_tuple(triton.__version__) < HOPPER_WRONG_TRITON[1]:
+    if not mixers or not wrong_triton_for_hopper(torch.cuda.get_device_capability(device)[0], triton.__version__):
         return ""
     return (f"{', '.join(sorted(mixers))} trains on fla's kernels, which refuse their gated backward on a Hopper GPU "
             f"under Triton {triton.__version__} (3.4.0 to 3.7.0 compile it wrongly: fla issue #640): run it with "

@@ -38,8 +38,7 @@ def gpu_kernel_problems(device: str, env: dict) -> list[str]:
         problems.append(f"Triton {versions.get('triton')} has no tl.make_block_ptr, which mlstm_kernels and fla build "
                         f"their kernels with (Triton 3.9 removed it): pip install triton=={pin}, the version torch "
                         f"{env['torch']} pins, and keep it there (requirements-gpu.txt)")
-    elif (env.get("capability") or [0])[0] == 9 and \
-            HOPPER_WRONG_TRITON[0] <= version_tuple(versions["triton"]) < HOPPER_WRONG_TRITON[1]:
+    elif wrong_triton_for_hopper((env.get("capability") or [0])[0], versions["triton"]):
         problems.append(f"Triton {versions['triton']} on a Hopper GPU ({env['device_name']}): Triton 3.4.0 to 3.7.0 "
                         "compile gated chunked backward kernels wrongly on Hopper (fla issue #640: fla's Gated "
                         "DeltaNet refuses to run its backward there; mlstm_kernels' backward differed from the "
@@ -51,6 +50,12 @@ def gpu_kernel_problems(device: str, env: dict) -> list[str]:
 # Triton versions that compile fla's gated chunked backward wrongly on Hopper (fla/ops/common/chunk_o.py refuses
 # them, citing fla issue #640): [from, to)
 HOPPER_WRONG_TRITON = ((3, 4, 0), (3, 7, 1))
+
+
+def wrong_triton_for_hopper(major: int, triton_version: str) -> bool:
+    """Whether a GPU of compute capability major.x runs a Triton that compiles gated chunked backward kernels
+    wrongly there (Hopper, HOPPER_WRONG_TRITON)."""
+    return major == 9 and HOPPER_WRONG_TRITON[0] <= version_tuple(triton_version) < HOPPER_WRONG_TRITON[1]
 
 
 def version_tuple(version: str) -> tuple[int, ...]:
