@@ -103,6 +103,25 @@ def test_two_paths_summed_in_one_call_equal_the_dense_reference(kind, documents,
         torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
 
 
+def test_two_paths_summed_in_bfloat16_stay_close_to_float32():
+    """The accumulating forms in bfloat16, as training runs them: the first path's output and gradients stored in
+    bfloat16 and added to by the second pass, against the float32 references of both paths added."""
+    from attention.kernels import attend_paths
+
+    n, block = 77, 16
+    rules = (FixedBlock(block), BoundaryWindows("bridge", block, 8, n))
+    q, k, v = inputs(n, H=4, H_kv=2, dtype=torch.bfloat16)
+    plans = tuple(plan_attention(rule, "span", n, 4, 16, "cpu") for rule in rules)
+    y = attend_paths(q, k, v, plans)
+    pos = torch.arange(n, device="cpu")
+    exact = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref = sum(dense_attention(*exact, rule, pos) for rule in rules)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), ref, atol=2e-2, rtol=2e-2)
+    for ours, theirs in zip(grads(y, (q, k, v)), grads(ref, exact)):
+        assert_close_at_scale(ours, theirs, torch.bfloat16)
+
+
 @pytest.mark.parametrize("activation", ["sigmoid", "softmax"])
 @pytest.mark.parametrize("window", [11, 40])  # 40: tiles with interior key blocks (no mask, ALiBi's row term apart)
 def test_swat_scores_alibi_and_sigmoid_in_the_kernel(activation, window):
