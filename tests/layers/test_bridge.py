@@ -108,7 +108,7 @@ def test_branch_is_two_separate_softmaxes_summed_and_zero_outside_write_back():
 
 @pytest.mark.parametrize("kind", ["bridge", "pbb", "se_bridge"])
 @pytest.mark.parametrize("fusion", ["branch", "union"])
-@pytest.mark.parametrize("backend", ["chunked", "sdpa"])
+@pytest.mark.parametrize("backend", ["chunked", "sdpa", "span"])  # span: the Triton kernels, interpreted on the CPU
 def test_backends_equal_dense_forward_and_backward(kind, fusion, backend):
     idx = torch.randint(0, 50, (2, 75), generator=torch.Generator().manual_seed(1))
     results = []

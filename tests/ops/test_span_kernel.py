@@ -39,6 +39,15 @@ def inputs(n, H=4, H_kv=4, D=16, dtype=torch.float32, seed=0):
     return make(H), make(H_kv), make(H_kv)
 
 
+def fused_inputs(n, H=4, H_kv=4, D=16, seed=0):
+    """q, k, v as a model's fused projection gives them: heads-first views of one (B, n, (H + 2 H_kv) D) tensor,
+    no one of them dense in memory."""
+    generator = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(2, n, (H + 2 * H_kv) * D, generator=generator, device="cpu").requires_grad_()
+    q, k, v = qkv.split((H * D, H_kv * D, H_kv * D), dim=-1)
+    return tuple(t.view(2, n, -1, D).transpose(1, 2) for t in (q, k, v))
+
+
 def grads(y, tensors, seed=1):
     g = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed), device="cpu").to(y.dtype)
     return torch.autograd.grad(y, tensors, g)
@@ -71,18 +80,19 @@ def test_span_kernels_equal_the_dense_reference_forward_and_backward(name, n):
         torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["bridge", "pbb", "se_bridge"])
+@pytest.mark.parametrize("kind,fused", [("bridge", False), ("pbb", False), ("se_bridge", False), ("bridge", True)])
 @pytest.mark.parametrize("documents", [False, True])
-def test_two_paths_summed_in_one_call_equal_the_dense_reference(kind, documents, monkeypatch):
+def test_two_paths_summed_in_one_call_equal_the_dense_reference(kind, fused, documents, monkeypatch):
     """Branch fusion (a layer's two separately normalised span paths, summed: Kernel.run_sum): the second pass adds
     the first's output and gradients in as it stores them, and equals the two paths' dense references added,
-    forward and backward, with grouped-query heads and packed documents; no output is added after the kernels."""
+    forward and backward, with grouped-query heads and packed documents; no output is added after the kernels.
+    fused: q, k, v are views of one fused projection (the model's), whose gradients are laid out unlike them."""
     from attention.documents import document_starts
     from attention.kernels import attend_paths
 
     n, block = 77, 16
     rules = (FixedBlock(block), BoundaryWindows(kind, block, 6 if kind == "se_bridge" else 8, n))
-    q, k, v = inputs(n, H=4, H_kv=2)
+    q, k, v = (fused_inputs if fused else inputs)(n, H=4, H_kv=2)
     docs = None
     if documents:
         marks = torch.zeros(2, n, dtype=torch.long)
