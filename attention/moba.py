@@ -36,7 +36,7 @@ from attention.layer import Attention
 from attention.memory import linear_inputs, padded, rope_tables
 from attention.ops.moba.blockwise import moba_blockwise
 from attention.ops.moba.naive import moba_choose, moba_dense  # the choice and the reference, beside the kernels
-from attention.ops.moba.op import moba_attention
+from attention.ops.moba.op import moba_attention, own_blocks
 from attention.registry import Setting, refuse_whole_context, register
 
 # each query reads the moba_topk key blocks of moba_block positions scoring best against it, its own block among
@@ -79,22 +79,25 @@ class MixtureOfBlockAttention(Attention):
         self.kernel = moba_dense if config.attn_backend == "dense" else moba_blockwise
 
     def plan(self, batch_size, seq_len, device, start=0):
-        """Whether this forward runs the Triton kernels: decided here, outside compiled code (a compiled block then
-        guards on the answer instead of asking the environment at every call)."""
-        return self.uses_triton(device)
+        """(the own blocks' spans,) where this forward runs the Triton kernels, else (): decided and built here,
+        outside compiled code (a compiled block guards on the answer instead of asking the environment at every
+        call, and reads the cached spans as an input: built inside the op during a CUDA graph's warm-up, they would
+        stay in the graph's memory pool)."""
+        return (own_blocks(self.block, seq_len, str(device)),) if self.uses_triton(device) else ()
 
     def attend(self, q, k, v, pos, cache, plan=None, docs=None):
         if cache is not None:
             k, v, _ = cache.update(k, v, pos)
         return self.attend_over(q, k, v, pos, self.kernel, plan, docs)
 
-    def attend_over(self, q, keys, values, pos, kernel=None, triton=None, docs=None):
-        """Queries at positions pos over the keys at 0 .. len - 1 (a prompt, or decoding over a cache). triton:
-        plan()'s answer (None: asked now); docs (B, Tq): where each query's document begins, or None."""
+    def attend_over(self, q, keys, values, pos, kernel=None, plan=None, docs=None):
+        """Queries at positions pos over the keys at 0 .. len - 1 (a prompt, or decoding over a cache). plan: plan()'s
+        answer at this length (None: asked now); docs (B, Tq): where each query's document begins, or None."""
         dropout_p = self.dropout if self.training else 0.0
-        triton = self.uses_triton(q.device) if triton is None else triton
-        if kernel is moba_blockwise and triton and q.shape[2] == keys.shape[2] and dropout_p == 0:
-            return moba_attention(q, keys, values, self.block, self.topk, docs)  # training and prompts, on CUDA
+        if kernel is moba_blockwise and q.shape[2] == keys.shape[2] and dropout_p == 0:
+            plan = self.plan(q.shape[0], q.shape[2], q.device) if plan is None else plan
+            if plan:  # training and prompts, on CUDA
+                return moba_attention(q, keys, values, self.block, self.topk, docs, own=plan[0])
         chosen = moba_choose(q, keys, pos, self.block, self.topk, docs)
         return (kernel or moba_dense)(q, keys, values, pos, chosen, self.block, dropout_p, docs)
 

@@ -261,8 +261,9 @@ def record_launches(c: HopperConfig) -> list[Launch]:
             configuration[0] = name
             docs = torch.empty(B, n, dtype=torch.long, device=CUDA) if documents else None
             chosen = moba_op.triton_choose(q, k, c.moba_block, c.moba_topk, docs)
-            out, lse = moba_op.triton_forward(q, k, v, chosen, c.moba_block, docs)
-            moba_op.triton_backward(torch.empty_like(out), q, k, v, out, lse, chosen, c.moba_block, docs)
+            own = moba_op.own_blocks(c.moba_block, n, "cpu").to(CUDA)
+            out, lse = moba_op.triton_forward(q, k, v, chosen, own, c.moba_block, docs)
+            moba_op.triton_backward(torch.empty_like(out), q, k, v, out, lse, chosen, own, c.moba_block, docs)
     launched = {launch.kernel.fn.__name__ for launch in launches}
     never = [name for module in kernel_modules() for name in kernels_of(module) if name not in launched]
     if never:

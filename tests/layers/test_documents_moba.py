@@ -194,7 +194,8 @@ def test_triton_kernels_equal_the_definition_forward_and_backward(n, block, topk
 
 def test_the_layer_takes_documents_on_cudas_path_compiled_whole():
     """On CUDA's path (simulated) a moba layer with documents takes the custom ops, with docs an input of the
-    compiled graph (fullgraph: no graph break, no host code per step), and equals the definition."""
+    compiled graph (fullgraph: no graph break, no host code per step; the plan built outside, as GPT.forward
+    builds it), and equals the definition."""
     config = ModelConfig(n_layer=1, n_head=3, n_embd=24, block_size=64, vocab_size=64, arch="llama",
                          attn_pattern="moba", moba_block=8, moba_topk=3, document_mask=True, eot_id=7)
     q, k, v = inputs(48, dtype=torch.float32)
@@ -203,7 +204,9 @@ def test_the_layer_takes_documents_on_cudas_path_compiled_whole():
         mixer = build_mixer(config, 0)
         assert mixer.uses_triton("cpu")
         before = simulate_cuda.STAND_IN_CALLS["moba"]
-        y = torch.compile(mixer.kernel_forward, fullgraph=True, backend="aot_eager")(q, k, v, docs)
+        plan = mixer.plan(3, 48, "cpu")
+        y = torch.compile(lambda q, k, v, plan, docs: mixer.attend(q, k, v, torch.arange(48), None, plan, docs),
+                          fullgraph=True, backend="aot_eager")(q, k, v, plan, docs)
         assert simulate_cuda.STAND_IN_CALLS["moba"] > before
     wide = [t.detach().double() for t in (q, k, v)]
     torch.testing.assert_close(y.double(), moba_by_definition(*wide, torch.arange(48), docs, 8, 3)[0],

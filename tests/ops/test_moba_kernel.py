@@ -120,7 +120,8 @@ def test_bfloat16_and_a_head_dimension_that_is_no_power_of_two():
 
 def test_the_layer_runs_the_kernels_on_cudas_path_compiled_whole():
     """On CUDA's path (simulated) a moba layer's training forward takes the kernels, equals the dense reference
-    and compiles as one graph (fullgraph: no graph break, so no data-dependent host code per step)."""
+    and compiles as one graph (fullgraph: no graph break, so no data-dependent host code per step), its plan (the
+    own blocks' spans) built outside, as GPT.forward builds it."""
     from attention.registry import build_mixer
     from config import ModelConfig
 
@@ -131,14 +132,40 @@ def test_the_layer_runs_the_kernels_on_cudas_path_compiled_whole():
         assert mixer.uses_triton("cpu") and mixer.expected_graph_breaks("cpu", torch.float32) == ""
         q, k, v = inputs(48, H=2)
         before = simulate_cuda.STAND_IN_CALLS["moba"]
-        compiled = torch.compile(mixer.kernel_forward, fullgraph=True, backend="aot_eager")
-        y = compiled(q, k, v)
+        plan = mixer.plan(2, 48, "cpu")
+        compiled = torch.compile(lambda q, k, v, plan: mixer.attend(q, k, v, torch.arange(48), None, plan),
+                                 fullgraph=True, backend="aot_eager")
+        y = compiled(q, k, v, plan)
         assert simulate_cuda.STAND_IN_CALLS["moba"] > before
     pos = torch.arange(48, device="cpu")
     ref = moba_dense(q, k, v, pos, moba_choose(q, k, pos, 8, 3), 8)
     torch.testing.assert_close(y, ref, atol=2e-5, rtol=1e-4)
     y.sum().backward()
     assert all(t.grad is not None for t in (q, k, v))
+
+
+def test_the_ops_look_up_no_cached_tensor_inside(monkeypatch):
+    """The own blocks' spans come from the layer's plan, built outside compiled code; the kernels' ops never fill
+    or read a cache of device tensors themselves (under CUDA graphs, a tensor cached during a graph's warm-up stays
+    in the graph's memory pool and the step fails: the H100 run of 2026-11-27 did)."""
+    from attention.registry import build_mixer
+    from config import ModelConfig
+
+    config = ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=64, vocab_size=64, arch="llama",
+                         attn_pattern="moba", moba_block=8, moba_topk=3)
+    with simulate_cuda.simulating():
+        (own,) = build_mixer(config, 0).plan(2, 48, "cpu")
+    q, k, v = inputs(48, H=2)
+
+    def cached(*args):
+        raise AssertionError("a MoBA op looked up cached spans")
+
+    monkeypatch.setattr(op, "static_spans", cached)
+    monkeypatch.setattr(op, "own_blocks", cached)
+    y = op.moba_attention(q, k, v, 8, 3, own=own)  # the Triton kernels, interpreted
+    y.sum().backward()
+    pos = torch.arange(48, device="cpu")
+    torch.testing.assert_close(y, moba_dense(q, k, v, pos, moba_choose(q, k, pos, 8, 3), 8), atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.gpu  # on CUDA where it exists (the GPU's tiles, compiled Triton), else on the CPU's interpreter

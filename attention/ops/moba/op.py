@@ -127,26 +127,37 @@ def pair_tiles(chosen, block: int) -> torch.Tensor:
     return PairTiles(chosen, block, _sizes(chosen.device)[0]).packed()
 
 
-def own_block_spans(block: int, n: int, device, docs) -> tuple:
-    """The own blocks' spans (causal within fixed blocks) as the span kernels take them: (lo, hi, key_first,
-    key_end), with docs one (lo, hi) per batch row (B, 1, n), each row's run starting where its document begins;
-    the blocks' key_first and key_end still bound the rows reading each key (raising lo only removes some)."""
+@functools.lru_cache(maxsize=64)
+def own_blocks(block: int, n: int, device: str) -> torch.Tensor:
+    """The own blocks' spans (causal within fixed blocks: static_spans of FixedBlock) as the ops take them, packed
+    into one int32 tensor (lo, hi, key_first, key_end along its row). Built by the layer's plan, outside compiled
+    code (cached: every layer shares them): a CUDA graph's memory pool must hold no tensor that outlives a call,
+    and a cache filled inside an op during a graph's warm-up would."""
     spans = static_spans(FixedBlock(block), n, 1, 0, str(device))
+    return torch.cat((spans.lo, spans.hi, spans.key_first, spans.key_end), dim=1).contiguous()
+
+
+def own_block_spans(own: torch.Tensor, n: int, docs) -> tuple:
+    """own_blocks' (lo, hi, key_first, key_end), with docs one (lo, hi) per batch row (B, 1, n), each row's run
+    starting where its document begins; the blocks' key_first and key_end still bound the rows reading each key
+    (raising lo only removes some)."""
+    groups = (own.shape[1] - 2 * n) // 2
+    lo, hi, key_first, key_end = own.split((n, n, groups, groups), dim=1)
     if docs is None:
-        return spans.lo, spans.hi, spans.key_first, spans.key_end
-    lo = torch.maximum(spans.lo, docs.to(spans.lo.dtype))[:, None].contiguous()
-    return lo, spans.hi.expand_as(lo).contiguous(), spans.key_first, spans.key_end
+        return lo, hi, key_first, key_end
+    lo = torch.maximum(lo, docs.to(lo.dtype))[:, None].contiguous()
+    return lo, hi.expand_as(lo).contiguous(), key_first, key_end
 
 
-def triton_forward(q, k, v, chosen, block: int, docs=None, tiles=None):
+def triton_forward(q, k, v, chosen, own, block: int, docs=None, tiles=None):
     moba_pairs_forward_kernel = triton_kernels().moba_pairs_forward_kernel
 
     B, H, n, D = q.shape
-    lo, hi, _, _ = own_block_spans(block, n, q.device, docs)
-    own, own_lse = span_op.triton_forward(q, k, v, lo, hi, None, None, 0.0, False)
+    lo, hi, _, _ = own_block_spans(own, n, docs)
+    own_out, own_lse = span_op.triton_forward(q, k, v, lo, hi, None, None, 0.0, False)
     topk = chosen.shape[-1]
     if topk == 1:
-        return own, own_lse
+        return own_out, own_lse
     rows, cols = _sizes(q.device)
     tiles = PairTiles(chosen, block, rows, tiles)
     out = torch.empty(tiles.pairs, D, device=q.device, dtype=torch.float32)  # the merge reads filled pairs only
@@ -159,18 +170,18 @@ def triton_forward(q, k, v, chosen, block: int, docs=None, tiles=None):
     result = span_op.layout_like_q(q)
     total = torch.empty_like(own_lse)
     triton_kernels().moba_merge_kernel[(span_op.triton_cdiv(n, rows), B * H)](
-        own, own_lse, out, lse, result, total, *own.stride()[:3], *result.stride()[:3], H, n, D, topk - 1,
+        own_out, own_lse, out, lse, result, total, *own_out.stride()[:3], *result.stride()[:3], H, n, D, topk - 1,
         BLOCK_M=rows, BLOCK_D=_block_d(D))
     return result, total
 
 
-def triton_backward(grad, q, k, v, out, lse, chosen, block: int, docs=None, tiles=None):
+def triton_backward(grad, q, k, v, out, lse, chosen, own, block: int, docs=None, tiles=None):
     kernels = triton_kernels()
 
     B, H, n, D = q.shape
     grad = span_op.unit_stride(grad)
     delta = span_op.triton_delta(grad, out)
-    dq, dk_own, dv_own = span_op.triton_backward(grad, q, k, v, out, lse, *own_block_spans(block, n, q.device, docs),
+    dq, dk_own, dv_own = span_op.triton_backward(grad, q, k, v, out, lse, *own_block_spans(own, n, docs),
                                                  None, None, 0.0, False, delta=delta)
     topk = chosen.shape[-1]
     if topk == 1:
@@ -219,34 +230,36 @@ def _(q, k, block, topk, docs=None):
 
 @torch.library.custom_op("efficient_attention::moba_forward", mutates_args=(), device_types="cuda")
 def moba_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chosen: torch.Tensor, tiles: torch.Tensor,
-                 block: int, docs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """tiles: pair_tiles(chosen, block), built once for the forward and its backward (empty: built here)."""
-    return triton_forward(q, k, v, chosen, block, docs, tiles)
+                 own: torch.Tensor, block: int,
+                 docs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """tiles: pair_tiles(chosen, block), built once for the forward and its backward (empty: built here); own:
+    own_blocks(block, n, device)."""
+    return triton_forward(q, k, v, chosen, own, block, docs, tiles)
 
 
 @moba_forward.register_fake
-def _(q, k, v, chosen, tiles, block, docs=None):
+def _(q, k, v, chosen, tiles, own, block, docs=None):
     B, H, n, _ = q.shape
     return span_op.layout_like_q(q), q.new_empty(B, H, n, dtype=torch.float32)
 
 
 @torch.library.custom_op("efficient_attention::moba_backward", mutates_args=(), device_types="cuda")
 def moba_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                  lse: torch.Tensor, chosen: torch.Tensor, tiles: torch.Tensor, block: int,
+                  lse: torch.Tensor, chosen: torch.Tensor, tiles: torch.Tensor, own: torch.Tensor, block: int,
                   docs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return triton_backward(grad, q, k, v, out, lse, chosen, block, docs, tiles)
+    return triton_backward(grad, q, k, v, out, lse, chosen, own, block, docs, tiles)
 
 
 @moba_backward.register_fake
-def _(grad, q, k, v, out, lse, chosen, tiles, block, docs=None):
+def _(grad, q, k, v, out, lse, chosen, tiles, own, block, docs=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 @moba_forward.register_kernel("cpu")
-def _cpu_forward(q, k, v, chosen, tiles, block, docs=None):
+def _cpu_forward(q, k, v, chosen, tiles, own, block, docs=None):
     simulate_cuda.ran("moba")
     if _use_triton(q.device):
-        return triton_forward(q, k, v, chosen, block, docs, tiles)
+        return triton_forward(q, k, v, chosen, own, block, docs, tiles)
     y, lse = moba_naive(q, k, v, chosen, block, docs)
     out = span_op.layout_like_q(q)
     out.copy_(y)
@@ -254,10 +267,10 @@ def _cpu_forward(q, k, v, chosen, tiles, block, docs=None):
 
 
 @moba_backward.register_kernel("cpu")
-def _cpu_backward(grad, q, k, v, out, lse, chosen, tiles, block, docs=None):
+def _cpu_backward(grad, q, k, v, out, lse, chosen, tiles, own, block, docs=None):
     simulate_cuda.ran("moba")
     if _use_triton(q.device):
-        return triton_backward(grad, q, k, v, out, lse, chosen, block, docs, tiles)
+        return triton_backward(grad, q, k, v, out, lse, chosen, own, block, docs, tiles)
     with simulate_cuda.autograd_in_kernel():
         inputs = [t.detach().requires_grad_() for t in (q, k, v)]
         y, _ = moba_naive(*inputs, chosen, block, docs)
@@ -266,28 +279,31 @@ def _cpu_backward(grad, q, k, v, out, lse, chosen, tiles, block, docs=None):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, chosen, tiles, block, docs = inputs
+    q, k, v, chosen, tiles, own, block, docs = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, chosen, docs, tiles)
+    ctx.save_for_backward(q, k, v, out, lse, chosen, docs, tiles, own)
     ctx.block = block
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, chosen, docs, tiles = ctx.saved_tensors
-    return (*moba_backward(grad_out, q, k, v, out, lse, chosen, tiles, ctx.block, docs), None, None, None, None)
+    q, k, v, out, lse, chosen, docs, tiles, own = ctx.saved_tensors
+    return (*moba_backward(grad_out, q, k, v, out, lse, chosen, tiles, own, ctx.block, docs), None, None, None, None,
+            None)
 
 
 moba_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def moba_attention(q, k, v, block: int, topk: int, docs=None):
+def moba_attention(q, k, v, block: int, topk: int, docs=None, own=None):
     """MoBA of queries over the keys at the same positions 0 .. n - 1 (training, a prompt): q, k, v (B, H, n, D),
-    docs (B, n) or None (naive.py); the output (B, H, n, D), laid out (B, n, H, D) in memory."""
+    docs (B, n) or None (naive.py); the output (B, H, n, D), laid out (B, n, H, D) in memory. own:
+    own_blocks(block, n, device), as the layer's plan built it (None: looked up here, in eager code only)."""
     q, k, v = (span_op.unit_stride(t) for t in (q, k, v))
     if docs is not None:
         docs = docs.contiguous()  # the kernels read it as rows of n
     chosen = moba_choose_op(q, k, block, topk, docs)
-    out, _ = moba_forward(q, k, v, chosen, pair_tiles(chosen, block), block, docs)
+    own = own_blocks(block, q.shape[2], str(q.device)) if own is None else own
+    out, _ = moba_forward(q, k, v, chosen, pair_tiles(chosen, block), own, block, docs)
     return out
 
 
@@ -314,7 +330,8 @@ def _choose_samples():
 def _forward_samples():
     # with the pairs' tiles built beforehand (as moba_attention passes them) and without (built inside)
     return [(q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), chosen,
-             PairTiles(chosen, block, TEST_SIZES[0]).packed() if i % 2 else chosen.new_empty(0), block, docs)
+             PairTiles(chosen, block, TEST_SIZES[0]).packed() if i % 2 else chosen.new_empty(0),
+             own_blocks(block, q.shape[2], "cpu"), block, docs)
             for i, (q, k, v, chosen, block, docs) in enumerate(_samples())]
 
 
@@ -323,7 +340,8 @@ def _backward_samples():
     samples = []
     for i, (q, k, v, chosen, block, docs) in enumerate(_samples()):
         tiles = PairTiles(chosen, block, TEST_SIZES[0]).packed() if i % 2 else chosen.new_empty(0)
-        out, lse = _cpu_forward(q, k, v, chosen, tiles, block, docs)
+        own = own_blocks(block, q.shape[2], "cpu")
+        out, lse = _cpu_forward(q, k, v, chosen, tiles, own, block, docs)
         grad = torch.randn(out.shape[0], out.shape[2], out.shape[1], out.shape[3]).to(q.dtype).transpose(1, 2)
-        samples.append((grad, q, k, v, out, lse, chosen, tiles, block, docs))
+        samples.append((grad, q, k, v, out, lse, chosen, tiles, own, block, docs))
     return samples
