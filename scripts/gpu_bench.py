@@ -28,7 +28,8 @@ Parts:
 Every case runs in a process of its own (one torch thread), in rounds of --jobs cases: a round's cases compile and
 warm up at once (inductor's and Triton's caches are shared on disk); once all are warm, each times alone, one after
 the other (a file lock), from its warm state, so no case is timed beside another's work (a case not warm by
---ready_by is stopped and reported), and only a round's cases hold GPU memory at once.
+--ready_by is stopped and reported), and only a round's cases hold GPU memory at once (a round takes fewer than
+--jobs cases where their planned memory would pass 80% of the GPU's: six training cases at 8K on an 80 GiB H100).
 Each case's log (OUT/logs) says where its warm-up spent its time. Results: the tables printed and written to OUT/report.md, every number in
 OUT/gpu_bench.json with the GPU's name and the torch and Triton versions.
 """

@@ -109,6 +109,23 @@ def test_each_round_leaves_the_report_so_far_and_no_round_waits_past_the_timeout
     assert set(results) == {("kernels", "full"), ("kernels", "swa"), ("kernels", "block")}
 
 
+def test_rounds_hold_what_the_gpus_memory_allows():
+    """A round's cases fit the GPU's memory as well as --jobs: on an 80 GiB H100 twelve training cases at 8K warmed
+    up at once and five ran out of memory; kernels cases still go twelve to a round, and the CPU has no limit."""
+    from scripts.gpubench.options import BenchConfig
+    from scripts.gpubench.rounds import plan_rounds
+
+    b = BenchConfig(jobs=12)
+    train = [("train", f"v{i}") for i in range(12)]
+    kernels = [("kernels", f"k{i}") for i in range(12)]
+    rounds = plan_rounds(kernels + train + [("nanogpt", "gpt2_124m")], b, 79.2)
+    assert [len(r) for r in rounds] == [12, 6, 6, 1]
+    assert [case for r in rounds for case in r] == kernels + train + [("nanogpt", "gpt2_124m")]  # order kept
+    assert [len(r) for r in plan_rounds(train, b, 139.8)] == [11, 1]  # an H200
+    assert [len(r) for r in plan_rounds(train, BenchConfig(jobs=12, train_len=32768), 79.2)] == [1] * 12
+    assert [len(r) for r in plan_rounds(train, b, 0.0)] == [12]
+
+
 @pytest.mark.e2e
 def test_a_round_begun_near_the_timeout_stops_its_late_cases_by_the_timeout(tmp_path):
     """--ready_by counts from a round's start, but no round waits past --timeout: the cases not warm by then are
