@@ -22,7 +22,9 @@ with the same output contract (shapes, dtypes, contiguity):
                          (attention/ops/gated_deltanet/fla_kernel.py): the built-in forms, returning what the real
                          kernels return; this project's span attention and MoBA ops (attention/ops) run their naive
                          references (outside this switch, with TRITON_INTERPRET=1, their CPU kernels run the Triton
-                         code itself under the interpreter: the kernel tests)
+                         code itself under the interpreter: the kernel tests). EFFICIENT_ATTENTION_SIMULATE_CUDA=triton
+                         (simulating(triton=True)), with TRITON_INTERPRET=1: their Triton code instead, interpreted,
+                         called as the model calls it on CUDA (slower: small models)
     dtype=auto           bfloat16 in train.py, sample.py and python -m eval; AdamW fused, as on CUDA
     SDPA outputs         laid out as CUDA's fused kernels lay them out ((B, L, H, D) in memory, not contiguous)
 
@@ -45,8 +47,14 @@ ENV = "EFFICIENT_ATTENTION_SIMULATE_CUDA"
 
 
 def active() -> bool:
-    """Whether the switch is on (EFFICIENT_ATTENTION_SIMULATE_CUDA=1, true, yes or on)."""
-    return os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    """Whether the switch is on (EFFICIENT_ATTENTION_SIMULATE_CUDA=1, true, yes, on or triton)."""
+    return os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on", "triton")
+
+
+def interpreted_kernels() -> bool:
+    """Whether, while simulating, this project's Triton kernels (span attention, MoBA) run their own code under
+    Triton's interpreter rather than their naive references (EFFICIENT_ATTENTION_SIMULATE_CUDA=triton)."""
+    return os.environ.get(ENV, "").strip().lower() == "triton"
 
 
 def gpu_path(device) -> bool:
@@ -101,10 +109,11 @@ def compile_backend(device) -> str:
 
 
 @contextmanager
-def simulating(on: bool = True):
-    """The switch for the code inside (restored afterwards): for tests and in-process tools."""
+def simulating(on: bool = True, triton: bool = False):
+    """The switch for the code inside (restored afterwards): for tests and in-process tools. triton: the Triton
+    kernels' own code, interpreted, in place of their naive references (interpreted_kernels)."""
     before = os.environ.get(ENV)
-    os.environ[ENV] = "1" if on else "0"
+    os.environ[ENV] = ("triton" if triton else "1") if on else "0"
     try:
         yield
     finally:

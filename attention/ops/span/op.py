@@ -47,8 +47,10 @@ def interpreting() -> bool:
 
 def triton_on_cpu() -> bool:
     """Whether the ops' CPU kernels run the Triton kernels (under the interpreter): when it is on, except while
-    the CPU stands in for CUDA, where the naive reference keeps simulated training fast."""
-    return interpreting() and not simulate_cuda.active() and triton_installed()
+    the CPU stands in for CUDA, where the naive reference keeps simulated training fast, unless the simulation asks
+    for the kernels themselves (simulate_cuda.interpreted_kernels)."""
+    return (interpreting() and triton_installed()
+            and (not simulate_cuda.active() or simulate_cuda.interpreted_kernels()))
 
 
 @functools.cache
