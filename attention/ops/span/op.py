@@ -296,8 +296,8 @@ def document_spans(spans, docs, start: int = 0, rows=None) -> tuple:
     and the kernels compare documents. rows: document_rows(docs, start), when the caller has them already."""
     if docs is None:
         return spans.lo, spans.hi, None, None
-    if spans.order is not None:
-        return spans.lo, spans.hi, docs.to(torch.int32).contiguous(), None
+    if spans.order is not None:  # token indices, as the order's: the kernels compare the two
+        return spans.lo, spans.hi, (docs - start).to(torch.int32).contiguous(), None
     first, end = document_rows(docs, start) if rows is None else rows
     return (torch.maximum(spans.lo, first[:, None]).contiguous(), torch.minimum(spans.hi, end[:, None]).contiguous(),
             first, end)

@@ -21,8 +21,9 @@ Packed documents (attention/documents.py): a row attends only keys of its own do
 their spans clipped to their documents, one set per row of the batch (span_b), so a tile walks only the key blocks
 its rows' documents reach and no block pays for documents; with DOCS (each row's document's first row) and DOC_END
 (one past its last) the backward's walk over query rows for a key block stops at its keys' documents. Rows in a
-second order (HAS_ORDER: stochastic attention's slots, whose documents come permuted alike) compare DOCS of row
-and key for equality in every block instead.
+second order (HAS_ORDER: stochastic attention's slots) read only each row's DOCS, as a token index: a document is
+a run of tokens, so a key of the row's document at or before it is a key whose token lies between the document's
+first token and the row's, one comparison beside the causal one and no document read per key.
 
 In slots (IN_SLOTS, stochastic attention's band, attention/stochastic.py): the rows are a layout's (attention/
 layouts.py) N = N_MEM + 2 HALO rows, row r holding token ORDER[r]; the queries are the main rows HALO ..
@@ -97,12 +98,14 @@ def _scores(q, k, cols, row_term, slope2, qk_scale, HAS_BIAS: tl.constexpr, SIGM
 
 
 @triton.jit
-def _allowed(cols, lo, hi, row_order, row_doc, col_order, col_doc, HAS_ORDER: tl.constexpr, HAS_DOCS: tl.constexpr):
+def _allowed(cols, lo, hi, row_order, row_doc, col_order, HAS_ORDER: tl.constexpr, HAS_DOCS: tl.constexpr):
     ok = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
     if HAS_ORDER:
-        ok = ok & (col_order[None, :] <= row_order[:, None])
-        if HAS_DOCS:
-            ok = ok & (col_doc[None, :] == row_doc[:, None])
+        if HAS_DOCS:  # row_doc <= key's token <= row's token, in one unsigned comparison: its document's keys
+            ok = ok & ((col_order[None, :] - row_doc[:, None]).to(tl.uint32)
+                       <= (row_order - row_doc).to(tl.uint32)[:, None])
+        else:
+            ok = ok & (col_order[None, :] <= row_order[:, None])
     return ok
 
 
@@ -162,12 +165,9 @@ def _key_block(k_base, v_base, skn, svn, start, ORDER, docs, N, D: tl.constexpr,
     else:
         kv_mask = (dims < D)[None, :]
     col_order, addr = _order_and_address(cols, cols < N, ORDER, HAS_ORDER, IN_SLOTS)
-    col_doc = cols
-    if HAS_ORDER and HAS_DOCS:
-        col_doc = tl.load(docs + addr, mask=cols < N, other=-1)
     k = tl.load(k_base + addr[:, None] * skn + dims[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_base + addr[:, None] * svn + dims[None, :], mask=kv_mask, other=0.0)
-    return cols, k, v, col_order, col_doc
+    return cols, k, v, col_order
 
 
 @triton.jit
@@ -178,17 +178,17 @@ def _forward_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, block_lo, block_
                     WIDEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """The forward over key blocks [block_lo, block_hi): masked where EDGE, else every score counts."""
     for start in range(block_lo, block_hi, BLOCK_N):
-        cols, k, v, col_order, col_doc = _key_block(k_base, v_base, skn, svn, start, ORDER, docs, N, D, EDGE,
-                                                    HAS_ORDER, HAS_DOCS, IN_SLOTS, BLOCK_N, BLOCK_D)
+        cols, k, v, col_order = _key_block(k_base, v_base, skn, svn, start, ORDER, docs, N, D, EDGE, HAS_ORDER,
+                                           HAS_DOCS, IN_SLOTS, BLOCK_N, BLOCK_D)
         s = _scores(q, k, cols, row_term, slope2, qk_scale, HAS_BIAS, SIGMOID, IEEE, WIDEN)
         if SIGMOID:
             p = _sigmoid(s, FAST_SIGMOID)
             if EDGE:
-                allowed = _allowed(cols, lo, hi, row_order, row_doc, col_order, col_doc, HAS_ORDER, HAS_DOCS)
+                allowed = _allowed(cols, lo, hi, row_order, row_doc, col_order, HAS_ORDER, HAS_DOCS)
                 p = tl.where(allowed, p, 0.0)
         else:
             if EDGE:
-                allowed = _allowed(cols, lo, hi, row_order, row_doc, col_order, col_doc, HAS_ORDER, HAS_DOCS)
+                allowed = _allowed(cols, lo, hi, row_order, row_doc, col_order, HAS_ORDER, HAS_DOCS)
                 s = tl.where(allowed, s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -279,7 +279,7 @@ def span_delta_kernel(O, DO, DELTA, O_SUM, DELTA_REST, sob, soh, son, sdb, sdh, 
 
 
 @triton.jit
-def _kv_rows(dk, dv, k, v, cols, col_order, col_doc, rows, row_ok, q_base, do_base, sqn, sdon, span_lo, span_hi,
+def _kv_rows(dk, dv, k, v, cols, col_order, rows, row_ok, q_base, do_base, sqn, sdon, span_lo, span_hi,
              LSE, DELTA, row_base, ORDER, docs, slope, offset, qk_scale, D: tl.constexpr, SIGMOID: tl.constexpr,
              FAST_SIGMOID: tl.constexpr, HAS_ORDER: tl.constexpr, HAS_DOCS: tl.constexpr, IN_SLOTS: tl.constexpr,
              HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -302,9 +302,9 @@ def _kv_rows(dk, dv, k, v, cols, col_order, col_doc, rows, row_ok, q_base, do_ba
     ok_t = (cols[:, None] >= lo[None, :]) & (cols[:, None] < hi[None, :])
     if HAS_ORDER:
         ok_t = ok_t & (col_order[:, None] <= row_order[None, :])
-        if HAS_DOCS:
+        if HAS_DOCS:  # from the row's document's first token (see _allowed; two comparisons compile shorter here)
             row_doc = tl.load(docs + addr, mask=row_ok, other=0)
-            ok_t = ok_t & (col_doc[:, None] == row_doc[None, :])
+            ok_t = ok_t & (col_order[:, None] >= row_doc[None, :])
     dp_t = tile_dot(v, tl.trans(do), IEEE, WIDEN)
     if SIGMOID:
         p_t = tl.where(ok_t, _sigmoid(s_t, FAST_SIGMOID), 0.0)
@@ -347,11 +347,8 @@ def span_backward_kv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, ORDER, SLOP
     if HAS_ORDER:
         col_order = tl.load(ORDER + cols, mask=col_ok, other=0)
     docs = DOCS + b * N
-    col_doc = cols
     rows_first, rows_end = 0, N  # the rows of the block's documents
-    if HAS_DOCS and HAS_ORDER:
-        col_doc = tl.load(docs + cols, mask=col_ok, other=-1)
-    elif HAS_DOCS:
+    if HAS_DOCS and not HAS_ORDER:
         rows_first = tl.load(docs + pid_n * BLOCK_N)
         rows_end = tl.load(DOC_END + b * N + tl.minimum(pid_n * BLOCK_N + BLOCK_N, N) - 1)
     for g in range(0, GROUP):
@@ -368,7 +365,7 @@ def span_backward_kv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, ORDER, SLOP
         row_base = (b * H + h) * N
         for start in range(first // BLOCK_M * BLOCK_M, end, BLOCK_M):
             rows = start + tl.arange(0, BLOCK_M)
-            dk, dv = _kv_rows(dk, dv, k, v, cols, col_order, col_doc, rows, rows < N, q_base, do_base, sqn, sdon,
+            dk, dv = _kv_rows(dk, dv, k, v, cols, col_order, rows, rows < N, q_base, do_base, sqn, sdon,
                               LO + b * span_b + h * span_h, HI + b * span_b + h * span_h, LSE, DELTA, row_base,
                               ORDER, docs, slope, offset, qk_scale, D, SIGMOID, FAST_SIGMOID, HAS_ORDER, HAS_DOCS,
                               False, HAS_BIAS, IEEE, WIDEN, BLOCK_D)
@@ -403,9 +400,6 @@ def span_backward_kv_slots_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, ORDER
     k = tl.load(K + b * skb + hk.to(tl.int64) * skh + tokens[:, None] * skn + dims[None, :], mask=kv_mask, other=0.0)
     v = tl.load(V + b * svb + hk.to(tl.int64) * svh + tokens[:, None] * svn + dims[None, :], mask=kv_mask, other=0.0)
     docs = DOCS + b * N_MEM
-    col_doc = cols
-    if HAS_DOCS:
-        col_doc = tl.load(docs + tokens, mask=col_ok, other=-1)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     lowest = tl.min(tl.where(col_ok, cols, N), 0)
@@ -420,7 +414,7 @@ def span_backward_kv_slots_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, ORDER
             end = tl.minimum(highest + shift + HALO + 1, HALO + N_MEM)
             for start in range(first, end, BLOCK_M):
                 rows = start + tl.arange(0, BLOCK_M)
-                dk, dv = _kv_rows(dk, dv, k, v, cols + shift, tokens, col_doc, rows, rows < end, q_base, do_base,
+                dk, dv = _kv_rows(dk, dv, k, v, cols + shift, tokens, rows, rows < end, q_base, do_base,
                                   sqn, sdon, LO + h * span_h, HI + h * span_h, LSE, DELTA, row_base, ORDER, docs,
                                   0.0, 0.0, qk_scale, D, False, False, True, HAS_DOCS, True, False, IEEE, WIDEN,
                                   BLOCK_D)
@@ -438,8 +432,8 @@ def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, block_lo, block_
                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """dq over key blocks [block_lo, block_hi): masked where EDGE, else every score counts."""
     for start in range(block_lo, block_hi, BLOCK_N):
-        cols, k, v, col_order, col_doc = _key_block(k_base, v_base, skn, svn, start, ORDER, docs, N, D, EDGE,
-                                                    HAS_ORDER, HAS_DOCS, IN_SLOTS, BLOCK_N, BLOCK_D)
+        cols, k, v, col_order = _key_block(k_base, v_base, skn, svn, start, ORDER, docs, N, D, EDGE, HAS_ORDER,
+                                           HAS_DOCS, IN_SLOTS, BLOCK_N, BLOCK_D)
         s = _scores(q, k, cols, row_term, slope2, qk_scale, HAS_BIAS, SIGMOID, IEEE, WIDEN)
         dp = tile_dot(do, tl.trans(v), IEEE, WIDEN)
         if SIGMOID:
@@ -447,7 +441,7 @@ def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, block_lo, block_
         else:
             p = tl.exp2(s - lse[:, None])
         if EDGE:
-            allowed = _allowed(cols, lo, hi, row_order, row_doc, col_order, col_doc, HAS_ORDER, HAS_DOCS)
+            allowed = _allowed(cols, lo, hi, row_order, row_doc, col_order, HAS_ORDER, HAS_DOCS)
             p = tl.where(allowed, p, 0.0)
         if SIGMOID:
             ds = dp * p * (1.0 - p)
