@@ -293,7 +293,8 @@ def document_spans(spans, docs, start: int = 0, rows=None) -> tuple:
     """(lo, hi, docs, doc_end) as the kernels take them for docs (B, n) or None. A document is a run of rows in
     token order: each row's span is cut to it (spans (B, 1 or H, n)), so the kernels skip the key blocks (and the
     backward the query rows) outside it at no cost per block; rows in another order (sa's slots) keep their spans
-    and the kernels compare documents. rows: document_rows(docs, start), when the caller has them already."""
+    and the kernels test each key against its row's document start. rows: document_rows(docs, start), when the caller
+    has them already."""
     if docs is None:
         return spans.lo, spans.hi, None, None
     if spans.order is not None:  # token indices, as the order's: the kernels compare the two
