@@ -166,6 +166,9 @@ def test_compiled_training_through_the_triton_kernels_themselves(name, monkeypat
     from attention.ops.moba import op as moba_op
     from attention.ops.span import op as span_op
 
+    if not span_op.interpreting():  # a GPU machine: its gpu tests run the compiled kernels (tests/conftest.py)
+        pytest.skip("Triton runs on CPU tensors only under its interpreter (TRITON_INTERPRET=1, set without a GPU)")
+
     def reference(*args, **kwargs):
         raise AssertionError("a naive reference ran in place of the Triton kernels")
 
