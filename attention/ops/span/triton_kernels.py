@@ -152,12 +152,11 @@ def _query_tile(spans_lo, spans_hi, ORDER, docs, pid_m, ROW0, ROW_END, N, HAS_OR
 
 
 @triton.jit
-def _key_block(k_base, v_base, skn, svn, start, ORDER, docs, N, D: tl.constexpr, EDGE: tl.constexpr,
-               HAS_ORDER: tl.constexpr, HAS_DOCS: tl.constexpr, IN_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_D: tl.constexpr):
-    """The keys and values of the block from `start` (IN_SLOTS: read from their tokens' rows), with their order and
-    documents where the rows have a second order: bounded by the sequence at a tile's edges only (an interior
-    block lies inside every row's span, so inside the sequence)."""
+def _key_block(k_base, v_base, skn, svn, start, ORDER, N, D: tl.constexpr, EDGE: tl.constexpr,
+               HAS_ORDER: tl.constexpr, IN_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The keys and values of the block from `start` (IN_SLOTS: read from their tokens' rows), with their order
+    where the rows have a second one: bounded by the sequence at a tile's edges only (an interior block lies inside
+    every row's span, so inside the sequence)."""
     cols = start + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     if EDGE:
@@ -172,14 +171,14 @@ def _key_block(k_base, v_base, skn, svn, start, ORDER, docs, N, D: tl.constexpr,
 
 @triton.jit
 def _forward_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, block_lo, block_hi, lo, hi, row_order, row_doc,
-                    row_term, slope2, ORDER, docs, N, D: tl.constexpr, qk_scale, EDGE: tl.constexpr,
+                    row_term, slope2, ORDER, N, D: tl.constexpr, qk_scale, EDGE: tl.constexpr,
                     SIGMOID: tl.constexpr, FAST_SIGMOID: tl.constexpr, HAS_ORDER: tl.constexpr,
                     HAS_DOCS: tl.constexpr, IN_SLOTS: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
                     WIDEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """The forward over key blocks [block_lo, block_hi): masked where EDGE, else every score counts."""
     for start in range(block_lo, block_hi, BLOCK_N):
-        cols, k, v, col_order = _key_block(k_base, v_base, skn, svn, start, ORDER, docs, N, D, EDGE, HAS_ORDER,
-                                           HAS_DOCS, IN_SLOTS, BLOCK_N, BLOCK_D)
+        cols, k, v, col_order = _key_block(k_base, v_base, skn, svn, start, ORDER, N, D, EDGE, HAS_ORDER, IN_SLOTS,
+                                           BLOCK_N, BLOCK_D)
         s = _scores(q, k, cols, row_term, slope2, qk_scale, HAS_BIAS, SIGMOID, IEEE, WIDEN)
         if SIGMOID:
             p = _sigmoid(s, FAST_SIGMOID)
@@ -234,15 +233,15 @@ def span_forward_kernel(Q, K, V, O, LSE, LO, HI, ORDER, SLOPES, DOCS, PREV,
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     acc, m_i, l_i = _forward_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, first, inner, lo, hi, row_order,
-                                    row_doc, row_term, slope2, ORDER, docs, N, D, qk_scale, True, SIGMOID,
+                                    row_doc, row_term, slope2, ORDER, N, D, qk_scale, True, SIGMOID,
                                     FAST_SIGMOID, HAS_ORDER, HAS_DOCS, IN_SLOTS, HAS_BIAS, IEEE, WIDEN, BLOCK_N,
                                     BLOCK_D)
     acc, m_i, l_i = _forward_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, inner, outer, lo, hi, row_order,
-                                    row_doc, row_term, slope2, ORDER, docs, N, D, qk_scale, False, SIGMOID,
+                                    row_doc, row_term, slope2, ORDER, N, D, qk_scale, False, SIGMOID,
                                     FAST_SIGMOID, HAS_ORDER, HAS_DOCS, IN_SLOTS, HAS_BIAS, IEEE, WIDEN, BLOCK_N,
                                     BLOCK_D)
     acc, m_i, l_i = _forward_blocks(acc, m_i, l_i, q, k_base, v_base, skn, svn, outer, end, lo, hi, row_order,
-                                    row_doc, row_term, slope2, ORDER, docs, N, D, qk_scale, True, SIGMOID,
+                                    row_doc, row_term, slope2, ORDER, N, D, qk_scale, True, SIGMOID,
                                     FAST_SIGMOID, HAS_ORDER, HAS_DOCS, IN_SLOTS, HAS_BIAS, IEEE, WIDEN, BLOCK_N,
                                     BLOCK_D)
     if not SIGMOID:
@@ -426,14 +425,14 @@ def span_backward_kv_slots_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, ORDER
 
 @triton.jit
 def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, block_lo, block_hi, lo, hi, row_order, row_doc,
-               row_term, slope2, ORDER, docs, N, D: tl.constexpr, qk_scale, EDGE: tl.constexpr,
+               row_term, slope2, ORDER, N, D: tl.constexpr, qk_scale, EDGE: tl.constexpr,
                SIGMOID: tl.constexpr, FAST_SIGMOID: tl.constexpr, HAS_ORDER: tl.constexpr, HAS_DOCS: tl.constexpr,
                IN_SLOTS: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """dq over key blocks [block_lo, block_hi): masked where EDGE, else every score counts."""
     for start in range(block_lo, block_hi, BLOCK_N):
-        cols, k, v, col_order = _key_block(k_base, v_base, skn, svn, start, ORDER, docs, N, D, EDGE, HAS_ORDER,
-                                           HAS_DOCS, IN_SLOTS, BLOCK_N, BLOCK_D)
+        cols, k, v, col_order = _key_block(k_base, v_base, skn, svn, start, ORDER, N, D, EDGE, HAS_ORDER, IN_SLOTS,
+                                           BLOCK_N, BLOCK_D)
         s = _scores(q, k, cols, row_term, slope2, qk_scale, HAS_BIAS, SIGMOID, IEEE, WIDEN)
         dp = tile_dot(do, tl.trans(v), IEEE, WIDEN)
         if SIGMOID:
@@ -487,13 +486,13 @@ def span_backward_q_kernel(Q, K, V, DO, LSE, DELTA, DQ, LO, HI, ORDER, SLOPES, D
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, first, inner, lo, hi, row_order, row_doc,
-                    row_term, slope2, ORDER, docs, N, D, qk_scale, True, SIGMOID, FAST_SIGMOID, HAS_ORDER,
+                    row_term, slope2, ORDER, N, D, qk_scale, True, SIGMOID, FAST_SIGMOID, HAS_ORDER,
                     HAS_DOCS, IN_SLOTS, HAS_BIAS, IEEE, WIDEN, BLOCK_N, BLOCK_D)
     dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, inner, outer, lo, hi, row_order, row_doc,
-                    row_term, slope2, ORDER, docs, N, D, qk_scale, False, SIGMOID, FAST_SIGMOID, HAS_ORDER,
+                    row_term, slope2, ORDER, N, D, qk_scale, False, SIGMOID, FAST_SIGMOID, HAS_ORDER,
                     HAS_DOCS, IN_SLOTS, HAS_BIAS, IEEE, WIDEN, BLOCK_N, BLOCK_D)
     dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, skn, svn, outer, end, lo, hi, row_order, row_doc,
-                    row_term, slope2, ORDER, docs, N, D, qk_scale, True, SIGMOID, FAST_SIGMOID, HAS_ORDER,
+                    row_term, slope2, ORDER, N, D, qk_scale, True, SIGMOID, FAST_SIGMOID, HAS_ORDER,
                     HAS_DOCS, IN_SLOTS, HAS_BIAS, IEEE, WIDEN, BLOCK_N, BLOCK_D)
     dq_at = DQ + b * sdqb + h.to(tl.int64) * sdqh + addr[:, None] * sdqn + dims[None, :]
     dq = dq * sm_scale
