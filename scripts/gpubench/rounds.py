@@ -49,12 +49,16 @@ MEMORY_SHARE = 0.8  # of the GPU's memory a round's cases may plan to hold (warm
 
 
 def case_gib(b: BenchConfig, part: str) -> float:
-    scale = {"train": b.train_len / 8192, "kernels": max(int(n) for n in b.lengths.split(",")) / 32768}
-    return CASE_GIB[part] * max(1.0, scale.get(part, 1.0))
+    """CASE_GIB's figure for a case of `part`, grown with its length past the one measured."""
+    if part == "train":
+        return CASE_GIB[part] * max(1.0, b.train_len / 8192)
+    if part == "kernels":
+        return CASE_GIB[part] * max(1.0, max(int(n) for n in b.lengths.split(",")) / 32768)
+    return CASE_GIB[part]
 
 
 def gpu_gib(device: str) -> float:
-    """The GPU's memory (0: no limit, the CPU's check of the script), read without creating a CUDA context."""
+    """The GPU's memory in GiB (0: no limit, the CPU's check of the script)."""
     import torch
 
     if device != "cuda" or not torch.cuda.is_available():
