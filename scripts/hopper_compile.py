@@ -19,9 +19,11 @@ Columns: registers per thread and the bytes ptxas spills to local memory (stores
 the shared memory a launch requests, and per innermost loop of the SASS (a loop that holds no other: the walk
 over key or query blocks; "a / b / c" where a kernel walks them in several loops, in the code's order) its
 instructions, its special-function operations (MUFU: exp2, reciprocal, tanh...), its tensor-core instructions
-(HGMMA on Hopper, HMMA) and its atomics (RED, ATOM). MUFU per score is a loop's MUFU count over the scores each
-thread computes per iteration (BLOCK_M x BLOCK_N, or BLOCK_C for the choice, over 32 x num_warps threads). In a
-forward at head dimension 64 one MUFU operation per score takes as long as the score's matrix products (an H100
+(HGMMA on Hopper, HMMA), its atomics (RED, ATOM) and the cp.async copy groups its wait leaves in flight (DEPBAR.LE
+SB0, n: 0 means every iteration waits for all the copies it prefetched, so the loads' latency is not hidden behind
+the iteration's arithmetic). MUFU per score is a loop's MUFU count over the scores each thread computes per
+iteration (BLOCK_M x BLOCK_N, or BLOCK_C for the choice, over 32 x num_warps threads). In a forward at head
+dimension 64 one MUFU operation per score takes as long as the score's matrix products (an H100
 does 3.9 T special-function operations per second against 989 TFLOP/s of bfloat16 products, FlashAttention-3's
 figures): each one past the first per score slows the loop.
 
@@ -344,10 +346,22 @@ def innermost_loops(sass: str) -> list[list[str]]:
             if not any(s <= s2 and e2 <= e and (s2, e2) != (s, e) for s2, e2 in loops)]
 
 
+COPY_WAIT = re.compile(r"\bDEPBAR\.LE SB0, (0x[0-9a-f]+|\d+)")
+
+
+def copies_in_flight(loop: list[str]) -> int | None:
+    """The cp.async groups a loop's tightest wait (DEPBAR.LE SB0, n) lets stay in flight, None without a wait: 0
+    means each iteration waits for every copy it has issued, so the rows it prefetches arrive no earlier than
+    loads in the iteration would (Triton's pipeliner leaves such a loop when a copy's address comes from a load
+    in the same iteration)."""
+    waits = [int(m.group(1), 0) for m in map(COPY_WAIT.search, loop) if m]
+    return min(waits) if waits else None
+
+
 def loop_counts(loop: list[str]) -> dict:
     ops = [opcode(instruction) for instruction in loop]
     return {"instructions": len(ops), "mufu": ops.count("MUFU"), "mma": sum(op in MMA for op in ops),
-            "atomics": sum(op in ATOMICS for op in ops)}
+            "atomics": sum(op in ATOMICS for op in ops), "copies_in_flight": copies_in_flight(loop)}
 
 
 def ptxas_report(ptx: str, options) -> dict:
@@ -458,7 +472,7 @@ def row_name(row: dict) -> str:
 
 def table(rows: list[dict]) -> str:
     header = ["kernel", "launched by", "registers", "spills (B, st/ld)", "shared (B)", "loop instructions", "MUFU",
-              "HGMMA/HMMA", "atomics", "MUFU per score"]
+              "HGMMA/HMMA", "atomics", "copies in flight", "MUFU per score"]
     lines = []
     for row in rows:
         name = [row["kernel"], "; ".join(row["launched_by"])]
@@ -466,8 +480,8 @@ def table(rows: list[dict]) -> str:
             lines.append(name + ["error: " + row["error"].splitlines()[0][:120]] + [""] * (len(header) - 3))
             continue
         # a kernel with several innermost loops: one value each, in the code's order
-        per_loop = [" / ".join(str(loop[key]) for loop in row["loops"]) or "-"
-                    for key in ("instructions", "mufu", "mma", "atomics")]
+        per_loop = [" / ".join("-" if loop[key] is None else str(loop[key]) for loop in row["loops"]) or "-"
+                    for key in ("instructions", "mufu", "mma", "atomics", "copies_in_flight")]
         per_score = " / ".join("-" if x is None else f"{x:.2f}" for x in row["mufu_per_score"]) or "-"
         lines.append(name + [row["registers"], f"{row['spill_stores']}/{row['spill_loads']}", row["shared"],
                              *per_loop, per_score])

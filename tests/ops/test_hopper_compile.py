@@ -1,7 +1,7 @@
 """Every span attention and MoBA kernel compiles for Hopper (sm_90a) on the CPU with Triton's bundled ptxas, in the
 configurations the ops launch it with (scripts/hopper_compile.py), with packed documents and without, and its machine
-code keeps to the kernels' design: no register spills, and sigmoid at one special-function (MUFU) operation per
-score."""
+code keeps to the kernels' design: no register spills, sigmoid at one special-function (MUFU) operation per score,
+and loops that prefetch their rows while they compute."""
 
 import json
 import os
@@ -12,8 +12,8 @@ import pytest
 from filelock import FileLock
 
 from conftest import REPO
-from scripts.hopper_compile import (MOBA_CONFIGURATIONS, PAIR_CONFIGURATION, SPAN_CONFIGURATIONS, innermost_loops,
-                                    loop_counts, ptxas_problem)
+from scripts.hopper_compile import (MOBA_CONFIGURATIONS, PAIR_CONFIGURATION, SPAN_CONFIGURATIONS, copies_in_flight,
+                                    innermost_loops, loop_counts, ptxas_problem)
 
 SPAN_KERNELS = ("span_forward_kernel", "span_backward_kv_kernel", "span_backward_q_kernel")
 SLOTS_KERNEL = "span_backward_kv_slots_kernel"  # sa's dk and dv (read in slots)
@@ -85,6 +85,33 @@ def test_sigmoid_takes_at_most_one_special_function_operation_per_score(kernels)
     assert all(loops and None not in loops and max(loops) <= 1 for loops in costs.values()), f"MUFU per score: {costs}"
 
 
+# sa's forward and dq in slots gather each key block at tokens read in the same iteration, so their loops wait for
+# every copy; on an H100 they took 1.27x and 1.37x swa's kernels, about their instructions per key block (1.33x:
+# every block masked), and pipelining them costs 18% more instructions (docs/benchmarks.md)
+UNPIPELINED = {"span_forward_kernel", "span_backward_q_kernel"}
+
+
+@pytest.mark.e2e
+def test_every_loop_that_prefetches_rows_keeps_copies_in_flight_while_it_computes(kernels):
+    """A loop whose wait leaves no cp.async group in flight loads as if it did not prefetch: its loads' latency
+    adds to every iteration. sa's dk/dv and MoBA's pairs' dk/dv gather their rows at indices they read as they
+    walk: read an iteration ahead, the indices leave the pipeliner a stage to prefetch the rows in."""
+    waiting = [(row["kernel"], row["launched_by"][0]) for row in kernels if "error" not in row
+               for loop in row["loops"] if loop["copies_in_flight"] == 0
+               and not (row["kernel"] in UNPIPELINED and row["constexprs"].get("IN_SLOTS"))]
+    assert not waiting, f"loops waiting for all their copies: {waiting}"
+    gathering = {row["kernel"]: [loop["copies_in_flight"] for loop in row["loops"]] for row in kernels
+                 if row["kernel"] in (SLOTS_KERNEL, "moba_pairs_dkdv_kernel")}
+    assert len(gathering) == 2 and all(flight and min(flight) > 0 for flight in gathering.values()), gathering
+
+
+def test_a_loops_copies_in_flight_are_its_tightest_wait():
+    loop = ["DEPBAR.LE SB0, 0x6", "LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]", "DEPBAR.LE SB0, 0x2", "BRA `(.L_x_1)"]
+    assert copies_in_flight(loop) == 2
+    assert copies_in_flight(["DEPBAR.LE SB0, 0x0", "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR12], RZ, !UPT"]) == 0
+    assert copies_in_flight(["WARPGROUP.DEPBAR.LE gsb0, 0x0", "FMUL R6, R6, R7"]) is None  # a wait on the MMAs
+
+
 def test_the_innermost_loops_are_the_loops_that_hold_no_other():
     sass = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
@@ -104,11 +131,13 @@ def test_the_innermost_loops_are_the_loops_that_hold_no_other():
         /*00a0*/                   BRA `(.L_x_3);
 """
     loops = innermost_loops(sass)
-    assert [loop_counts(loop) for loop in loops] == [{"instructions": 3, "mufu": 1, "mma": 1, "atomics": 0},
-                                                     {"instructions": 2, "mufu": 0, "mma": 0, "atomics": 0}]
+    assert [loop_counts(loop) for loop in loops] == [
+        {"instructions": 3, "mufu": 1, "mma": 1, "atomics": 0, "copies_in_flight": None},
+        {"instructions": 2, "mufu": 0, "mma": 0, "atomics": 0, "copies_in_flight": None}]
     assert loops[0][0].startswith("MUFU") and loops[0][-1].endswith("BRA `(.L_x_1)")
     outer_only = sass.replace("@!P1 BRA `(.L_x_1)", "NOP")
-    assert loop_counts(innermost_loops(outer_only)[0]) == {"instructions": 6, "mufu": 1, "mma": 1, "atomics": 1}
+    assert loop_counts(innermost_loops(outer_only)[0]) == {"instructions": 6, "mufu": 1, "mma": 1, "atomics": 1,
+                                                           "copies_in_flight": None}
     assert innermost_loops("/*0000*/ EXIT ;\n.L_x_9:\n/*0010*/ BRA `(.L_x_9);") == []
 
 

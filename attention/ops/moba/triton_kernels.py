@@ -214,7 +214,9 @@ def moba_pairs_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_OWN, DV_OWN, DK, DV, PAIR
                            WIDEN: tl.constexpr, HAS_DOCS: tl.constexpr):
     """dk, dv of BLOCK_N keys of block j: the own blocks' part (span attention's backward, DK_OWN, DV_OWN) plus
     every pair that chose block j, walked in its sorted order by this program alone (no atomics: the pairs of a
-    block are contiguous in ORDER), key-major (k q^T) so that no tile is transposed."""
+    block are contiguous in ORDER), key-major (k q^T) so that no tile is transposed. Each tile's pairs are read an
+    iteration ahead of the rows they address, so that Triton's pipeliner prefetches those rows while the tile
+    before computes (read in the same iteration, they left it none: every copy waited for at once)."""
     pid_n, bh = tl.program_id(0), tl.program_id(1)
     per_block = (block + BLOCK_N - 1) // BLOCK_N
     j = pid_n // per_block
@@ -226,10 +228,12 @@ def moba_pairs_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_OWN, DV_OWN, DK, DV, PAIR
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     g = bh * NB + j
     first, count = tl.load(PAIR_START + g), tl.load(COUNTS + g)
+    next_pairs = tl.load(ORDER + first + tl.arange(0, BLOCK_M), mask=tl.arange(0, BLOCK_M) < count, other=0)
     for r0 in range(0, count, BLOCK_M):
         r = r0 + tl.arange(0, BLOCK_M)
         real = r < count
-        pair = tl.load(ORDER + first + r, mask=real, other=0).to(tl.int64)
+        pair = next_pairs.to(tl.int64)
+        next_pairs = tl.load(ORDER + first + r + BLOCK_M, mask=r + BLOCK_M < count, other=0)
         rows = pair // SLOTS % N
         row_mask = real[:, None] & (dims[None, :] < D)
         q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqn + dims[None, :], mask=row_mask, other=0.0)

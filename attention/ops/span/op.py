@@ -168,12 +168,14 @@ def triton_backward(grad, q, k, v, out, lse, lo, hi, key_first, key_end, order, 
     scales = dict(sm_scale=1 / math.sqrt(D), qk_scale=1.4426950408889634 / math.sqrt(D), offset=offset)
     rows = _query_rows(q, halo)
     if halo >= 0:  # in slots: sa's band (softmax, no bias), dk and dv summed over each token's copies
+        # half-height row tiles: its rows are gathered at their tokens, and the addresses of the tiles in flight
+        # leave a 64-row tile no registers (spills, or no prefetching: docs/benchmarks.md, "gathered rows prefetched")
         kernels.span_backward_kv_slots_kernel[(triton_cdiv(n, block_n), B * H_kv)](
-            q, k, v, grad, lse, delta, dk, dv, lo, hi, order, docs_,
+            q, k, v, grad, lse, delta, dk, dv, order, docs_,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad.stride()[:3], *dk.stride()[:3],
-            *dv.stride()[:3], span_h=common["span_h"], H=H, H_KV=H_kv, GROUP=common["GROUP"], N=common["N"],
+            *dv.stride()[:3], H=H, H_KV=H_kv, GROUP=common["GROUP"], N=common["N"],
             N_MEM=n, HALO=halo, D=D, sm_scale=scales["sm_scale"], qk_scale=scales["qk_scale"],
-            HAS_DOCS=docs is not None, IEEE=common["IEEE"], WIDEN=common["WIDEN"], BLOCK_M=block_m,
+            HAS_DOCS=docs is not None, IEEE=common["IEEE"], WIDEN=common["WIDEN"], BLOCK_M=max(16, block_m // 2),
             BLOCK_N=block_n, BLOCK_D=common["BLOCK_D"], num_warps=WARPS, num_stages=STAGES)
     else:
         kernels.span_backward_kv_kernel[(triton_cdiv(n, block_n), B * H_kv)](

@@ -29,7 +29,10 @@ In slots (IN_SLOTS, stochastic attention's band, attention/stochastic.py): the r
 layouts.py) N = N_MEM + 2 HALO rows, row r holding token ORDER[r]; the queries are the main rows HALO ..
 HALO + N_MEM - 1 (each token once) and every row is read and written at its token's row of q, k, v, the output
 and the gradients, which stay in token order: no copy gathers them to the layout or scatters them back. dk and dv
-sum over each token's copies in one program per block of main rows (span_backward_kv_slots_kernel).
+sum over each token's copies in one program per block of main rows (span_backward_kv_slots_kernel), which reads
+each row tile's tokens an iteration ahead, so that the pipeliner can prefetch the rows they address, over row tiles
+half the usual height (what the gathered rows' addresses in flight leave registers for), and computes the band's
+mask from the halo rather than reading spans.
 
 Layout: q, k, v (B, H, n, D) with any strides but a unit stride along D; k and v may have fewer heads
 (grouped-query attention: query head h reads key head h // (H / H_kv)). Batch and head offsets are 64-bit.
@@ -120,6 +123,14 @@ def _order_and_address(index, ok, ORDER, HAS_ORDER: tl.constexpr, IN_SLOTS: tl.c
     if IN_SLOTS:
         address = order
     return order, address
+
+
+@triton.jit
+def _tokens(ORDER, start, end, BLOCK: tl.constexpr):
+    """The tokens of the BLOCK rows from `start` in slots, 0 from `end` on. The dk/dv walk reads them one iteration
+    ahead of the rows they address: read in the iteration that gathers its rows, a token leaves Triton's pipeliner
+    no stage to prefetch the rows in, and every iteration waits for all its copies at once (sm_90a: DEPBAR 0)."""
+    return tl.load(ORDER + start + tl.arange(0, BLOCK), mask=start + tl.arange(0, BLOCK) < end, other=0)
 
 
 @triton.jit
@@ -278,19 +289,21 @@ def span_delta_kernel(O, DO, DELTA, O_SUM, DELTA_REST, sob, soh, son, sdb, sdh, 
 
 
 @triton.jit
-def _kv_rows(dk, dv, k, v, cols, col_order, rows, row_ok, q_base, do_base, sqn, sdon, span_lo, span_hi,
-             LSE, DELTA, row_base, ORDER, docs, slope, offset, qk_scale, D: tl.constexpr, SIGMOID: tl.constexpr,
+def _kv_rows(dk, dv, k, v, cols, col_order, rows, row_ok, row_tokens, q_base, do_base, sqn, sdon, span_lo, span_hi,
+             halo, LSE, DELTA, row_base, ORDER, docs, slope, offset, qk_scale, D: tl.constexpr, SIGMOID: tl.constexpr,
              FAST_SIGMOID: tl.constexpr, HAS_ORDER: tl.constexpr, HAS_DOCS: tl.constexpr, IN_SLOTS: tl.constexpr,
              HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr, BLOCK_D: tl.constexpr):
     """dk, dv of a block of keys (at positions cols of the rows' spans) plus what the query rows `rows` give them.
-    Key-major: the tiles are (keys, rows), k q^T, so p^T and dS^T come out as the products dv and dk take."""
+    Key-major: the tiles are (keys, rows), k q^T, so p^T and dS^T come out as the products dv and dk take.
+    IN_SLOTS: the rows are read at `row_tokens`, and their spans are the band, keys within `halo` of the row."""
     dims = tl.arange(0, BLOCK_D)
-    row_order, addr = _order_and_address(rows, row_ok, ORDER, HAS_ORDER, IN_SLOTS)
+    if IN_SLOTS:
+        row_order, addr = row_tokens, row_tokens
+    else:
+        row_order, addr = _order_and_address(rows, row_ok, ORDER, HAS_ORDER, False)
     q_mask = row_ok[:, None] & (dims[None, :] < D)
     q = tl.load(q_base + addr[:, None] * sqn + dims[None, :], mask=q_mask, other=0.0)
     do = tl.load(do_base + addr[:, None] * sdon + dims[None, :], mask=q_mask, other=0.0)
-    lo = tl.load(span_lo + rows, mask=row_ok, other=0)
-    hi = tl.load(span_hi + rows, mask=row_ok, other=0)
     row_term, slope2 = _bias_terms(rows, slope, offset, HAS_BIAS, SIGMOID)
     s_t = tile_dot(k, tl.trans(q), IEEE, WIDEN) * qk_scale  # (keys, rows)
     if HAS_BIAS:
@@ -298,7 +311,12 @@ def _kv_rows(dk, dv, k, v, cols, col_order, rows, row_ok, q_base, do_base, sqn, 
             s_t += row_term[None, :] - slope2 * cols[:, None].to(tl.float32)
         else:
             s_t -= slope2 * cols[:, None].to(tl.float32)
-    ok_t = (cols[:, None] >= lo[None, :]) & (cols[:, None] < hi[None, :])
+    if IN_SLOTS:  # -halo <= key - row <= halo, in one unsigned comparison
+        ok_t = (cols[:, None] - rows[None, :] + halo).to(tl.uint32) <= 2 * halo
+    else:
+        lo = tl.load(span_lo + rows, mask=row_ok, other=0)
+        hi = tl.load(span_hi + rows, mask=row_ok, other=0)
+        ok_t = (cols[:, None] >= lo[None, :]) & (cols[:, None] < hi[None, :])
     if HAS_ORDER:
         ok_t = ok_t & (col_order[:, None] <= row_order[None, :])
         if HAS_DOCS:  # from the row's document's first token (see _allowed; two comparisons compile shorter here)
@@ -364,8 +382,8 @@ def span_backward_kv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, ORDER, SLOP
         row_base = (b * H + h) * N
         for start in range(first // BLOCK_M * BLOCK_M, end, BLOCK_M):
             rows = start + tl.arange(0, BLOCK_M)
-            dk, dv = _kv_rows(dk, dv, k, v, cols, col_order, rows, rows < N, q_base, do_base, sqn, sdon,
-                              LO + b * span_b + h * span_h, HI + b * span_b + h * span_h, LSE, DELTA, row_base,
+            dk, dv = _kv_rows(dk, dv, k, v, cols, col_order, rows, rows < N, rows, q_base, do_base, sqn, sdon,
+                              LO + b * span_b + h * span_h, HI + b * span_b + h * span_h, 0, LSE, DELTA, row_base,
                               ORDER, docs, slope, offset, qk_scale, D, SIGMOID, FAST_SIGMOID, HAS_ORDER, HAS_DOCS,
                               False, HAS_BIAS, IEEE, WIDEN, BLOCK_D)
     dk_at = DK + b * sdkb + hk.to(tl.int64) * sdkh + cols[:, None] * sdkn + dims[None, :]
@@ -379,9 +397,9 @@ def span_backward_kv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, ORDER, SLOP
 
 
 @triton.jit
-def span_backward_kv_slots_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, ORDER, DOCS,
+def span_backward_kv_slots_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, ORDER, DOCS,
                                   sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon,
-                                  sdkb, sdkh, sdkn, sdvb, sdvh, sdvn, span_h, H, H_KV, GROUP, N, N_MEM, HALO,
+                                  sdkb, sdkh, sdkn, sdvb, sdvh, sdvn, H, H_KV, GROUP, N, N_MEM, HALO,
                                   D: tl.constexpr, sm_scale, qk_scale, HAS_DOCS: tl.constexpr, IEEE: tl.constexpr,
                                   WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                   BLOCK_D: tl.constexpr):
@@ -411,10 +429,13 @@ def span_backward_kv_slots_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, ORDER
         for shift in range(-N_MEM, N_MEM + 1, N_MEM):  # the copy before the main rows, the main row, the copy after
             first = tl.maximum(lowest + shift - HALO, HALO)
             end = tl.minimum(highest + shift + HALO + 1, HALO + N_MEM)
+            row_tokens = _tokens(ORDER, first, end, BLOCK_M)
             for start in range(first, end, BLOCK_M):
                 rows = start + tl.arange(0, BLOCK_M)
-                dk, dv = _kv_rows(dk, dv, k, v, cols + shift, tokens, rows, rows < end, q_base, do_base,
-                                  sqn, sdon, LO + h * span_h, HI + h * span_h, LSE, DELTA, row_base, ORDER, docs,
+                block_tokens = row_tokens
+                row_tokens = _tokens(ORDER, start + BLOCK_M, end, BLOCK_M)
+                dk, dv = _kv_rows(dk, dv, k, v, cols + shift, tokens, rows, rows < end, block_tokens, q_base,
+                                  do_base, sqn, sdon, None, None, HALO, LSE, DELTA, row_base, ORDER, docs,
                                   0.0, 0.0, qk_scale, D, False, False, True, HAS_DOCS, True, False, IEEE, WIDEN,
                                   BLOCK_D)
     tl.store(DK + b * sdkb + hk.to(tl.int64) * sdkh + tokens[:, None] * sdkn + dims[None, :],
