@@ -35,6 +35,13 @@ def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
                                             .expand_as(order).contiguous())
 
 
+@functools.lru_cache(maxsize=64)
+def extended_slots(n: int, halo: int, device: str) -> torch.Tensor:
+    """The slot at every row of n slots extended circularly by `halo` at both ends: (row - halo) mod n (cached: the
+    same for every order, and stochastic attention draws an order per layer and forward)."""
+    return (torch.arange(n + 2 * halo, device=device) - halo) % n
+
+
 @dataclass(eq=False)
 class Layout:
     """Slot s holds token order[s]; the slots are extended circularly by `halo` copies at both ends (layout row
@@ -48,9 +55,8 @@ class Layout:
     runs: tuple | None = None
 
     def __post_init__(self):
-        n = self.order.shape[0]
         self.slot_of = inverse_permutation(self.order)
-        self.slot = (torch.arange(n + 2 * self.halo, device=self.order.device) - self.halo) % n
+        self.slot = extended_slots(self.order.shape[0], self.halo, str(self.order.device))
         self.token = self.order[self.slot]  # the token at every layout row: the gather index
 
     @property

@@ -31,7 +31,7 @@ from torch import nn
 
 from attention.edges import EdgeRule, SlidingWindow
 from attention.kernels import AttentionPlan, attend_in_layout, attend_planned, plan_attention, resolve_backend
-from attention.layouts import Layout, from_layout, inverse_permutation, to_layout
+from attention.layouts import Layout, extended_slots, from_layout, inverse_permutation, to_layout
 from attention.layer import Attention, merge_heads
 from attention.local import SWA_WINDOW
 from attention.memory import F32, kernel_saved, linear_inputs, rope_tables
@@ -132,8 +132,7 @@ class PermutedWindow(EdgeRule):
 
     def extended_slots(self) -> torch.Tensor:
         """The slot held by every extended position."""
-        n = self.order.shape[0]
-        return (torch.arange(n + 2 * self.halo, device=self.order.device) - self.halo) % n
+        return extended_slots(self.order.shape[0], self.halo, str(self.order.device))
 
     def allowed(self, q, k, h=None):
         return stochastic_window_edges(q, k, self.token[q], self.token[k], self.window, None)

@@ -195,15 +195,24 @@ def static_spans(rule: EdgeRule, n: int, n_head: int, start: int, device: str) -
 
 
 def band_spans(rule: EdgeRule, n: int, device) -> Spans:
-    """A rule drawn per forward: the band -lookback <= j - i <= lookahead, causal in the rule's token order (built
-    on the device with no host synchronisation: it is planned at every forward)."""
-    rows = torch.arange(n, device=device)
-    lo = (rows - rule.lookback).clamp(min=0).to(torch.int32)[None]
-    hi = (rows + rule.lookahead + 1).clamp(max=n).to(torch.int32)[None]
-    groups = torch.arange(-(-n // KEY_GROUP), device=device) * KEY_GROUP
-    key_first = (groups - rule.lookahead).clamp(min=0).to(torch.int32)[None]
-    key_end = (groups + KEY_GROUP + rule.lookback).clamp(max=n).to(torch.int32)[None]
+    """A rule drawn per forward: the band -lookback <= j - i <= lookahead, causal in the rule's token order. It is
+    planned at every forward, so only the tokens are new: the band's spans and backward plan are the same for every
+    order drawn (band_plan, cached), and nothing synchronises with the device."""
+    lo, hi, key_first, key_end = band_plan(n, rule.lookback, rule.lookahead, str(torch.device(device)))
     return Spans(lo, hi, rule.token.to(device=device, dtype=torch.int32), key_first, key_end)
+
+
+@functools.lru_cache(maxsize=64)
+def band_plan(n: int, lookback: int, lookahead: int, device: str) -> tuple[torch.Tensor, ...]:
+    """(lo, hi, key_first, key_end) of the band -lookback <= j - i <= lookahead over n rows (cached: the layers
+    share them, and a forward that draws a new order pays one conversion of its tokens, not 20 kernels)."""
+    rows = torch.arange(n, device=device)
+    lo = (rows - lookback).clamp(min=0).to(torch.int32)[None]
+    hi = (rows + lookahead + 1).clamp(max=n).to(torch.int32)[None]
+    groups = torch.arange(-(-n // KEY_GROUP), device=device) * KEY_GROUP
+    key_first = (groups - lookahead).clamp(min=0).to(torch.int32)[None]
+    key_end = (groups + KEY_GROUP + lookback).clamp(max=n).to(torch.int32)[None]
+    return lo, hi, key_first, key_end
 
 
 def document_rows(docs: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
