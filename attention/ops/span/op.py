@@ -101,11 +101,23 @@ def triton_kernels():
     return kernels
 
 
+def main_tokens(order, halo: int, n: int):
+    """In slots (halo >= 0): the tokens of the n main rows, slot order (the layout's rows halo..); else None."""
+    return None if halo < 0 else order[halo:halo + n]
+
+
+def slot_documents(docs, order, halo: int, n: int):
+    """The kernels read a row's document start per query row: in slots (halo >= 0) docs (B, n), given per token,
+    gathered to slot order (one small gather), so that no kernel gathers them per row tile; else docs as given."""
+    return docs if docs is None or halo < 0 else docs.index_select(1, main_tokens(order, halo, n)).contiguous()
+
+
 def triton_forward(q, k, v, lo, hi, order, slopes, offset: float, sigmoid: bool, docs=None, halo: int = -1,
                    prev=None):
-    """lo, hi (S, n), or (B, S, n) clipped to a batch's documents; docs (B, n) int32 or None; halo >= 0: the rows
-    are a layout's in slots (see span_attention); prev: another path's output (laid out as this one's), which the
-    output includes (a sum of separately normalised paths, span_pair_attention)."""
+    """(output, log-sum-exps (B, H, n)). lo, hi (S, n), or (B, S, n) clipped to a batch's documents; docs (B, n)
+    int32 or None; halo >= 0: the rows are a layout's in slots (see span_attention), and the log-sum-exps are per
+    main row, in slot order; prev: another path's output (laid out as this one's), which the output includes (a
+    sum of separately normalised paths, span_pair_attention)."""
     span_forward_kernel = triton_kernels().span_forward_kernel
 
     B, H, n, D = q.shape
@@ -114,6 +126,7 @@ def triton_forward(q, k, v, lo, hi, order, slopes, offset: float, sigmoid: bool,
     if sigmoid:
         lse.zero_()
     block_m, block_n = span_blocks(q.device)
+    docs = slot_documents(docs, order, halo, n)
     dummy = lo  # never read when the option is off
     if prev is not None:
         assert prev.stride() == out.stride()
@@ -127,9 +140,11 @@ def triton_forward(q, k, v, lo, hi, order, slopes, offset: float, sigmoid: bool,
     return out, lse
 
 
-def triton_delta(grad, out, out_sum=None):
+def triton_delta(grad, out, out_sum=None, tokens=None):
     """rowsum(dO * O) (B, H, n) in float32: FlashAttention's backward preprocessing. With out_sum (out one path's
-    output of a sum of two, laid out alike): (out's delta, the other path's: rowsum(dO * (out_sum - out)))."""
+    output of a sum of two, laid out alike): (out's delta, the other path's: rowsum(dO * (out_sum - out))).
+    tokens (n,) int32: rows in slots, row r the token tokens[r]'s (the kernels' log-sum-exps in slots are per
+    slot)."""
     span_delta_kernel = triton_kernels().span_delta_kernel
 
     B, H, n, D = out.shape
@@ -140,8 +155,9 @@ def triton_delta(grad, out, out_sum=None):
         assert out_sum.stride() == out.stride()
     block_m = span_blocks(out.device)[0]
     span_delta_kernel[(triton_cdiv(n, block_m), B * H)](out, grad, delta, out if out_sum is None else out_sum, rest,
-                                                          *out.stride()[:3], *grad.stride()[:3], H, n, D,
-                                                          PAIR=out_sum is not None, BLOCK_M=block_m,
+                                                          delta if tokens is None else tokens, *out.stride()[:3],
+                                                          *grad.stride()[:3], H, n, D, PAIR=out_sum is not None,
+                                                          IN_SLOTS=tokens is not None, BLOCK_M=block_m,
                                                           BLOCK_D=max(16, 1 << (D - 1).bit_length()))
     return delta if out_sum is None else (delta, rest)
 
@@ -155,10 +171,11 @@ def triton_backward(grad, q, k, v, out, lse, lo, hi, key_first, key_end, order, 
     H_kv = k.shape[1]
     grad = unit_stride(grad)
     block_m, block_n = span_blocks(q.device)
+    docs = slot_documents(docs, order, halo, n)
     common = _common(q, k, lo, order, slopes, docs)
     dummy = lo
-    if delta is None:
-        delta = lse if sigmoid else triton_delta(grad, out)  # sigmoid reads neither
+    if delta is None:  # sigmoid reads neither
+        delta = lse if sigmoid else triton_delta(grad, out, tokens=main_tokens(order, halo, n))
     dq, dk, dv = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)) if into is None else into
     # into's gradients are read and written at their own strides (empty_like lays a view of a fused projection out
     # densely, unlike q, k, v themselves)
@@ -237,7 +254,8 @@ def _(grad, q, k, v, out, lse, lo, hi, key_first, key_end, order, slopes, docs, 
 # reference, returning what the kernels return: the output laid out (B, n, H, D), gradients like their inputs
 def naive_in_slots(q, k, v, lo, hi, order, slopes, offset, sigmoid, docs, halo: int):
     """The reference where the rows are a layout's in slots (halo >= 0): q, k, v and docs gathered to the rows
-    (row r holds token order[r]), attended there, and each token's output taken from its main row (halo..)."""
+    (row r holds token order[r]), attended there, and each token's output taken from its main row (halo..); the
+    log-sum-exps per main row, in slot order."""
     if halo < 0:
         return span_attention_naive(q, k, v, lo, hi, order, slopes, offset, sigmoid, docs)
     rows, n = order.long(), q.shape[2]
@@ -246,7 +264,7 @@ def naive_in_slots(q, k, v, lo, hi, order, slopes, offset, sigmoid, docs, halo: 
                                   None if docs is None else docs.index_select(1, rows))
     main = torch.empty(n, dtype=torch.long, device=rows.device)
     main[rows[halo:halo + n]] = torch.arange(halo, halo + n, device=rows.device)  # each token's main row
-    return y.index_select(2, main), lse.index_select(2, main)
+    return y.index_select(2, main), lse[:, :, halo:halo + n]  # the log-sum-exps per slot, as the kernels keep them
 
 
 @span_forward.register_kernel("cpu")

@@ -21,7 +21,8 @@ Packed documents (attention/documents.py): a row attends only keys of its own do
 their spans clipped to their documents, one set per row of the batch (span_b), so a tile walks only the key blocks
 its rows' documents reach and no block pays for documents; with DOCS (each row's document's first row) and DOC_END
 (one past its last) the backward's walk over query rows for a key block stops at its keys' documents. Rows in a
-second order (HAS_ORDER: stochastic attention's slots) read only each row's DOCS, as a token index: a document is
+second order (HAS_ORDER: stochastic attention's slots) read only each row's DOCS (per query row: in slots the op
+gathers them to slot order, as it keeps the log-sum-exps and deltas per slot), as a token index: a document is
 a run of tokens, so a key of the row's document at or before it is a key whose token lies between the document's
 first token and the row's, one comparison beside the causal one and no document read per key.
 
@@ -148,7 +149,7 @@ def _query_tile(spans_lo, spans_hi, ORDER, docs, pid_m, ROW0, ROW_END, N, HAS_OR
     row_order, addr = _order_and_address(rows, row_ok, ORDER, HAS_ORDER, IN_SLOTS)
     row_doc = rows
     if HAS_ORDER and HAS_DOCS:
-        row_doc = tl.load(docs + addr, mask=row_ok, other=0)
+        row_doc = tl.load(docs - ROW0 + rows, mask=row_ok, other=0)  # per query row (in slots: per slot)
     nonempty = lo < hi
     first = tl.maximum(tl.min(tl.where(nonempty, lo, N), 0), 0) // BLOCK_N * BLOCK_N
     end = tl.minimum(tl.max(tl.where(nonempty, hi, 0), 0), N)
@@ -260,7 +261,7 @@ def span_forward_kernel(Q, K, V, O, LSE, LO, HI, ORDER, SLOPES, DOCS, PREV,
         acc = acc / tl.where(has_key, l_i, 1.0)[:, None]
         lse = tl.where(has_key, (m_i + row_term + tl.log2(tl.where(has_key, l_i, 1.0))) * 0.6931471805599453,
                        float("inf"))
-        tl.store(LSE + pid_bh.to(tl.int64) * N_MEM + addr, lse, mask=row_ok)
+        tl.store(LSE + (pid_bh.to(tl.int64) * N_MEM - ROW0) + rows, lse, mask=row_ok)
     at = b * sob + h.to(tl.int64) * soh + addr[:, None] * son + dims[None, :]
     if ACCUMULATE:
         acc += tl.load(PREV + at, mask=row_ok[:, None] & (dims[None, :] < D), other=0.0).to(tl.float32)
@@ -268,22 +269,26 @@ def span_forward_kernel(Q, K, V, O, LSE, LO, HI, ORDER, SLOPES, DOCS, PREV,
 
 
 @triton.jit
-def span_delta_kernel(O, DO, DELTA, O_SUM, DELTA_REST, sob, soh, son, sdb, sdh, sdn, H, N, D, PAIR: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def span_delta_kernel(O, DO, DELTA, O_SUM, DELTA_REST, TOKENS, sob, soh, son, sdb, sdh, sdn, H, N, D,
+                      PAIR: tl.constexpr, IN_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """delta = rowsum(dO * O) in float32: FlashAttention's backward preprocessing (softmax only). PAIR: O is one
     path's output of a sum of two (O_SUM, O's strides), and DELTA_REST the other path's, rowsum(dO * (O_SUM - O)),
-    from the one read of dO."""
+    from the one read of dO. IN_SLOTS: row r is slot r, read at its token TOKENS[r] (the log-sum-exps of rows in
+    slots are per slot too)."""
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     mask = (rows[:, None] < N) & (dims[None, :] < D)
-    o = tl.load(O + b * sob + h * soh + rows[:, None] * son + dims[None, :], mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sdn + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+    at = rows
+    if IN_SLOTS:
+        at = tl.load(TOKENS + rows, mask=rows < N, other=0)
+    o = tl.load(O + b * sob + h * soh + at[:, None] * son + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + b * sdb + h * sdh + at[:, None] * sdn + dims[None, :], mask=mask, other=0.0).to(tl.float32)
     delta = tl.sum(o * do, 1)
     tl.store(DELTA + pid_bh.to(tl.int64) * N + rows, delta, mask=rows < N)
     if PAIR:
-        total = tl.load(O_SUM + b * sob + h * soh + rows[:, None] * son + dims[None, :], mask=mask, other=0.0)
+        total = tl.load(O_SUM + b * sob + h * soh + at[:, None] * son + dims[None, :], mask=mask, other=0.0)
         tl.store(DELTA_REST + pid_bh.to(tl.int64) * N + rows, tl.sum(total.to(tl.float32) * do, 1) - delta,
                  mask=rows < N)
 
@@ -295,7 +300,9 @@ def _kv_rows(dk, dv, k, v, cols, col_order, rows, row_ok, row_tokens, q_base, do
              HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr, BLOCK_D: tl.constexpr):
     """dk, dv of a block of keys (at positions cols of the rows' spans) plus what the query rows `rows` give them.
     Key-major: the tiles are (keys, rows), k q^T, so p^T and dS^T come out as the products dv and dk take.
-    IN_SLOTS: the rows are read at `row_tokens`, and their spans are the band, keys within `halo` of the row."""
+    Row r's log-sum-exp, delta and document start are at row_base + r and docs + r (in slots the caller offsets
+    them by the halo: they are per slot). IN_SLOTS: the rows are read at `row_tokens`, and their spans are the
+    band, keys within `halo` of the row."""
     dims = tl.arange(0, BLOCK_D)
     if IN_SLOTS:
         row_order, addr = row_tokens, row_tokens
@@ -320,7 +327,7 @@ def _kv_rows(dk, dv, k, v, cols, col_order, rows, row_ok, row_tokens, q_base, do
     if HAS_ORDER:
         ok_t = ok_t & (col_order[:, None] <= row_order[None, :])
         if HAS_DOCS:  # from the row's document's first token (see _allowed; two comparisons compile shorter here)
-            row_doc = tl.load(docs + addr, mask=row_ok, other=0)
+            row_doc = tl.load(docs + rows, mask=row_ok, other=0)
             ok_t = ok_t & (col_order[:, None] >= row_doc[None, :])
     dp_t = tile_dot(v, tl.trans(do), IEEE, WIDEN)
     if SIGMOID:
@@ -328,8 +335,8 @@ def _kv_rows(dk, dv, k, v, cols, col_order, rows, row_ok, row_tokens, q_base, do
         ds_t = dp_t * p_t * (1.0 - p_t)
     else:
         # the log-sum-exp less the bias's row term, which the scores leave out
-        lse = tl.load(LSE + row_base + addr, mask=row_ok, other=float("inf")) * LOG2E - row_term
-        delta = tl.load(DELTA + row_base + addr, mask=row_ok, other=0.0)
+        lse = tl.load(LSE + row_base + rows, mask=row_ok, other=float("inf")) * LOG2E - row_term
+        delta = tl.load(DELTA + row_base + rows, mask=row_ok, other=0.0)
         p_t = tl.where(ok_t, tl.exp2(s_t - lse[None, :]), 0.0)
         ds_t = p_t * (dp_t - delta[None, :])
     dv += tile_dot(p_t.to(do.dtype), do, IEEE, WIDEN)
@@ -416,7 +423,7 @@ def span_backward_kv_slots_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, ORDER, DOCS,
     tokens = tl.load(ORDER + cols, mask=col_ok, other=0)
     k = tl.load(K + b * skb + hk.to(tl.int64) * skh + tokens[:, None] * skn + dims[None, :], mask=kv_mask, other=0.0)
     v = tl.load(V + b * svb + hk.to(tl.int64) * svh + tokens[:, None] * svn + dims[None, :], mask=kv_mask, other=0.0)
-    docs = DOCS + b * N_MEM
+    docs = DOCS + (b * N_MEM - HALO)  # per slot: main row r's at r - HALO, as the log-sum-exps and deltas
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     lowest = tl.min(tl.where(col_ok, cols, N), 0)
@@ -425,7 +432,7 @@ def span_backward_kv_slots_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, ORDER, DOCS,
         h = hk * GROUP + g
         q_base = Q + b * sqb + h.to(tl.int64) * sqh
         do_base = DO + b * sdob + h.to(tl.int64) * sdoh
-        row_base = (b * H + h) * N_MEM
+        row_base = (b * H + h) * N_MEM - HALO
         for shift in range(-N_MEM, N_MEM + 1, N_MEM):  # the copy before the main rows, the main row, the copy after
             first = tl.maximum(lowest + shift - HALO, HALO)
             end = tl.minimum(highest + shift + HALO + 1, HALO + N_MEM)
@@ -501,8 +508,9 @@ def span_backward_q_kernel(Q, K, V, DO, LSE, DELTA, DQ, LO, HI, ORDER, SLOPES, D
     delta = tl.zeros([BLOCK_M], dtype=tl.float32)
     if not SIGMOID:
         # in log2 units, less the bias's row term, which the scores leave out
-        lse = tl.load(LSE + pid_bh.to(tl.int64) * N_MEM + addr, mask=row_ok, other=float("inf")) * LOG2E - row_term
-        delta = tl.load(DELTA + pid_bh.to(tl.int64) * N_MEM + addr, mask=row_ok, other=0.0)
+        row_base = pid_bh.to(tl.int64) * N_MEM - ROW0  # per query row (in slots: per slot)
+        lse = tl.load(LSE + row_base + rows, mask=row_ok, other=float("inf")) * LOG2E - row_term
+        delta = tl.load(DELTA + row_base + rows, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
