@@ -70,9 +70,9 @@ KERNELS: dict[str, Kernel] = {kernel.name: kernel for kernel in (
     DenseKernel(), ChunkedKernel(), FlexKernel(), SdpaKernel(), SpanKernel(), WindowKernel())}
 BACKENDS = ("auto", *(name for name, kernel in KERNELS.items() if kernel.selectable))
 
-__all__ = ["AttentionPlan", "BACKENDS", "GPU_CHOICES", "GPU_MEASUREMENTS", "KERNELS", "attend", "attend_paths",
-           "attend_planned", "bind_documents", "computed_scores", "layer_scores", "plan_attention", "plans_in",
-           "resolve_backend", "span_available"]
+__all__ = ["AttentionPlan", "BACKENDS", "GPU_CHOICES", "GPU_MEASUREMENTS", "KERNELS", "attend", "attend_apart",
+           "attend_paths", "attend_planned", "bind_documents", "computed_scores", "layer_scores", "plan_attention",
+           "plans_in", "resolve_backend", "span_available"]
 
 
 @dataclass(frozen=True)
@@ -241,6 +241,16 @@ def attend_paths(q, k, v, plans, dropout_p: float = 0.0, docs=None):
         if out is not None:
             return out
     return sum(attend_planned(q, k, v, plan, dropout_p, docs) for plan in plans)
+
+
+def attend_apart(q, k, v, plans, layouts, dropout_p: float = 0.0, docs=None):
+    """Each plan's output over the same q, k, v (a layer's paths with outputs of their own; layouts: each plan's
+    layout or None, as attend_in_layout takes it) in one call whose backward adds the paths' gradients in the
+    kernels, where their kernel fuses it (Kernel.run_apart: span attention's two paths); None where it does not
+    (the caller runs each plan)."""
+    if len({p.kernel for p in plans}) != 1 or any(p.documents != (docs is not None) for p in plans):
+        return None
+    return KERNELS[plans[0].kernel].run_apart(q, k, v, tuple(plans), tuple(layouts), dropout_p, docs)
 
 
 def attend_in_layout(q, k, v, plan: AttentionPlan, layout, dropout_p: float = 0.0, docs=None):

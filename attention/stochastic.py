@@ -12,7 +12,8 @@ The edge is defined once (stochastic_window_edges, below). The dense backend eva
 all (query, key) pairs in original positions (StochasticWindow, the O(n^2) reference); every other backend
 runs in permuted space, where it is a band (PermutedWindow): the chunked kernel and FlexAttention cost
 O(n w) plus an O(n) gather and scatter; span attention reads each slot from its token's row inside its loads
-(Kernel.run_in_layout), so nothing is gathered or scattered around it.
+(Kernel.run_in_layout), so nothing is gathered or scattered around it; sa_swa's two paths run there in one op
+(Kernel.run_apart) whose backward adds swa's gradients into sa's in the kernels.
 
 Permutations: training always draws fresh ones from the torch RNG (seeded per rank by train.py and restored
 on resume, so a run and its resumption draw the same ones). At inference sa_mode=stochastic keeps drawing;
@@ -30,7 +31,8 @@ import torch
 from torch import nn
 
 from attention.edges import EdgeRule, SlidingWindow
-from attention.kernels import AttentionPlan, attend_in_layout, attend_planned, plan_attention, resolve_backend
+from attention.kernels import (AttentionPlan, attend_apart, attend_in_layout, attend_planned, plan_attention,
+                               resolve_backend)
 from attention.layouts import Layout, extended_slots, from_layout, inverse_permutation, to_layout
 from attention.layer import Attention, merge_heads
 from attention.local import SWA_WINDOW
@@ -329,18 +331,28 @@ class GatedStochasticSlidingAttention(StochasticAttention):
             self.swa_rule, self.backend, seq_len, self.n_head, self.head_dim, device, documents=self.document_mask)
 
     def mix(self, q, k, v, pos, cache, plan=None, docs=None):
+        if cache is not None:
+            raise NotImplementedError("sa draws a new permutation every forward: generate without a cache")
+        y_sa, y_swa = (merge_heads(y) for y in self.both_paths(q, k, v, plan, docs))
+        return torch.sigmoid(self.gate_sa(y_sa)) * y_sa + torch.sigmoid(self.gate_swa(y_swa)) * y_swa
+
+    def both_paths(self, q, k, v, plan=None, docs=None):
+        """(sa's output, swa's) over the same q, k, v: in one call where their kernel fuses them (span attention:
+        sa in slots, then swa, whose backward adds its gradients into sa's in the kernels), else each on its own
+        (autograd adds the gradients)."""
         dropout_p = self.dropout if self.training else 0.0
         sa_plans, swa_plan = plan if plan is not None else self.plan(q.shape[0], q.shape[2], q.device)
-        y_sa = merge_heads(self.attend(q, k, v, pos, cache, sa_plans, docs))
-        y_swa = merge_heads(attend_planned(q, k, v, swa_plan, dropout_p, docs))
-        return torch.sigmoid(self.gate_sa(y_sa)) * y_sa + torch.sigmoid(self.gate_swa(y_swa)) * y_swa
+        if len(sa_plans) == 1:  # one permutation for the batch
+            both = attend_apart(q, k, v, (sa_plans[0].attention, swa_plan), (sa_plans[0].layout, None), dropout_p,
+                                docs)
+            if both is not None:
+                return both
+        return (self.attend(q, k, v, None, None, sa_plans, docs), attend_planned(q, k, v, swa_plan, dropout_p, docs))
 
     def kernel_forward(self, q, k, v, docs=None):
         """Both paths over the same q, k, v, summed (their gates are projections, left out)."""
-        B, _, T, _ = q.shape
-        pos = torch.arange(T, device=q.device)
-        sa_plans, swa_plan = self.plan(B, T, q.device)
-        return self.attend(q, k, v, pos, None, sa_plans, docs) + attend_planned(q, k, v, swa_plan, docs=docs)
+        y_sa, y_swa = self.both_paths(q, k, v, docs=docs)
+        return y_sa + y_swa
 
     def pretrained_problem(self):
         return own_state_problem(self)  # its two path gates are parameters of its own

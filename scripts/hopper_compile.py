@@ -255,9 +255,10 @@ def record_launches(c: HopperConfig) -> list[Launch]:
         # the bridges' branch fusion: two paths summed, the second pass adding the first's output and gradients
         configuration[0] = PAIR_CONFIGURATION
         a, b = (static_spans(rule, n, 1, 0, "cpu").to(CUDA) for rule in (FixedBlock(WINDOW), SlidingWindow(WINDOW)))
-        out, out_a, lse_a, lse_b = span_op.triton_pair_forward(q, k, v, a.lo, a.hi, b.lo, b.hi, None)
-        span_op.triton_pair_backward(torch.empty_like(out), q, k, v, out, out_a, lse_a, lse_b, a.lo, a.hi, a.key_first,
-                                     a.key_end, b.lo, b.hi, b.key_first, b.key_end, None, None)
+        out, out_a, lse_a, lse_b = span_op.triton_pair_forward(q, k, v, a.lo, a.hi, b.lo, b.hi, None, None)
+        span_op.triton_pair_backward(torch.empty_like(out), None, q, k, v, out, out_a, lse_a, lse_b, a.lo, a.hi,
+                                     a.key_first, a.key_end, None, None, b.lo, b.hi, b.key_first, b.key_end, None,
+                                     None)
         k, v = (torch.empty(B, n, H, D, dtype=dtype, device=CUDA).transpose(1, 2) for _ in range(2))
         for name, documents in MOBA_CONFIGURATIONS.items():
             configuration[0] = name

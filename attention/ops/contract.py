@@ -17,6 +17,11 @@ A kernel (a subclass of Kernel, in the module or package of its algorithm beside
     run_in_layout(q, k, v, plan, layout, dropout_p, docs)    the same for a plan over a layout's rows
                        (attention/layouts.py) with q, k, v, docs and the output in token order, the kernel reading
                        each row at its token; None where it cannot (the default: the caller gathers and scatters)
+    run_sum(q, k, v, plans, dropout_p, docs)    the sum of several plans' outputs in one call; None where the
+                       kernel does not fuse it (the default: the caller adds the outputs)
+    run_apart(q, k, v, plans, layouts, dropout_p, docs)    each of several plans' outputs (each plan over its layout
+                       or in token order) in one call whose backward sums their gradients in the kernels; None where
+                       the kernel does not fuse them (the default: the caller runs each plan)
     scores(plan, n_head)             the scores it computes over all heads (what it costs, against the edges)
 
 Adding a kernel is one package under attention/ops/ and one entry in attention/kernels.py's KERNELS.
@@ -140,6 +145,13 @@ class Kernel:
     def run_sum(self, q, k, v, plans: tuple, dropout_p: float = 0.0, docs=None):
         """The sum of several of this kernel's plans over the same q, k, v in one call, where the kernel fuses it;
         None where it does not (the caller adds the plans' outputs)."""
+        return None
+
+    def run_apart(self, q, k, v, plans: tuple, layouts: tuple, dropout_p: float = 0.0, docs=None):
+        """Each of several of this kernel's plans' outputs over the same q, k, v, a plan over a layout's rows
+        (layouts[i], attention/layouts.py; None: token order) run as run_in_layout runs it, in one call whose
+        backward adds the plans' gradients in the kernels, where the kernel fuses it; None where it does not (the
+        caller runs each plan, and autograd adds their gradients)."""
         return None
 
     def scores(self, plan: AttentionPlan, n_head: int) -> int:

@@ -132,6 +132,48 @@ def test_two_paths_summed_in_bfloat16_stay_close_to_float32():
         assert_close_at_scale(ours, theirs, torch.bfloat16)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("documents", [False, True])
+def test_two_paths_apart_in_one_call_equal_the_dense_reference(fused, documents, monkeypatch):
+    """Two paths with outputs of their own over one q, k, v (sa_swa's sa in slots and its swa: Kernel.run_apart):
+    one op, whose backward runs sa's kernels in slots and then swa's adding their gradients into sa's; each output
+    and the gradients of both (under different upstream gradients) equal the dense references, with grouped-query
+    heads, packed documents, and q, k, v as views of one fused projection (whose gradients are laid out unlike
+    them)."""
+    from attention.documents import document_starts
+    from attention.kernels import attend_apart
+    from attention.stochastic import plan_stochastic, stochastic_attention
+
+    n, window = 83, 14
+    q, k, v = (fused_inputs if fused else inputs)(n, H=4, H_kv=2)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(5), device="cpu")
+    docs = None
+    if documents:
+        marks = torch.zeros(2, n, dtype=torch.long)
+        marks[0, [3, 40, 41, 70]] = 1
+        marks[1, 82] = 1
+        docs = document_starts(marks, 1, torch.arange(n))
+    sa = plan_stochastic(order, window, "span", 4, 16, "cpu", documents)
+    swa = plan_attention(SlidingWindow(window), "span", n, 4, 16, "cpu", documents=documents)
+    calls = []
+    apart = op.span_pair_apart
+    monkeypatch.setattr("attention.ops.span.kernel.span_pair_apart",
+                        lambda *args, **kwargs: calls.append(1) or apart(*args, **kwargs))
+    y_sa, y_swa = attend_apart(q, k, v, (sa.attention, swa), (sa.layout, None), docs=docs)
+    assert calls == [1] and y_sa.grad_fn is y_swa.grad_fn  # one op, one backward for both paths
+    repeat = lambda t: t.repeat_interleave(2, dim=1)  # noqa: E731  (the dense sa reference takes one k/v per head)
+    ref_sa = stochastic_attention(q, repeat(k), repeat(v), order, window, "dense", docs=docs)
+    ref_swa = dense_attention(q, k, v, SlidingWindow(window), torch.arange(n, device="cpu"), docs=docs)
+    torch.testing.assert_close(y_sa, ref_sa, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(y_swa, ref_swa, atol=2e-5, rtol=1e-4)
+    upstream = [torch.randn(y.shape, generator=torch.Generator().manual_seed(seed), device="cpu")
+                for seed, y in enumerate((y_sa, y_swa))]
+    ours = torch.autograd.grad((y_sa, y_swa), (q, k, v), upstream)
+    theirs = torch.autograd.grad((ref_sa, ref_swa), (q, k, v), upstream)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("activation", ["sigmoid", "softmax"])
 @pytest.mark.parametrize("window", [11, 40])  # 40: tiles with interior key blocks (no mask, ALiBi's row term apart)
 def test_swat_scores_alibi_and_sigmoid_in_the_kernel(activation, window):

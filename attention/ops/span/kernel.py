@@ -13,7 +13,8 @@ from attention.edges import EdgeRule
 from attention.ops.blocks import refuse_while_compiling
 from attention.ops.contract import AttentionCall, AttentionPlan, Kernel, KernelRefused, refuse_dropout
 from attention.ops.score_mod import ScoreBias
-from attention.ops.span.op import span_attention, span_blocks, span_pair_attention, triton_installed
+from attention.ops.span.op import (span_attention, span_blocks, span_pair_apart, span_pair_attention,
+                                   triton_installed)
 from attention.ops.span.spans import Spans, band_spans, span_scores, spans_problem, static_spans
 
 
@@ -72,26 +73,50 @@ class SpanKernel(Kernel):
 
     def run_in_layout(self, q, k, v, plan: AttentionPlan, layout, dropout_p: float = 0.0, docs=None):
         # a band over a layout's rows in an order (sa): the kernels read and write each row at its token
-        data = plan.data
-        if (data.spans.order is None or layout.runs is not None or data.slopes is not None
-                or plan.activation != "softmax" or plan.start or plan.n != q.shape[2] + 2 * layout.halo):
+        if not in_slots(plan, layout, q.shape[2]):
             return None
         refuse_dropout("span", dropout_p)
-        return span_attention(q, k, v, data.spans, docs=docs, halo=layout.halo)
+        return span_attention(q, k, v, plan.data.spans, docs=docs, halo=layout.halo)
 
     def run_sum(self, q, k, v, plans: tuple, dropout_p: float = 0.0, docs=None):
         # two softmax paths in token order (the bridges' block and window paths): the second pass adds the first's
         # output and gradients in as it stores its own
-        if len(plans) != 2 or dropout_p or any(
-                p.data.spans.order is not None or p.data.slopes is not None or p.activation != "softmax"
-                or p.start != plans[0].start for p in plans):
+        if len(plans) != 2 or dropout_p or not all(plain(p) and p.start == plans[0].start for p in plans):
             return None
         return span_pair_attention(q, k, v, plans[0].data.spans, plans[1].data.spans, docs, plans[0].start)
+
+    def run_apart(self, q, k, v, plans: tuple, layouts: tuple, dropout_p: float = 0.0, docs=None):
+        # two softmax paths from position 0, the first in token order or in slots (sa_swa's sa), the second in token
+        # order (its swa): the second pass adds its gradients into the first's as it stores them
+        if len(plans) != 2 or layouts[1] is not None or not plain(plans[1]) or plans[1].start:
+            return None
+        halo = -1
+        if layouts[0] is not None:
+            if not in_slots(plans[0], layouts[0], q.shape[2]):
+                return None
+            halo = layouts[0].halo
+        elif not plain(plans[0]) or plans[0].start:
+            return None
+        refuse_dropout("span", dropout_p)
+        return span_pair_apart(q, k, v, plans[0].data.spans, plans[1].data.spans, docs, halo)
 
     def scores(self, plan: AttentionPlan, n_head: int) -> int:
         halo = getattr(plan.rule, "halo", 0) if plan.data.spans.order is not None else 0
         # a band over a layout's rows runs in slots (run_in_layout): its queries are the main rows only
         return span_scores(plan.data.spans, n_head, *span_blocks("cuda"), rows=slice(halo, plan.n - halo))
+
+
+def plain(plan: AttentionPlan) -> bool:
+    """Whether a plan is softmax over spans in token order, without a bias."""
+    return plan.data.spans.order is None and plan.data.slopes is None and plan.activation == "softmax"
+
+
+def in_slots(plan: AttentionPlan, layout, n: int) -> bool:
+    """Whether a plan over a layout's rows runs in slots for n tokens: softmax over a band in an order, without a
+    bias, from position 0, the layout's main rows each slot once (no runs)."""
+    data = plan.data
+    return (data.spans.order is not None and layout.runs is None and data.slopes is None
+            and plan.activation == "softmax" and not plan.start and plan.n == n + 2 * layout.halo)
 
 
 def plan_spans(rule: EdgeRule, n: int, n_head: int, start: int, device: str) -> Spans | None:

@@ -347,102 +347,120 @@ def span_attention(q, k, v, spans, slopes=None, offset: float = 0.0, sigmoid: bo
     return out
 
 
-# ---- two paths summed: attention under two rules, each normalised on its own (the bridges' branch fusion) -----
+# ---- two paths over one q, k, v: each normalised on its own, summed (the bridges' branch fusion) or apart (sa_swa) --
 
-def triton_pair_forward(q, k, v, lo_a, hi_a, lo_b, hi_b, docs):
-    """(out = path a's output + path b's, path a's output, each path's log-sum-exp): b's forward adds a's output
-    into its own as it stores it."""
-    out_a, lse_a = triton_forward(q, k, v, lo_a, hi_a, None, None, 0.0, False, docs)
-    out, lse_b = triton_forward(q, k, v, lo_b, hi_b, None, None, 0.0, False, docs, prev=out_a)
+def triton_pair_forward(q, k, v, lo_a, hi_a, lo_b, hi_b, docs_a, docs_b, order_a=None, halo_a: int = -1,
+                        summed: bool = True):
+    """(out, path a's output, each path's log-sum-exp): out is path b's output, plus a's where summed (b's forward
+    adding a's output in as it stores its own). Path a may run in slots (halo_a >= 0, its rows in order_a: see
+    span_attention), b in token order; docs_a, docs_b: the documents each path's kernels read."""
+    out_a, lse_a = triton_forward(q, k, v, lo_a, hi_a, order_a, None, 0.0, False, docs_a, halo_a)
+    out, lse_b = triton_forward(q, k, v, lo_b, hi_b, None, None, 0.0, False, docs_b, prev=out_a if summed else None)
     return out, out_a, lse_a, lse_b
 
 
-def triton_pair_backward(grad, q, k, v, out, out_a, lse_a, lse_b, lo_a, hi_a, first_a, end_a, lo_b, hi_b, first_b,
-                         end_b, docs, doc_end):
-    """dq, dk, dv of both paths: both deltas from one read of dO (b's from out - out_a), and b's kernels adding
-    their gradients into a's as they store them (no additions after)."""
-    delta_a, delta_b = triton_delta(grad, out_a, out)
-    into = triton_backward(grad, q, k, v, out_a, lse_a, lo_a, hi_a, first_a, end_a, None, None, 0.0, False,
-                           delta=delta_a, docs=docs, doc_end=doc_end)
+def triton_pair_backward(grad, grad_a, q, k, v, out, out_a, lse_a, lse_b, lo_a, hi_a, first_a, end_a, order_a,
+                         docs_a, lo_b, hi_b, first_b, end_b, docs_b, doc_end, halo_a: int = -1, summed: bool = True):
+    """dq, dk, dv of both paths, b's kernels adding their gradients into a's as they store them (no additions
+    after). summed: grad is out's, both deltas from one read of dO (b's from out - out_a); else grad is b's output's
+    and grad_a a's."""
+    if summed:
+        delta_a, delta_b = triton_delta(grad, out_a, out)
+        grad_a = grad
+    else:
+        delta_a = triton_delta(grad_a, out_a, tokens=main_tokens(order_a, halo_a, q.shape[2]))
+        delta_b = triton_delta(grad, out)
+    into = triton_backward(grad_a, q, k, v, out_a, lse_a, lo_a, hi_a, first_a, end_a, order_a, None, 0.0, False,
+                           delta=delta_a, docs=docs_a, doc_end=doc_end if halo_a < 0 else None, halo=halo_a)
     return triton_backward(grad, q, k, v, out, lse_b, lo_b, hi_b, first_b, end_b, None, None, 0.0, False,
-                           delta=delta_b, docs=docs, doc_end=doc_end, into=into)
+                           delta=delta_b, docs=docs_b, doc_end=doc_end, into=into)
 
 
 @torch.library.custom_op("efficient_attention::span_pair_forward", mutates_args=(), device_types="cuda")
 def span_pair_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo_a: torch.Tensor, hi_a: torch.Tensor,
-                      key_first_a: torch.Tensor, key_end_a: torch.Tensor, lo_b: torch.Tensor, hi_b: torch.Tensor,
-                      key_first_b: torch.Tensor, key_end_b: torch.Tensor, docs: torch.Tensor | None,
-                      doc_end: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return triton_pair_forward(q, k, v, lo_a, hi_a, lo_b, hi_b, docs)
+                      key_first_a: torch.Tensor, key_end_a: torch.Tensor, order_a: torch.Tensor | None,
+                      docs_a: torch.Tensor | None, lo_b: torch.Tensor, hi_b: torch.Tensor, key_first_b: torch.Tensor,
+                      key_end_b: torch.Tensor, docs: torch.Tensor | None, doc_end: torch.Tensor | None, halo_a: int,
+                      summed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return triton_pair_forward(q, k, v, lo_a, hi_a, lo_b, hi_b, docs_a, docs, order_a, halo_a, summed)
 
 
 @span_pair_forward.register_fake
-def _(q, k, v, lo_a, hi_a, key_first_a, key_end_a, lo_b, hi_b, key_first_b, key_end_b, docs, doc_end):
+def _(q, k, v, lo_a, hi_a, key_first_a, key_end_a, order_a, docs_a, lo_b, hi_b, key_first_b, key_end_b, docs,
+      doc_end, halo_a, summed):
     B, H, n, _ = q.shape
     return (layout_like_q(q), layout_like_q(q), q.new_empty(B, H, n, dtype=torch.float32),
             q.new_empty(B, H, n, dtype=torch.float32))
 
 
 @torch.library.custom_op("efficient_attention::span_pair_backward", mutates_args=(), device_types="cuda")
-def span_pair_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                       out_a: torch.Tensor, lse_a: torch.Tensor, lse_b: torch.Tensor, lo_a: torch.Tensor,
-                       hi_a: torch.Tensor, key_first_a: torch.Tensor, key_end_a: torch.Tensor, lo_b: torch.Tensor,
-                       hi_b: torch.Tensor, key_first_b: torch.Tensor, key_end_b: torch.Tensor,
-                       docs: torch.Tensor | None,
-                       doc_end: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return triton_pair_backward(grad, q, k, v, out, out_a, lse_a, lse_b, lo_a, hi_a, key_first_a, key_end_a, lo_b,
-                                hi_b, key_first_b, key_end_b, docs, doc_end)
+def span_pair_backward(grad: torch.Tensor, grad_a: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, out: torch.Tensor, out_a: torch.Tensor, lse_a: torch.Tensor,
+                       lse_b: torch.Tensor, lo_a: torch.Tensor, hi_a: torch.Tensor, key_first_a: torch.Tensor,
+                       key_end_a: torch.Tensor, order_a: torch.Tensor | None, docs_a: torch.Tensor | None,
+                       lo_b: torch.Tensor, hi_b: torch.Tensor, key_first_b: torch.Tensor, key_end_b: torch.Tensor,
+                       docs: torch.Tensor | None, doc_end: torch.Tensor | None, halo_a: int,
+                       summed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return triton_pair_backward(grad, grad_a, q, k, v, out, out_a, lse_a, lse_b, lo_a, hi_a, key_first_a, key_end_a,
+                                order_a, docs_a, lo_b, hi_b, key_first_b, key_end_b, docs, doc_end, halo_a, summed)
 
 
 @span_pair_backward.register_fake
-def _(grad, q, k, v, out, out_a, lse_a, lse_b, lo_a, hi_a, key_first_a, key_end_a, lo_b, hi_b, key_first_b,
-      key_end_b, docs, doc_end):
+def _(grad, grad_a, q, k, v, out, out_a, lse_a, lse_b, lo_a, hi_a, key_first_a, key_end_a, order_a, docs_a, lo_b,
+      hi_b, key_first_b, key_end_b, docs, doc_end, halo_a, summed):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _naive_pair(q, k, v, lo_a, hi_a, lo_b, hi_b, docs):
-    y_a, lse_a = span_attention_naive(q, k, v, lo_a, hi_a, None, None, 0.0, False, docs)
+def _naive_pair(q, k, v, lo_a, hi_a, order_a, docs_a, lo_b, hi_b, docs, halo_a):
+    y_a, lse_a = naive_in_slots(q, k, v, lo_a, hi_a, order_a, None, 0.0, False, docs_a, halo_a)
     y_b, lse_b = span_attention_naive(q, k, v, lo_b, hi_b, None, None, 0.0, False, docs)
     return y_a, y_b, lse_a, lse_b
 
 
 @span_pair_forward.register_kernel("cpu")
-def _cpu_pair_forward(q, k, v, lo_a, hi_a, key_first_a, key_end_a, lo_b, hi_b, key_first_b, key_end_b, docs,
-                      doc_end):
+def _cpu_pair_forward(q, k, v, lo_a, hi_a, key_first_a, key_end_a, order_a, docs_a, lo_b, hi_b, key_first_b,
+                      key_end_b, docs, doc_end, halo_a, summed):
     simulate_cuda.ran("span")
     if triton_on_cpu():
-        return triton_pair_forward(q, k, v, lo_a, hi_a, lo_b, hi_b, docs)
-    y_a, y_b, lse_a, lse_b = _naive_pair(q, k, v, lo_a, hi_a, lo_b, hi_b, docs)
+        return triton_pair_forward(q, k, v, lo_a, hi_a, lo_b, hi_b, docs_a, docs, order_a, halo_a, summed)
+    y_a, y_b, lse_a, lse_b = _naive_pair(q, k, v, lo_a, hi_a, order_a, docs_a, lo_b, hi_b, docs, halo_a)
     out, out_a = layout_like_q(q), layout_like_q(q)
     out_a.copy_(y_a)
-    out.copy_(out_a + y_b)
+    out.copy_(out_a + y_b if summed else y_b)
     return out, out_a, lse_a, lse_b
 
 
 @span_pair_backward.register_kernel("cpu")
-def _cpu_pair_backward(grad, q, k, v, out, out_a, lse_a, lse_b, lo_a, hi_a, key_first_a, key_end_a, lo_b, hi_b,
-                       key_first_b, key_end_b, docs, doc_end):
+def _cpu_pair_backward(grad, grad_a, q, k, v, out, out_a, lse_a, lse_b, lo_a, hi_a, key_first_a, key_end_a, order_a,
+                       docs_a, lo_b, hi_b, key_first_b, key_end_b, docs, doc_end, halo_a, summed):
     simulate_cuda.ran("span")
     if triton_on_cpu():
-        return triton_pair_backward(grad, q, k, v, out, out_a, lse_a, lse_b, lo_a, hi_a, key_first_a, key_end_a,
-                                    lo_b, hi_b, key_first_b, key_end_b, docs, doc_end)
+        return triton_pair_backward(grad, grad_a, q, k, v, out, out_a, lse_a, lse_b, lo_a, hi_a, key_first_a,
+                                    key_end_a, order_a, docs_a, lo_b, hi_b, key_first_b, key_end_b, docs, doc_end,
+                                    halo_a, summed)
     with simulate_cuda.autograd_in_kernel():
         inputs = [t.detach().requires_grad_() for t in (q, k, v)]
-        y_a, y_b, _, _ = _naive_pair(*inputs, lo_a, hi_a, lo_b, hi_b, docs)
-        dq, dk, dv = torch.autograd.grad(y_a + y_b, inputs, grad)
+        y_a, y_b, _, _ = _naive_pair(*inputs, lo_a, hi_a, order_a, docs_a, lo_b, hi_b, docs, halo_a)
+        dq, dk, dv = torch.autograd.grad((y_a, y_b), inputs, (grad, grad) if summed else (grad_a, grad))
     return (torch.empty_like(q).copy_(dq), torch.empty_like(k).copy_(dk), torch.empty_like(v).copy_(dv))
 
 
 def _pair_setup_context(ctx, inputs, output):
-    q, k, v, lo_a, hi_a, key_first_a, key_end_a, lo_b, hi_b, key_first_b, key_end_b, docs, doc_end = inputs
+    (q, k, v, lo_a, hi_a, key_first_a, key_end_a, order_a, docs_a, lo_b, hi_b, key_first_b, key_end_b, docs, doc_end,
+     halo_a, summed) = inputs
     out, out_a, lse_a, lse_b = output
-    ctx.save_for_backward(q, k, v, out, out_a, lse_a, lse_b, lo_a, hi_a, key_first_a, key_end_a, lo_b, hi_b,
-                          key_first_b, key_end_b, docs, doc_end)
+    ctx.save_for_backward(q, k, v, out, out_a, lse_a, lse_b, lo_a, hi_a, key_first_a, key_end_a, order_a, docs_a,
+                          lo_b, hi_b, key_first_b, key_end_b, docs, doc_end)
+    ctx.halo_a, ctx.summed = halo_a, summed
 
 
 def _pair_backward(ctx, grad_out, grad_out_a, grad_lse_a, grad_lse_b):
-    dq, dk, dv = span_pair_backward(grad_out, *ctx.saved_tensors)
-    return dq, dk, dv, *([None] * 10)
+    # summed, out_a is what the backward reads, not an output of the op's caller (span_pair_attention returns out)
+    if not ctx.summed and grad_out_a is None:  # only path b's output was used
+        grad_out_a = torch.zeros_like(grad_out)
+    dq, dk, dv = span_pair_backward(grad_out, None if ctx.summed else unit_stride(grad_out_a), *ctx.saved_tensors,
+                                    ctx.halo_a, ctx.summed)
+    return dq, dk, dv, *([None] * 14)
 
 
 span_pair_forward.register_autograd(_pair_backward, setup_context=_pair_setup_context)
@@ -453,14 +471,33 @@ def span_pair_attention(q, k, v, spans_a, spans_b, docs=None, start: int = 0):
     addition after either pass: the second path's kernels add the first's output and gradients in as they store
     theirs (the branch fusion of a layer whose paths() are two span rules: Kernel.run_sum)."""
     if spans_a.order is not None or spans_b.order is not None:
-        raise ValueError("span attention of two paths takes rows in token order")
+        raise ValueError("span attention of two paths summed takes rows in token order")
+    return _pair(q, k, v, spans_a, spans_b, docs, start, -1, True)[0]
+
+
+def span_pair_apart(q, k, v, spans_a, spans_b, docs=None, halo_a: int = -1):
+    """(span_attention(q, k, v, spans_a, halo=halo_a), span_attention(q, k, v, spans_b)), softmax, in one call whose
+    backward adds b's gradients into a's in the kernels (no additions of dq, dk, dv after): two paths over shared
+    q, k, v with outputs of their own (sa_swa's sa in slots and its swa: Kernel.run_apart). Path a may run in slots
+    (halo_a >= 0), b in token order."""
+    if spans_b.order is not None or (halo_a < 0) != (spans_a.order is None):
+        raise ValueError("span attention of two paths apart takes path a in token order or in slots (halo_a >= 0),"
+                         " path b in token order")
+    if halo_a >= 0 and spans_a.lo.shape[-1] != q.shape[2] + 2 * halo_a:
+        raise ValueError("span attention in slots takes a layout's band: n + 2 halo rows in an order")
+    out_b, out_a = _pair(q, k, v, spans_a, spans_b, docs, 0, halo_a, False)
+    return out_a, out_b
+
+
+def _pair(q, k, v, spans_a, spans_b, docs, start: int, halo_a: int, summed: bool):
     q, k, v = (unit_stride(t) for t in (q, k, v))
     rows = None if docs is None else document_rows(docs, start)
-    lo_a, hi_a, docs_, doc_end = document_spans(spans_a, docs, start, rows)
-    lo_b, hi_b, _, _ = document_spans(spans_b, docs, start, rows)
-    out, _, _, _ = span_pair_forward(q, k, v, lo_a, hi_a, spans_a.key_first, spans_a.key_end, lo_b, hi_b,
-                                     spans_b.key_first, spans_b.key_end, docs_, doc_end)
-    return out
+    lo_a, hi_a, docs_a, _ = document_spans(spans_a, docs, start, rows)
+    lo_b, hi_b, docs_b, doc_end = document_spans(spans_b, docs, start, rows)
+    out, out_a, _, _ = span_pair_forward(q, k, v, lo_a, hi_a, spans_a.key_first, spans_a.key_end, spans_a.order,
+                                         docs_a, lo_b, hi_b, spans_b.key_first, spans_b.key_end, docs_b, doc_end,
+                                         int(halo_a), bool(summed))
+    return out, out_a
 
 
 def _samples():
@@ -487,7 +524,8 @@ def _samples():
 
 
 def _pair_samples():
-    """Two rules' spans (a window and fixed blocks) over the same q, k, v, without and with two documents."""
+    """Two rules' spans (a window and fixed blocks) over the same q, k, v, summed, without and with two documents;
+    and apart, the first path a band in slots (_samples' last) with the documents."""
     generator = torch.Generator().manual_seed(1)
     B, H, n, D = 1, 2, 40, 16
     a, b = static_spans(SlidingWindow(9), n, H, 0, "cpu"), static_spans(FixedBlock(8), n, H, 0, "cpu")
@@ -498,7 +536,12 @@ def _pair_samples():
         rows = None if documents is None else document_rows(documents, 0)
         lo_a, hi_a, first, end = document_spans(a, documents, 0, rows)
         lo_b, hi_b, _, _ = document_spans(b, documents, 0, rows)
-        samples.append((q, k, v, lo_a, hi_a, a.key_first, a.key_end, lo_b, hi_b, b.key_first, b.key_end, first, end))
+        samples.append((q, k, v, lo_a, hi_a, a.key_first, a.key_end, None, first, lo_b, hi_b, b.key_first,
+                        b.key_end, first, end, -1, True))
+    q, k, v, lo, hi, key_first, key_end, order, _, docs_a, _, _, _, halo = _samples()[-1]
+    lo_b, hi_b, first, end = document_spans(a, docs, 0)
+    samples.append((q, k, v, lo, hi, key_first, key_end, order, docs_a, lo_b, hi_b, a.key_first, a.key_end, first,
+                    end, halo, False))
     return samples
 
 
@@ -512,10 +555,10 @@ def _pair_backward_samples():
     samples = []
     for q, k, v, *rest in _pair_samples():
         out, out_a, lse_a, lse_b = _cpu_pair_forward(q, k, v, *rest)
-        grad = torch.randn(out.shape[0], out.shape[2], out.shape[1], out.shape[3]).to(q.dtype).transpose(1, 2)
-        lo_a, hi_a, first_a, end_a, lo_b, hi_b, first_b, end_b, docs, doc_end = rest
-        samples.append((grad, q, k, v, out, out_a, lse_a, lse_b, lo_a, hi_a, first_a, end_a, lo_b, hi_b, first_b,
-                        end_b, docs, doc_end))
+        grad, grad_a = (torch.randn(out.shape[0], out.shape[2], out.shape[1], out.shape[3]).to(q.dtype)
+                        .transpose(1, 2) for _ in range(2))
+        summed = rest[-1]
+        samples.append((grad, None if summed else grad_a, q, k, v, out, out_a, lse_a, lse_b, *rest))
     return samples
 
 
