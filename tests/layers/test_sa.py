@@ -385,6 +385,29 @@ def test_gpu_sa_equals_dense_forward_and_backward(backend, device):
         torch.testing.assert_close(g, r, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.gpu  # on CUDA where it exists, else on the CPU under the device guard (tests/conftest.py)
+def test_gpu_sa_swa_paths_in_one_op_equal_dense_forward_and_backward(device):
+    """sa_swa's two paths in one span op (sa in slots, swa accumulating its gradients into sa's), against each
+    path's dense reference under two different upstream gradients."""
+    from attention.kernels import attend_apart, plan_attention
+    from attention.ops.dense import dense_attention
+
+    n, window = (1000 if device == "cuda" else 160), 64  # the interpreter runs span: fewer rows on the CPU
+    q, k, v = qkv(n, dim=CUDA_HEAD_DIM, dtype=torch.float32, device=device)
+    order = torch.randperm(n, generator=generator(0, device), device=device)
+    sa = plan_stochastic(order, window, "span", 3, CUDA_HEAD_DIM, device)
+    swa = plan_attention(SlidingWindow(window), "span", n, 3, CUDA_HEAD_DIM, device)
+    both = attend_apart(q, k, v, (sa.attention, swa), (sa.layout, None))
+    assert both is not None
+    refs = (stochastic_attention(q, k, v, order, window, "dense"),
+            dense_attention(q, k, v, SlidingWindow(window), torch.arange(n, device=device)))
+    upstream = [torch.randn(r.shape, generator=generator(seed + 1, device), device=device)
+                for seed, r in enumerate(refs)]
+    for ours, theirs in zip((*both, *torch.autograd.grad(both, (q, k, v), upstream)),
+                            (*refs, *torch.autograd.grad(refs, (q, k, v), upstream))):
+        torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
+
+
 def test_batched_scoring_of_sa_does_not_depend_on_batch_mates():
     """sa draws its permutation over the whole (padded) length: scoring batches only equal lengths keeps a
     sequence's score what it is alone, whatever batch_size (deterministic permutations make it comparable)."""
