@@ -456,8 +456,9 @@ def _pair_setup_context(ctx, inputs, output):
 
 def _pair_backward(ctx, grad_out, grad_out_a, grad_lse_a, grad_lse_b):
     # summed, out_a is what the backward reads, not an output of the op's caller (span_pair_attention returns out)
-    if not ctx.summed and grad_out_a is None:  # only path b's output was used
-        grad_out_a = torch.zeros_like(grad_out)
+    if not ctx.summed:  # apart, a path whose output was not used may get None (the two outputs are alike)
+        grad_out = torch.zeros_like(grad_out_a) if grad_out is None else grad_out
+        grad_out_a = torch.zeros_like(grad_out) if grad_out_a is None else grad_out_a
     dq, dk, dv = span_pair_backward(grad_out, None if ctx.summed else unit_stride(grad_out_a), *ctx.saved_tensors,
                                     ctx.halo_a, ctx.summed)
     return dq, dk, dv, *([None] * 14)
