@@ -12,8 +12,8 @@ each kernel replaced by a recorder. Triton's own launch code then turns each rec
 compile (argument types, constexprs, 16-byte alignment and divisibility, num_warps and num_stages), and Triton
 compiles it for sm_90a with its bundled ptxas. Span attention runs in eight configurations (softmax; softmax with
 ALiBi, swat_softmax; softmax over a second order of the rows, sa; sigmoid; sigmoid with ALiBi, swat; and softmax,
-sigmoid with ALiBi and sa over packed documents), MoBA in its default one with and without documents; a kernel two
-configurations launch alike is compiled once.
+sigmoid with ALiBi and sa over packed documents), its two-path op in two (the bridges' paths summed, sa_swa's apart),
+MoBA in its default one with and without documents; a kernel two configurations launch alike is compiled once.
 
 Columns: registers per thread and the bytes ptxas spills to local memory (stores / loads: 0 / 0 is the goal),
 the shared memory a launch requests, and per innermost loop of the SASS (a loop that holds no other: the walk
@@ -80,6 +80,7 @@ SPAN_CONFIGURATIONS = {
     "span softmax, order, docs": (False, False, True, True),
 }
 PAIR_CONFIGURATION = "span softmax, two paths summed"  # bridge, pbb, se_bridge (branch fusion): Kernel.run_sum
+APART_CONFIGURATION = "span softmax, two paths apart"  # sa_swa: sa in slots, then swa adding into its gradients
 MOBA_CONFIGURATIONS = {"moba": False, "moba docs": True}  # packed documents or not
 WINDOW = 256  # the span configurations' windows: a window reaches the kernels only as lo and hi tensors
 
@@ -259,6 +260,15 @@ def record_launches(c: HopperConfig) -> list[Launch]:
         span_op.triton_pair_backward(torch.empty_like(out), None, q, k, v, out, out_a, lse_a, lse_b, a.lo, a.hi,
                                      a.key_first, a.key_end, None, None, b.lo, b.hi, b.key_first, b.key_end, None,
                                      None)
+        # sa_swa's two paths apart: sa in slots, then swa, whose backward adds its gradients into sa's
+        configuration[0] = APART_CONFIGURATION
+        rule = PermutedWindow(torch.randperm(n), WINDOW)
+        sa = band_spans(rule, n + 2 * rule.halo, CUDA)
+        out, out_a, lse_a, lse_b = span_op.triton_pair_forward(q, k, v, sa.lo, sa.hi, b.lo, b.hi, None, None, sa.order,
+                                                               rule.halo, summed=False)
+        span_op.triton_pair_backward(torch.empty_like(out), torch.empty_like(out_a), q, k, v, out, out_a, lse_a,
+                                     lse_b, sa.lo, sa.hi, sa.key_first, sa.key_end, sa.order, None, b.lo, b.hi,
+                                     b.key_first, b.key_end, None, None, rule.halo, summed=False)
         k, v = (torch.empty(B, n, H, D, dtype=dtype, device=CUDA).transpose(1, 2) for _ in range(2))
         for name, documents in MOBA_CONFIGURATIONS.items():
             configuration[0] = name

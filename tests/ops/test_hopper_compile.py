@@ -12,8 +12,8 @@ import pytest
 from filelock import FileLock
 
 from conftest import REPO
-from scripts.hopper_compile import (MOBA_CONFIGURATIONS, PAIR_CONFIGURATION, SPAN_CONFIGURATIONS, copies_in_flight,
-                                    innermost_loops, loop_counts, ptxas_problem)
+from scripts.hopper_compile import (APART_CONFIGURATION, MOBA_CONFIGURATIONS, PAIR_CONFIGURATION, SPAN_CONFIGURATIONS,
+                                    copies_in_flight, innermost_loops, loop_counts, ptxas_problem)
 
 SPAN_KERNELS = ("span_forward_kernel", "span_backward_kv_kernel", "span_backward_q_kernel")
 SLOTS_KERNEL = "span_backward_kv_slots_kernel"  # sa's dk and dv (read in slots)
@@ -42,8 +42,10 @@ def test_every_span_and_moba_kernel_compiles_for_hopper_in_every_configuration(k
     failed = {f"{row['kernel']} ({'; '.join(row['launched_by'])})": row["error"] for row in kernels if "error" in row}
     assert not failed, "\n\n".join(f"{name}:\n{error}" for name, error in failed.items())
     configurations = {name for row in kernels for name in row["launched_by"]}
-    assert configurations == {*SPAN_CONFIGURATIONS, PAIR_CONFIGURATION, *MOBA_CONFIGURATIONS}
+    assert configurations == {*SPAN_CONFIGURATIONS, PAIR_CONFIGURATION, APART_CONFIGURATION, *MOBA_CONFIGURATIONS}
     assert {row["kernel"] for row in kernels} >= {*SPAN_KERNELS, "moba_choose_kernel"}
+    # sa_swa's two paths apart run kernels that sa in slots and the bridges' accumulating pass compile already
+    assert all(len(row["launched_by"]) > 1 for row in kernels if APART_CONFIGURATION in row["launched_by"])
 
 
 @pytest.mark.e2e
