@@ -162,29 +162,34 @@ def test_layers_equal_dense_with_the_same_permutation(pattern, backend):
 
 
 def test_sa_swa_on_span_runs_its_two_paths_in_one_call(monkeypatch):
-    """sa_swa on span attention: each layer runs sa in slots and swa in one op (Kernel.run_apart), whose backward
-    sums the paths' gradients in the kernels; its loss and every parameter's gradient equal the dense backend's
+    """sa_swa on span attention: each layer runs sa and swa in one op (Kernel.run_apart), whose backward sums the
+    paths' gradients in the kernels: sa in slots, and at a length where every slot is in every window (n // 2 <=
+    halo: sa is causal attention in token order); its loss and every parameter's gradient equal the dense backend's
     under the same permutation."""
     from attention.ops.span import kernel, op
 
     calls = []
-    monkeypatch.setattr(kernel, "span_pair_apart", lambda *a, **kw: calls.append(1) or op.span_pair_apart(*a, **kw))
+    monkeypatch.setattr(kernel, "span_pair_apart", lambda *a, **kw: calls.append(kw.get("halo_a", a[-1]))
+                        or op.span_pair_apart(*a, **kw))
     torch.manual_seed(0)
     ref_model = GPT(sa_config("sa_swa", attn_backend="dense"))
     model = GPT(sa_config("sa_swa", attn_backend="span"))
     model.load_state_dict(ref_model.state_dict())
-    order = torch.randperm(100)
-    x = torch.randint(0, 61, (2, 100))
-    losses, grads = [], []
-    for m in (ref_model, model):
-        loss = fixed(m, order)(x, x)[1]
-        loss.backward()
-        losses.append(loss)
-        grads.append({name: p.grad for name, p in m.named_parameters()})
-    assert len(calls) == 2  # one per layer
-    torch.testing.assert_close(losses[1], losses[0])
-    for name, g in grads[0].items():
-        torch.testing.assert_close(grads[1][name], g, atol=1e-5, rtol=1e-4, msg=name)
+    for n, halo in ((100, stochastic_halo(8)), (7, -1)):
+        order = torch.randperm(n)
+        x = torch.randint(0, 61, (2, n))
+        losses, grads = [], []
+        for m in (ref_model, model):
+            m.zero_grad()
+            loss = fixed(m, order)(x, x)[1]
+            loss.backward()
+            losses.append(loss)
+            grads.append({name: p.grad.clone() for name, p in m.named_parameters()})
+        assert calls == [halo, halo]  # one per layer
+        calls.clear()
+        torch.testing.assert_close(losses[1], losses[0])
+        for name, g in grads[0].items():
+            torch.testing.assert_close(grads[1][name], g, atol=1e-5, rtol=1e-4, msg=name)
 
 
 def test_per_sequence_permutations_equal_dense_per_sequence():
