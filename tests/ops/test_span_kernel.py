@@ -48,6 +48,17 @@ def fused_inputs(n, H=4, H_kv=4, D=16, seed=0):
     return tuple(t.view(2, n, -1, D).transpose(1, 2) for t in (q, k, v))
 
 
+def two_rows_of_documents(n, marks):
+    """Each token's document (attention/documents.py) for two rows of n tokens: the first with end-of-text marks at
+    `marks` (two adjacent: a document of one token), the second with one at its last token only."""
+    from attention.documents import document_starts
+
+    ends = torch.zeros(2, n, dtype=torch.long)
+    ends[0, list(marks)] = 1
+    ends[1, n - 1] = 1
+    return document_starts(ends, 1, torch.arange(n))
+
+
 def grads(y, tensors, seed=1):
     g = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed), device="cpu").to(y.dtype)
     return torch.autograd.grad(y, tensors, g)
@@ -87,18 +98,12 @@ def test_two_paths_summed_in_one_call_equal_the_dense_reference(kind, fused, doc
     the first's output and gradients in as it stores them, and equals the two paths' dense references added,
     forward and backward, with grouped-query heads and packed documents; no output is added after the kernels.
     fused: q, k, v are views of one fused projection (the model's), whose gradients are laid out unlike them."""
-    from attention.documents import document_starts
     from attention.kernels import attend_paths
 
     n, block = 77, 16
     rules = (FixedBlock(block), BoundaryWindows(kind, block, 6 if kind == "se_bridge" else 8, n))
     q, k, v = (fused_inputs if fused else inputs)(n, H=4, H_kv=2)
-    docs = None
-    if documents:
-        marks = torch.zeros(2, n, dtype=torch.long)
-        marks[0, [5, 30, 31, 60]] = 1
-        marks[1, 76] = 1
-        docs = document_starts(marks, 1, torch.arange(n))
+    docs = two_rows_of_documents(n, (5, 30, 31, 60)) if documents else None
     plans = tuple(plan_attention(rule, "span", n, 4, 16, "cpu", documents=documents) for rule in rules)
     calls = []
     pair = op.span_pair_attention
@@ -140,19 +145,13 @@ def test_two_paths_apart_in_one_call_equal_the_dense_reference(fused, documents,
     and the gradients of both (under different upstream gradients) equal the dense references, with grouped-query
     heads, packed documents, and q, k, v as views of one fused projection (whose gradients are laid out unlike
     them)."""
-    from attention.documents import document_starts
     from attention.kernels import attend_apart
     from attention.stochastic import plan_stochastic, stochastic_attention
 
     n, window = 83, 14
     q, k, v = (fused_inputs if fused else inputs)(n, H=4, H_kv=2)
     order = torch.randperm(n, generator=torch.Generator().manual_seed(5), device="cpu")
-    docs = None
-    if documents:
-        marks = torch.zeros(2, n, dtype=torch.long)
-        marks[0, [3, 40, 41, 70]] = 1
-        marks[1, 82] = 1
-        docs = document_starts(marks, 1, torch.arange(n))
+    docs = two_rows_of_documents(n, (3, 40, 41, 70)) if documents else None
     sa = plan_stochastic(order, window, "span", 4, 16, "cpu", documents)
     swa = plan_attention(SlidingWindow(window), "span", n, 4, 16, "cpu", documents=documents)
     calls = []
