@@ -92,8 +92,8 @@ class Measured:
 GPU_CHOICES = {"spans": "span"}
 GPU_MEASUREMENTS = {
     "spans": (
-        # the H100 run of 2026-11-27 night (docs/benchmarks.md); that evening: 3.59 / 4.85, 1.29 / 1.49, swat
-        # 3.11 / 28.76; the first run that day: 3.66 / 5.29, 1.27 / 1.83, swat 3.83 / 28.56
+        # the H100 run of 2026-11-27 night (docs/history/benchmarks-2026-11.md); that evening: 3.59 / 4.85,
+        # 1.29 / 1.49, swat 3.11 / 28.76; the first run that day: 3.66 / 5.29, 1.27 / 1.83, swat 3.83 / 28.56
         Measured("swa, B4 H16 n=32768 d64 w256 bf16", {"span": 3.62, "flex": 4.88}, "NVIDIA H100 80GB HBM3",
                  "torch 2.11.0+cu130, Triton 3.6.0"),
         Measured("swa, B4 H16 n=8192 d64 w256 bf16", {"span": 1.42, "flex": 1.46}, "NVIDIA H100 80GB HBM3",

@@ -92,7 +92,8 @@ def test_mlstm_kernels_chunkwise_backward_treats_the_normaliser_as_a_constant():
     # max(|n . q|, exp(-m)) and sends no gradient through it. So dv is exact, and dq, dk, di, df differ from
     # the exact gradient (our forms' autograd, equal to their own autograd form) at the positions where |n . q|
     # is the larger: rare near the layer's initialisation, most positions with wider gates.
-    # docs/benchmarks.md ("On an NVIDIA H200") has the measurements; mlstm_kernel=native trains exactly.
+    # docs/history/benchmarks-2026-11.md ("On an NVIDIA H200 (2026-11-25)") has the measurements;
+    # mlstm_kernel=native trains exactly.
     from mlstm_kernels.torch.chunkwise.native import mlstm_chunkwise__native_autograd, mlstm_chunkwise__native_custbw
 
     for realistic in (True, False):
@@ -259,8 +260,8 @@ if torch.cuda.is_available() and triton_available():  # where the optional Trito
         # which the Triton kernels implement (it treats the normaliser as a constant: the test above), dv also
         # against the exact gradient. Float32 inputs: the kernel's tl.dot runs them in TF32 (Triton's
         # default), hence the tolerances; gates near the layer's initialisation (wider gates make TF32's error
-        # larger than any fixed tolerance: docs/benchmarks.md). A length that is not a multiple of the kernel's
-        # chunk: the padding must change no output.
+        # larger than any fixed tolerance: docs/history/benchmarks-2026-11.md). A length that is not a multiple
+        # of the kernel's chunk: the padding must change no output.
         from mlstm_kernels.torch.chunkwise.native import mlstm_chunkwise__native_custbw
 
         for n in (200, 256):  # mlstm_kernels' own chunkwise form takes whole chunks only
