@@ -15,9 +15,9 @@ from attention.registry import MIXERS, example_cases, layer_names
 from config import load_config
 from model import GPT
 from scripts.gpucheck.backends import backend_cases
+from scripts.gpucheck.gpu_tests import GPU_TESTS
 from scripts.gpucheck.options import (CALL_LIMIT_S, COMPILE_S, FULL, MARGIN, PROCESS_S, REDUCED_BUDGET_S, REPO, STEPS,
                                       TOTAL_LIMIT_S, gpu_kernel_mixers, grid_runs, train_runs)
-from scripts.gpucheck.steps import GPU_TESTS
 
 
 @dataclass(frozen=True)

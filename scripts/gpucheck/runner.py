@@ -18,13 +18,17 @@ from scripts.gpucheck.backends import step_backends
 from scripts.gpucheck.budgets import default_steps, shared_cores_scale, step_budget
 from scripts.gpucheck.context import StepContext
 from scripts.gpucheck.environment import environment
+from scripts.gpucheck.gpu_tests import step_gpu_tests
 from scripts.gpucheck.memory import step_memory
+from scripts.gpucheck.multi_gpu import step_multi_gpu
 from scripts.gpucheck.options import FULL, REDUCED, STEPS, CheckConfig
+from scripts.gpucheck.preflight import step_preflight
+from scripts.gpucheck.pretrained import step_pretrained
 from scripts.gpucheck.processes import now, stop_children, tail
 from scripts.gpucheck.report import write_report
-from scripts.gpucheck.steps import (step_bench_attention, step_bench_train, step_compile_check, step_generate,
-                                    step_gpu_tests, step_multi_gpu, step_preflight, step_pretrained, step_resume,
-                                    step_train_runs)
+from scripts.gpucheck.resume import step_resume
+from scripts.gpucheck.tools import step_bench_attention, step_bench_train, step_compile_check, step_generate
+from scripts.gpucheck.training import step_train_runs
 
 STEP_FUNCTIONS = {"preflight": step_preflight, "gpu_tests": step_gpu_tests, "train_runs": step_train_runs,
                   "resume": step_resume, "memory": step_memory, "pretrained": step_pretrained,

@@ -12,8 +12,10 @@ import pytest
 from filelock import FileLock
 
 from conftest import REPO
-from scripts.hopper_compile import (APART_CONFIGURATION, MOBA_CONFIGURATIONS, PAIR_CONFIGURATION, SPAN_CONFIGURATIONS,
-                                    copies_in_flight, innermost_loops, loop_counts, ptxas_problem)
+from scripts.hoppercompile.compilation import ptxas_problem
+from scripts.hoppercompile.configurations import (APART_CONFIGURATION, MOBA_CONFIGURATIONS, PAIR_CONFIGURATION,
+                                                  SPAN_CONFIGURATIONS)
+from scripts.hoppercompile.sass import copies_in_flight, innermost_loops, loop_counts
 
 SPAN_KERNELS = ("span_forward_kernel", "span_backward_kv_kernel", "span_backward_q_kernel")
 SLOTS_KERNEL = "span_backward_kv_slots_kernel"  # sa's dk and dv (read in slots)

@@ -11,9 +11,9 @@ import pytest
 from config import Config, dataclass_fields, field_help, options_text
 from conftest import REPO
 
-# every module under scripts/ is a command line, but for the libraries of the GPU check and the GPU benchmark
-# (scripts/gpu_check.py and scripts/gpu_bench.py are their commands)
-LIBRARIES = ("gpucheck", "gpubench")
+# every module under scripts/ is a command line, but for the libraries of the GPU check, the GPU benchmark and the
+# Hopper compile report (scripts/gpu_check.py, scripts/gpu_bench.py and scripts/hopper_compile.py are their commands)
+LIBRARIES = ("gpucheck", "gpubench", "hoppercompile")
 SCRIPTS = sorted("scripts." + ".".join(p.relative_to(REPO / "scripts").with_suffix("").parts)
                  for p in Path(REPO, "scripts").rglob("*.py")
                  if p.stem != "__init__" and not set(LIBRARIES) & set(p.relative_to(REPO / "scripts").parts))

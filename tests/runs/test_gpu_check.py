@@ -15,7 +15,8 @@ import pytest
 from attention.layer import MaskedAttention
 from attention.registry import MIXERS
 from conftest import REPO
-from scripts.gpucheck import backends, budgets, context, environment, memory, options, processes, report, steps
+from scripts.gpucheck import (backends, budgets, context, environment, gpu_tests, memory, options, processes, report,
+                              resume, tools, training)
 
 
 
@@ -58,12 +59,12 @@ def test_quick_cpu_check_runs_every_step_and_writes_the_report(tmp_path):
     trained = [r for r in runs.values() if r["status"] == "passed"]
     assert {r["mixer"] for r in trained} == set(options.train_runs(window)) - set(options.cuda_only_runs(window))
     assert all(r["val_loss_end"] < r["val_loss_start"] for r in trained)
-    resume = recorded["resume"]["results"]
-    assert resume["bitwise"] and resume["compared_steps"] == list(range(resume["checkpoint_at"] + 1,
-                                                                        resume["max_iters"] + 1))
+    resumed = recorded["resume"]["results"]
+    assert resumed["bitwise"] and resumed["compared_steps"] == list(range(resumed["checkpoint_at"] + 1,
+                                                                          resumed["max_iters"] + 1))
     # the checkpoint it resumed from (a later one than the first when the kill came late, as on a busy machine)
-    assert resume["checkpoint_at"] % options.REDUCED["resume"]["checkpoint_at"] == 0
-    assert resume["killed_after_step"] >= resume["checkpoint_at"]
+    assert resumed["checkpoint_at"] % options.REDUCED["resume"]["checkpoint_at"] == 0
+    assert resumed["killed_after_step"] >= resumed["checkpoint_at"]
     assert recorded["memory"]["results"]["estimated_gib"] > 0 and recorded["memory"]["results"]["measured_gib"] is None
     markdown = (tmp_path / "report.md").read_text()
     assert "reduced (CPU, --quick)" in markdown and "| train_runs | **passed** |" in markdown
@@ -77,7 +78,7 @@ def test_compile_check_on_cpu_in_quick_mode_runs_only_when_named(tmp_path, monke
 
     ctx = step_context(tmp_path, "cpu", options.CheckConfig(quick=True), explicit=explicit)
     monkeypatch.setattr(ctx, "run", fake_run)
-    assert steps.step_compile_check(ctx)["status"] == status
+    assert tools.step_compile_check(ctx)["status"] == status
 
 
 @pytest.mark.parametrize("killed_steps, resumed_says, expected", [
@@ -107,10 +108,10 @@ def test_the_resume_check_passes_only_when_a_run_resumed(tmp_path, monkeypatch, 
         return processes.Completed(command, -9 if log_name == "resume_killed" else 0, 1.0, "log", said,
                                tmp_path / f"{log_name}.log")
 
-    monkeypatch.setattr(steps, "train_base", lambda *_: ["configs/quickstart.py"])
+    monkeypatch.setattr(resume, "train_base", lambda *_: ["configs/quickstart.py"])
     ctx = step_context(tmp_path, "cpu")
     monkeypatch.setattr(ctx, "run", fake_run)
-    result = steps.step_resume(ctx)
+    result = resume.step_resume(ctx)
     assert (result["status"] == "passed") == (expected == "passed")
     assert expected == "passed" or expected in result["summary"], result
 
@@ -244,7 +245,7 @@ def test_gpu_tests_are_selected_by_marker_never_by_name():
     # `-k cuda` ignored case and picked this file's "CUDA is not available" case, a whole GPU check inside the
     # check; the marker selects exactly the tests of GPU paths
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                           *steps.GPU_TESTS], cwd=REPO, capture_output=True, text=True, timeout=300)
+                           *gpu_tests.GPU_TESTS], cwd=REPO, capture_output=True, text=True, timeout=300)
     selected = [line for line in proc.stdout.splitlines() if "::" in line]
     assert proc.returncode == 0 and len(selected) >= 25, proc.stdout[-2000:]
     assert not [t for t in selected if "test_gpu_check.py" in t or "gpu_check" in t.partition("::")[2]]
@@ -299,17 +300,17 @@ def test_a_missing_gpu_kernel_fails_on_cuda_with_its_fix():
 
 
 def test_the_kernel_tests_must_pass_on_cuda():
-    passed = [{"test": f"tests/layers/test_mlstm.py::{steps.REQUIRED_GPU_TESTS[k]}", "outcome": "passed"}
-              for k in steps.REQUIRED_GPU_TESTS]
-    assert steps.missing_kernel_tests("cuda", passed) == []
-    missing = steps.missing_kernel_tests("cuda", passed[:1])
+    passed = [{"test": f"tests/layers/test_mlstm.py::{gpu_tests.REQUIRED_GPU_TESTS[k]}", "outcome": "passed"}
+              for k in gpu_tests.REQUIRED_GPU_TESTS]
+    assert gpu_tests.missing_kernel_tests("cuda", passed) == []
+    missing = gpu_tests.missing_kernel_tests("cuda", passed[:1])
     assert len(missing) == 1 and missing[0].startswith("fla's Gated DeltaNet kernel")
-    assert steps.missing_kernel_tests("cpu", []) == []
+    assert gpu_tests.missing_kernel_tests("cpu", []) == []
 
 
 def test_the_required_kernel_tests_are_gpu_tests_of_the_suite():
     # a renamed test would leave the check waiting for one that never runs
-    for name in steps.REQUIRED_GPU_TESTS.values():
+    for name in gpu_tests.REQUIRED_GPU_TESTS.values():
         found = [node for path in (REPO / "tests").rglob("test_*.py") for node in ast.walk(ast.parse(path.read_text()))
                  if isinstance(node, ast.FunctionDef) and node.name == name]
         assert len(found) == 1, name
@@ -319,7 +320,7 @@ def test_the_required_kernel_tests_are_gpu_tests_of_the_suite():
 def test_a_gpu_tests_step_cut_off_by_its_budget_reports_what_finished_and_what_did_not(tmp_path, monkeypatch):
     # results are recorded per test as they finish (tests/conftest.py: --results-log): a timeout keeps them, and
     # a kernel test that was collected but never ran is said to be unfinished, not uninstalled
-    triton = f"tests/layers/test_mlstm.py::{steps.REQUIRED_GPU_TESTS[next(iter(steps.REQUIRED_GPU_TESTS))]}"
+    triton = f"tests/layers/test_mlstm.py::{gpu_tests.REQUIRED_GPU_TESTS[next(iter(gpu_tests.REQUIRED_GPU_TESTS))]}"
     collected = ["tests/ops/test_attention.py::a", "tests/ops/test_attention.py::b", triton]
 
     def cut_off(command, log_name, timeout=None, env=None, kill_when=None):
@@ -332,7 +333,7 @@ def test_a_gpu_tests_step_cut_off_by_its_budget_reports_what_finished_and_what_d
 
     ctx = step_context(tmp_path, "cuda", budget_s=150)
     monkeypatch.setattr(ctx, "run", cut_off)
-    result = steps.step_gpu_tests(ctx)
+    result = gpu_tests.step_gpu_tests(ctx)
     assert result["status"] == "failed"
     assert result["summary"].startswith("timed out after 150 s: 1 failed, 1 passed; 1 of 3 did not finish")
     assert result["results"]["unfinished"] == [triton]
@@ -348,22 +349,22 @@ def test_the_results_log_records_each_test_as_it_finishes(tmp_path):
                            "tests/layers/test_linear.py", f"--results-log={log}"], cwd=REPO, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:]
-    collected, tests = steps.read_results_log(log)
+    collected, tests = gpu_tests.read_results_log(log)
     assert len(collected) == len(tests) >= 5 and {t["outcome"] for t in tests} == {"passed"}
     assert {t["test"] for t in tests} == set(collected)
 
 
 def test_recurrent_runs_name_their_gpu_kernel_on_cuda_and_must_show_it_in_use():
     # on CUDA's path (a GPU, or the CPU standing in for one) every GPU kernel is demanded
-    assert "--mlstm_kernel=triton" in steps.run_options("swax", True, 64)
-    assert "--gdn_kernel=fla" in steps.run_options("swax_gdn", True, 64)
-    assert not [o for o in steps.run_options("swax", False, 64) if "kernel" in o]
-    assert not [o for o in steps.run_options("swa", True, 64) if "kernel" in o]
-    swax_options = steps.run_options("swax", True, 64)
+    assert "--mlstm_kernel=triton" in training.run_options("swax", True, 64)
+    assert "--gdn_kernel=fla" in training.run_options("swax_gdn", True, 64)
+    assert not [o for o in training.run_options("swax", False, 64) if "kernel" in o]
+    assert not [o for o in training.run_options("swa", True, 64) if "kernel" in o]
+    swax_options = training.run_options("swax", True, 64)
     used = "  layers 1, 3: mLSTM: 8 heads, q/k 32 and v 64 per head, chunk 64, kernel triton (mlstm_kernels, ...)"
-    assert steps.kernel_use_problem(swax_options, "model: ...\n" + used) == ""
+    assert training.kernel_use_problem(swax_options, "model: ...\n" + used) == ""
     fallback = used.replace("kernel triton (mlstm_kernels, ...)", "kernel native")
-    assert "no mlstm layer reports 'kernel triton'" in steps.kernel_use_problem(swax_options, fallback)
+    assert "no mlstm layer reports 'kernel triton'" in training.kernel_use_problem(swax_options, fallback)
 
 
 def test_the_checks_cover_every_registered_mixer():
