@@ -69,8 +69,11 @@ class EdgeRule:
         return None
 
     def head_groups(self):
-        """For per-head rules made of plain rules: [(head indices, rule)] so kernels can run each group at its
-        own cost (the chunked kernel's band is set by the largest lookback it serves). None otherwise."""
+        """For per-head rules made of plain rules: [(head indices, rule)], the rule a group of heads runs (its heads
+        indexed from 0), so that a group runs at its own cost (the chunked kernel's band is set by the largest
+        lookback it serves). The kernels group heads by their edges, from allowed(); a stated rule is taken for a
+        group of exactly its heads where it has their edges (attention/layouts.py: edge_head_groups), and is never
+        asked for groups of its own. None otherwise."""
         return None
 
     def head_windows(self, n_head: int) -> list[int] | None:

@@ -34,8 +34,8 @@ chunked and flex) runs in its place wherever it suits. The GPU choice is GPU_CHO
 behind it (device, torch and Triton versions) beside it.
 
 Head groups and layouts (attention/ops/heads.py, attention/layouts.py): heads with the same edges run together, each
-group at its own cost (stated by the rule's head_groups() or found from allowed()); heads whose allowed offsets all
-share a divisor d > 1 (dilated, strided rules)
+group at its own cost (found from allowed(); head_groups() may name the rule a group runs); heads whose allowed
+offsets all share a divisor d > 1 (dilated, strided rules)
 run each residue class mod d as a sequence of its own, found from the rule (or its residue_classes); the
 chunked kernel reads such a layout's rows as strided views, FlexAttention runs on the rows gathered. Keys a
 query block attends only sparsely (a summary column) are read by FlexAttention from a prefix of copies

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attention.edges import EdgeRule, candidate_keys, edge_blocks, head_values
+from attention.edges import EdgeRule, candidate_keys, edge_blocks, head_values, union_of_runs
 
 
 def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
@@ -240,8 +240,14 @@ class HeadSubset(EdgeRule):
         return self.rule.lookahead
 
     def allowed(self, q, k, h=None):
+        return self.rule.allowed(q, k, self._rule_heads(h))
+
+    def key_runs(self, q, h=None):
+        return self.rule.key_runs(q, self._rule_heads(h))
+
+    def _rule_heads(self, h):
         heads = head_values(self.heads, h)
-        return self.rule.allowed(q, k, heads if isinstance(heads, torch.Tensor) else torch.full_like(h, heads))
+        return heads if isinstance(heads, torch.Tensor) else torch.full_like(h, heads)
 
     def key_ranges(self, q_lo, q_hi):
         return self.rule.key_ranges(q_lo, q_hi)
@@ -252,15 +258,48 @@ class HeadSubset(EdgeRule):
 
 @functools.lru_cache(maxsize=64)
 def edge_head_groups(rule: EdgeRule, n: int, n_head: int) -> list | None:
-    """For a per-head rule that states no head_groups(): its heads grouped by their edges over n positions (heads
-    with the same edges together, in order of their first head), [(heads, HeadSubset)], so that kernels run each
-    group at its own cost; None when every head has the same edges. From one scan of the edges over the rule's
-    key_ranges (as the kernels' own block scan), once per length."""
+    """A per-head rule's heads grouped by their edges over n positions (heads with the same edges together, in
+    order of their first head), [(heads, the rule over them)], so that kernels run each group at its own cost; None
+    when every head has the same edges. The groups come from allowed() alone (heads_by_edges), once per length.
+    head_groups() may only name the rule a group runs (a plain window for heads of one window: its own band and
+    chunk): taken where it states a group of the same heads whose rule has their edges (same_edges), else the group
+    runs the rule restricted to its heads (HeadSubset). A stated rule is never asked for groups of its own, so
+    whatever head_groups() returns (per-head rules whose heads agree, the rule itself over every head, groups or
+    rules that disagree with allowed()) plans without recursion, and the plan follows allowed()."""
     if not rule.per_head or n_head < 2 or not rule.static:
         return None
+    groups = heads_by_edges(rule, n, n_head)
+    if len(groups) == 1:
+        return None
+    stated = {tuple(sorted(heads)): (tuple(heads), sub_rule) for heads, sub_rule in rule.head_groups() or ()}
+    out = []
+    for heads in groups:
+        named, sub_rule = stated.get(tuple(heads), (None, None))
+        if sub_rule is None or not same_edges(HeadSubset(rule, named), sub_rule, n, len(heads)):
+            sub_rule = HeadSubset(rule, tuple(heads))
+        out.append((heads, sub_rule))
+    return out
+
+
+def heads_by_edges(rule: EdgeRule, n: int, n_head: int) -> list[list[int]]:
+    """The heads of a per-head rule in groups with the same edges over n positions, each group in order, the groups
+    in order of their first head: in closed form from the rule's key_runs where it states them (O(n) per head and
+    group), else from one scan of its edges over its key_ranges (as the kernels' own block scan)."""
+    q, h = torch.arange(n), torch.arange(n_head)[:, None]
+    runs = rule.key_runs(q, h)
+    if runs is not None:
+        runs = [tuple(torch.as_tensor(t).expand(n_head, n) for t in run) for run in runs]
+        union = union_of_runs(runs, 0, n)
+        groups, left = [], list(range(n_head))
+        while left:
+            first = left[0]
+            same = same_keys(runs, union, [(lo[first], hi[first]) for lo, hi in runs], [t[first] for t in union], n)
+            same = same.all(-1).tolist()
+            groups.append([head for head in left if same[head]])
+            left = [head for head in left if not same[head]]
+        return groups
     groups = [list(range(n_head))]
-    h = torch.arange(n_head)[:, None, None]
-    for _, _, allowed in edge_blocks(rule, n, h, rows=SURVEY_BLOCK):
+    for _, _, allowed in edge_blocks(rule, n, h[:, :, None], rows=SURVEY_BLOCK):
         edges = allowed.expand(n_head, *allowed.shape[-2:]).flatten(1)
         refined = []
         for heads in groups:
@@ -269,9 +308,37 @@ def edge_head_groups(rule: EdgeRule, n: int, n_head: int) -> list | None:
                 refined.append([head for head, s in zip(heads, same) if s])
                 heads = [head for head, s in zip(heads, same) if not s]
         groups = refined
-    if len(groups) == 1:
-        return None
-    return [(heads, HeadSubset(rule, tuple(heads))) for heads in sorted(groups)]
+    return sorted(groups)
+
+
+def same_edges(a: EdgeRule, b: EdgeRule, n: int, n_head: int) -> bool:
+    """Whether two rules have the same edges over n positions in each of heads 0 .. n_head - 1 (a rule that does
+    not vary by head has its edges in every head): in closed form where both state key_runs, else from a scan of
+    both over the keys that either's key_ranges names (each holds its own rule's edges)."""
+    q = torch.arange(n)
+    runs = [r.key_runs(q, torch.arange(n_head)[:, None] if r.per_head else None) for r in (a, b)]
+    if None not in runs:
+        return bool(same_keys(runs[0], union_of_runs(runs[0], 0, n), runs[1], union_of_runs(runs[1], 0, n), n).all())
+    h = torch.arange(n_head)[:, None, None]
+    for q_lo in range(0, n, SURVEY_BLOCK):
+        q_hi = min(n, q_lo + SURVEY_BLOCK)
+        keys = torch.cat([candidate_keys(a, q_lo, q_hi, n), candidate_keys(b, q_lo, q_hi, n)]).unique()
+        rows = torch.arange(q_lo, q_hi)[:, None]
+        edges = [r.allowed(rows, keys, h if r.per_head else None).expand(n_head, q_hi - q_lo, len(keys))
+                 for r in (a, b)]
+        if not torch.equal(*edges):
+            return False
+    return True
+
+
+def same_keys(runs_a: list, union_a: tuple, runs_b: list, union_b: tuple, n: int) -> torch.Tensor:
+    """Per query (broadcast over the runs' shapes), whether two lists of key runs (as key_runs gives them) hold the
+    same keys among 0 .. n - 1, given each list's union_of_runs: by their bounds where every union is one run
+    (windows, blocks: two elementwise passes), else as sets, equal where each is as large as their union."""
+    (lo_a, hi_a, size_a), (lo_b, hi_b, size_b) = union_a, union_b
+    if bool((size_a == hi_a - lo_a).all() and (size_b == hi_b - lo_b).all()):
+        return (lo_a == lo_b) & (hi_a == hi_b)
+    return (size_a == size_b) & (size_a == union_of_runs(runs_a + runs_b, 0, n)[2])
 
 
 @dataclass(frozen=True)
@@ -418,10 +485,10 @@ class WideRowsLast(EdgeRule):
 @functools.lru_cache(maxsize=64)
 def layout_groups(rule: EdgeRule, n: int, n_head: int, device: str = "cpu") -> tuple:
     """((heads, the rule the kernel runs over them, their layout or None), ...) for a static rule over n
-    positions: the rule's head groups (each at its own cost), split further by residue-class divisor; a group
-    with d > 1 runs in residue_layout(n, d) under a LaidOutRule. Cached, so every layer with the rule shares
-    one LaidOutRule and with it one set of tiles."""
-    groups = rule.head_groups() or edge_head_groups(rule, n, n_head) or [(list(range(n_head)), rule)]
+    positions: its heads grouped by their edges (edge_head_groups, each at its own cost), split further by
+    residue-class divisor; a group with d > 1 runs in residue_layout(n, d) under a LaidOutRule. Cached, so every
+    layer with the rule shares one LaidOutRule and with it one set of tiles."""
+    groups = edge_head_groups(rule, n, n_head) or [(list(range(n_head)), rule)]
     out = []
     for heads, sub_rule in groups:
         stated = sub_rule.residue_classes(len(heads))

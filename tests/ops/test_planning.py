@@ -10,10 +10,10 @@ import torch
 
 from attention import simulate_cuda
 from attention.bridge import BoundaryWindows
-from attention.edges import (AnyOf, Causal, EdgeRule, FixedBlock, SlidingWindow, edge_blocks, head_values,
-                             union_of_runs)
+from attention.edges import (AnyOf, Causal, EdgeRule, FixedBlock, HeadWindows, SlidingWindow, edge_blocks,
+                             head_values, union_of_runs)
 from attention.kernels import plans_in
-from attention.layouts import edge_divisors
+from attention.layouts import edge_divisors, edge_head_groups, layout_groups
 from attention.ops.blocks import block_structure, edge_keys
 from attention.ops.flex.block_mask import _static_block_mask
 from attention.ops.span.spans import KEY_GROUP, SCAN_ENTRIES, key_plan, rule_spans, scanned_spans
@@ -243,6 +243,20 @@ def test_block_structures_from_key_runs_equal_the_scan_of_allowed(name):
         for a, b in ((ours.kv_num_blocks, theirs.kv_num_blocks), (ours.full_kv_num_blocks, theirs.full_kv_num_blocks)):
             assert torch.equal(a, b), name
     assert edge_divisors(rule, 301, HEADS) == edge_divisors(plain, 301, HEADS), name
+    groups = [edge_head_groups(r, 301, HEADS) or [(list(range(HEADS)), None)] for r in (rule, plain)]
+    assert [heads for heads, _ in groups[0]] == [heads for heads, _ in groups[1]], name
+
+
+def test_per_head_windows_are_grouped_in_closed_form_each_group_under_its_stated_window(monkeypatch):
+    """mswa's rule: its heads grouped by their key_runs, each group running the window its head_groups() names (its
+    own band and chunk), the names checked against the key_runs too: no scan of allowed() at any length."""
+    def scanned(*args):
+        raise AssertionError("allowed() was scanned")
+
+    monkeypatch.setattr(HeadWindows, "allowed", scanned)
+    monkeypatch.setattr(SlidingWindow, "allowed", scanned)
+    groups = layout_groups(HeadWindows((8, 8, 16, 40)), 4093, HEADS)
+    assert groups == (([0, 1], SlidingWindow(8), None), ([2], SlidingWindow(16), None), ([3], SlidingWindow(40), None))
 
 
 def test_block_structures_from_spans_in_groups_of_blocks_equal_one_group(monkeypatch):

@@ -76,18 +76,9 @@ def scanned_spans(rule: EdgeRule, n: int, n_head: int, start: int = 0) -> tuple[
     """rule_spans from allowed() alone: the reference, and the spans of a rule that states no key_runs. One scan of
     the rule's edges: rows in blocks of ROWS_PER_SCAN, each against the keys its key_ranges name (O(edges) for
     rules that name their keys, never n x n), several blocks and every head in one allowed() call of some
-    SCAN_ENTRIES candidates, heads of one head group (rule.head_groups) sharing one scan. Calls of that size
-    measured fastest (a sliding window of 256 at n = 32K, one thread: 55 ms, against 80 ms block by block and
-    160 ms for all rows at once, whose elementwise passes stream from memory instead of the cache)."""
-    groups = rule.head_groups() if rule.per_head else None
-    if groups and sorted(h for heads, _ in groups for h in heads) == list(range(n_head)):
-        lo, hi = torch.zeros(n_head, n, dtype=torch.int32), torch.zeros(n_head, n, dtype=torch.int32)
-        for heads, sub_rule in groups:
-            spans = scanned_spans(sub_rule, n, len(heads), start)
-            if spans is None:
-                return None
-            lo[heads], hi[heads] = spans
-        return _one_per_head(lo, hi)
+    SCAN_ENTRIES candidates. Calls of that size measured fastest (a sliding window of 256 at n = 32K, one thread:
+    55 ms, against 80 ms block by block and 160 ms for all rows at once, whose elementwise passes stream from memory
+    instead of the cache). The rule's head_groups() is not read: the spans are allowed()'s, whatever it states."""
     heads = n_head if rule.per_head else 1
     h = torch.arange(heads)[:, None, None, None] if rule.per_head else None
     lo, hi = torch.zeros(heads, n, dtype=torch.long), torch.zeros(heads, n, dtype=torch.long)
