@@ -1,5 +1,5 @@
-"""Heads a kernel runs apart, each group at its own cost: the groups of a rule (its head_groups(), else heads with
-the same edges, found from allowed(): attention/layouts.py), each in its layout (residue classes, wide rows last)
+"""Heads a kernel runs apart, each group at its own cost: the groups of a rule (heads with the same edges, found from
+allowed(), each run by the rule head_groups() names for it where that rule has its edges: attention/layouts.py), each in its layout (residue classes, wide rows last)
 or key order; and running a kernel over them, joined back in head order. The chunked and FlexAttention kernels
 plan and run through these."""
 
@@ -39,7 +39,8 @@ def head_groups(rule: EdgeRule, n: int, n_head: int, device: str, start: int, sc
     order."""
     if may_reorder(rule, start, score_mod):
         return layout_groups(rule, n, n_head, device)
-    groups = rule.head_groups() or (edge_head_groups(rule, n, n_head) if rule.static else None)
+    # a static rule's groups follow allowed() whatever head_groups() says (edge_head_groups checks a stated one)
+    groups = edge_head_groups(rule, n, n_head) if rule.static else rule.head_groups()
     if not groups or len(groups) == 1:
         groups = [(list(range(n_head)), rule)]
     return tuple((heads, sub_rule, None) for heads, sub_rule in groups)

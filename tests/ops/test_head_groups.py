@@ -144,6 +144,16 @@ def test_kernels_equal_the_dense_reference_whatever_the_hint(name, backend, n=45
         torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["swapped", "partial"])
+def test_a_plan_from_a_position_offset_follows_allowed_whatever_the_hint(name, n=45):
+    """A cached prefill from position 5 runs its heads in the tokens' order (attention/ops/heads.py), where the
+    groups also come from allowed() and a wrong hint's rule is not taken."""
+    q, k, v = (t.detach() for t in inputs(n, batch=1))
+    plan = plan_attention(HINTS[name], "chunked", n, 4, 16, "cpu", start=5)
+    ref = dense_attention(q, k, v, S2Attn(), torch.arange(5, 5 + n, device="cpu"))
+    torch.testing.assert_close(attend_planned(q, k, v, plan), ref, atol=2e-5, rtol=1e-4)
+
+
 def test_flex_forward_equals_the_dense_reference_whatever_the_hint(n=150):
     """FlexAttention on the CPU (forward only there), planned over the head groups."""
     q, k, v = (t.detach() for t in inputs(n))
