@@ -9,7 +9,6 @@ at a mixer's name.
 
 from __future__ import annotations
 
-import inspect
 import math
 
 import torch
@@ -18,6 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from attention import build_mixer, simulate_cuda
+from attention.call import MixerCall
 from attention.documents import document_starts
 from attention.kernels import bind_documents
 from attention.capabilities import set_window
@@ -60,10 +60,7 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, pos, cache=None, plan=None, docs=None):
-        # docs only with document_mask: a mixer written without them still runs every model that does not mask
-        mixed = self.mixer(self.ln_1(x), pos, cache, plan) if docs is None else \
-            self.mixer(self.ln_1(x), pos, cache, plan, docs)
-        x = x + mixed
+        x = x + self.mixer(self.ln_1(x), MixerCall(pos, cache, plan, docs))
         return x + self.mlp(self.ln_2(x))
 
 
@@ -82,10 +79,11 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         if config.document_mask:
             for block in self.blocks:
-                if "docs" not in inspect.signature(block.mixer.forward).parameters:
-                    raise ValueError(f"document_mask=True: {type(block.mixer).__name__}.forward takes no docs, so it "
-                                     "cannot stop at a document's end: give it forward(x, pos, cache=None, plan=None, "
-                                     "docs=None) (docs/documents.md), or train without document_mask")
+                if not block.mixer.takes_documents:
+                    raise ValueError(f"document_mask=True: {type(block.mixer).__name__} does not declare "
+                                     "takes_documents, so it cannot stop at a document's end: honour call.docs in its "
+                                     "forward and declare takes_documents = True (docs/documents.md), or train "
+                                     "without document_mask")
         self.ln_f = make_norm(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:

@@ -6,10 +6,11 @@ state S (d_k x d_v, zero at the start) follows the gated delta rule
     S_t = exp(g_t) (I - beta_t k_t^T k_t) S_{t-1} + beta_t k_t^T v_t,      o_t = q_t S_t
 (rows are vectors): decay the memory, then move what it recalls for k_t a fraction beta_t of the way towards
 v_t. q, k, v each pass a short causal depthwise convolution and SiLU first; the read is RMS-normalised per head
-and gated by SiLU(W_g x). Three forms, equal to float tolerance (tests), in attention/ops/gated_deltanet:
-    recurrent   the reference and the generation form: one token at a time, constant memory (naive.py)
-    chunked     training, O(n): the WY form (chunk.py, which derives it), exact within chunks of C tokens, the
-                state between them
+and gated by SiLU(W_g x). The rule is the recurrence core's delta rule (attention/ops/recurrence: log decay g,
+strength beta), in its forms, equal to float tolerance (tests):
+    chunked     training, O(n): the WY form (attention/ops/recurrence/chunk.py, which derives it), exact within
+                chunks of gdn_chunk tokens, the state between them
+    step        generation: one token at a time, constant memory (and the parallel reference in the tests)
     fla         fla's Triton chunk kernel (the same chunked algorithm; fla_kernel.py): gdn_kernel=auto uses it for
                 bf16/fp16 activations on CUDA when the package is installed, gdn_kernel=fla on any CUDA input; on
                 the CPU standing in for CUDA (attention/simulate_cuda.py) its stand-in, fla_chunk_stand_in
@@ -31,10 +32,10 @@ from torch import nn
 from attention import simulate_cuda
 from attention.documents import begins_document
 from attention.memory import F32, linear_inputs, padded
-from attention.ops.gated_deltanet.chunk import chunked_gated_delta_rule
 from attention.ops.gated_deltanet.conv import causal_conv
 from attention.ops.gated_deltanet.fla_kernel import fla_chunk_kernel, fla_chunk_stand_in
-from attention.ops.gated_deltanet.naive import recurrent_gated_delta_rule
+from attention.ops.recurrence import Gates, State, chunked_recurrence, stepwise_recurrence
+from attention.call import MixerCall
 from attention.registry import RecurrentMixer, Setting, chunk_loop_problem, register
 
 GDN_CHUNK = Setting("gdn_chunk", int, 64, "gated_deltanet: chunk length of the chunked (WY) training form")
@@ -69,6 +70,7 @@ class GatedDeltaNet(RecurrentMixer):
     paper = "003"
     summary = "every j <= i, through the gated delta rule's state"
     settings = (GDN_CHUNK, GDN_CONV_SIZE, GDN_KERNEL)
+    takes_documents = True  # every form restarts the state at a document's first token
     gpu_kernel = ("gdn_kernel", "fla", "flash-linear-attention", "kernel fla")
 
     def kernel_inputs(self, batch, seq_len, device, dtype, generator=None):
@@ -92,7 +94,19 @@ class GatedDeltaNet(RecurrentMixer):
                        scale=self.head_dim ** -0.5, use_qk_l2norm_in_kernel=True)
             return y.transpose(1, 2)
         q, k = (F.normalize(t.float(), dim=-1, eps=1e-6) for t in (q, k))
-        return chunked_gated_delta_rule(q * self.head_dim ** -0.5, k, v.float(), decay, beta, chunk=self.chunk)[0]
+        return self.delta_rule(q * self.head_dim ** -0.5, k, v.float(), decay, beta)[0]
+
+    def delta_rule(self, q, k, v, g, beta, state=None, starts=None, step=False):
+        """The core's delta rule over q (normalised and scaled), k (normalised), v (B, H, n, D) with log decay g
+        and strength beta (B, H, n), from state S (None: zero), chunked or, with step, one token at a time:
+        the reads and the state S after the last token."""
+        gates = Gates(log_decay=g, beta=beta)
+        state = None if state is None else State(state)
+        if step:
+            y, _, final = stepwise_recurrence(q, k, v, gates, state, starts)
+        else:
+            y, _, final = chunked_recurrence(q, k, v, gates, state, self.chunk, starts)
+        return y, final.S
 
     def expected_graph_breaks(self, device, dtype):
         return "fla's chunk kernel is torch.compiler.disable'd by fla" if self.fla_kernel_for(device, dtype) else ""
@@ -172,8 +186,9 @@ class GatedDeltaNet(RecurrentMixer):
                                   "CUDA machine (pip install -r requirements-gpu.txt) and train in bfloat16 for "
                                   "fla's chunk kernel")
 
-    def forward(self, x, pos, cache=None, plan=None, docs=None):
+    def forward(self, x, call: MixerCall):
         B, T, C = x.shape
+        pos, cache, docs = call.pos, call.cache, call.docs
         H, D = self.n_head, self.head_dim
         conv = (None, None, None) if cache is None or cache.conv is None else cache.conv
         reach = None if docs is None else pos - docs  # the earlier tokens of each token's document
@@ -208,10 +223,7 @@ class GatedDeltaNet(RecurrentMixer):
             g = -self.A_log.to(compute).exp()[:, None] * F.softplus(decay_logit.transpose(1, 2).contiguous())
             # autocast would run the products with the state (and build A) in bf16 again
             with torch.autocast(x.device.type, enabled=False):
-                if cache is not None and T == 1:
-                    y, state = recurrent_gated_delta_rule(q, k, v32, g, beta, previous, starts)
-                else:
-                    y, state = chunked_gated_delta_rule(q, k, v32, g, beta, previous, self.chunk, starts)
+                y, state = self.delta_rule(q, k, v32, g, beta, previous, starts, step=cache is not None and T == 1)
             y = y.transpose(1, 2)
         if cache is not None:
             cache.state = state.to(compute)

@@ -31,6 +31,7 @@ import math
 
 import torch
 
+from attention.call import MixerCall
 from attention.capabilities import pretrained_problem
 from attention.ops.dense import masked_attention, repeat_kv
 from attention.registry import build_mixer
@@ -114,7 +115,7 @@ def variant_attention(module, query, key, value, attention_mask, scaling=None, d
         query = query * (scaling * math.sqrt(head_dim))  # the kernels scale by 1/sqrt(head_dim)
     n_query, n_key = query.shape[2], key.shape[2]
     if n_query == n_key:  # the prompt's forward, from position 0: the variant
-        y = mixer.attend(query, key, value, torch.arange(n_query, device=query.device), None)
+        y = mixer.attend(query, key, value, MixerCall.at(n_query, query.device))
     else:  # decoding over a cache of n_key - n_query earlier positions
         pos = torch.arange(n_key - n_query, n_key, device=query.device)
         key_pos = torch.arange(n_key, device=query.device)

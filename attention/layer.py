@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from attention.cache import KVCache, RollingKVCache
+from attention.call import MixerCall
 from attention.capabilities import EdgeCounts, own_state_problem
 from attention.documents import keys_in_document, packed_document_starts
 from attention.edges import AnyOf, EdgeRule
@@ -54,26 +55,27 @@ class Attention(Mixer):
         self.resid_dropout = nn.Dropout(config.dropout)
         self.document_mask = config.document_mask  # its plans are made for calls with documents
 
-    def forward(self, x, pos, cache=None, plan=None, docs=None):
+    def forward(self, x, call: MixerCall):
         B, T, _ = x.shape
         q, k, v = (t.view(B, T, -1, self.head_dim) for t in self.c_attn(x).split(self.split, dim=2))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.rope_theta is not None:
-            q, k = apply_rope(q, pos, self.rope_theta), apply_rope(k, pos, self.rope_theta)
+            q, k = apply_rope(q, call.pos, self.rope_theta), apply_rope(k, call.pos, self.rope_theta)
         if not self.native_gqa:  # grouped-query: each k/v head serves n_head / n_kv_head consecutive query heads
             k, v = repeat_kv(q, k, v)
-        return self.resid_dropout(self.c_proj(self.mix(q, k, v, pos, cache, plan, docs)))
+        return self.resid_dropout(self.c_proj(self.mix(q, k, v, call)))
 
-    def mix(self, q, k, v, pos, cache, plan=None, docs=None):
+    def mix(self, q, k, v, call: MixerCall):
         """Per-head q, k, v (B, H, T, D) -> the (B, T, C) input of the output projection: attention, heads
         merged, then the gate. Multi-path variants (sa_swa) override it to gate and sum their paths."""
-        return gated(self.gate, merge_heads(self.attend(q, k, v, pos, cache, plan, docs)))
+        return gated(self.gate, merge_heads(self.attend(q, k, v, call)))
 
-    def attend(self, q, k, v, pos, cache, plan=None, docs=None):
-        """Per-head outputs (B, H, T, D). docs (B, T): where each token's document begins (attention/documents.py),
-        given when the model masks documents (then no edge crosses from one document into another), else None."""
+    def attend(self, q, k, v, call: MixerCall):
+        """Per-head outputs (B, H, T, D). call.docs (B, T): where each token's document begins
+        (attention/documents.py), given when the model masks documents (then no edge crosses from one document into
+        another), else None."""
         raise NotImplementedError
 
     def pretrained_problem(self):
@@ -101,7 +103,7 @@ class Attention(Mixer):
         """attend() at positions 0.. with the plan GPT.forward would make (sa draws its permutation here); docs as
         attend() takes them (a layer built with document_mask needs them)."""
         B, _, T, _ = q.shape
-        return self.attend(q, k, v, torch.arange(T, device=q.device), None, self.plan(B, T, q.device), docs)
+        return self.attend(q, k, v, MixerCall.at(T, q.device, self.plan(B, T, q.device), docs))
 
 
 def merge_heads(y):
@@ -118,6 +120,9 @@ class MaskedAttention(Attention):
     """Attention under one edge rule (self.rule), with softmax or another activation and an optional score_mod."""
 
     activation = "softmax"
+    # every kernel masks documents from the rule: a variant that only names its rule masks them too
+    takes_documents = True
+    supports_cache = True
     native_gqa = True  # attend_planned and masked_attention take grouped-query k, v; the KV cache keeps n_kv_head
 
     def __init__(self, config, layer_idx: int, rule: EdgeRule):
@@ -144,17 +149,18 @@ class MaskedAttention(Attention):
                                     documents=self.document_mask)
                      for rule in self.paths())
 
-    def attend(self, q, k, v, pos, cache, plan=None, docs=None):
+    def attend(self, q, k, v, call: MixerCall):
         """The sum of attention under each of the paths' rules, each normalised on its own."""
         dropout_p = self.dropout if self.training else 0.0
+        cache, pos = call.cache, call.pos
         if cache is None or (cache.empty and q.shape[2] > 1):  # training, or a prompt's first pass (from 0)
-            plan = plan or self.plan(q.shape[0], q.shape[2], q.device, 0 if cache is None else int(pos[0]))
-            y = attend_paths(q, k, v, plan, dropout_p, docs)
+            plan = call.plan or self.plan(q.shape[0], q.shape[2], q.device, 0 if cache is None else int(pos[0]))
+            y = attend_paths(q, k, v, plan, dropout_p, call.docs)
             if cache is not None:
                 cache.update(k, v, pos)
             return y
         keys, values, key_pos = cache.update(k, v, pos)
-        return self.attend_cached(q, keys, values, pos, key_pos, docs)
+        return self.attend_cached(q, keys, values, pos, key_pos, call.docs)
 
     def attend_cached(self, q, keys, values, pos, key_pos, docs=None):
         """New queries at positions pos over cached keys at key_pos (-1: an empty slot): generation's step, here

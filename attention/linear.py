@@ -4,13 +4,11 @@ Per head, q and k are projected to `linear_feature_dim` (16) dimensions and rota
     phi(x) = [1, x / d^(1/4), vec(x x^T) / (sqrt(2) sqrt(d))]        (d = feature dim)
 gives phi(q) . phi(k) = 1 + t + t^2 / 2 with t = q . k / sqrt(d), the Taylor expansion of exp(t), which is
 at least 1/2, so the normalised read o_i = phi(q_i) S_i / (phi(q_i) z_i), with S_i = sum_{j<=i} phi(k_j)^T v_j
-and z_i = sum_{j<=i} phi(k_j), never divides by zero. Three forms, equal to float tolerance (tests), in
-attention/ops/linear (the feature map: feature_map.py):
-    quadratic   the reference, O(n^2): (1 + t + t^2/2) causally masked, rows normalised (naive.py)
-    chunked     training, O(n): exact within chunks, the running state (S, z) between them (chunk.py)
-    recurrent   generation: one token at a time from the state, constant memory (recurrent.py)
-With packed documents (docs, attention/documents.py) every document's first token starts from a zero state, in
-every form.
+and z_i = sum_{j<=i} phi(k_j), never divides by zero. It is the recurrence core (attention/ops/recurrence) with
+the Taylor feature map (attention/ops/linear/feature_map.py: TAYLOR) and no gates; z is the state's column for a
+column of ones appended to v. The core's forms: chunked for training and prompts, one step at a time for
+generation (and its parallel reference in the tests); with packed documents (docs, attention/documents.py) every
+document's first token starts from a zero state.
 """
 
 from __future__ import annotations
@@ -20,8 +18,9 @@ from torch import nn
 
 from attention.documents import begins_document
 from attention.memory import F32, linear_inputs, padded, rope_tables
-from attention.ops.linear.chunk import chunked_linear_attention
-from attention.ops.linear.recurrent import recurrent_linear_attention
+from attention.ops.linear.feature_map import TAYLOR
+from attention.ops.recurrence import Gates, chunked_recurrence, stepwise_recurrence
+from attention.call import MixerCall
 from attention.registry import RecurrentMixer, Setting, register
 from attention.rope import apply_rope
 
@@ -35,6 +34,7 @@ class TaylorLinearAttention(RecurrentMixer):
     paper = "002"
     summary = "every j <= i, through a Taylor-feature linear attention state (no softmax)"
     settings = (LINEAR_FEATURE_DIM, LINEAR_CHUNK)
+    takes_documents = True  # every form restarts the state at a document's first token
 
     def kernel_inputs(self, batch, seq_len, device, dtype, generator=None):
         """q, k (B, H, n, feature_dim) and v (B, H, n, D)."""
@@ -45,7 +45,17 @@ class TaylorLinearAttention(RecurrentMixer):
 
     def kernel_forward(self, q, k, v):
         compute = torch.promote_types(q.dtype, torch.float32)
-        return chunked_linear_attention(q.to(compute), k.to(compute), v.to(compute), None, self.chunk)[0]
+        return self.attend(q.to(compute), k.to(compute), v.to(compute))[0]
+
+    def attend(self, q, k, v, state=None, starts=None, step=False):
+        """Normalised reads of q, k (B, H, n, f) and v (B, H, n, D) from state (None: zero), in the chunked form or,
+        with step, one token at a time; and the state after the last token."""
+        ones = torch.ones_like(v[..., :1])  # the normaliser z: the state's column for a column of ones
+        form = stepwise_recurrence if step else chunked_recurrence
+        extra = {} if step else {"chunk": self.chunk}
+        reads, _, state = form(q, k, torch.cat([v, ones], -1), Gates(), state, starts=starts, features=TAYLOR,
+                               **extra)
+        return reads[..., :-1] / reads[..., -1:], state
 
     @classmethod
     def check_config(cls, config):
@@ -64,8 +74,9 @@ class TaylorLinearAttention(RecurrentMixer):
         self.rope_theta = config.rope_theta if config.resolved_pos_embedding == "rope" else None
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, pos, cache=None, plan=None, docs=None):
+    def forward(self, x, call: MixerCall):
         B, T, C = x.shape
+        pos, cache, docs = call.pos, call.cache, call.docs
         starts = None if docs is None else begins_document(docs, pos)
         q, k = (t.view(B, T, self.n_head, self.feature_dim).transpose(1, 2)
                 for t in self.c_qk(x).split(self.n_head * self.feature_dim, dim=2))
@@ -76,10 +87,7 @@ class TaylorLinearAttention(RecurrentMixer):
         compute = torch.promote_types(q.dtype, torch.float32)
         q, k, v32 = q.to(compute), k.to(compute), v.to(compute)
         previous = None if cache is None else cache.state
-        if cache is not None and T == 1:
-            y, state = recurrent_linear_attention(q, k, v32, previous, starts)
-        else:
-            y, state = chunked_linear_attention(q, k, v32, previous, self.chunk, starts)
+        y, state = self.attend(q, k, v32, previous, starts, step=cache is not None and T == 1)
         if cache is not None:
             cache.state = state
         y = y.to(v.dtype).transpose(1, 2).reshape(B, T, C)

@@ -12,13 +12,11 @@ stabiliser m (m_0 = 0) that keeps every exponent <= 0:
 then a LayerNorm per head, the output gate sigmoid(W_o x) and the output projection. C and n are stored
 divided by exp(m_t); the denominator's exp(-m_t) is the stabilised form of max(|n . q|, 1).
 
-Three forms, equal to float tolerance (tests, which also compare with `mlstm_kernels`' own sequence kernel), in
-attention/ops/mlstm:
-    quadratic   the reference, O(n^2): the whole log-weight matrix at once (naive.py)
-    chunkwise   training, O(n): exact within chunks of mlstm_chunk tokens, the state (C, n, m) between them
-                (chunkwise.py)
-    recurrent   generation: one token at a time, constant memory (recurrent.py)
-On CUDA the chunkwise form can run as mlstm_kernels' Triton kernel (same layout and state conventions; op.py)
+The cell is the recurrence core's stabilised recurrence (attention/ops/recurrence) with log decay log sigmoid(f),
+log write weight i and n as the state's column for a column of ones appended to v (attention/ops/mlstm/cell.py),
+in the core's three forms, equal to float tolerance (tests, which also compare with `mlstm_kernels`' own sequence
+kernel): chunked for training and prompts (chunks of mlstm_chunk tokens), one step at a time for generation, and
+the parallel O(n^2) reference. On CUDA the chunked form can run as mlstm_kernels' Triton kernel (same layout and state conventions; op.py)
 when that package is installed; it is never required. Its forward is exact; its backward is mlstm_kernels'
 own, which sends no gradient through the normaliser max(|n . q|, exp(-m)): dv is exact, dq, dk, di and df
 differ from the exact gradient where |n . q| is the larger term (tests/layers/test_mlstm.py). mlstm_kernel=native
@@ -43,7 +41,8 @@ from attention.documents import begins_document
 from attention.memory import F32, linear_inputs, padded
 from attention.ops.mlstm.op import (TRITON_CHUNK, mlstm_sequence, triton_available, triton_head_problem,
                                     triton_runs_on)
-from attention.ops.mlstm.recurrent import recurrent_mlstm
+from attention.ops.mlstm.cell import mlstm_cell
+from attention.call import MixerCall
 from attention.registry import RecurrentMixer, Setting, chunk_loop_problem, register
 
 MLSTM_N_HEAD = Setting("mlstm_n_head", int, 8, "mlstm: heads of the matrix memory, independent of n_head (xLSTM 7B's "
@@ -69,6 +68,7 @@ class MLSTMLayer(RecurrentMixer):
     paper = "003"
     summary = "every j <= i, through xLSTM 7B's matrix memory (exponential input, sigmoid forget gates)"
     settings = (MLSTM_N_HEAD, MLSTM_QK_DIM_FACTOR, MLSTM_GATE_SOFT_CAP, MLSTM_CHUNK, MLSTM_KERNEL)
+    takes_documents = True  # every form restarts the state at a document's first token
     gpu_kernel = ("mlstm_kernel", "triton", "mlstm_kernels", "kernel triton")
 
     @classmethod
@@ -144,8 +144,9 @@ class MLSTMLayer(RecurrentMixer):
         with torch.no_grad():
             self.f_gate.bias.copy_(torch.linspace(3.0, 6.0, self.n_head))
 
-    def forward(self, x, pos, cache=None, plan=None, docs=None):
+    def forward(self, x, call: MixerCall):
         B, T, C = x.shape
+        pos, cache, docs = call.pos, call.cache, call.docs
         starts = None if docs is None else begins_document(docs, pos)
         q = self.q(x).view(B, T, self.n_head, -1).transpose(1, 2)
         k = self.k(x).view(B, T, self.n_head, -1).transpose(1, 2)
@@ -168,7 +169,7 @@ class MLSTMLayer(RecurrentMixer):
 
     def cell(self, q, k, v, i, f, cache, kernel="native", starts=None):
         if cache is not None and q.shape[2] == 1:
-            h, cache.state = recurrent_mlstm(q, k, v, i, f, cache.state, starts=starts)
+            h, cache.state = mlstm_cell(q, k, v, i, f, cache.state, starts=starts, form="step")
             return h
         h, state = mlstm_sequence(q, k, v, i, f, None if cache is None else cache.state, self.chunk, kernel,
                                   need_state=cache is not None, starts=starts)
@@ -214,7 +215,7 @@ class MLSTMLayer(RecurrentMixer):
 
         Cell, triton (mlstm_kernels, CUDA): q, k, v as given (the linears' outputs, a (2 d_qk + d_v) per head)
         and the float32 normaliser and stabiliser per head and position (8 H); the chunk states are recomputed.
-        Cell, native (chunkwise_mlstm, float32 for every input): per position and head, with chunk L, d_qk = dk,
+        Cell, native (the cell's chunked form, float32 for every input): per position and head, with chunk L, d_qk = dk,
         d_v = dv, four L-wide tensors (log weights, q k^T, their exponential, the weights), 6 dk (k, q copied
         for three matmuls, k^T and the chunk's decayed keys), 4 dv (the numerator, q C_before, v copied for two
         matmuls) and ~14 scalars (stabilisers, normalisers, gates); per chunk, the state before it, its own

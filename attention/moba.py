@@ -31,6 +31,7 @@ import torch
 
 from attention import simulate_cuda
 from attention.cache import KVCache
+from attention.call import MixerCall
 from attention.kernels import span_available
 from attention.layer import Attention
 from attention.memory import linear_inputs, padded, rope_tables
@@ -53,6 +54,8 @@ class MixtureOfBlockAttention(Attention):
     summary = "j <= i in the k blocks of c positions scoring best against i by q_i . mean(k), i's own among them"
 
     settings = Attention.settings + (MOBA_BLOCK, MOBA_TOPK)
+    supports_cache = True  # every key kept: a new query may choose any earlier block
+    takes_documents = True
 
     @classmethod
     def example_settings(cls, window):
@@ -85,10 +88,10 @@ class MixtureOfBlockAttention(Attention):
         stay in the graph's memory pool)."""
         return (own_blocks(self.block, seq_len, str(device)),) if self.uses_triton(device) else ()
 
-    def attend(self, q, k, v, pos, cache, plan=None, docs=None):
-        if cache is not None:
-            k, v, _ = cache.update(k, v, pos)
-        return self.attend_over(q, k, v, pos, self.kernel, plan, docs)
+    def attend(self, q, k, v, call: MixerCall):
+        if call.cache is not None:
+            k, v, _ = call.cache.update(k, v, call.pos)
+        return self.attend_over(q, k, v, call.pos, self.kernel, call.plan, call.docs)
 
     def attend_over(self, q, keys, values, pos, kernel=None, plan=None, docs=None):
         """Queries at positions pos over the keys at 0 .. len - 1 (a prompt, or decoding over a cache). plan: plan()'s

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from attention.cache import RecurrentState
+from attention.call import MixerCall
 from attention.capabilities import WindowSchedule, check_variants, example_settings
 from attention.edges import Causal
 
@@ -56,19 +57,19 @@ class Mixer(nn.Module):
     """A token mixer (attention variant or recurrent layer): the runtime core the model, training and generation
     use. Everything a tool asks beyond it is an optional capability (attention/capabilities.py).
 
-    forward(x, pos, cache=None, plan=None, docs=None) -> y
-        x: (B, T, C) normalised block input; pos: (T,) absolute positions of x's tokens (used for RoPE and
-        position-dependent masks); cache: the object from init_cache, updated in place, during generation;
-        plan: what plan(B, T, device) returned for this forward (None: the mixer plans for itself);
-        docs: (B, T) where each token's document begins (attention/documents.py), given when the model masks
-        documents (config.document_mask): no edge and no state may cross from one document into the next.
+    forward(x, call) -> y
+        x: (B, T, C) normalised block input; call: a MixerCall (attention/call.py) with the tokens' absolute
+        positions, the generation cache, this forward's plan and, for a mixer that declares takes_documents,
+        where each token's document begins.
     plan(batch_size, seq_len, device) -> what forward needs that depends only on the shape and device (masks,
         tiles, block masks) or is drawn once per forward (sa's permutation). GPT.forward calls it before the
         blocks run, outside compiled code, so compiled blocks get their masks as inputs (built once per shape
         and shared by the layers) and recomputation under activation checkpointing reuses the same draws.
     init_cache(batch_size, max_len, device, dtype) -> per-layer generation state (KV cache, recurrent state).
-    supports_cache: whether init_cache gives a generation state: a mixer without one (or whose edges are redrawn
-        at every forward, sa) generates by re-running the context for each new token.
+    supports_cache (declared): whether init_cache gives a generation state: a mixer without one (or whose edges
+        are redrawn at every forward, sa) generates by re-running the context for each new token.
+    takes_documents (declared): whether forward honours call.docs (no edge and no state crosses an end-of-text
+        token): a model with document_mask refuses a mixer that does not declare it.
     settings, check_config(config) -> what the mixer reads besides the model's shape (its Settings and core
         ModelConfig keys by name), and a ValueError when the config cannot build it.
     init_weights() -> variant-specific initialisation, run after the model's generic one.
@@ -90,6 +91,9 @@ class Mixer(nn.Module):
     # whether a position's output is independent of the sequence's length (how far it was padded): false for sa,
     # whose permutation is drawn over the whole length
     length_independent = True
+    # declared, never inspected: whether init_cache gives a generation state, and whether forward honours call.docs
+    supports_cache = False
+    takes_documents = False
 
     @classmethod
     def check_config(cls, config) -> None:
@@ -97,10 +101,6 @@ class Mixer(nn.Module):
 
     def init_cache(self, batch_size: int, max_len: int, device, dtype):
         raise NotImplementedError(f"{type(self).__name__} does not support cached generation")
-
-    @property
-    def supports_cache(self) -> bool:
-        return type(self).init_cache is not Mixer.init_cache
 
     def mixing_flops(self, seq_len: int) -> float:
         return 0.0
@@ -124,13 +124,15 @@ class Mixer(nn.Module):
         """A line for the start-up summary (e.g. per-head windows); empty when there is nothing to add."""
         return ""
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, cache=None, plan=None, docs=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, call: MixerCall) -> torch.Tensor:
         raise NotImplementedError
 
 
 class RecurrentMixer(Mixer):
     """A mixer that carries a fixed-size state from token to token (linear attention, mLSTM, Gated DeltaNet):
     every earlier token can reach every later one, and generation keeps only the state."""
+
+    supports_cache = True
 
     def init_cache(self, batch_size, max_len, device, dtype):
         return RecurrentState()

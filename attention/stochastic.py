@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from attention.call import MixerCall
 from attention.edges import EdgeRule, SlidingWindow
 from attention.kernels import (AttentionPlan, attend_apart, attend_in_layout, attend_planned, plan_attention,
                                resolve_backend)
@@ -206,6 +207,7 @@ class StochasticAttention(Attention):
         return {"swa_window": window}
 
     supports_cache = False
+    takes_documents = True
     length_independent = False
 
     @classmethod
@@ -254,11 +256,12 @@ class StochasticAttention(Attention):
     def compile_key(self):  # the permutation is an input of the compiled block, drawn anew at every step
         return (type(self).__name__, self.window, self.swa_rule)
 
-    def attend(self, q, k, v, pos, cache, plan=None, docs=None):
-        if cache is not None:
+    def attend(self, q, k, v, call: MixerCall):
+        if call.cache is not None:
             raise NotImplementedError("sa draws a new permutation every forward: generate without a cache")
         dropout_p = self.dropout if self.training else 0.0
-        plans = plan if plan is not None else self.sa_plans(q.shape[0], q.shape[2], q.device)
+        docs = call.docs
+        plans = call.plan if call.plan is not None else self.sa_plans(q.shape[0], q.shape[2], q.device)
         if len(plans) == 1:
             return stochastic_attention(q, k, v, None, self.window, self.backend, dropout_p, plans[0], docs)
         return torch.cat([stochastic_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], None, self.window,
@@ -330,10 +333,10 @@ class GatedStochasticSlidingAttention(StochasticAttention):
         return self.sa_plans(batch_size, seq_len, device), plan_attention(
             self.swa_rule, self.backend, seq_len, self.n_head, self.head_dim, device, documents=self.document_mask)
 
-    def mix(self, q, k, v, pos, cache, plan=None, docs=None):
-        if cache is not None:
+    def mix(self, q, k, v, call: MixerCall):
+        if call.cache is not None:
             raise NotImplementedError("sa draws a new permutation every forward: generate without a cache")
-        y_sa, y_swa = (merge_heads(y) for y in self.both_paths(q, k, v, plan, docs))
+        y_sa, y_swa = (merge_heads(y) for y in self.both_paths(q, k, v, call.plan, call.docs))
         return torch.sigmoid(self.gate_sa(y_sa)) * y_sa + torch.sigmoid(self.gate_swa(y_swa)) * y_swa
 
     def both_paths(self, q, k, v, plan=None, docs=None):
@@ -347,7 +350,8 @@ class GatedStochasticSlidingAttention(StochasticAttention):
                                 docs)
             if both is not None:
                 return both
-        return (self.attend(q, k, v, None, None, sa_plans, docs), attend_planned(q, k, v, swa_plan, dropout_p, docs))
+        sa = self.attend(q, k, v, MixerCall(None, None, sa_plans, docs))
+        return sa, attend_planned(q, k, v, swa_plan, dropout_p, docs)
 
     def kernel_forward(self, q, k, v, docs=None):
         """Both paths over the same q, k, v, summed (their gates are projections, left out)."""

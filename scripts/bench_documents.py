@@ -27,6 +27,7 @@ import torch
 if not __package__:  # run as a file, the project's modules cannot be imported: say how to run it
     sys.exit("run it from the repository root as a module: python -m scripts.bench_documents ...")
 
+from attention.call import MixerCall  # noqa: E402
 from attention.documents import packed_document_starts  # noqa: E402
 from attention.kernels import plans_in  # noqa: E402
 from attention.registry import build_mixer, example_cases, pattern_names  # noqa: E402
@@ -71,7 +72,7 @@ def run_case(spec: str, n: int, b: BenchConfig) -> dict:
 
     def step(name):
         mixer = layers[name]
-        y = mixer(x, pos, None, mixer.plan(b.batch, n, x.device), docs if name == "with" else None)
+        y = mixer(x, MixerCall(pos, None, mixer.plan(b.batch, n, x.device), docs if name == "with" else None))
         y.square().mean().backward()
         x.grad = None
         for p in mixer.parameters():

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from attention.call import MixerCall
 from attention import validate_config
 from attention.bridge import BoundaryWindows
 from attention.edges import AnyOf, FixedBlock
@@ -92,7 +93,7 @@ def test_branch_is_two_separate_softmaxes_summed_and_zero_outside_write_back():
     pos = torch.arange(n)
     for kind, width in [("bridge", 16), ("pbb", 16), ("se_bridge", 8)]:
         mixer = model(kind).blocks[0].mixer
-        y = mixer.attend(q, k, v, pos, None)
+        y = mixer.attend(q, k, v, MixerCall(pos))
         block = dense_attention(q, k, v, FixedBlock(b), pos)
         bridge_mask = table1_mask(kind, n, b, width, 96)
         scores = (q @ k.transpose(-1, -2) / k.shape[-1] ** 0.5).masked_fill(~bridge_mask, float("-inf"))
@@ -101,7 +102,7 @@ def test_branch_is_two_separate_softmaxes_summed_and_zero_outside_write_back():
         outside = ~bridge_mask.any(-1)
         assert outside.any()
         torch.testing.assert_close(y[:, :, outside], block[:, :, outside])  # no bridge contribution there
-        union = model(kind, bridge_fusion="union").blocks[0].mixer.attend(q, k, v, pos, None)
+        union = model(kind, bridge_fusion="union").blocks[0].mixer.attend(q, k, v, MixerCall(pos))
         torch.testing.assert_close(union, dense_attention(q, k, v, AnyOf((FixedBlock(b),
                                                                              BoundaryWindows(kind, b, width, 96))), pos))
 

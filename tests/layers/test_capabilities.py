@@ -25,7 +25,7 @@ class CumulativeMean(Mixer):
         super().__init__()
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
 
-    def forward(self, x, pos, cache=None, plan=None):
+    def forward(self, x, call):
         counts = torch.arange(1, x.shape[1] + 1, device=x.device, dtype=x.dtype)[None, :, None]
         return self.proj(x.cumsum(1) / counts)
 
@@ -42,7 +42,7 @@ def test_a_mixer_with_the_core_alone_trains_and_generates(bare):
     _, loss = model(idx[:, :-1], idx[:, 1:])
     loss.backward()
     assert torch.isfinite(loss) and model.blocks[0].mixer.proj.weight.grad is not None
-    with pytest.raises(ValueError, match="CumulativeMean.forward takes no docs"):  # said, not a TypeError mid-run
+    with pytest.raises(ValueError, match="CumulativeMean does not declare takes_documents"):  # said, not a TypeError mid-run
         GPT(dataclasses.replace(bare, document_mask=True, eot_id=3))
     assert model.set_window(8) == 0 and not has_window_layers(bare)  # no window to schedule: nothing changes
     # no init_cache: generation re-runs the context, as it does for sa

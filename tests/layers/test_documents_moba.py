@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from attention.call import MixerCall
 from attention import simulate_cuda
 from attention.documents import document_starts
 from attention.ops.moba import op
@@ -205,7 +206,7 @@ def test_the_layer_takes_documents_on_cudas_path_compiled_whole():
         assert mixer.uses_triton("cpu")
         before = simulate_cuda.STAND_IN_CALLS["moba"]
         plan = mixer.plan(3, 48, "cpu")
-        y = torch.compile(lambda q, k, v, plan, docs: mixer.attend(q, k, v, torch.arange(48), None, plan, docs),
+        y = torch.compile(lambda q, k, v, plan, docs: mixer.attend(q, k, v, MixerCall(torch.arange(48), None, plan, docs)),
                           fullgraph=True, backend="aot_eager")(q, k, v, plan, docs)
         assert simulate_cuda.STAND_IN_CALLS["moba"] > before
     wide = [t.detach().double() for t in (q, k, v)]

@@ -64,8 +64,8 @@ def capture(mixers):
     """Record every layer's (q, k, v, output) and, for sa, the permutation it drew."""
     records = []
     for i, mixer in enumerate(mixers):
-        def recording(q, k, v, pos, cache, plan=None, mixer=mixer, attend_=mixer.attend, i=i):
-            y = attend_(q, k, v, pos, cache, plan)
+        def recording(q, k, v, call, mixer=mixer, attend_=mixer.attend, i=i):
+            y = attend_(q, k, v, call)
             records.append((i, mixer, q, k, v, y, getattr(mixer, "last_order", None)))
             return y
         mixer.attend = recording

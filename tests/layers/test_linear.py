@@ -1,24 +1,11 @@
-"""Taylor linear attention: chunked == quadratic == recurrent, causality, generation, the hybrid with MSWA."""
+"""Taylor linear attention: the feature map (the recurrence core's forms with it: tests/ops/test_recurrence.py), the
+layer's causality and generation, the hybrid with MSWA."""
 
-import pytest
 import torch
 
-from attention.ops.linear.chunk import chunked_linear_attention
 from attention.ops.linear.feature_map import taylor_features, taylor_kernel
-from attention.ops.linear.naive import quadratic_linear_attention
-from attention.ops.linear.recurrent import recurrent_linear_attention
 from config import ModelConfig, load_config
 from model import GPT
-
-
-def qkv(n, d=4, D=6, seed=0, dtype=torch.float64):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(2, 3, n, dim, generator=g, dtype=dtype).requires_grad_() for dim in (d, d, D)]
-
-
-def grads(y, tensors):
-    return torch.autograd.grad(y, tensors, torch.randn(y.shape, generator=torch.Generator().manual_seed(1),
-                                                        dtype=y.dtype))
 
 
 def test_feature_map_is_the_taylor_expansion_of_exp():
@@ -27,35 +14,6 @@ def test_feature_map_is_the_taylor_expansion_of_exp():
     torch.testing.assert_close(taylor_features(q) @ taylor_features(k).T, 1 + t + t * t / 2)
     torch.testing.assert_close(taylor_kernel(q, k), 1 + t + t * t / 2)
     assert taylor_features(q).shape[-1] == 1 + 4 + 16
-
-
-@pytest.mark.parametrize("n, chunk", [(37, 8), (64, 16), (5, 8)])
-def test_chunked_equals_quadratic_and_recurrent_forward_and_backward(n, chunk):
-    tensors = qkv(n)
-    ref = quadratic_linear_attention(*tensors)
-    chunked, state = chunked_linear_attention(*tensors, chunk=chunk)
-    recurrent, rec_state = recurrent_linear_attention(*tensors)
-    torch.testing.assert_close(chunked, ref)
-    torch.testing.assert_close(recurrent, ref)
-    torch.testing.assert_close(state[0], rec_state[0])
-    torch.testing.assert_close(state[1], rec_state[1])
-    for a, b, c in zip(grads(ref, tensors), grads(chunked, tensors), grads(recurrent, tensors)):
-        torch.testing.assert_close(b, a)
-        torch.testing.assert_close(c, a)
-
-
-def test_float32_tolerance():
-    tensors = qkv(100, dtype=torch.float32)
-    torch.testing.assert_close(chunked_linear_attention(*tensors, chunk=16)[0], quadratic_linear_attention(*tensors),
-                               atol=1e-5, rtol=1e-4)
-
-
-def test_prefill_then_steps_equals_one_pass():
-    q, k, v = (t.detach() for t in qkv(30))
-    full, _ = chunked_linear_attention(q, k, v, chunk=8)
-    first, state = chunked_linear_attention(q[:, :, :17], k[:, :, :17], v[:, :, :17], chunk=8)
-    rest, _ = recurrent_linear_attention(q[:, :, 17:], k[:, :, 17:], v[:, :, 17:], state)
-    torch.testing.assert_close(torch.cat([first, rest], dim=2), full)
 
 
 def hybrid():

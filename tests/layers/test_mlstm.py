@@ -1,5 +1,6 @@
-"""mLSTM: chunkwise == quadratic == recurrent (and == mlstm_kernels' own sequence kernel), forward and backward;
-prefill then steps; the gate initialisation; no n x n tensor on the training path; the layer in a model."""
+"""mLSTM: its cell's chunked == parallel == one-step forms (on the recurrence core) and == mlstm_kernels' own sequence
+kernel, forward and backward; prefill then steps; the gate initialisation; no n x n tensor on the training path;
+the layer in a model."""
 
 import dataclasses
 
@@ -7,9 +8,8 @@ import pytest
 import torch
 
 from attention.mlstm import soft_cap
-from attention.ops.mlstm.chunkwise import chunkwise_mlstm
-from attention.ops.mlstm.naive import quadratic_mlstm
-from attention.ops.mlstm.recurrent import recurrent_mlstm
+from attention.ops.mlstm.cell import mlstm_cell
+from attention.ops.recurrence import State
 from config import ModelConfig
 from conftest import assert_models_agree_in_bf16, generator
 from helpers import LargestTensor, cached_logits
@@ -28,9 +28,33 @@ def inputs(n, dk=4, dv=6, seed=0, dtype=torch.float64, realistic=False, device=N
 
 
 def initial_state(dk=4, dv=6, dtype=torch.float64):
+    """(C, n, m), as xLSTM 7B's kernels keep the state."""
     g = torch.Generator().manual_seed(7)
     return (torch.randn(2, 3, dk, dv, generator=g, dtype=dtype), torch.randn(2, 3, dk, generator=g, dtype=dtype),
             torch.randn(2, 3, 1, generator=g, dtype=dtype))
+
+
+def as_core(state):
+    """(C, n, m) as the recurrence core's State: n is the column of C for v's appended column of ones."""
+    return None if state is None else State(torch.cat([state[0], state[1][..., None]], -1), state[2])
+
+
+def as_cmn(state):
+    return state.S[..., :-1], state.S[..., -1], state.m
+
+
+def quadratic_mlstm(*tensors, state=None):
+    return mlstm_cell(*tensors, as_core(state), form="parallel")[0]
+
+
+def chunkwise_mlstm(*tensors, state=None, chunk=64):
+    h, final = mlstm_cell(*tensors, as_core(state), chunk=chunk)
+    return h, as_cmn(final)
+
+
+def recurrent_mlstm(*tensors, state=None):
+    h, final = mlstm_cell(*tensors, as_core(state), form="step")
+    return h, as_cmn(final)
 
 
 def grads(y, tensors):
@@ -44,9 +68,9 @@ def grads(y, tensors):
 def test_three_forms_agree_forward_and_backward_fp64(n, chunk, with_state, realistic):
     tensors = inputs(n, realistic=realistic)
     state = initial_state() if with_state else None
-    ref = quadratic_mlstm(*tensors, state)
-    chunked, chunk_state = chunkwise_mlstm(*tensors, state, chunk=chunk)
-    recurrent, rec_state = recurrent_mlstm(*tensors, state)
+    ref = quadratic_mlstm(*tensors, state=state)
+    chunked, chunk_state = chunkwise_mlstm(*tensors, state=state, chunk=chunk)
+    recurrent, rec_state = recurrent_mlstm(*tensors, state=state)
     # fp64: torch's default tolerances (rtol 1e-7, atol 1e-7)
     torch.testing.assert_close(chunked, ref)
     torch.testing.assert_close(recurrent, ref)
@@ -74,7 +98,7 @@ def test_equals_mlstm_kernels_native_sequence_kernel():
 
     q, k, v, i, f = (t.detach() for t in inputs(64, realistic=True))
     state = initial_state()
-    ours, our_state = chunkwise_mlstm(q, k, v, i, f, state, chunk=16)
+    ours, our_state = chunkwise_mlstm(q, k, v, i, f, state=state, chunk=16)
     theirs, their_state = mlstm_recurrent_sequence__native_fw(
         q, k, v, i, f, *state, return_last_states=True, dtype_state=torch.float64)
     torch.testing.assert_close(ours, theirs)
@@ -112,7 +136,7 @@ def test_prefill_then_steps_equals_one_pass():
     q, k, v, i, f = (t.detach() for t in inputs(30))
     full, full_state = chunkwise_mlstm(q, k, v, i, f, chunk=8)
     first, state = chunkwise_mlstm(*(t[:, :, :17] for t in (q, k, v, i, f)), chunk=8)
-    rest, last_state = recurrent_mlstm(*(t[:, :, 17:] for t in (q, k, v, i, f)), state)
+    rest, last_state = recurrent_mlstm(*(t[:, :, 17:] for t in (q, k, v, i, f)), state=state)
     torch.testing.assert_close(torch.cat([first, rest], dim=2), full)
     for a, b in zip(last_state, full_state):
         torch.testing.assert_close(a, b)

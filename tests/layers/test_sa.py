@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from attention.call import MixerCall
 from attention.edges import SlidingWindow
 from attention.ops.flex.block_mask import flex_block_mask
 from attention.stochastic import (PermutedWindow, StochasticWindow, inverse_permutation, plan_stochastic,
@@ -198,7 +199,7 @@ def test_per_sequence_permutations_equal_dense_per_sequence():
     x = torch.randint(0, 61, (3, 80))
     q, k, v = qkv(80, batch=3, heads=2, requires_grad=False)
     layer = model.blocks[0].mixer
-    y = layer.attend(q, k, v, torch.arange(80), None)
+    y = layer.attend(q, k, v, MixerCall(torch.arange(80)))
     orders = layer.last_order
     assert orders.shape == (3, 80) and len({tuple(o.tolist()) for o in orders}) == 3
     for b in range(3):
@@ -236,7 +237,7 @@ def test_permutations_differ_across_layers_and_steps_and_are_shared_by_heads():
     # heads share it: a layer's output equals the dense reference under that single permutation for all heads
     layer = model.blocks[0].mixer.double()
     q, k, v = qkv(64, heads=2, requires_grad=False)
-    y = layer.attend(q, k, v, torch.arange(64), None)
+    y = layer.attend(q, k, v, MixerCall(torch.arange(64)))
     torch.testing.assert_close(y, stochastic_attention(q, k, v, layer.last_order, 8, "dense"))
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from attention.call import MixerCall
 from attention.edges import SlidingWindow
 from attention.kernels import attend
 from attention.ops.chunked.op import chunked_attention
@@ -67,7 +68,7 @@ def test_bias_sign_and_slopes_by_hand_two_heads_four_tokens():
     assert "-0.5 +0.5" in layer.describe()
     q = k = torch.zeros(1, 2, 4, 4)
     v = torch.eye(4).expand(1, 2, 4, 4)  # value of token j is the one-hot e_j
-    y = layer.attend(q, k, v, torch.arange(4), None)[0]
+    y = layer.attend(q, k, v, MixerCall(torch.arange(4)))[0]
     s = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
     expected = {0: [[s(0.), 0, 0, 0], [s(-.5), s(0.), 0, 0], [s(-1.), s(-.5), s(0.), 0], [0, s(-1.), s(-.5), s(0.)]],
                 1: [[s(0.), 0, 0, 0], [s(.5), s(0.), 0, 0], [s(1.), s(.5), s(0.), 0], [0, s(1.), s(.5), s(0.)]]}

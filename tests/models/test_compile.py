@@ -10,6 +10,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
 import attention.ops.flex.op as kernels
+from attention.call import MixerCall
 from attention.bridge import BoundaryWindows
 from attention.edges import AnyOf, FixedBlock, HeadWindows, SlidingWindow
 from attention.kernels import attend, plan_attention
@@ -70,7 +71,7 @@ def test_a_compiled_block_that_would_build_masks_in_its_graph_is_refused():
     x, pos = torch.randn(1, 64, 32), torch.arange(64)
     torch._dynamo.reset()
     with pytest.raises(Exception, match="plan attention outside compiled code"):
-        torch.compile(layer, backend="eager", fullgraph=True)(x, pos)
+        torch.compile(layer, backend="eager", fullgraph=True)(x, MixerCall(pos))
     model, compiled = GPT(cfg), GPT(cfg)
     compiled.load_state_dict(model.state_dict())  # per-block compilation keeps the state-dict keys
     compile_blocks(compiled, backend="eager")

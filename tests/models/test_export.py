@@ -244,6 +244,7 @@ def test_a_run_folder_without_a_checkpoint_gets_a_command_that_works_there(tmp_p
     claim(run, fresh=True, replace=True).release()  # the suggested one is taken
 
 
+@pytest.mark.e2e  # export records the git hash (a git process)
 def test_an_sa_export_says_its_outputs_are_drawn_per_forward_and_the_deterministic_flag_fixes_them(tmp_path, offline,
                                                                                                      capsys):
     _, run = make_run(tmp_path / "run", CASES["sa_swa"][0])

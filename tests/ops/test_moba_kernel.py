@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from attention.call import MixerCall
 from attention import simulate_cuda
 from attention.documents import document_starts
 from attention.ops.moba import op
@@ -133,7 +134,7 @@ def test_the_layer_runs_the_kernels_on_cudas_path_compiled_whole():
         q, k, v = inputs(48, H=2)
         before = simulate_cuda.STAND_IN_CALLS["moba"]
         plan = mixer.plan(2, 48, "cpu")
-        compiled = torch.compile(lambda q, k, v, plan: mixer.attend(q, k, v, torch.arange(48), None, plan),
+        compiled = torch.compile(lambda q, k, v, plan: mixer.attend(q, k, v, MixerCall(torch.arange(48), plan=plan)),
                                  fullgraph=True, backend="aot_eager")
         y = compiled(q, k, v, plan)
         assert simulate_cuda.STAND_IN_CALLS["moba"] > before

@@ -8,7 +8,7 @@ import functools
 import torch
 
 from attention import simulate_cuda
-from attention.ops.gated_deltanet.chunk import chunked_gated_delta_rule
+from attention.ops.recurrence import Gates, State, chunked_recurrence
 
 
 @functools.cache
@@ -31,7 +31,7 @@ def _fla_l2norm(x):
 def fla_chunk_stand_in(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                        use_qk_l2norm_in_kernel=False, chunk_size=64, **unused):
     """fla's chunk_gated_delta_rule on the CPU standing in for CUDA (attention/simulate_cuda.py): computed with
-    chunked_gated_delta_rule in float32, with fla-core 0.6.0's contract (fla/ops/gated_delta_rule/chunk.py):
+    the recurrence core's chunked form (the delta rule) in float32, with fla-core 0.6.0's contract (fla/ops/gated_delta_rule/chunk.py):
     q, k (B, T, H, K), v (B, T, H, V), g (log decay) and beta (B, T, H) in the (B, T, H, ...) layout; scale
     defaults to K^-0.5; use_qk_l2norm_in_kernel normalises q and k as fla's l2norm_fwd (eps 1e-6 inside the
     square root); the state is (B, H, K, V) (state_v_first=False). Returns o (B, T, H, V) in q's dtype
@@ -50,7 +50,8 @@ def fla_chunk_stand_in(q, k, v, g, beta, scale=None, initial_state=None, output_
         else:
             q_, k_ = q.float(), k.float()
         heads_first = lambda t: t.transpose(1, 2)  # noqa: E731  (B, T, H, ...) -> (B, H, T, ...)
-        state = None if initial_state is None else initial_state.float()
-        y, final = chunked_gated_delta_rule(heads_first(q_ * scale), heads_first(k_), heads_first(v.float()),
-                                            heads_first(g.float()), heads_first(beta.float()), state, chunk_size)
-    return y.transpose(1, 2).to(q.dtype).contiguous(), (final.float() if output_final_state else None)
+        state = None if initial_state is None else State(initial_state.float())
+        gates = Gates(log_decay=heads_first(g.float()), beta=heads_first(beta.float()))
+        y, _, final = chunked_recurrence(heads_first(q_ * scale), heads_first(k_), heads_first(v.float()), gates, state,
+                                         chunk_size)
+    return y.transpose(1, 2).to(q.dtype).contiguous(), (final.S.float() if output_final_state else None)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from attention.ops.recurrence.gates import FeatureMap
+
 
 def taylor_features(x: torch.Tensor) -> torch.Tensor:
     """phi(x) for x (..., d): (..., 1 + d + d^2)."""
@@ -18,3 +20,7 @@ def taylor_kernel(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """phi(q) . phi(k) for all pairs, computed from q . k directly: (..., Tq, Tk)."""
     t = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
     return 1 + t + t * t / 2
+
+
+# the recurrence core's feature map (attention/ops/recurrence): features for the state, the kernel inside chunks
+TAYLOR = FeatureMap(features=taylor_features, kernel=taylor_kernel, width=lambda d: 1 + d + d * d)

@@ -1,6 +1,6 @@
 """mlstm_kernels' Triton chunkwise kernel (xLSTM 7B's) as two custom ops with autograd, opaque to torch.compile,
 with CPU stand-ins for the CPU standing in for CUDA (attention/simulate_cuda.py); and mlstm_sequence, the training
-form a layer runs over a whole sequence: that kernel where it runs, else chunkwise_mlstm."""
+form a layer runs over a whole sequence: that kernel where it runs, else the cell's chunked form (cell.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from attention import simulate_cuda
-from attention.ops.mlstm.chunkwise import NO_INPUT, chunkwise_mlstm
-from attention.ops.mlstm.naive import EPS
+from attention.ops.mlstm.cell import EPS, mlstm_cell
+from attention.ops.recurrence.gates import NO_INPUT
 
 TRITON_CHUNK = 64  # the chunk mlstm_kernels' Triton kernel runs with (its tuned default)
 # The forget-gate pre-activation the Triton kernel gets at a document's first token (it takes no documents):
@@ -116,7 +116,7 @@ _triton_fw.register_autograd(_triton_backward, setup_context=_triton_setup_conte
 
 # The ops' CPU kernels: stand-ins for the Triton kernels, run when the CPU stands in for CUDA
 # (attention/simulate_cuda.py), so that compiled code meets on the CPU what it meets on a GPU. They compute with
-# chunkwise_mlstm (float32) and return exactly what the CUDA kernels above return, as read from mlstm_kernels
+# the cell's chunked form (float32) and return exactly what the CUDA kernels above return, as read from mlstm_kernels
 # 2.0.6 (torch/chunkwise/triton_xl_chunk/fw.py, fw_parallel.py, bw.py, bw_parallel_dQ/dK/dV.py,
 # chunkwise_gates.py):
 #   forward   h (B, NH, S, DHHV) in q's dtype (fw_parallel: torch.empty(B, NH, S, DHHV, dtype=matQ.dtype));
@@ -129,8 +129,8 @@ _triton_fw.register_autograd(_triton_backward, setup_context=_triton_setup_conte
 @_triton_fw.register_kernel("cpu")
 def _cpu_fw(q, k, v, i, f, chunk_size, eps):
     simulate_cuda.ran("mlstm_kernels")
-    h, _, (denominator, m) = chunkwise_mlstm(*(t.float() for t in (q, k, v, i, f)), chunk=chunk_size, eps=eps,
-                                             return_stats=True)
+    h, _, (denominator, m) = mlstm_cell(*(t.float() for t in (q, k, v, i, f)), chunk=chunk_size, eps=eps,
+                                        return_stats=True)
     return h.to(q.dtype).contiguous(), denominator.contiguous(), m.contiguous()
 
 
@@ -139,7 +139,7 @@ def _cpu_bw(q, k, v, i, f, n_out, m_out, grad_h, chunk_size, eps):
     simulate_cuda.ran("mlstm_kernels")
     with simulate_cuda.autograd_in_kernel():  # an op's kernel runs below autograd
         inputs = [t.detach().float().requires_grad_() for t in (q, k, v, i, f)]
-        h, _ = chunkwise_mlstm(*inputs, chunk=chunk_size, eps=eps)
+        h, _ = mlstm_cell(*inputs, chunk=chunk_size, eps=eps)
         dq, dk, dv, di, df = torch.autograd.grad(h, inputs, grad_h.float())
     return (dq.to(q.dtype).contiguous(), dk.to(q.dtype).contiguous(), dv.to(q.dtype).contiguous(),
             di.contiguous().to(i.dtype), df.contiguous().to(f.dtype))
@@ -179,11 +179,11 @@ def mlstm_sequence(q, k, v, i, f, state=None, chunk: int = 64, kernel: str = "au
                   starts=None):
     """A whole sequence in the training form: mlstm_kernels' Triton kernel on CUDA when it is installed (its CPU
     stand-in while simulating CUDA; kernel auto or triton, from a zero state, when the final state is not
-    needed), else chunkwise_mlstm. starts (B, n) bool: the tokens that begin a document, where the state
+    needed), else the mLSTM's cell on the recurrence core in its chunked form. starts (B, n) bool: the tokens that begin a document, where the state
     restarts from zero (the Triton kernel closes the forget gate there: RESTART_FORGET); None: none.
     Returns h and the final state (None from the Triton kernel). The Triton kernel takes q, k, v in their own
     dtype (bfloat16 under bf16 training: its matmuls run in bf16 with float32 accumulation, as xLSTM 7B
-    trains) and the gates in float32; chunkwise_mlstm computes in float32 or better."""
+    trains) and the gates in float32; the chunked form computes in float32 or better."""
     triton = kernel != "native" and simulate_cuda.gpu_path(q.device) and state is None and not need_state
     if triton and not triton_runs_on(q.device):
         if kernel == "triton":
@@ -192,7 +192,7 @@ def mlstm_sequence(q, k, v, i, f, state=None, chunk: int = 64, kernel: str = "au
         triton = False
     if not triton:
         compute = torch.promote_types(q.dtype, torch.float32)
-        return chunkwise_mlstm(*(t.to(compute) for t in (q, k, v, i, f)), state, chunk, starts=starts)
+        return mlstm_cell(*(t.to(compute) for t in (q, k, v, i, f)), state, chunk, starts=starts)
     length, kernel_chunk = q.shape[2], TRITON_CHUNK
     pad = -length % kernel_chunk  # the kernel wants whole chunks; padding after the end changes no output
     i, f = i.float(), f.float()

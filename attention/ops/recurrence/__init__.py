@@ -1,0 +1,32 @@
+"""The chunked gated recurrence under every recurrent mixer (linear attention, the mLSTM, Gated DeltaNet).
+
+Per head, with rows as vectors, keys k_t (d_k), values v_t (d_v) and queries q_t mapped by a feature map phi
+(the identity, or linear attention's Taylor features), the state S (phi's width x d_v) follows
+
+    S_t = a_t (I - beta_t phi(k_t)^T phi(k_t)) S_{t-1} + w_t phi(k_t)^T v_t,        y_t = phi(q_t) S_t
+
+where the gates (gates.py: Gates) are all optional: a_t = exp(log_decay_t) <= 1 (none: 1), the delta rule's
+strength beta_t (none: 0; with it the write weight w_t is beta_t, Gated DeltaNet's rule), else the write weight
+w_t = exp(log_gain_t) (none: 1; the mLSTM's exponential input gate). A stabilised recurrence (the mLSTM's) keeps S
+divided by exp(m_t), m_t = max(log a_t + m_{t-1}, log_gain_t), and returns m_t beside each read, so that the
+exponential gates never overflow; a mixer that normalises its read (a sum of the keys' weights, carried as a
+column of ones appended to v) divides by it itself. A document start restarts the state from zero (and m from 0).
+
+Three forms, equal to float tolerance (tests/ops/test_recurrence.py), each taking an initial state and returning
+the final one:
+    naive.py    parallel_recurrence, the reference: the whole sequence at once, O(n^2) (the delta rule's
+                triangular system solved over the whole sequence)
+    chunk.py    chunked_recurrence, training and prompts, O(n): the parallel form inside chunks, the state
+                between them
+    step.py     stepwise_recurrence, generation: one token at a time from the state, constant memory
+and what context parallelism composes (summary.py): the effect of a stretch of tokens on the state as one affine
+map, which combine in any grouping, so the maps of several shards combine in parallel.
+"""
+
+from attention.ops.recurrence.chunk import chunked_recurrence
+from attention.ops.recurrence.gates import IDENTITY, FeatureMap, Gates, State
+from attention.ops.recurrence.naive import parallel_recurrence
+from attention.ops.recurrence.step import stepwise_recurrence
+
+__all__ = ["IDENTITY", "FeatureMap", "Gates", "State", "chunked_recurrence", "parallel_recurrence",
+           "stepwise_recurrence"]
