@@ -294,6 +294,179 @@ def run_python(command, *args, timeout=300):
     return subprocess.run([sys.executable, *command, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
+# ---- entry points run in the test's own process ------------------------------------------------------------
+#
+# Starting python costs far more than a tiny run (importing torch and the project takes 10-30 s on a busy
+# 2-core machine). Where the process itself is not what a test checks (signals, kills, torchrun, a fresh
+# interpreter's imports or environment), the command runs in the test's process instead, as `python COMMAND
+# ARGS` runs it: its file or module executed as __main__ (runpy: the same `if __name__ == "__main__"` block)
+# from the repository with that sys.argv, one torch thread per OMP_NUM_THREADS, a fresh interpreter's warning
+# filters and empty compiler caches, its stdout and stderr captured at the file descriptors (torch's C++
+# messages too), its exit status from SystemExit (an uncaught exception: its traceback on stderr and status 1).
+# What it changed in the process is put back afterwards: the environment (train.py sets OMP_WAIT_POLICY, which
+# later subprocesses would inherit), signal handlers, RNG states, logging handlers, a process group left open.
+
+# a fresh interpreter's warning filters (python -W and PYTHONWARNINGS aside)
+FRESH_WARNING_FILTERS = [("default", None, DeprecationWarning, "__main__", 0),
+                         ("ignore", None, DeprecationWarning, None, 0),
+                         ("ignore", None, PendingDeprecationWarning, None, 0),
+                         ("ignore", None, ImportWarning, None, 0), ("ignore", None, ResourceWarning, None, 0)]
+
+
+class _Captured:
+    """stdout and stderr of this process redirected, at the file descriptors, into two temporary files; .text
+    holds what was written once the block ends."""
+
+    def __enter__(self):
+        import io
+        import tempfile
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.files = [tempfile.TemporaryFile(), tempfile.TemporaryFile()]
+        self.saved_fds = [os.dup(1), os.dup(2)]
+        self.saved_streams = sys.stdout, sys.stderr
+        for fd, f in zip((1, 2), self.files):
+            os.dup2(f.fileno(), fd)
+        # unbuffered writers on the descriptors: Python's and C's writes land in the order they are made
+        sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8",
+                                                   errors="backslashreplace", write_through=True) for fd in (1, 2))
+        return self
+
+    def __exit__(self, *exc):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        sys.stdout, sys.stderr = self.saved_streams
+        for fd, saved in zip((1, 2), self.saved_fds):
+            os.dup2(saved, fd)
+            os.close(saved)
+        self.text = []
+        for f in self.files:
+            f.seek(0)
+            self.text.append(f.read().decode("utf-8", errors="replace"))
+            f.close()
+
+
+class _FreshProcessState:
+    """The process as a fresh `python` has it for the command (cwd, sys.argv, threads, dtype, warnings, compiler
+    caches), and on exit as it was before (with what the command changed undone)."""
+
+    def __enter__(self):
+        import logging
+        import random
+        import warnings
+
+        import numpy as np
+
+        self.cwd, self.sys_argv, self.environ = os.getcwd(), sys.argv, dict(os.environ)
+        self.handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.wakeup_fd = signal.set_wakeup_fd(-1)
+        signal.set_wakeup_fd(self.wakeup_fd)
+        self.rng = torch.get_rng_state(), random.getstate(), np.random.get_state()
+        self.threads, self.dtype, self.grad = torch.get_num_threads(), torch.get_default_dtype(), torch.is_grad_enabled()
+        root = logging.getLogger()
+        self.logging = root.handlers[:], root.level
+        self.warnings = warnings.catch_warnings()
+        self.warnings.__enter__()
+        warnings.filters[:] = FRESH_WARNING_FILTERS
+        warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: sys.stderr.write(
+            warnings.formatwarning(message, category, filename, lineno, line))
+        os.chdir(REPO)
+        if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        torch.set_default_dtype(torch.float32)
+        torch.set_grad_enabled(True)
+        torch._dynamo.reset()  # compiled code and recompile counts of earlier tests: a fresh process has none
+        # what the project's code registers to run at exit (a run folder's lock released, a folder the run made
+        # and never wrote into removed) runs when the command ends, as at its process's exit
+        import atexit
+
+        self.at_exit, self.register = [], atexit.register
+
+        def register(function, *args, **kwargs):
+            caller = Path(sys._getframe(1).f_code.co_filename).resolve()
+            if not caller.is_relative_to(REPO) or "site-packages" in caller.parts:
+                return self.register(function, *args, **kwargs)
+            self.at_exit.append((function, args, kwargs))
+            return function
+
+        atexit.register = register
+        return self
+
+    def __exit__(self, *exc):
+        import logging
+        import random
+
+        import atexit
+        import traceback
+
+        import numpy as np
+        import torch.distributed as dist
+
+        atexit.register = self.register
+        for function, args, kwargs in reversed(self.at_exit):
+            try:
+                function(*args, **kwargs)
+            except Exception:  # noqa: BLE001 - said, as the interpreter says it at exit
+                print(f"Exception ignored in atexit callback {function!r}:", file=sys.stderr)
+                traceback.print_exc(file=sys.stderr)
+        if dist.is_available() and dist.is_initialized():  # a run that exited between set-up and its end
+            dist.destroy_process_group()
+        torch._dynamo.reset()
+        self.warnings.__exit__(*exc)
+        root = logging.getLogger()
+        root.handlers[:], root.level = self.logging
+        torch.set_grad_enabled(self.grad)
+        torch.set_default_dtype(self.dtype)
+        torch.set_num_threads(self.threads)
+        torch.set_rng_state(self.rng[0])
+        random.setstate(self.rng[1])
+        np.random.set_state(self.rng[2])
+        # a training run's stop-signal watcher thread stays blocked on its own pipe, which no signal reaches now
+        signal.set_wakeup_fd(self.wakeup_fd)
+        for signum, handler in self.handlers.items():
+            signal.signal(signum, handler)
+        os.environ.clear()
+        os.environ.update(self.environ)
+        sys.argv = self.sys_argv
+        os.chdir(self.cwd)
+
+
+def run_in_process(command, *args) -> subprocess.CompletedProcess:
+    """`python COMMAND ARGS` (COMMAND a file, ["train.py"], or a module, ["-m", "eval"]) run in this process (see
+    above): its return code, stdout and stderr as run_python gives them."""
+    import runpy
+    import traceback
+
+    with _Captured() as captured, _FreshProcessState():
+        try:
+            if command[0] == "-m":
+                sys.argv = ["-m", *command[2:], *args]  # runpy puts the module's path first, as python -m does
+                runpy.run_module(command[1], run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = [*command, *args]
+                runpy.run_path(command[0], run_name="__main__")
+            status = 0
+        except SystemExit as e:
+            status = e.code
+            if status is not None and not isinstance(status, int):  # sys.exit("message"): said, status 1
+                print(status, file=sys.stderr)
+                status = 1
+        except Exception:  # noqa: BLE001 - as the interpreter ends on it
+            traceback.print_exc(file=sys.stderr)
+            status = 1
+    return subprocess.CompletedProcess([sys.executable, *command, *args], status or 0, *captured.text)
+
+
+def train_in_process(args, check=True):
+    """python train.py ARGS in this process (run_in_process): the run train_subprocess starts, without starting
+    python."""
+    proc = run_in_process(["train.py"], *args)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory):
     """Text, two different BPE tokenizer.json files (300 tokens each) and data prepared with the first."""
@@ -318,5 +491,5 @@ def bpe(tmp_path_factory):
 def byte_run(tmp_path_factory):
     """A tiny run trained on the embedded corpus (byte tokenizer), with checkpoints at steps 4 and 8."""
     out = tmp_path_factory.mktemp("byte_run") / "run"
-    train_subprocess([*TINY, f"--out_dir={out}", "--max_iters=8", "--eval_interval=4"])
+    train_in_process([*TINY, f"--out_dir={out}", "--max_iters=8", "--eval_interval=4"])
     return out

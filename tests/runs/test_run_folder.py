@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, TINY, read_metrics, run_python as run, train_subprocess
+from conftest import REPO, TINY, read_metrics, run_in_process as run, train_in_process
 
 
 @pytest.mark.e2e
@@ -51,7 +51,7 @@ def test_a_killed_run_leaves_no_lock_behind(tmp_path):
     from common.run_folder import claim
 
     claim(out, fresh=False).release()  # the kernel dropped the dead process's lock
-    resumed = train_subprocess([*TINY, f"--out_dir={out}", "--max_iters=12", "--eval_interval=5",
+    resumed = train_in_process([*TINY, f"--out_dir={out}", "--max_iters=12", "--eval_interval=5",
                                 "--init_from=resume"], check=False)
     assert resumed.returncode == 0, resumed.stderr
 
@@ -62,11 +62,11 @@ def test_a_fresh_run_never_starts_over_an_old_one_unless_asked(byte_run, tmp_pat
     shutil.copytree(byte_run, run_dir)
     (run_dir / "eval").mkdir(exist_ok=True)
     before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
-    proc = train_subprocess([*TINY, f"--out_dir={run_dir}", "--max_iters=4", "--eval_interval=4"], check=False)
+    proc = train_in_process([*TINY, f"--out_dir={run_dir}", "--max_iters=4", "--eval_interval=4"], check=False)
     assert proc.returncode == 2 and "already holds a run" in proc.stderr, proc.stderr
     assert "--init_from=resume" in proc.stderr and "--replace_run=True" in proc.stderr
     assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before  # nothing touched
-    proc = train_subprocess([*TINY, f"--out_dir={run_dir}", "--max_iters=4", "--eval_interval=4",
+    proc = train_in_process([*TINY, f"--out_dir={run_dir}", "--max_iters=4", "--eval_interval=4",
                              "--replace_run=True", "--seed=7"])
     moved = [p for p in tmp_path.iterdir() if p.name.startswith("run.replaced-")]
     assert len(moved) == 1 and (moved[0] / "ckpt_best.pt").read_bytes() == before["ckpt_best.pt"]
@@ -108,7 +108,7 @@ def test_a_moved_run_folder_resumes_where_its_config_lies(byte_run, tmp_path):
     moved = tmp_path / "elsewhere" / "moved_run"
     moved.parent.mkdir()
     shutil.copytree(byte_run, moved)
-    proc = train_subprocess([str(moved / "config.json"), "--init_from=resume", "--max_iters=12"])
+    proc = train_in_process([str(moved / "config.json"), "--init_from=resume", "--max_iters=12"])
     assert max(read_metrics(moved)) == 12 and max(read_metrics(byte_run)) == 8  # the original is untouched
     assert "resumed from " + str(moved / "ckpt_last.pt") in proc.stdout
 
@@ -119,7 +119,7 @@ def test_resume_tolerates_a_torn_last_log_line_and_logs_each_validation_once(byt
     shutil.copytree(byte_run, run_dir)
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write('{"step": 9, "train_lo')  # a kill in the middle of a write
-    proc = train_subprocess([*TINY, f"--out_dir={run_dir}", "--max_iters=12", "--eval_interval=4",
+    proc = train_in_process([*TINY, f"--out_dir={run_dir}", "--max_iters=12", "--eval_interval=4",
                              "--init_from=resume"])
     assert "dropped the torn last line" in proc.stdout
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -130,7 +130,7 @@ def test_resume_tolerates_a_torn_last_log_line_and_logs_each_validation_once(byt
 
 @pytest.mark.e2e
 def test_max_iters_zero_claims_no_checkpoint(tmp_path):
-    proc = train_subprocess([*TINY, f"--out_dir={tmp_path / 'run'}", "--max_iters=0"])
+    proc = train_in_process([*TINY, f"--out_dir={tmp_path / 'run'}", "--max_iters=0"])
     assert "no checkpoint written" in proc.stdout and "checkpoints in" not in proc.stdout
     assert not list((tmp_path / "run").glob("ckpt_*"))
 
@@ -152,12 +152,12 @@ def test_an_out_dir_that_cannot_be_written_is_one_line_before_the_run_starts(tmp
 
 
 @pytest.mark.e2e
-def test_a_full_disk_during_a_checkpoint_is_one_line_naming_what_is_intact(tmp_path, monkeypatch, capsys):
+def test_a_full_disk_during_a_checkpoint_is_one_line_naming_what_is_intact(tmp_path, monkeypatch):
     import errno
 
-    import train
+    from runtime import checkpoint
 
-    real, calls = train.save_checkpoint, []
+    real, calls = checkpoint.save_checkpoint, []
 
     def save_then_fill_the_disk(obj, path):
         calls.append(path.name)
@@ -168,12 +168,12 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_naming_what_is_intact(tmp_p
                 raise RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed") from e
         real(obj, path)
 
-    monkeypatch.setattr(train, "save_checkpoint", save_then_fill_the_disk)
+    monkeypatch.setattr(checkpoint, "save_checkpoint", save_then_fill_the_disk)  # what train.py imports as it starts
     out = tmp_path / "run"
-    with pytest.raises(SystemExit) as exit_:
-        train.main([*TINY, f"--out_dir={out}", "--max_iters=8", "--eval_interval=4", "--device=cpu"])
-    assert exit_.value.code == 1
-    error = capsys.readouterr().err.strip().splitlines()[-1]
+    proc = train_in_process([*TINY, f"--out_dir={out}", "--max_iters=8", "--eval_interval=4", "--device=cpu"],
+                            check=False)
+    assert proc.returncode == 1, proc.stderr
+    error = proc.stderr.strip().splitlines()[-1]
     assert error.startswith("error: could not write ckpt_") and "is full" in error
     assert "ckpt_best.pt (step 4)" in error and "ckpt_last.pt (step 4)" in error and "intact" in error
     assert f"python train.py {out / 'config.json'} --init_from=resume" in error
@@ -183,33 +183,32 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_naming_what_is_intact(tmp_p
 
 
 @pytest.mark.e2e
-def test_a_full_disk_outside_a_checkpoint_is_one_line_and_the_advice_works(tmp_path):
+def test_a_full_disk_outside_a_checkpoint_is_one_line_and_the_advice_works(tmp_path, monkeypatch):
+    import builtins
+    import errno
+
+    import training.metrics
+
+    def full_for_the_log(path, mode="r", *args, **kwargs):
+        if str(path).endswith("metrics.jsonl") and "a" in mode:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return builtins.open(path, mode, *args, **kwargs)
+
     out = tmp_path / "run"
-    # in a process of its own (its run folder stays locked until it exits): the disk fills when the log first grows
-    fill_the_disk_at_the_log = f"""
-import builtins, errno, sys
-import train
-import training.metrics
-
-def full_for_the_log(path, mode="r", *args, **kwargs):
-    if str(path).endswith("metrics.jsonl") and "a" in mode:
-        raise OSError(errno.ENOSPC, "No space left on device")
-    return builtins.open(path, mode, *args, **kwargs)
-
-training.metrics.open = full_for_the_log  # MetricsLog's writes
-train.main({[*TINY, f"--out_dir={out}", "--max_iters=4", "--eval_interval=4", "--device=cpu"]!r})
-"""
-    proc = run(["-c", fill_the_disk_at_the_log])
+    with monkeypatch.context() as patch:  # the disk fills when the log first grows (MetricsLog's writes)
+        patch.setattr(training.metrics, "open", full_for_the_log, raising=False)
+        proc = train_in_process([*TINY, f"--out_dir={out}", "--max_iters=4", "--eval_interval=4", "--device=cpu"],
+                                check=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     error = proc.stderr.strip().splitlines()[-1]
     assert error.startswith("error: could not write metrics.jsonl") and "is full" in error
     assert "No checkpoint of this run exists yet" in error and "--replace_run=True" in error
     # the advice works: the folder holds a partial run without a checkpoint, which a plain rerun refuses
     # without offering a resume, and --replace_run=True starts over
-    proc = train_subprocess([*TINY, f"--out_dir={out}", "--max_iters=2", "--eval_interval=2"], check=False)
+    proc = train_in_process([*TINY, f"--out_dir={out}", "--max_iters=2", "--eval_interval=2"], check=False)
     assert proc.returncode == 2 and "no checkpoint to resume from" in proc.stderr, proc.stderr
     assert "--init_from=resume" not in proc.stderr and "--replace_run=True" in proc.stderr
-    train_subprocess([*TINY, f"--out_dir={out}", "--max_iters=2", "--eval_interval=2", "--replace_run=True"])
+    train_in_process([*TINY, f"--out_dir={out}", "--max_iters=2", "--eval_interval=2", "--replace_run=True"])
     assert max(read_metrics(out)) == 2
 
 

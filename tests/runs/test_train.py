@@ -1,4 +1,5 @@
-"""End-to-end training runs in subprocesses, as a user runs them (tiny models on the embedded corpus)."""
+"""End-to-end training runs as a user runs them (tiny models on the embedded corpus): in this process
+(conftest.run_in_process), and in processes of their own where signals, kills and torchrun are what is checked."""
 
 import json
 import math
@@ -15,14 +16,16 @@ import torch
 
 from runtime.checkpoint import load_checkpoint
 from common.outputs import atomic_write
-from conftest import REPO, read_metrics, sigterm_after_two_steps, train_subprocess
+from conftest import REPO, read_metrics, run_in_process, sigterm_after_two_steps, train_in_process, train_subprocess
 
 TINY = ["configs/quickstart.py", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
         "--eval_iters=2", "--log_interval=1", "--warmup_iters=2", "--lr_decay_iters=12", "--dropout=0.1"]
 
 
-def run(args, out_dir, timeout=300, check=True, torchrun=False):
-    return train_subprocess([*TINY, f"--out_dir={out_dir}", *args], timeout, check, processes=2 if torchrun else 1)
+def run(args, out_dir, check=True, torchrun=False):
+    if torchrun:
+        return train_subprocess([*TINY, f"--out_dir={out_dir}", *args], 300, check, processes=2)
+    return train_in_process([*TINY, f"--out_dir={out_dir}", *args], check)
 
 
 def metrics(out_dir, key="train_loss"):
@@ -171,8 +174,7 @@ def test_non_finite_loss_stops_and_keeps_checkpoints(tmp_path):
                                            (["--ckpt=middle"], "ckpt=middle: must be best or last")])
 @pytest.mark.e2e
 def test_sample_rejects_bad_options_in_one_line(reference_run, args, message):
-    proc = subprocess.run([sys.executable, "sample.py", f"--out_dir={reference_run}", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    proc = run_in_process(["sample.py"], f"--out_dir={reference_run}", *args)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
@@ -180,21 +182,19 @@ def test_sample_rejects_bad_options_in_one_line(reference_run, args, message):
 def test_sample_generates_from_a_checkpoint(reference_run, tmp_path):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("Once upon a time")
-    proc = subprocess.run([sys.executable, "sample.py", f"--out_dir={reference_run}", f"--start=FILE:{prompt}",
-                           "--num_samples=2", "--max_new_tokens=20", "--top_p=0.9", "--seed=3"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    args = [f"--out_dir={reference_run}", f"--start=FILE:{prompt}", "--num_samples=2", "--max_new_tokens=20",
+            "--top_p=0.9", "--seed=3"]
+    proc = run_in_process(["sample.py"], *args)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("Once upon a time") == 2 and proc.stdout.count("---------------") == 2
-    again = subprocess.run([sys.executable, "sample.py", f"--out_dir={reference_run}", f"--start=FILE:{prompt}",
-                            "--num_samples=2", "--max_new_tokens=20", "--top_p=0.9", "--seed=3"],
-                           cwd=REPO, capture_output=True, text=True, timeout=120)
+    torch.manual_seed(1)  # the global generator elsewhere: the samples come from --seed alone
+    again = run_in_process(["sample.py"], *args)
     assert again.stdout == proc.stdout  # seeded
 
 
 @pytest.mark.e2e
 def test_sample_reports_a_missing_checkpoint(tmp_path):
-    proc = subprocess.run([sys.executable, "sample.py", f"--out_dir={tmp_path}"], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+    proc = run_in_process(["sample.py"], f"--out_dir={tmp_path}")
     assert proc.returncode == 1 and "no checkpoint in" in proc.stderr and "neither ckpt_best nor ckpt_last" in proc.stderr
     assert "pick the other one" not in proc.stderr  # there is no other one
 
@@ -249,10 +249,9 @@ def test_rng_restore_refuses_states_that_are_not_cpu_byte_tensors():
 
 
 @pytest.mark.e2e
-def test_cuda_requested_where_there_is_none_is_one_line_and_writes_nothing(tmp_path):
-    proc = subprocess.run([sys.executable, "train.py", *TINY, "--device=cuda", f"--out_dir={tmp_path / 'run'}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # no GPU, even on a GPU machine
+def test_cuda_requested_where_there_is_none_is_one_line_and_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # no GPU, even on a GPU machine
+    proc = run(["--device=cuda"], tmp_path / "run", check=False)
     assert proc.returncode == 2 and proc.stderr.strip().startswith("error: device=cuda but CUDA is not available")
     assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
 
@@ -280,7 +279,7 @@ def test_a_folder_that_holds_a_run_is_refused_once_under_torchrun(tmp_path):
 
 @pytest.mark.e2e
 def test_a_runs_saved_config_json_trains_the_same_run(reference_run, tmp_path):
-    train_subprocess([str(reference_run / "config.json"), f"--out_dir={tmp_path}"])
+    train_in_process([str(reference_run / "config.json"), f"--out_dir={tmp_path}"])
     assert metrics(tmp_path) == metrics(reference_run)
     saved, again = (json.load(open(path / "config.json")) for path in (reference_run, tmp_path))
     assert {**saved["model"]} == again["model"] and saved["train"]["max_iters"] == again["train"]["max_iters"]
@@ -300,7 +299,7 @@ def test_a_meta_that_does_not_describe_its_data_is_refused_before_anything_is_wr
     shutil.copytree(source, data)
     meta = json.loads((data / "meta.json").read_text())
     (data / "meta.json").write_text(json.dumps({**meta, "vocab_size": vocab_size, "dtype": "uint16"}))
-    proc = train_subprocess(["configs/quickstart.py", f"--data_dir={data}", f"--out_dir={tmp_path / 'run'}",
+    proc = train_in_process(["configs/quickstart.py", f"--data_dir={data}", f"--out_dir={tmp_path / 'run'}",
                              "--max_iters=1"], check=False)
     assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert len(proc.stderr.strip().splitlines()) == 1 and "python -m data.prepare" in proc.stderr
@@ -308,16 +307,18 @@ def test_a_meta_that_does_not_describe_its_data_is_refused_before_anything_is_wr
 
 
 @pytest.mark.e2e
-def test_online_wandb_without_a_login_says_to_log_offline_before_the_run_starts(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("WANDB_MODE", "WANDB_API_KEY")}
-    env["HOME"] = str(tmp_path)  # no ~/.netrc: no login
-    proc = subprocess.run([sys.executable, "train.py", "configs/quickstart.py", "--wandb_log=True",
-                           f"--out_dir={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True, env=env,
-                          timeout=120)
+def test_online_wandb_without_a_login_says_to_log_offline_before_the_run_starts(tmp_path, monkeypatch):
+    for name in ("WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: no login
+    proc = train_in_process(["configs/quickstart.py", "--wandb_log=True", f"--out_dir={tmp_path / 'run'}"],
+                            check=False)
     assert proc.returncode == 2 and "--wandb_mode=offline" in proc.stderr and "no wandb login" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+    # in a process of its own (with the environment above): wandb's client keeps what it read at its first use in
+    # a process, and this one may have used it offline
     proc = subprocess.run([sys.executable, "-m", "scripts.compare", "--wandb", "someone/project"], cwd=REPO,
-                          capture_output=True, text=True, env=env, timeout=120)
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "compare the local run folders instead" in proc.stderr, proc.stderr[-1500:]
     assert "Traceback" not in proc.stderr
 
@@ -336,8 +337,8 @@ def test_resume_from_best_a_finished_run_and_the_last_checkpoint_when_there_is_n
     proc = run(["--max_iters=14", "--eval_interval=4", "--init_from=resume", "--resume_from=best"], run_dir)
     assert f"resumed from {run_dir / 'ckpt_best.pt'} at step {best_step}" in proc.stdout
     (run_dir / "ckpt_best.pt").unlink()  # e.g. a run stopped before its first evaluation
-    sample = subprocess.run([sys.executable, "sample.py", f"--out_dir={run_dir}", "--max_new_tokens=4",
-                             "--num_samples=1", "--device=cpu"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    sample = run_in_process(["sample.py"], f"--out_dir={run_dir}", "--max_new_tokens=4", "--num_samples=1",
+                            "--device=cpu")
     assert sample.returncode == 0 and "no best checkpoint; using ckpt_last.pt" in sample.stderr, sample.stderr[-1500:]
 
 
