@@ -8,7 +8,9 @@ groups, so a config file and the command line can use flat names as in nanoGPT:
 A config file is python that assigns fields (`n_layer = 6`), optionally after `include("configs/other.py")`;
 `--key=value` overrides it. Values are checked
 against the field's type; an unknown key or a bad value raises ConfigError naming the closest valid key, and
-the entry points turn that into exit status 2 before anything is written.
+the entry points turn that into exit status 2 before anything is written. A variant's setting given on the
+command line or in a config file named there is refused the same way when no mixer of attn_pattern reads it; a
+run saves (config.json, checkpoints, wandb) only the settings its mixers read (Config.to_dict).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from dataclasses import dataclass, field
 import attention  # noqa: F401  (imports every variant module: each registers its mixer and settings)
 from attention import has_window_layers
 from attention import validate_config as validate_attention
-from attention.registry import SETTINGS
+from attention.registry import SETTINGS, pattern_names, setting_readers, used_settings
 
 
 class ConfigError(ValueError):
@@ -194,12 +196,25 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
+    def __post_init__(self):
+        # the variant settings given on the command line or in a config file named there, each with where it was
+        # given (apply_args, apply_file): validate refuses those no mixer of the pattern reads. Not a field, so
+        # never saved
+        self.given: dict[str, str] = {}
+
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The config as a run saves it (config.json, checkpoints, the wandb config): every field but the variant
+        settings no mixer of attn_pattern reads, so a swa run holds swa_window and no moba_block."""
+        saved = dataclasses.asdict(self)
+        unread = unread_settings(self.model)
+        saved["model"] = {key: value for key, value in saved["model"].items() if key not in unread}
+        return saved
 
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
-        """Rebuild a config saved by to_dict (unknown keys from newer versions are ignored with a warning)."""
+        """Rebuild a config saved by to_dict: a setting it lacks (one no mixer of its pattern reads, or one newer
+        than the run) takes its default, and a run saved with every variant's settings (as runs were saved before
+        they kept only their own) reads the same. Unknown keys from newer versions are ignored with a warning."""
         cfg = cls()
         for group in GROUPS:
             for key, value in d.get(group, {}).items():
@@ -222,6 +237,44 @@ for _group, _cls in _GROUP_TYPES.items():
 
 def get_value(cfg: Config, key: str):
     return getattr(getattr(cfg, _FIELDS[key][0]), key)
+
+
+def unread_settings(model) -> set[str]:
+    """The declared variant settings (attention/registry.py: Setting) that no mixer of the model's attn_pattern
+    reads; none for a pattern that cannot be read (validate refuses it before anything is saved)."""
+    try:
+        return set(SETTINGS) - used_settings(model)
+    except ValueError:
+        return set()
+
+
+def _note_given(target, key: str, where: str) -> None:
+    """Record that a variant setting was given explicitly (where: --KEY, or the config file's path)."""
+    if key in SETTINGS and isinstance(getattr(target, "given", None), dict):
+        target.given[key] = where
+
+
+def unread_settings_problem(model, given: dict[str, str]) -> str:
+    """Why variant settings given explicitly (setting -> where: --KEY, or a config file) cannot be taken, in one
+    line with the fix; "" when every one is read by some mixer of attn_pattern (a setting several mixers read, such
+    as swa_window, by any of them). A setting no layer reads would change nothing, silently."""
+    unread = [key for key in given if key in unread_settings(model)]
+    if not unread:
+        return ""
+    key, where = unread[0], given[unread[0]]
+    value = getattr(model, key)
+    readers = setting_readers(key)
+    names = readers[0] if len(readers) == 1 else ", ".join(readers[:-1]) + " and " + readers[-1]
+    expanded = ",".join(pattern_names(model.attn_pattern))
+    pattern = f"attn_pattern={model.attn_pattern!r}" + (f" ({expanded})" if expanded != model.attn_pattern else "")
+    if where.startswith("--"):
+        subject, drop = f"--{key}={value}", f"drop --{key}"
+    else:
+        subject, drop = f"{key}={value!r} in {where}", f"drop it from {where}"
+    others = f" ({', '.join(unread[1:])} likewise)" if len(unread) > 1 else ""
+    one = len(readers) == 1
+    return (f"{subject} is a setting of {names}, and {pattern} has {'no such layer' if one else 'none of them'}: "
+            f"{drop}, or put {names if one else 'one of them'} in attn_pattern{others}")
 
 
 def _closest(key: str, candidates) -> str:
@@ -265,9 +318,11 @@ def set_value(target, key: str, value, fields: dict[str, tuple[str, type]] | Non
     setattr(obj, key, coerce(key, value, typ, from_cli))
 
 
-def apply_file(target, path: str, fields=None) -> None:
+def apply_file(target, path: str, fields=None, included: bool = False) -> None:
     """Execute a python config file and apply every top-level assignment it makes; or apply a run's saved
-    config.json (its model, data, train and eval sections)."""
+    config.json (its model, data, train and eval sections). The variant settings a python file named on the command
+    line assigns count as given (refused when attn_pattern does not read them); those of a file it includes, a base
+    shared by a family of recipes (its block and bridge sizes), and those of a saved config.json do not."""
     try:
         with open(path) as f:
             source = f.read()
@@ -295,7 +350,8 @@ def apply_file(target, path: str, fields=None) -> None:
     # (a relative path is looked up from the working directory, then from the repository root)
     def include(other):
         repo_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), other)
-        apply_file(target, other if os.path.exists(other) or not os.path.exists(repo_path) else repo_path, fields)
+        apply_file(target, other if os.path.exists(other) or not os.path.exists(repo_path) else repo_path, fields,
+                   included=True)
 
     namespace: dict = {"include": include}
     try:
@@ -309,6 +365,8 @@ def apply_file(target, path: str, fields=None) -> None:
             set_value(target, key, value, fields, from_cli=False)
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from None
+        if not included:
+            _note_given(target, key, path)
 
 
 HELP_FLAGS = ("--help", "-h")
@@ -423,6 +481,7 @@ def apply_args(target, argv: list[str], fields=None, positional: str = "") -> No
                 else:
                     value, i = following, i + 1
             set_value(target, key, value, fields)
+            _note_given(target, key, f"--{key}")
         elif positional and not arg.startswith("-"):
             if "," in arg:  # the list is comma-separated: the name would be split, silently
                 raise ConfigError(f"'{arg}': a name with a comma cannot be one of --{positional} (a comma-separated "
@@ -578,6 +637,9 @@ def validate(cfg: Config) -> None:
         [int(x) for x in cfg.eval.eval_task_lengths.split(",") if x.strip()]
     except ValueError:
         raise ConfigError(f"eval_task_lengths={cfg.eval.eval_task_lengths!r}: expected integers, e.g. 256,1024") from None
+    problem = unread_settings_problem(m, cfg.given)  # "" for a pattern that cannot be read: refused just below
+    if problem:
+        raise ConfigError(problem)
     try:
         validate_attention(m)  # variants check their own fields
     except ValueError as err:

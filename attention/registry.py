@@ -176,6 +176,8 @@ def register(name: str):
     def decorator(cls: type[Mixer]) -> type[Mixer]:
         if name in MIXERS:
             raise ValueError(f"mixer '{name}' is registered twice")
+        if name in PATTERN_ALIASES:
+            raise ValueError(f"mixer '{name}' has the name of a pattern alias (register_pattern): name it otherwise")
         for setting in cls.settings:
             if isinstance(setting, Setting):
                 if SETTINGS.setdefault(setting.name, setting) is not setting:
@@ -187,8 +189,33 @@ def register(name: str):
     return decorator
 
 
-# names for common layer patterns: SWAX (paper 003) alternates sliding-window attention and a recurrent mixer
-PATTERN_ALIASES = {"swax": "swa,mlstm", "swax_gdn": "swa,gated_deltanet"}
+@dataclass(frozen=True)
+class PatternAlias:
+    """A named layer pattern (a hybrid such as SWAX, paper 003: swa and mlstm alternating): attn_pattern takes the
+    name, and the README's variant table lists it with its paper and summary."""
+
+    pattern: str  # one period of the pattern, comma-separated mixer names
+    paper: str = ""
+    summary: str = ""
+
+
+# every pattern alias by name, filled by register_pattern from the variant modules that declare them
+PATTERN_ALIASES: dict[str, PatternAlias] = {}
+
+
+def register_pattern(name: str, pattern: str, paper: str = "", summary: str = "") -> PatternAlias:
+    """Declare `name` as attn_pattern's name for `pattern` (comma-separated mixer names), from the variant module
+    it belongs to (attention/swax.py), so that a named hybrid needs no edit here. Its mixers are looked up when a
+    model is built (the module that registers them may be imported after this one)."""
+    entries = [entry.strip() for entry in pattern.split(",")]
+    if not all(entries):
+        raise ValueError(f"pattern alias '{name}': {pattern!r} has an empty entry; give mixer names, e.g. 'swa,mlstm'")
+    if name in PATTERN_ALIASES or name in MIXERS:
+        raise ValueError(f"pattern alias '{name}' is declared twice, or names a mixer: name it otherwise")
+    if set(entries) & set(PATTERN_ALIASES):
+        raise ValueError(f"pattern alias '{name}': {pattern!r} names another alias; write out its mixers")
+    PATTERN_ALIASES[name] = PatternAlias(",".join(entries), paper, summary)
+    return PATTERN_ALIASES[name]
 
 
 def pattern_names(attn_pattern: str) -> list[str]:
@@ -199,7 +226,8 @@ def pattern_names(attn_pattern: str) -> list[str]:
     if not all(entries):
         raise ValueError(f"attn_pattern={attn_pattern!r} has an empty entry: give a mixer name for every "
                          "position of the pattern, e.g. 'swa,swa,full'")
-    return [name for entry in entries for name in PATTERN_ALIASES.get(entry, entry).split(",")]
+    return [name for entry in entries
+            for name in (PATTERN_ALIASES[entry].pattern if entry in PATTERN_ALIASES else entry).split(",")]
 
 
 def layer_names(config) -> list[str]:
@@ -225,9 +253,9 @@ def example_cases(window: int) -> dict[str, dict]:
         cases[name] = {"attn_pattern": name, **example_settings(cls, window)}
         for label, extra in check_variants(cls).items():
             cases[f"{name}_{label}"] = {**cases[name], **extra}
-    for alias, pattern in PATTERN_ALIASES.items():
+    for alias, declared in PATTERN_ALIASES.items():
         settings = {"attn_pattern": alias}
-        for name in pattern.split(","):
+        for name in declared.pattern.split(","):
             settings.update(example_settings(MIXERS[name], window))
         cases[alias] = settings
     return cases
@@ -240,6 +268,11 @@ def used_settings(config) -> set[str]:
 
 def mixer_settings() -> set[str]:
     return {setting_name(s) for cls in MIXERS.values() for s in cls.settings}
+
+
+def setting_readers(setting: str) -> list[str]:
+    """The registered mixers that read a setting (swa_window: swa, swat, sa, mswa, ...), in registration order."""
+    return [name for name, cls in MIXERS.items() if setting in {setting_name(s) for s in cls.settings}]
 
 
 def has_window_layers(config) -> bool:

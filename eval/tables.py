@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import re
@@ -37,7 +38,9 @@ def _flatten(values: dict, prefix: str, out: dict) -> None:
 
 
 def _defaults() -> dict:
-    return Config().to_dict()
+    # every field, the settings of every variant among them (to_dict keeps only those of the default pattern's
+    # mixers): a run saved before a setting its mixer reads existed shows that setting's default
+    return dataclasses.asdict(Config())
 
 
 def flat_config(config: dict, defaults: dict | None = None) -> dict:

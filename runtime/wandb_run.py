@@ -20,7 +20,7 @@ import re
 import sys
 from pathlib import Path
 
-from attention.registry import MIXERS, mixer_settings, pattern_names, used_settings
+from attention.registry import MIXERS, pattern_names
 from config import MAX_GROUP, split_tags
 from common.outputs import write_json
 
@@ -126,14 +126,10 @@ def run_tags(cfg, recorded: list[str] | None = None) -> list[str]:
 
 
 def run_config(cfg, **extra) -> dict:
-    """The config as wandb keeps it: config.json's groups, with the model's variant settings limited to those its
-    layers read (a swa run has swa_window and no moba_block), so the runs table's columns mean something for every
-    run. config.json keeps every setting; scripts/compare.py reads either (a setting missing here is one no layer
-    reads, which its tables leave out for such a run anyway)."""
-    config = cfg.to_dict()
-    unread = mixer_settings() - used_settings(cfg.model)
-    config["model"] = {key: value for key, value in config["model"].items() if key not in unread}
-    return {**config, **extra}
+    """The config as wandb keeps it: config.json's groups (Config.to_dict: the model's variant settings limited to
+    those its layers read, a swa run's swa_window and no moba_block), so the runs table's columns mean something for
+    every run; scripts/compare.py reads it as it reads config.json."""
+    return {**cfg.to_dict(), **extra}
 
 
 # ---- the run folder's record ---------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from attention import simulate_cuda
 from common.run_folder import RunFolderError
 from common.run_folder import claim as claim_run_folder
-from config import Config, ConfigError, process_device, resolve_device, validate
+from config import Config, ConfigError, process_device, resolve_device, unread_settings, validate
 from data.loader import WindowSampler
 from data.meta import (DataError, check_vocabulary, data_changes, data_identity, load_meta, open_tokens,
                        tokenizer_mismatch)
@@ -235,7 +235,10 @@ def read_resume_checkpoint(cfg: Config, rt: Runtime, data: RunData, out_dir: Pat
     saved = Config.from_dict(ckpt["config"]).model
     if saved.eot_id < 0:  # a checkpoint older than the setting: its end-of-text token is the data's, as resolved now
         saved.eot_id = data.meta["eot_id"]
-    changed = [k for k in vars(m) if getattr(saved, k) != getattr(m, k)]
+    # a setting no layer reads is not the run's: checkpoints saved before runs kept only their own settings hold
+    # every variant's, whatever values their config files gave them
+    unread = unread_settings(m)
+    changed = [k for k in vars(m) if k not in unread and getattr(saved, k) != getattr(m, k)]
     if changed:
         fail("the model config differs from the checkpoint's in " + ", ".join(
             f"{k} ({getattr(saved, k)!r} saved, {getattr(m, k)!r} now)" for k in changed)

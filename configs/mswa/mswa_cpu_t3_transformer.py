@@ -2,5 +2,4 @@
 include("configs/mswa/mswa_cpu_base.py")
 out_dir = "out/mswa_cpu_t3_transformer"
 n_layer = 6
-linear_feature_dim = 16
 attn_pattern = "full"

@@ -1,5 +1,6 @@
 """Run comparison: eval/stats.py and scripts/compare.py (tables, seed groups, plots, paired tests, wandb)."""
 
+import dataclasses
 import json
 import math
 import random
@@ -42,12 +43,17 @@ def per_example(name):
 
 
 def make_run(root: Path, name: str, seed: int) -> Path:
+    """A run folder as train.py leaves one; full_s1's config.json as runs were saved before they kept only their
+    own mixers' settings (every variant's, here swa_window=16 though its layers have no window)."""
     run = root / name
     (run / "eval").mkdir(parents=True)
-    cfg = Config().to_dict()
-    cfg["model"].update(model_overrides(name))
-    cfg["train"].update({"seed": seed, "out_dir": str(run), "batch_size": 4, "gradient_accumulation_steps": 2,
-                         "max_iters": 100, "wandb_run_name": name})
+    config = Config()
+    for key, value in model_overrides(name).items():
+        setattr(config.model, key, value)
+    for key, value in {"seed": seed, "out_dir": str(run), "batch_size": 4, "gradient_accumulation_steps": 2,
+                       "max_iters": 100, "wandb_run_name": name}.items():
+        setattr(config.train, key, value)
+    cfg = dataclasses.asdict(config) if name == "full_s1" else config.to_dict()
     meta = {"tokenizer": "byte", "vocab_size": 257, "train_tokens": 10000, "created": f"2026-01-0{seed}"}
     info = {"command": f"python train.py --seed={seed}", "git_hash": f"abc{seed}", "world_size": 1,
             "torch": "2.13.0", "started": f"2026-01-0{seed}T00:00:00"}

@@ -239,7 +239,7 @@ def test_one_command_line_dialect_for_every_entry_point():
     # a tool that also takes train.py's settings: its own options out, the rest (files, overrides) for load_config
     own, rest = split_args(["configs/quickstart.py", "--n", "3", "--swa_window=8", "--plot", "--out", "o"], fields)
     assert own == ["--n", "3", "--plot", "--out", "o"] and rest == ["configs/quickstart.py", "--swa_window=8"]
-    cfg = load_config(["configs/quickstart.py", "--swa_window", "8", "--compile"])  # train.py's dialect is the same
+    cfg = load_config(["configs/quickstart.py", "--attn_pattern", "swa", "--swa_window", "8", "--compile"])  # as train.py
     assert cfg.model.swa_window == 8 and cfg.train.compile is True
     # never silently misread: another option is not a value, and a listed name cannot hold the list's comma
     with pytest.raises(ConfigError, match="'--out' needs a value"):
