@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from runtime.checkpoint import load_model
 from config import ModelConfig
-from conftest import REPO, TINY, take_ctrl_c, train_subprocess
+from conftest import REPO, TINY, run_in_process, take_ctrl_c, train_in_process
 from data.meta import load_meta, open_tokens
 from data.tokenizer import get_tokenizer
 from eval import niah
@@ -30,18 +30,14 @@ from model import GPT
 def tiny_run(tmp_path_factory):
     """A tiny llama (RoPE: no length limit) trained for a few steps on the embedded corpus."""
     out = tmp_path_factory.mktemp("run")
-    proc = subprocess.run([sys.executable, "train.py", "configs/quickstart.py", f"--out_dir={out}", "--arch=llama",
-                           "--bias=False", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=64",
-                           "--max_iters=30", "--eval_interval=30", "--eval_iters=2", "--log_interval=10",
-                           "--eval_tasks=ppl,niah", "--eval_task_lengths=32,512"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    train_in_process(["configs/quickstart.py", f"--out_dir={out}", "--arch=llama", "--bias=False", "--n_layer=2",
+                      "--n_head=2", "--n_embd=32", "--block_size=64", "--max_iters=30", "--eval_interval=30",
+                      "--eval_iters=2", "--log_interval=10", "--eval_tasks=ppl,niah", "--eval_task_lengths=32,512"])
     return out
 
 
 def run_eval(out, *args, check=True):
-    proc = subprocess.run([sys.executable, "-m", "eval", f"--out_dir={out}", "--progress=False", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    proc = run_in_process(["-m", "eval"], f"--out_dir={out}", "--progress=False", *args)
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -113,7 +109,7 @@ def test_every_result_carries_a_command_that_reproduces_it(tiny_run):
     assert {"command", "git_hash", "config_hash", "seed", "step"} <= set(prov)
     command = shlex.split(prov["command"])
     assert command[:3] == [command[0], "-m", "eval"]
-    subprocess.run([sys.executable, *command[1:]], cwd=REPO, check=True, capture_output=True, timeout=300)
+    assert run_in_process(command[1:3], *command[3:]).returncode == 0
     for task in ("ppl", "niah"):
         again = json.load(open(tiny_run / "eval" / f"{task}.json"))
         assert again["results"] == first[task]["results"]
@@ -281,8 +277,9 @@ def other_data(tmp_path_factory):
     text = folder / "essay.txt"
     text.write_text("\n\n".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog, {i} times." * 3
                                 for i in range(60)))
-    subprocess.run([sys.executable, "-m", "data.prepare", f"--dataset={text}", f"--out_dir={folder / 'essay'}",
-                    "--val_fraction=0.2"], cwd=REPO, check=True, capture_output=True, timeout=120)
+    proc = run_in_process(["-m", "data.prepare"], f"--dataset={text}", f"--out_dir={folder / 'essay'}",
+                          "--val_fraction=0.2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
     return folder / "essay"
 
 
@@ -360,8 +357,7 @@ def test_every_perplexity_cell_says_how_much_text_it_scored(tiny_run, tmp_path):
 @pytest.mark.e2e
 def test_sample_refuses_a_generation_that_cannot_fit_before_allocating_it(tiny_run):
     """A llama-arch run's caches for a billion new tokens: refused up front, with the limit and the fix."""
-    proc = subprocess.run([sys.executable, "sample.py", f"--out_dir={tiny_run}", "--max_new_tokens=1000000000"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = run_in_process(["sample.py"], f"--out_dir={tiny_run}", "--max_new_tokens=1000000000")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     fit = int(re.search(r"at most about ([\d,]+) new tokens fit", proc.stderr)[1].replace(",", ""))
     assert 0 < fit < 1_000_000_000 and "lower --max_new_tokens" in proc.stderr
@@ -405,7 +401,7 @@ def test_a_ctrl_c_during_an_evaluation_ends_in_one_line_saying_what_was_written(
 @pytest.mark.e2e
 def test_an_sa_evaluation_says_its_results_are_drawn_and_sa_mode_deterministic_fixes_them(tmp_path):
     out = tmp_path / "sa"
-    train_subprocess([*TINY, f"--out_dir={out}", "--attn_pattern=sa_swa,full", "--swa_window=16", "--max_iters=4",
+    train_in_process([*TINY, f"--out_dir={out}", "--attn_pattern=sa_swa,full", "--swa_window=16", "--max_iters=4",
                       "--eval_interval=4"])
     args = ["--tasks=ppl", "--ppl_lengths=32", "--ppl_max_tokens=2000"]
     drawn = [run_eval(out, *args, f"--seed={seed}") for seed in (1, 2)]

@@ -4,12 +4,10 @@ were evaluated under and says what it cannot compare; prompts and sweeps say wha
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO, run_python as run
+from conftest import run_in_process as run
 
 
 @pytest.mark.e2e
@@ -170,7 +168,7 @@ def test_a_prompt_beyond_the_training_length_is_said(byte_run):
 
 
 @pytest.mark.e2e
-def test_compare_says_repeated_seeds_and_marks_the_training_length(byte_run, tmp_path):
+def test_compare_says_repeated_seeds_and_marks_the_training_length(byte_run, tmp_path, monkeypatch):
     from eval import plots
     from eval.records import load_local_run
 
@@ -189,23 +187,25 @@ def test_compare_says_repeated_seeds_and_marks_the_training_length(byte_run, tmp
         labels[path.name] = [line.get_label() for ax in axes for line in ax.get_lines()]
         return save(fig, axes, path)
 
-    plots._save = remember_lines
+    monkeypatch.setattr(plots, "_save", remember_lines)
     (tmp_path / "plots").mkdir()
     plots.plot_all(records, tmp_path / "plots")
     assert "training length (32)" in labels["ppl_vs_length.png"]
 
 
 @pytest.mark.e2e
-def test_the_window_sweep_says_what_it_needs_instead_of_falling_back(tmp_path):
-    import os
+def test_the_window_sweep_says_what_it_needs_instead_of_falling_back(tmp_path, monkeypatch):
+    import sys
+
+    import torch
 
     args = ["-m", "scripts.sa.hf_window_sweep", "--hf=some/model", "--tasks=arc_easy", f"--out={tmp_path / 'sweep'}"]
-    proc = subprocess.run([sys.executable, *args, "--device=cuda"], cwd=REPO, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.cuda, "is_available", lambda: False)  # no GPU, even on a GPU machine
+        proc = run(args, "--device=cuda")
     assert proc.returncode == 2 and "CUDA is not available" in proc.stderr, proc.stderr  # not a silent CPU run
-    without = ("import runpy, sys; sys.modules['lm_eval'] = None; sys.argv = " + repr(args[1:])
-               + "; runpy.run_module('scripts.sa.hf_window_sweep', run_name='__main__', alter_sys=True)")
-    proc = subprocess.run([sys.executable, "-c", without], cwd=REPO, capture_output=True, text=True, timeout=300)
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # not installed: its import fails
+    proc = run(args)
     assert proc.returncode == 2 and "pip install -r requirements-eval.txt" in proc.stderr, proc.stderr
     assert not (tmp_path / "sweep").exists()
 
