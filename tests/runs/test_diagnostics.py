@@ -3,14 +3,12 @@ end to end with paired comparison of two checkpoints, and the Table 3 / 4 / 9 wr
 
 import json
 import math
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, run_in_process, train_in_process
 from data.meta import open_tokens
 from data.prepare import prepare_generated_if_missing
 from data.tokenizer import ByteTokenizer
@@ -95,10 +93,8 @@ def test_scoring_ranks_by_nll_over_balanced_candidates(builder):
 
 
 def train(out, pattern, config="configs/bridges/bridges_cpu_base.py"):
-    return subprocess.run([sys.executable, "train.py", config, f"--out_dir={out}",
-                           f"--attn_pattern={pattern}", "--n_layer=2", "--n_embd=32", "--max_iters=2",
-                           "--eval_interval=2", "--eval_iters=1", "--batch_size=2"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    return train_in_process([config, f"--out_dir={out}", f"--attn_pattern={pattern}", "--n_layer=2", "--n_embd=32",
+                             "--max_iters=2", "--eval_interval=2", "--eval_iters=1", "--batch_size=2"], check=False)
 
 
 @pytest.mark.e2e
@@ -107,9 +103,8 @@ def test_one_command_runs_every_diagnostic_and_one_compares_two_checkpoints(tmp_
     for pattern in ("block", "pbb"):
         runs[pattern] = tmp_path / pattern
         assert train(runs[pattern], pattern).returncode == 0
-        proc = subprocess.run([sys.executable, "-m", "eval", f"--out_dir={runs[pattern]}", "--tasks=diagnostics",
-                               "--diag_samples=2", "--diag_distances=48,200", "--progress=False"],
-                              cwd=REPO, capture_output=True, text=True, timeout=300)
+        proc = run_in_process(["-m", "eval"], f"--out_dir={runs[pattern]}", "--tasks=diagnostics", "--diag_samples=2",
+                              "--diag_distances=48,200", "--progress=False")
         assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((runs["pbb"] / "eval" / "diagnostics.json").read_text())
     assert {row["probe"] for row in report["results"]["rows"]} == set(PROBES)
@@ -119,9 +114,8 @@ def test_one_command_runs_every_diagnostic_and_one_compares_two_checkpoints(tmp_
     assert offsets == [f"offset={o}" for o in range(-32, 32)]  # token resolution around the boundary (h = 32)
     assert "| diagnostics" not in (runs["pbb"] / "eval" / "summary.md").read_text()  # the markdown table
     assert "| probe | cell | n | accuracy |" in (runs["pbb"] / "eval" / "summary.md").read_text()
-    proc = subprocess.run([sys.executable, "-m", "scripts.compare", "--paired", str(runs["pbb"]), str(runs["block"]),
-                           "--task", "diagnostics", "--by", "probe", "--out", str(tmp_path / "cmp")],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = run_in_process(["-m", "scripts.compare"], "--paired", str(runs["pbb"]), str(runs["block"]), "--task",
+                          "diagnostics", "--by", "probe", "--out", str(tmp_path / "cmp"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "probe=bridge_window" in proc.stdout and "McNemar" in proc.stdout
 
@@ -129,9 +123,8 @@ def test_one_command_runs_every_diagnostic_and_one_compares_two_checkpoints(tmp_
 @pytest.mark.e2e
 def test_a_run_trained_on_recall_is_asked_in_the_recall_format(tmp_path):
     assert train(tmp_path, "pbb", "configs/bridges/bridges_cpu_recall_base.py").returncode == 0
-    evaluate = lambda *extra: subprocess.run([sys.executable, "-m", "eval", f"--out_dir={tmp_path}",  # noqa: E731
-                                              "--tasks=diagnostics", "--diag_samples=2", "--progress=False", *extra],
-                                             cwd=REPO, capture_output=True, text=True, timeout=300)
+    evaluate = lambda *extra: run_in_process(["-m", "eval"], f"--out_dir={tmp_path}",  # noqa: E731
+                                             "--tasks=diagnostics", "--diag_samples=2", "--progress=False", *extra)
     proc = evaluate()
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((tmp_path / "eval" / "diagnostics.json").read_text())["results"]

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import read_metrics, run_python, train_subprocess
+from conftest import read_metrics, run_in_process, train_in_process, train_subprocess
 from helpers import assert_losses_close
 from runtime.checkpoint import load_checkpoint
 
@@ -17,6 +17,8 @@ SWAX = ["configs/quickstart.py", "--arch=llama", "--bias=False", "--attn_pattern
 
 
 def train(out_dir, *args, processes=1):
+    if processes == 1:
+        return train_in_process([*SWAX, f"--out_dir={out_dir}", *args])
     return train_subprocess([*SWAX, f"--out_dir={out_dir}", *args], 300, True, processes)
 
 
@@ -43,8 +45,8 @@ def test_document_mask_is_saved_and_resumed_ddp_and_fsdp_runs_match_one_process(
 
 @pytest.mark.e2e
 def test_an_end_of_text_token_other_than_the_datas_is_refused(tmp_path):
-    proc = train_subprocess([*SWAX, f"--out_dir={tmp_path}", "--max_iters=1", "--document_mask=True", "--eot_id=10"],
-                            120, False, 1)
+    proc = train_in_process([*SWAX, f"--out_dir={tmp_path}", "--max_iters=1", "--document_mask=True", "--eot_id=10"],
+                            check=False)
     assert proc.returncode == 2 and "eot_id=10 but the end-of-text token" in proc.stderr, proc.stderr
     assert not list(tmp_path.glob("ckpt_*"))
 
@@ -52,8 +54,8 @@ def test_an_end_of_text_token_other_than_the_datas_is_refused(tmp_path):
 @pytest.mark.e2e
 def test_the_document_benchmark_times_each_layer_both_ways(tmp_path):
     out = tmp_path / "bench.json"
-    proc = run_python(["-m", "scripts.bench_documents", "--variants=swa,mlstm", "--lengths=512", "--repeats=1",
-                       "--min_doc=50", "--max_doc=200", f"--json={out}"])
+    proc = run_in_process(["-m", "scripts.bench_documents", "--variants=swa,mlstm", "--lengths=512", "--repeats=1",
+                           "--min_doc=50", "--max_doc=200", f"--json={out}"])
     assert proc.returncode == 0, proc.stderr
     results = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
     assert results.keys() == {"swa", "mlstm"} and results["swa"]["kernel"] == "chunked"

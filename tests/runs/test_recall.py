@@ -2,14 +2,12 @@
 only the answers (loss_after), and the recall evaluation scores fresh documents."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import run_in_process, train_in_process
 from data.loader import WindowSampler
 from data.prepare import prepare
 from data.recall import ANSWER, VALUES, document_parts
@@ -42,9 +40,9 @@ def test_loss_after_keeps_only_the_answers(tmp_path):
 
 
 def train(out, *args):
-    return subprocess.run([sys.executable, "train.py", "configs/sa/sa_small_swa.py", f"--out_dir={out}", "--n_layer=2",
-                           "--n_embd=32", "--max_iters=4", "--eval_interval=4", "--eval_iters=2", "--batch_size=4",
-                           *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+    return train_in_process(["configs/sa/sa_small_swa.py", f"--out_dir={out}", "--n_layer=2", "--n_embd=32",
+                             "--max_iters=4", "--eval_interval=4", "--eval_iters=2", "--batch_size=4", *args],
+                            check=False)
 
 
 def final_val_loss(out):
@@ -82,8 +80,8 @@ def test_recall_contexts_have_the_length_and_end_at_the_marker():
 def test_recall_eval_task_runs_on_a_trained_checkpoint(tmp_path, pattern):
     out = tmp_path / "run"
     assert train(out).returncode == 0
-    proc = subprocess.run([sys.executable, "-m", "eval", f"--out_dir={out}", "--progress=False", "--tasks=recall",
-                           "--recall_samples=30"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = run_in_process(["-m", "eval"], f"--out_dir={out}", "--progress=False", "--tasks=recall",
+                          "--recall_samples=30")
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "eval" / "recall.json").read_text())
     rows = report["results"]["rows"]
@@ -97,9 +95,9 @@ def test_recall_eval_task_runs_on_a_trained_checkpoint(tmp_path, pattern):
 def test_recall_at_longer_distances_and_another_test_window(tmp_path):
     out = tmp_path / "run"
     assert train(out, "--attn_pattern=swa", "--swa_window=16").returncode == 0
-    proc = subprocess.run([sys.executable, "-m", "eval", f"--out_dir={out}", "--progress=False", "--tasks=recall",
-                           "--recall_samples=10", "--recall_filler=60:80,200:220,400:480", "--recall_lengths=256",
-                           "--window=8"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = run_in_process(["-m", "eval"], f"--out_dir={out}", "--progress=False", "--tasks=recall",
+                          "--recall_samples=10", "--recall_filler=60:80,200:220,400:480", "--recall_lengths=256",
+                          "--window=8")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "400:480 L=256: skipped" in proc.stdout  # a document that long does not fit in 256 tokens
     report = json.loads((out / "eval" / "recall.json").read_text())
@@ -112,6 +110,5 @@ def test_recall_at_longer_distances_and_another_test_window(tmp_path):
         ids = list(ids)
         text = bytes(ids[len(ids) - ids[::-1].index(256):]).decode()  # the last document (after end-of-text)
         assert text.endswith(ANSWER) and text.rindex("=") < len(text) - 200
-    bad = subprocess.run([sys.executable, "-m", "eval", f"--out_dir={out}", "--tasks=recall", "--recall_filler=9:1"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    bad = run_in_process(["-m", "eval"], f"--out_dir={out}", "--tasks=recall", "--recall_filler=9:1")
     assert bad.returncode == 2 and "recall_filler" in bad.stderr
