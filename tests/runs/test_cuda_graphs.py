@@ -3,15 +3,12 @@ step marked. CI has no GPU: these check the setting (parsed, documented, saved, 
 the code around it trains as compile alone does on the CPU, where inductor takes the mode and skips the graphs."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from config import Config, ConfigError, field_help, load_config
-from conftest import REPO, read_metrics, train_subprocess
+from conftest import read_metrics, train_in_process
 from runtime.parallelize import compile_options
 from scripts.gpubench.cases import train_case
 from scripts.gpubench.options import BenchConfig
@@ -69,7 +66,7 @@ def test_the_gpu_benchmark_counts_overlapping_kernels_once_and_refuses_graphs_wi
      "--gradient_accumulation_steps=1 (one micro-batch per process) with a --batch_size 2 times larger"),
 ])
 def test_train_refuses_with_exit_2_and_writes_nothing(tmp_path, args, expected):
-    proc = train_subprocess([*TINY, *args, f"--out_dir={tmp_path / 'run'}"], check=False, timeout=120)
+    proc = train_in_process([*TINY, *args, f"--out_dir={tmp_path / 'run'}"], check=False)
     assert proc.returncode == 2 and expected in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "run").exists()
 
@@ -82,7 +79,7 @@ def test_a_compiled_cpu_run_with_cuda_graphs_trains_as_without(tmp_path):
     runs = {}
     for graphs in (False, True):
         out = tmp_path / str(graphs)
-        proc = train_subprocess([*TINY, "--compile=True", f"--cuda_graphs={graphs}", f"--out_dir={out}"])
+        proc = train_in_process([*TINY, "--compile=True", f"--cuda_graphs={graphs}", f"--out_dir={out}"])
         runs[graphs] = out
         assert ("cuda_graphs=True: no CUDA graphs here (inductor skips them on cpu" in proc.stdout) == graphs
     assert read_metrics(runs[True]) == read_metrics(runs[False]) and len(read_metrics(runs[True])) == 3
@@ -93,7 +90,7 @@ def test_a_compiled_cpu_run_with_cuda_graphs_trains_as_without(tmp_path):
 @pytest.mark.e2e
 def test_a_run_saved_before_the_setting_resumes_unchanged(tmp_path):
     """A checkpoint and config.json without cuda_graphs (written before it existed) resume with it off, silently."""
-    first = train_subprocess([*TINY, "--max_iters=2", "--eval_interval=2", f"--out_dir={tmp_path}"])
+    first = train_in_process([*TINY, "--max_iters=2", "--eval_interval=2", f"--out_dir={tmp_path}"])
     assert first.returncode == 0
     config = json.loads((tmp_path / "config.json").read_text())
     del config["train"]["cuda_graphs"]
@@ -101,7 +98,7 @@ def test_a_run_saved_before_the_setting_resumes_unchanged(tmp_path):
     ckpt = torch.load(tmp_path / "ckpt_last.pt", weights_only=False)
     del ckpt["config"]["train"]["cuda_graphs"]
     torch.save(ckpt, tmp_path / "ckpt_last.pt")
-    proc = train_subprocess([str(tmp_path / "config.json"), "--init_from=resume", "--max_iters=4"])
+    proc = train_in_process([str(tmp_path / "config.json"), "--init_from=resume", "--max_iters=4"])
     assert "unknown saved config key" not in proc.stderr and "cuda_graphs" not in proc.stdout
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["train"]["cuda_graphs"] is False and sorted(read_metrics(tmp_path)) == [1, 2, 3, 4]
@@ -109,12 +106,11 @@ def test_a_run_saved_before_the_setting_resumes_unchanged(tmp_path):
 
 
 @pytest.mark.e2e
-def test_the_cpu_standing_in_for_cuda_trains_with_it_and_says_it_records_no_graphs(tmp_path):
+def test_the_cpu_standing_in_for_cuda_trains_with_it_and_says_it_records_no_graphs(tmp_path, monkeypatch):
     """The simulated CUDA path compiles with aot_eager, which takes no mode: the run passes none, marks its steps as
     on a GPU, and says so in one line."""
-    proc = subprocess.run([sys.executable, "train.py", *TINY, "--compile=True", "--cuda_graphs=True",
-                           f"--out_dir={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "EFFICIENT_ATTENTION_SIMULATE_CUDA": "1"})
+    monkeypatch.setenv("EFFICIENT_ATTENTION_SIMULATE_CUDA", "1")
+    proc = train_in_process([*TINY, "--compile=True", "--cuda_graphs=True", f"--out_dir={tmp_path}"], check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "no CUDA graphs here (the CPU standing in for CUDA compiles with aot_eager" in proc.stdout
     assert sorted(read_metrics(tmp_path)) == [1, 2, 3]

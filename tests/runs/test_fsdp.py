@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from runtime.checkpoint import load_model, load_sharded_meta, remove_stale_temp_files, sharded_checkpoint_path
-from conftest import REPO, read_metrics, sigterm_after_two_steps, train_subprocess
+from conftest import REPO, read_metrics, run_in_process, sigterm_after_two_steps, train_in_process, train_subprocess
 from helpers import assert_losses_close
 
 # a small llama with swa and mlstm layers (swax), dropout off: runs on 1 and 2 processes must agree
@@ -21,8 +21,11 @@ SWAX = ["configs/quickstart.py", "--arch=llama", "--bias=False", "--attn_pattern
         "--lr_decay_iters=20", "--dropout=0.0", "--eval_interval=5"]
 
 
-def train(out_dir, *args, processes=1, timeout=300, check=True):
-    return train_subprocess([*SWAX, f"--out_dir={out_dir}", *args], timeout, check, processes)
+def train(out_dir, *args, processes=1, check=True):
+    """One process in this process (a process group of one under FSDP), several under torchrun."""
+    if processes == 1:
+        return train_in_process([*SWAX, f"--out_dir={out_dir}", *args], check)
+    return train_subprocess([*SWAX, f"--out_dir={out_dir}", *args], 300, check, processes)
 
 
 metrics = read_metrics
@@ -47,11 +50,10 @@ def test_two_sharded_processes_match_one_process(tmp_path):
     assert cfg.train.parallelism == "fsdp" and meta["step"] == 20
     for (name, value), (_, expected) in zip(model.state_dict().items(), reference.state_dict().items()):
         assert torch.allclose(value, expected, atol=1e-5), name
-    sample = subprocess.run([sys.executable, "sample.py", f"--out_dir={tmp_path / 'fsdp'}", "--max_new_tokens=8",
-                             "--num_samples=1", "--start=ab"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    sample = run_in_process(["sample.py"], f"--out_dir={tmp_path / 'fsdp'}", "--max_new_tokens=8", "--num_samples=1",
+                            "--start=ab")
     assert sample.returncode == 0 and sample.stdout.strip(), sample.stderr
-    evaluation = subprocess.run([sys.executable, "-m", "eval", f"--out_dir={tmp_path / 'fsdp'}", "--tasks=ppl",
-                                 "--ckpt=last"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    evaluation = run_in_process(["-m", "eval"], f"--out_dir={tmp_path / 'fsdp'}", "--tasks=ppl", "--ckpt=last")
     assert evaluation.returncode == 0, evaluation.stderr[-2000:]
     assert "warning" not in evaluation.stderr.lower()
     assert json.load(open(tmp_path / "fsdp" / "eval" / "ppl.json"))
