@@ -331,9 +331,22 @@ class _Captured:
         # unbuffered writers on the descriptors: Python's and C's writes land in the order they are made
         sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8",
                                                    errors="backslashreplace", write_through=True) for fd in (1, 2))
+        # logging handlers made earlier in this process (a library's, at its import) write to the streams of that
+        # time: pointed at the new ones meanwhile, so that what a fresh process would print is captured too
+        import logging
+
+        self.handlers = []
+        streams = {id(self.saved_streams[0]): sys.stdout, id(sys.__stdout__): sys.stdout,
+                   id(self.saved_streams[1]): sys.stderr, id(sys.__stderr__): sys.stderr}
+        loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+        for handler in {h for logger in loggers for h in getattr(logger, "handlers", ())}:
+            if isinstance(handler, logging.StreamHandler) and id(getattr(handler, "stream", None)) in streams:
+                self.handlers.append((handler, handler.setStream(streams[id(handler.stream)])))
         return self
 
     def __exit__(self, *exc):
+        for handler, stream in self.handlers:
+            handler.setStream(stream)
         sys.stdout.flush()
         sys.stderr.flush()
         sys.stdout, sys.stderr = self.saved_streams
@@ -363,7 +376,8 @@ class _FreshProcessState:
         self.wakeup_fd = signal.set_wakeup_fd(-1)
         signal.set_wakeup_fd(self.wakeup_fd)
         self.rng = torch.get_rng_state(), random.getstate(), np.random.get_state()
-        self.threads, self.dtype, self.grad = torch.get_num_threads(), torch.get_default_dtype(), torch.is_grad_enabled()
+        self.threads, self.dtype = torch.get_num_threads(), torch.get_default_dtype()
+        self.grad = torch.is_grad_enabled()
         root = logging.getLogger()
         self.logging = root.handlers[:], root.level
         self.warnings = warnings.catch_warnings()
@@ -437,11 +451,14 @@ def run_in_process(command, *args) -> subprocess.CompletedProcess:
     above): its return code, stdout and stderr as run_python gives them."""
     import runpy
     import traceback
+    import warnings
 
     with _Captured() as captured, _FreshProcessState():
         try:
             if command[0] == "-m":
                 sys.argv = ["-m", *command[2:], *args]  # runpy puts the module's path first, as python -m does
+                # a module this process imported before: runpy warns, which python -m (importing it first) never does
+                warnings.filterwarnings("ignore", r".* found in sys\.modules after import of package", RuntimeWarning)
                 runpy.run_module(command[1], run_name="__main__", alter_sys=True)
             else:
                 sys.argv = [*command, *args]

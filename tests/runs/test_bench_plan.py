@@ -2,20 +2,17 @@
 what exceeds the budget."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO, load_script
+from conftest import load_script, run_in_process
 from scripts.gpubench.options import default_variants
 
 
 @pytest.mark.e2e
 def test_the_benchmark_plans_every_kernel_case_and_writes_its_table(tmp_path):
     out = tmp_path / "plan.json"
-    proc = subprocess.run([sys.executable, "-m", "scripts.bench_plan", "--lengths=1024", "--repeats=1",
-                           f"--json={out}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = run_in_process(["-m", "scripts.bench_plan"], "--lengths=1024", "--repeats=1", f"--json={out}")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     cases = default_variants()[0]
     rows = [line.split("|")[1].strip() for line in proc.stdout.splitlines() if line.startswith("| ")][1:]

@@ -1,15 +1,12 @@
 """Every entry point answers --help with its options and exits 0: the typed-config ones (config.apply_args)
 list every field as --name=TYPE with its default and the comment the config writes for it."""
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from config import Config, dataclass_fields, field_help, options_text
-from conftest import REPO
+from conftest import REPO, run_in_process
 
 # every module under scripts/ is a command line, but for the libraries of the GPU check, the GPU benchmark and the
 # Hopper compile report (scripts/gpu_check.py, scripts/gpu_bench.py and scripts/hopper_compile.py are their commands)
@@ -33,42 +30,19 @@ def test_the_options_list_every_field_with_its_default_and_its_comment():
     assert field_help(type(Config().model))["swa_window"].startswith("swa(w)")  # a variant Setting's help
 
 
-# every entry point run with --help in one process (torch imported once), as `python SCRIPT --help` or
-# `python -m MODULE --help` runs it: runpy with that argv, its stdout and exit status recorded
-DRIVER = """
-import contextlib, io, json, runpy, sys
-results = {}
-for entry in json.loads(sys.argv[1]):
-    out = io.StringIO()
-    sys.argv = [entry[-1], "--help"]
-    code = None
-    with contextlib.redirect_stdout(out):
-        try:
-            if entry[0] == "-m":
-                runpy.run_module(entry[1], run_name="__main__", alter_sys=True)
-            else:
-                runpy.run_path(entry[0], run_name="__main__")
-        except SystemExit as e:
-            code = e.code
-    results[" ".join(entry)] = [code, out.getvalue()]
-print(json.dumps(results))
-"""
-
-
 @pytest.mark.e2e
 def test_every_entry_point_prints_its_options_on_help():
-    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(ENTRY_POINTS)], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert set(results) == {" ".join(entry) for entry in ENTRY_POINTS}
-    for entry, (code, text) in results.items():
-        assert code in (0, None) and text.strip(), (entry, code, text[:500])
-        assert entry == "-m scripts.variants" or "usage" in text.lower(), entry
+    # each as `python SCRIPT --help` or `python -m MODULE --help` runs it, in this process (run_in_process)
+    results = {" ".join(entry): run_in_process(entry, "--help") for entry in ENTRY_POINTS}
+    for entry, proc in results.items():
+        assert proc.returncode == 0 and proc.stdout.strip(), (entry, proc.returncode, proc.stdout[:500],
+                                                              proc.stderr[-500:])
+        assert entry == "-m scripts.variants" or "usage" in proc.stdout.lower(), entry
     for key in dataclass_fields(type(Config().train)):
-        assert f"--{key}=" in results["train.py"][1]
-    assert "--temperature=float (default 0.8)" in results["sample.py"][1] and "0: greedy" in results["sample.py"][1]
-    assert results["-m eval"][1].startswith("usage: python -m eval")
+        assert f"--{key}=" in results["train.py"].stdout
+    sample = results["sample.py"].stdout
+    assert "--temperature=float (default 0.8)" in sample and "0: greedy" in sample
+    assert results["-m eval"].stdout.startswith("usage: python -m eval")
 
 
 def test_a_comment_continued_on_the_lines_below_its_field_is_the_whole_help():

@@ -2,15 +2,13 @@
 Propositions 2 and 4, and Theorem 2's boundary-copy bound on trained models."""
 
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from attention.bridge import BoundaryWindows
 from attention.edges import FixedBlock
-from conftest import REPO
+from conftest import run_in_process
 from eval.coverage import (all_depth_coverage, closed_form, direct_coverage, pre_boundary_write_back_adds_no_source,
                            report, rules)
 from scripts.bridges.boundary_copy import run
@@ -64,7 +62,6 @@ def test_the_boundary_copy_bound_holds_for_block_and_the_repairs_learn_it():
 
 @pytest.mark.e2e
 def test_coverage_command_runs():
-    proc = subprocess.run([sys.executable, "-m", "eval.coverage", "--block", "32", "--width", "32", "--extension",
-                           "16"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = run_in_process(["-m", "eval.coverage"], "--block", "32", "--width", "32", "--extension", "16")
     assert proc.returncode == 0, proc.stderr
     assert "Proposition 4 (SWA and SE-Bridge not nested): True" in proc.stdout

@@ -21,7 +21,7 @@ from data.embedded import documents
 from data.meta import DataError, load_meta, open_tokens, unigram_entropy
 from data.prepare import main, prepare, prepare_generated_if_missing
 from data.tokenizer import TokenizerUnavailable, get_tokenizer, vocab_dtype
-from conftest import REPO, run_python as run, take_ctrl_c
+from conftest import REPO, run_in_process as run, take_ctrl_c
 
 TEXT = "Hello, wörld! Ünïcode: 日本語, emoji 🙂, and a literal <|endoftext|>.\nSecond line\n\n\tIndented third."
 SETS = ["RedPajamaC4", "RedPajamaWikipedia", "RedPajamaC4", "RedPajamaGithub"]
@@ -481,19 +481,17 @@ def test_cli_runs_as_a_module_and_says_so_when_run_as_a_file(tmp_path):
     source = tmp_path / "tiny.txt"
     source.write_text(TEXT * 20, encoding="utf-8")
     out = tmp_path / "tiny"
-    result = subprocess.run(
-        [sys.executable, "-m", "data.prepare", f"--dataset={source}", "--tokenizer=byte", f"--out_dir={out}",
-         "--num_proc=1"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = run(["-m", "data.prepare"], f"--dataset={source}", "--tokenizer=byte", f"--out_dir={out}", "--num_proc=1")
     assert result.returncode == 0, result.stderr
     assert "tokens" in result.stdout and str(out.name) in result.stdout
     assert "tokenising" not in result.stderr  # a progress bar only on a terminal, never in a log
     assert load_meta(out)["train_tokens"] + load_meta(out)["val_tokens"] == len((TEXT * 20).encode()) + 1
+    # as a file, in a fresh interpreter: what it says before any of its imports
     as_file = subprocess.run([sys.executable, "data/prepare.py", f"--dataset={source}"], cwd=REPO,
                              capture_output=True, text=True, timeout=120)
     assert as_file.returncode == 1 and "python -m data.prepare" in as_file.stderr, as_file.stderr
 
-    result = subprocess.run([sys.executable, "-m", "data.prepare", f"--dataset={tmp_path / 'missing.txt'}"],
-                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = run(["-m", "data.prepare"], f"--dataset={tmp_path / 'missing.txt'}")
     assert result.returncode == 1 and "no files were found" in result.stderr and "Traceback" not in result.stderr
 
 

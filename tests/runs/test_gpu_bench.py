@@ -2,22 +2,20 @@
 one): every case in a process of its own, timed only once all are warm, in the tables the GPU run prints."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import run_in_process
 
 
 @pytest.mark.e2e
 def test_the_benchmark_times_each_case_after_all_are_warm_and_prints_its_tables(tmp_path):
     out = tmp_path / "bench"
-    proc = subprocess.run([sys.executable, "-m", "scripts.gpu_bench", "--device=cpu", "--parts=kernels,nanogpt",
-                           "--kernel_variants=full,swa,block,swa@32x16x4x2", "--lengths=96,160", "--batch=1",
-                           "--heads=2", "--head_dim=16", "--window=32", "--repeats=1", "--jobs=2", f"--out={out}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    # the benchmark's driver in this process: each case still runs in a process of its own
+    proc = run_in_process(["-m", "scripts.gpu_bench"], "--device=cpu", "--parts=kernels,nanogpt",
+                          "--kernel_variants=full,swa,block,swa@32x16x4x2", "--lengths=96,160", "--batch=1",
+                          "--heads=2", "--head_dim=16", "--window=32", "--repeats=1", "--jobs=2", f"--out={out}")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = (out / "report.md").read_text()
     assert "a check of the script, not a measurement" in report  # never passed off as a GPU's numbers
@@ -39,8 +37,7 @@ def test_the_benchmark_writes_only_into_a_folder_of_its_own(tmp_path):
     before anything runs, and left as it was."""
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "mine.log").write_text("a user's log")
-    proc = subprocess.run([sys.executable, "-m", "scripts.gpu_bench", "--device=cpu", f"--out={tmp_path}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = run_in_process(["-m", "scripts.gpu_bench"], "--device=cpu", f"--out={tmp_path}")
     assert proc.returncode == 2 and "did not write" in proc.stderr, proc.stderr
     assert [p.name for p in tmp_path.rglob("*")] == ["logs", "mine.log"]
 
@@ -50,23 +47,26 @@ def test_training_cases_run_in_rounds_and_the_profiled_ones_say_where_their_step
     """--jobs=1: each case a round of its own (a round's cases alone hold the GPU's memory); --train_profile: the
     kernels that took a step's time, in the report."""
     out = tmp_path / "bench"
-    proc = subprocess.run([sys.executable, "-m", "scripts.gpu_bench", "--device=cpu", "--parts=train",
-                           "--train_variants=full,swa", "--train_profile=swa", "--train_layers=1", "--train_len=64",
-                           "--train_window=16", "--train_steps=1", "--train_compile=False", "--jobs=1",
-                           f"--out={out}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    # a small model (VARIANT:KEY=VALUE settings): the config's own width and vocabulary take 15 s a step in bf16 on
+    # the CPU, and the script, not the model, is what is checked
+    small = ":n_embd=64:n_head=2:vocab_size=256"
+    full, swa = f"full{small}", f"swa{small}"
+    proc = run_in_process(["-m", "scripts.gpu_bench"], "--device=cpu", "--parts=train",
+                          f"--train_variants={full},{swa}", f"--train_profile={swa}", "--train_layers=1",
+                          "--train_len=64", "--train_window=16", "--train_steps=1", "--train_compile=False", "--jobs=1",
+                          f"--out={out}")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = (out / "report.md").read_text()
-    assert "Where swa's training step spends its time" in report and "Where full's" not in report
+    assert f"Where {swa}'s training step spends its time" in report and f"Where {full}'s" not in report
     assert "| host ms | GPU busy ms |" in report and "eager bf16" in report  # said as run: not compiled
     results = json.loads((out / "gpu_bench.json").read_text())
     profiled = {r["variant"]: r["profile"] for r in results["train"]}
-    assert profiled["full"] == [] and profiled["swa"] and all(p["ms_per_step"] >= 0 for p in profiled["swa"])
+    assert profiled[full] == [] and profiled[swa] and all(p["ms_per_step"] >= 0 for p in profiled[swa])
     # the host's time to enqueue a step (here all of it) in every row; the GPU's busy time only from a GPU's profile
     assert all(0 < r["host_ms"] <= r["step_ms"] for r in results["train"])
     assert [r["gpu_busy_ms"] for r in results["train"]] == [None, None]
     # one round after the other: the second started once the first was timed
-    assert proc.stdout.index("round 1/2: train:full") < proc.stdout.index("round 2/2: train:swa")
+    assert proc.stdout.index(f"round 1/2: train:{full}") < proc.stdout.index(f"round 2/2: train:{swa}")
 
 
 def test_training_cases_take_settings_and_compare_with_full_attention_under_the_same_ones():
@@ -131,10 +131,9 @@ def test_a_round_begun_near_the_timeout_stops_its_late_cases_by_the_timeout(tmp_
     """--ready_by counts from a round's start, but no round waits past --timeout: the cases not warm by then are
     stopped and reported, the rounds not begun are reported, and the report is written."""
     out = tmp_path / "bench"
-    proc = subprocess.run([sys.executable, "-m", "scripts.gpu_bench", "--device=cpu", "--parts=kernels",
-                           "--kernel_variants=full,swa", "--lengths=96", "--jobs=1", "--timeout=1",
-                           "--ready_by=600", f"--out={out}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = run_in_process(["-m", "scripts.gpu_bench"], "--device=cpu", "--parts=kernels",
+                          "--kernel_variants=full,swa", "--lengths=96", "--jobs=1", "--timeout=1",
+                          "--ready_by=600", f"--out={out}")
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     errors = json.loads((out / "gpu_bench.json").read_text())["errors"]
     assert "or by --timeout=1 s: stopped" in errors["kernels:full"]

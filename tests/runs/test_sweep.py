@@ -1,10 +1,9 @@
 import shutil
 import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, run_in_process
 
 
 @pytest.mark.e2e
@@ -12,19 +11,21 @@ def test_sweep_trains_compares_and_resumes(tmp_path):
     configs = []
     for pattern in ("full", "swa"):
         path = tmp_path / f"tiny_{pattern}.py"
+        window = "swa_window = 8\n" if pattern == "swa" else ""  # a setting only the pattern that reads it may have
         path.write_text(f'include("configs/quickstart.py")\nn_layer = 2\nn_head = 2\nn_embd = 32\nblock_size = 32\n'
                         f'batch_size = 4\nmax_iters = 4\neval_interval = 4\neval_iters = 2\nlog_interval = 2\n'
-                        f'attn_pattern = "{pattern}"\nswa_window = 8\n')
+                        f'attn_pattern = "{pattern}"\n{window}')
         configs.append(str(path))
     out = tmp_path / "sweep"
-    command = [sys.executable, "-m", "scripts.sweep", *configs, f"--out={out}", "--eval=--tasks=ppl --ppl_lengths=16"]
-    first = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    # the sweep in this process; its training runs, evaluations and comparison start their own
+    args = [*configs, f"--out={out}", "--eval=--tasks=ppl --ppl_lengths=16"]
+    first = run_in_process(["-m", "scripts.sweep"], *args)
     assert first.returncode == 0, first.stderr[-2000:]
     results = (out / "results.md").read_text()
     assert "python -m scripts.sweep" in results and "tiny_full" in results and "tiny_swa" in results
     assert "ppl@L=16" in results and (out / "loss_curves.png").exists()
     (out / "tiny_swa" / "eval" / "summary.md").unlink()  # as if interrupted between training and evaluation
-    again = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    again = run_in_process(["-m", "scripts.sweep"], *args)
     assert again.returncode == 0 and again.stdout.count("already finished, kept") == 2
     assert (out / "tiny_swa" / "eval" / "summary.md").exists()  # evaluated on the rerun, not retrained
 
@@ -36,7 +37,7 @@ def test_sweep_trains_compares_and_resumes(tmp_path):
     shutil.rmtree(out / "tiny_full" / "eval")
     with open(out / "tiny_swa" / "metrics.jsonl", "a") as log:
         log.write('{"step": 5, "train_lo')
-    third = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    third = run_in_process(["-m", "scripts.sweep"], *args)
     assert third.returncode == 0, third.stdout[-2000:] + third.stderr[-2000:]
     assert "tiny_swa: already finished, kept" in third.stdout and "--replace_run=True" in third.stdout
     assert (out / "tiny_full" / "ckpt_last.pt").exists() and (out / "tiny_full" / "eval" / "summary.md").exists()
