@@ -4,7 +4,6 @@ run inside a small Hugging Face model, run on the CUDA path simulated on the CPU
 reference forward and backward without an n x n tensor on the training path: everything through the registry."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -78,53 +77,90 @@ def run(copy, *args, timeout=600, env=None):
     return proc
 
 
+# The tools (and pytest on the copy's own tests) run one after the other in one fresh process of the copy (the
+# copy's modules, not this process's), each as `python TOOL ARGS` runs it: the copy's own conftest.run_in_process
+# (its file or module as __main__, output and exit status captured, the process put back between tools). Python
+# starts once instead of once per tool. tests/ is on the import path, as pytest puts it, for conftest and for
+# CHECKS's helpers.
+DRIVER = """
+import json, os, sys
+sys.path.insert(0, os.path.abspath("tests"))
+from conftest import run_in_process
+done = [run_in_process(command, *args) for command, args in json.loads(sys.argv[1])]
+print(json.dumps([[p.returncode, p.stdout, p.stderr] for p in done]))
+"""
+
+
+def run_tools(copy, *commands) -> list:
+    """(returncode, stdout, stderr) of each (command, args) run in one process of the copy (DRIVER)."""
+    proc = run(copy, "-c", DRIVER, json.dumps(commands), timeout=900)
+    return [subprocess.CompletedProcess([*command, *args], *result)
+            for (command, args), result in zip(commands, json.loads(proc.stdout.strip().splitlines()[-1]))]
+
+
+def succeeded(proc):
+    assert proc.returncode == 0, (proc.args, proc.stdout[-3000:] + proc.stderr[-3000:])
+    return proc
+
+
 @pytest.mark.e2e
 def test_a_variant_in_one_new_file_reaches_every_tool(repo_with_variant, tmp_path):
     copy = repo_with_variant
     tiny = ["configs/quickstart.py", "--attn_pattern=sinkwin", "--n_layer=2", "--n_head=2", "--n_embd=32",
             "--block_size=64", "--swa_window=16", "--sink_keys=2", "--batch_size=4", "--max_iters=4",
             "--eval_interval=4", "--eval_iters=2", "--log_interval=2", "--warmup_iters=1"]
+    swa_args = [*(arg for arg in tiny if arg != "--sink_keys=2"), "--attn_pattern=swa"]  # another variant beside it
     out = tmp_path / "run"
-    run(copy, "train.py", *tiny, f"--out_dir={out}")  # its setting on the command line, in config.json
+    (tmp_path / "checks.py").write_text(CHECKS)
+    (tmp_path / "tiny_hf.py").write_text("from pathlib import Path; from scripts.gpucheck.tiny_hf import "
+                                         f"build_tiny_hf_model; build_tiny_hf_model(Path({str(tmp_path / 'hf')!r}))")
+    folder, data = (tmp_path / "hf" / "tiny-qwen3", tmp_path / "hf" / "corpus_tok")
+    (trained, *bad, sampled, swa, compared, bench, compiled, plan, stats, checks, hf, hf_eval, simulated,
+     variant_table) = run_tools(
+        copy,
+        (["train.py"], [*tiny, f"--out_dir={out}"]),  # its setting on the command line, in config.json
+        (["train.py"], [*tiny, "--sink_key=2", f"--out_dir={tmp_path / 'x'}"]),
+        (["train.py"], [*tiny, "--sink_keys=0", f"--out_dir={tmp_path / 'x'}"]),
+        (["sample.py"], [f"--out_dir={out}", "--max_new_tokens=8", "--num_samples=1"]),
+        (["train.py"], [*swa_args, f"--out_dir={tmp_path / 'swa'}"]),
+        (["-m", "scripts.compare"], [str(out), str(tmp_path / "swa")]),
+        (["-m", "scripts.bench_attention"], ["--variants=swa,sinkwin", "--lengths=512", "--repeats=1", "--window=64"]),
+        (["-m", "scripts.compile_check"], ["--mixers=sinkwin", "--backend=eager", "--device=cpu"]),
+        (["-m", "scripts.plan_memory"], ["configs/quickstart.py", "--attn_pattern=sinkwin", "--kernels=cpu",
+                                         "--world_size=1"]),
+        (["-m", "scripts.mask_stats"], ["--config", "configs/quickstart.py", "--seq_len", "256",
+                                        "--attn_pattern=sinkwin", "--swa_window=32", "--sink_keys=4", "--json"]),
+        # the kernels against dense, cached generation, no n x n tensor: CHECKS, which imports tests/helpers.py
+        ([str(tmp_path / "checks.py")], []),
+        ([str(tmp_path / "tiny_hf.py")], []),  # inside a small Hugging Face model
+        (["-m", "eval"], [f"--hf={folder}", f"--data_dir={data}", "--attn_pattern=sinkwin", "--swa_window=16",
+                          "--sink_keys=2", "--tasks=ppl", "--ppl_lengths=64", "--limit=2", "--progress=False",
+                          f"--out_dir={tmp_path / 'hf_eval'}"]),
+        # the CUDA path, simulated on the CPU (tests/models/test_gpu_sim.py): FlexAttention under its block masks,
+        # compiled, forward and backward against dense; bf16 autocast, bf16 weights, bf16 cached generation
+        (["-m", "pytest"], ["-q", "-p", "no:cacheprovider", "tests/models/test_gpu_sim.py", "-k", "sinkwin"]),
+        # nothing else to edit: the README's variant table lists the documented variants, and this one has no summary
+        (["-m", "pytest"], ["-q", "-p", "no:cacheprovider", "tests/runs/test_config.py", "-k", "variant_table"]))
+    succeeded(trained)
     assert json.loads((out / "config.json").read_text())["model"]["sink_keys"] == 2
-    bad = subprocess.run([sys.executable, "train.py", *tiny, "--sink_key=2", f"--out_dir={tmp_path / 'x'}"],
-                         cwd=copy, capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "did you mean 'sink_keys'" in bad.stderr
-    bad = subprocess.run([sys.executable, "train.py", *tiny, "--sink_keys=0", f"--out_dir={tmp_path / 'x'}"],
-                         cwd=copy, capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "sink_keys=0: must be >= 1" in bad.stderr
-    assert "loaded" in run(copy, "sample.py", f"--out_dir={out}", "--max_new_tokens=8", "--num_samples=1").stderr
-    run(copy, "train.py", *tiny, "--attn_pattern=swa", f"--out_dir={tmp_path / 'swa'}")
-    table = run(copy, "-m", "scripts.compare", str(out), str(tmp_path / "swa")).stdout  # its setting is a column
+    assert bad[0].returncode == 2 and "did you mean 'sink_keys'" in bad[0].stderr
+    assert bad[1].returncode == 2 and "sink_keys=0: must be >= 1" in bad[1].stderr
+    assert "loaded" in succeeded(sampled).stderr
+    succeeded(swa)
+    table = succeeded(compared).stdout  # its setting is a column
     assert "| sinkwin " in table and "sink_keys" in table.splitlines()[2]
-    bench = run(copy, "-m", "scripts.bench_attention", "--variants=swa,sinkwin", "--lengths=512", "--repeats=1",
-                "--window=64").stdout
+    bench = succeeded(bench).stdout
     assert "sinkwin" in bench and "chunked" in bench
-    assert "1/1 clean" in run(copy, "-m", "scripts.compile_check", "--mixers=sinkwin", "--backend=eager",
-                               "--device=cpu").stdout
-    plan = run(copy, "-m", "scripts.plan_memory", "configs/quickstart.py", "--attn_pattern=sinkwin", "--kernels=cpu",
-               "--world_size=1").stdout
-    assert "SinkWindowAttention" in plan
-    stats = json.loads(run(copy, "-m", "scripts.mask_stats", "--config", "configs/quickstart.py", "--seq_len", "256",
-                           "--attn_pattern=sinkwin", "--swa_window=32", "--sink_keys=4", "--json").stdout)
+    assert "1/1 clean" in succeeded(compiled).stdout
+    assert "SinkWindowAttention" in succeeded(plan).stdout
+    stats = json.loads(succeeded(stats).stdout)
     # per query: the window (32, fewer at the start) and the sinks beyond it
     assert stats["layers"][0]["edges_per_head"] == sum(min(q + 1, 32) + max(0, min(4, q + 1 - 32)) for q in range(256))
-    # the checks import tests/helpers.py, which imports conftest, by name as pytest does: tests/ on the import path
-    assert "checks passed" in run(copy, "-c", CHECKS, env={**os.environ, "PYTHONPATH": "tests"}).stdout
-    # the CUDA path, simulated on the CPU (tests/models/test_gpu_sim.py): FlexAttention under its block masks,
-    # compiled, forward and backward against dense; bf16 autocast, bf16 weights, bf16 cached generation
-    simulated = run(copy, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/models/test_gpu_sim.py", "-k",
-                    "sinkwin")
-    assert "5 passed" in simulated.stdout, simulated.stdout[-2000:]
-    # inside a small Hugging Face model
-    folder, data = (tmp_path / "hf" / "tiny-qwen3", tmp_path / "hf" / "corpus_tok")
-    run(copy, "-c", "from pathlib import Path; from scripts.gpucheck.tiny_hf import build_tiny_hf_model; "
-                    f"build_tiny_hf_model(Path({str(tmp_path / 'hf')!r}))")
-    run(copy, "-m", "eval", f"--hf={folder}", f"--data_dir={data}", "--attn_pattern=sinkwin", "--swa_window=16",
-        "--sink_keys=2", "--tasks=ppl", "--ppl_lengths=64", "--limit=2", "--progress=False",
-        f"--out_dir={tmp_path / 'hf_eval'}")
+    assert "checks passed" in succeeded(checks).stdout
+    succeeded(hf)
+    succeeded(hf_eval)
     assert (tmp_path / "hf_eval" / "eval" / "ppl.json").exists()
-    # nothing else to edit: the README's variant table lists the documented variants, and this one has no summary
-    run(copy, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/runs/test_config.py", "-k", "variant_table")
+    assert "5 passed" in succeeded(simulated).stdout, simulated.stdout[-2000:]
+    succeeded(variant_table)
     # the project itself does not know it
     assert not (REPO / "attention" / "sinkwin.py").exists()
