@@ -11,12 +11,11 @@ import shutil
 import pytest
 import torch
 
-import sample
 import train
 from attention import registry
 from attention.registry import SETTINGS, example_cases, layer_names, pattern_names, register_pattern, setting_name
 from config import Config, ConfigError, load_config
-from conftest import REPO, TINY, load_script
+from conftest import REPO, TINY, load_script, run_in_process, train_in_process
 from runtime.checkpoint import load_checkpoint, load_model
 from runtime.wandb_run import run_config
 
@@ -30,12 +29,14 @@ def own_settings(*mixers) -> set[str]:
 
 @pytest.fixture(scope="module")
 def swa_run(tmp_path_factory):
-    """One step of a 2-layer swa model, trained in this process."""
+    """One step of a 2-layer swa model, trained in this process (conftest.run_in_process: the signal handlers,
+    the run folder's lock and the environment the run sets are put back; it starts git for the run's record)."""
     out = tmp_path_factory.mktemp("swa")
-    train.main([*SWA, f"--out_dir={out}", "--max_iters=1"])
+    train_in_process([*SWA, f"--out_dir={out}", "--max_iters=1"])
     return out
 
 
+@pytest.mark.e2e
 def test_a_swa_runs_config_json_holds_no_setting_of_another_mixer(swa_run):
     model = json.loads((swa_run / "config.json").read_text())["model"]
     assert model["attn_pattern"] == "swa" and model["swa_window"] == 16
@@ -128,17 +129,18 @@ def old_format(run, moba_block=64):
         torch.save(ckpt, run / name)
 
 
-def test_a_run_saved_with_every_variants_settings_loads_samples_and_resumes(swa_run, tmp_path, capsys):
+@pytest.mark.e2e
+def test_a_run_saved_with_every_variants_settings_loads_samples_and_resumes(swa_run, tmp_path):
     run = shutil.copytree(swa_run, tmp_path / "old", ignore=shutil.ignore_patterns(".lock"))
     old_format(run)
     assert "moba_block" in load_checkpoint(run / "ckpt_last.pt")["config"]["model"]
     model, cfg, _ = load_model(run, "last")
     assert cfg.model.attn_pattern == "swa" and cfg.model.swa_window == 16 and "moba_block" not in cfg.to_dict()["model"]
-    sample.main([f"--out_dir={run}", "--num_samples=1", "--max_new_tokens=4", "--device=cpu"])
-    assert capsys.readouterr().out.count("---------------") == 1
+    sampled = run_in_process(["sample.py"], f"--out_dir={run}", "--num_samples=1", "--max_new_tokens=4", "--device=cpu")
+    assert sampled.returncode == 0 and sampled.stdout.count("---------------") == 1, sampled.stderr
     # resumed with the command line's settings (moba_block at its default, not the checkpoint's 64: no layer reads
     # it, so the model is the same) and then saved in the new form
-    train.main([*SWA, f"--out_dir={run}", "--max_iters=2", "--init_from=resume"])
+    train_in_process([*SWA, f"--out_dir={run}", "--max_iters=2", "--init_from=resume"])
     assert load_checkpoint(run / "ckpt_last.pt")["step"] == 2
     for saved in (json.loads((run / "config.json").read_text()), load_checkpoint(run / "ckpt_last.pt")["config"]):
         assert "moba_block" not in saved["model"] and saved["model"]["swa_window"] == 16
