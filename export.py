@@ -49,7 +49,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from attention.registry import SETTINGS, layer_names, validate_config
 from attention.stochastic import drawn_per_forward
-from config import ConfigError, apply_args, coerce, dataclass_fields, exit_on_config_error
+from config import ConfigError, apply_args, coerce, dataclass_fields, exit_on_config_error, unread_settings_problem
 from data.tokenizer import TokenizerUnavailable
 from model import GPT
 from runtime.checkpoint import CheckpointError, git_hash, load_model, run_tokenizer
@@ -325,6 +325,9 @@ def export_run(cfg: ExportConfig, command: str = "", settings: dict | None = Non
     gpt = gpt.float()
     if settings:  # the variants' inference settings (sa_mode): the same weights
         config = dataclasses.replace(gpt.config, **settings)
+        problem = unread_settings_problem(config, {key: f"--{key}" for key in settings})
+        if problem:
+            raise ExportError(problem)
         try:
             validate_config(config)
         except ValueError as e:

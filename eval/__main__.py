@@ -46,7 +46,7 @@ from attention import simulate_cuda
 from attention.registry import SETTINGS, used_settings, validate_config
 from attention.stochastic import drawn_per_forward
 from config import (Config, ConfigError, ModelConfig, apply_args, coerce, dataclass_fields, exit_on_config_error,
-                    resolve_device)
+                    resolve_device, unread_settings_problem)
 from data.embedded import documents
 from data.meta import DataError, load_meta, open_tokens, split_fingerprint, tokenizer_identity, tokenizer_mismatch
 from data.tokenizer import TokenizerUnavailable
@@ -142,6 +142,9 @@ def parse(argv) -> tuple[EvalRunConfig, dict]:
         raise ConfigError(f"--{trained[0]}: model settings apply to --hf models; a run is evaluated with its own "
                           f"config (--window sets a test-time window; {', '.join(INFERENCE_SETTINGS)} may change)")
     if e.hf:
+        problem = unread_settings_problem(model, {key: f"--{key}" for key in settings if key in SETTINGS})
+        if problem:
+            raise ConfigError(problem)
         if e.hf_decode not in ("full", "variant"):
             raise ConfigError(f"hf_decode={e.hf_decode!r}: expected full or variant")
         if not e.data_dir:
@@ -404,6 +407,9 @@ def load_run(e: EvalRunConfig, device: str, dtype, settings: dict):
     model, cfg, ckpt = load_model(e.out_dir, e.ckpt, device)
     if settings:  # INFERENCE_SETTINGS: the same weights
         cfg.model = dataclasses.replace(cfg.model, **settings)
+        problem = unread_settings_problem(cfg.model, {key: f"--{key}" for key in settings})
+        if problem:
+            raise ConfigError(problem)
         try:
             validate_config(cfg.model)
         except ValueError as err:

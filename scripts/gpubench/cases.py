@@ -12,7 +12,7 @@ import torch
 
 from attention.capabilities import EdgeCounts
 from attention.kernels import layer_scores
-from attention.registry import build_mixer, pattern_names
+from attention.registry import build_mixer, pattern_names, pattern_settings
 from common.flops import peak_flops
 from config import ConfigError, load_config
 from model import GPT
@@ -72,9 +72,13 @@ def kernel_step(mixer, inputs):
 
 
 def train_settings(variant: str, b: BenchConfig) -> list[str]:
+    """train.py's settings for the variant's run: its windows and blocks at train_window, those its mixers read."""
     w = b.train_window
-    return [f"--attn_pattern={variant}", f"--block_size={b.train_len}", f"--swa_window={w}", f"--block_len={w}",
-            f"--bridge_width={w}", f"--bridge_extension={w // 2}", f"--moba_block={w // 2}", "--moba_topk=2"]
+    sizes = {"swa_window": w, "block_len": w, "bridge_width": w, "bridge_extension": w // 2, "moba_block": w // 2,
+             "moba_topk": 2}
+    read = pattern_settings(variant)
+    return [f"--attn_pattern={variant}", f"--block_size={b.train_len}",
+            *(f"--{key}={value}" for key, value in sizes.items() if key in read)]
 
 
 def fla_refusal(pattern: str, device: torch.device) -> str:
