@@ -117,6 +117,16 @@ class EdgeRule:
             return self.allowed(q_pos[None, :, None], k_pos[None, None, :], h)
         return self.allowed(q_pos[:, None], k_pos[None, :])
 
+    def translation_invariant(self, n_head: int = 1) -> bool:
+        """Whether the edges depend on q - k alone (causal, windows, per-head windows), so that a document's edges
+        are the same wherever it starts: the edges over a stretch against the same stretch moved by a few offsets
+        (a stretch of twice the lookback, so that block boundaries show in it)."""
+        span = max(64, 2 * (self.lookback + 1)) if self.lookback is not None else 64
+        pos = torch.arange(span)
+        edges = self.dense_mask(pos, n_head=n_head)
+        return all(torch.equal(edges, self.dense_mask(pos + shift, n_head=n_head))
+                   for shift in (1, span // 2 + 1, 3 * span + 5))
+
     def mask_mod(self):
         """FlexAttention mask_mod over absolute positions q_idx, kv_idx."""
         if self.per_head:

@@ -34,7 +34,8 @@ from attention.documents import begins_document
 from attention.memory import F32, linear_inputs, padded
 from attention.ops.gated_deltanet.conv import causal_conv
 from attention.ops.gated_deltanet.fla_kernel import fla_chunk_kernel, fla_chunk_stand_in
-from attention.ops.recurrence import Gates, State, chunked_recurrence, stepwise_recurrence
+from attention.ops.recurrence import FORMS, Gates, State, recurrence
+from attention.ops.recurrence.memory import chunked_saved
 from attention.call import MixerCall
 from attention.registry import RecurrentMixer, Setting, chunk_loop_problem, register
 
@@ -70,7 +71,9 @@ class GatedDeltaNet(RecurrentMixer):
     paper = "003"
     summary = "every j <= i, through the gated delta rule's state"
     settings = (GDN_CHUNK, GDN_CONV_SIZE, GDN_KERNEL)
+    forms = FORMS
     takes_documents = True  # every form restarts the state at a document's first token
+    translation_invariant = True  # a state from zero at a document's start, RoPE's relative positions
     gpu_kernel = ("gdn_kernel", "fla", "flash-linear-attention", "kernel fla")
 
     def kernel_inputs(self, batch, seq_len, device, dtype, generator=None):
@@ -96,16 +99,13 @@ class GatedDeltaNet(RecurrentMixer):
         q, k = (F.normalize(t.float(), dim=-1, eps=1e-6) for t in (q, k))
         return self.delta_rule(q * self.head_dim ** -0.5, k, v.float(), decay, beta)[0]
 
-    def delta_rule(self, q, k, v, g, beta, state=None, starts=None, step=False):
+    def delta_rule(self, q, k, v, g, beta, state=None, starts=None, form=None):
         """The core's delta rule over q (normalised and scaled), k (normalised), v (B, H, n, D) with log decay g
-        and strength beta (B, H, n), from state S (None: zero), chunked or, with step, one token at a time:
-        the reads and the state S after the last token."""
-        gates = Gates(log_decay=g, beta=beta)
+        and strength beta (B, H, n), from state S (None: zero), in the recurrence's form (None: the layer's,
+        chunked unless set otherwise): the reads and the state S after the last token."""
         state = None if state is None else State(state)
-        if step:
-            y, _, final = stepwise_recurrence(q, k, v, gates, state, starts)
-        else:
-            y, _, final = chunked_recurrence(q, k, v, gates, state, self.chunk, starts)
+        y, _, final = recurrence(form or self.form, q, k, v, Gates(log_decay=g, beta=beta), state, starts,
+                                 chunk=self.chunk)
         return y, final.S
 
     def expected_graph_breaks(self, device, dtype):
@@ -223,7 +223,8 @@ class GatedDeltaNet(RecurrentMixer):
             g = -self.A_log.to(compute).exp()[:, None] * F.softplus(decay_logit.transpose(1, 2).contiguous())
             # autocast would run the products with the state (and build A) in bf16 again
             with torch.autocast(x.device.type, enabled=False):
-                y, state = self.delta_rule(q, k, v32, g, beta, previous, starts, step=cache is not None and T == 1)
+                y, state = self.delta_rule(q, k, v32, g, beta, previous, starts,
+                                           "step" if cache is not None and T == 1 else None)
             y = y.transpose(1, 2)
         if cache is not None:
             cache.state = state.to(compute)
@@ -272,11 +273,10 @@ class GatedDeltaNet(RecurrentMixer):
 
         Form fla (CUDA, bf16): l2-normalised q and k (2 a C) with their 1/norm (8 H), v (a C), beta (a H), the
         chunk-cumulated decay (4 H) and the inverted chunk matrix A (64 per head and position, activation bytes).
-        Form native (chunked_gated_delta_rule, float32): normalize's input for q and k (8 C) and its statistics,
-        v in float32 (4 C), then per position and head, with chunk L and head dim D: five L-wide tensors (decay,
-        the within-chunk A and q k^T before and after masking), 11 D (q and k operands of the chunk matmuls,
-        the normalised k, the WY solution u|w, the corrections delta, the scaled and the decayed q, the decayed
-        k), 4 decay factors, and per chunk the state S (D^2)."""
+        Form native (float32): normalize's input for q and k (8 C) and its statistics, v in float32 (4 C), then per
+        position and head, with head dim D, what the recurrence core's chunked delta rule keeps
+        (attention/ops/recurrence/memory.py) and the normalised q and k before the layer scales and transposes
+        them (2 D)."""
         C, H, D, a, tokens = m.n_embd, m.n_head, m.head_dim, k.act, B * T
         K = self.conv_size
         saved = {"linear inputs": tokens * linear_inputs(k, 6, C),
@@ -291,7 +291,8 @@ class GatedDeltaNet(RecurrentMixer):
             L = self.chunk
             n = padded(T, L)
             saved["normalize inputs for q, k and v in fp32"] = F32 * tokens * (3 * C + 4 * H)
-            saved["chunked delta rule (fp32)"] = int(F32 * B * H * n * (5 * L + 11 * D + 4 + D * D / L))
+            per_head = chunked_saved(L, D, D, decay=True, delta=True) + 2 * D - 1
+            saved["chunked delta rule (fp32)"] = int(F32 * B * H * n * per_head)
             matmuls = int(F32 * B * H * n * (2 * L + 3 * D + D * D / L))
         saved["output norm and gate"] = tokens * (4 * F32 * C + F32 * H + 2 * a * C)
         linear_outputs = a * tokens * (5 * C + 2 * H)  # c_q, c_k, c_v, c_gate, c_proj; beta, decay

@@ -170,6 +170,11 @@ class MaskedAttention(Attention):
         return sum(masked_attention(q, keys, values, rule.dense_mask(pos, key_pos, self.n_head) & valid,
                                     pos, key_pos, self.score_mod(q.device), self.activation) for rule in self.paths())
 
+    @property
+    def translation_invariant(self) -> bool:
+        """Derived from the rules: every path's edges depend on q - k alone."""
+        return all(rule.translation_invariant(self.n_head) for rule in self.paths())
+
     def edge_rule(self) -> EdgeRule:
         """Every edge of the layer as one rule (the union of its paths): for coverage and reachability."""
         paths = self.paths()

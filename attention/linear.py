@@ -19,7 +19,8 @@ from torch import nn
 from attention.documents import begins_document
 from attention.memory import F32, linear_inputs, padded, rope_tables
 from attention.ops.linear.feature_map import TAYLOR
-from attention.ops.recurrence import Gates, chunked_recurrence, stepwise_recurrence
+from attention.ops.recurrence import FORMS, Gates, recurrence
+from attention.ops.recurrence.memory import chunked_saved
 from attention.call import MixerCall
 from attention.registry import RecurrentMixer, Setting, register
 from attention.rope import apply_rope
@@ -34,7 +35,9 @@ class TaylorLinearAttention(RecurrentMixer):
     paper = "002"
     summary = "every j <= i, through a Taylor-feature linear attention state (no softmax)"
     settings = (LINEAR_FEATURE_DIM, LINEAR_CHUNK)
+    forms = FORMS
     takes_documents = True  # every form restarts the state at a document's first token
+    translation_invariant = True  # a state from zero at a document's start, RoPE's relative positions
 
     def kernel_inputs(self, batch, seq_len, device, dtype, generator=None):
         """q, k (B, H, n, feature_dim) and v (B, H, n, D)."""
@@ -47,14 +50,12 @@ class TaylorLinearAttention(RecurrentMixer):
         compute = torch.promote_types(q.dtype, torch.float32)
         return self.attend(q.to(compute), k.to(compute), v.to(compute))[0]
 
-    def attend(self, q, k, v, state=None, starts=None, step=False):
-        """Normalised reads of q, k (B, H, n, f) and v (B, H, n, D) from state (None: zero), in the chunked form or,
-        with step, one token at a time; and the state after the last token."""
+    def attend(self, q, k, v, state=None, starts=None, form=None):
+        """Normalised reads of q, k (B, H, n, f) and v (B, H, n, D) from state (None: zero), in the recurrence's
+        form (None: the layer's, chunked unless set otherwise), and the state after the last token."""
         ones = torch.ones_like(v[..., :1])  # the normaliser z: the state's column for a column of ones
-        form = stepwise_recurrence if step else chunked_recurrence
-        extra = {} if step else {"chunk": self.chunk}
-        reads, _, state = form(q, k, torch.cat([v, ones], -1), Gates(), state, starts=starts, features=TAYLOR,
-                               **extra)
+        reads, _, state = recurrence(form or self.form, q, k, torch.cat([v, ones], -1), Gates(), state, starts,
+                                     TAYLOR, self.chunk)
         return reads[..., :-1] / reads[..., -1:], state
 
     @classmethod
@@ -83,11 +84,11 @@ class TaylorLinearAttention(RecurrentMixer):
         v = self.c_v(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         if self.rope_theta is not None:
             q, k = apply_rope(q, pos, self.rope_theta), apply_rope(k, pos, self.rope_theta)
-        # the state sums many terms: keep it in float32 or better under autocast
+        # the state sums many terms: float32 or better, also under autocast (the core turns it off)
         compute = torch.promote_types(q.dtype, torch.float32)
         q, k, v32 = q.to(compute), k.to(compute), v.to(compute)
         previous = None if cache is None else cache.state
-        y, state = self.attend(q, k, v32, previous, starts, step=cache is not None and T == 1)
+        y, state = self.attend(q, k, v32, previous, starts, "step" if cache is not None and T == 1 else None)
         if cache is not None:
             cache.state = state
         y = y.to(v.dtype).transpose(1, 2).reshape(B, T, C)
@@ -105,23 +106,17 @@ class TaylorLinearAttention(RecurrentMixer):
     def saved_activations(self, m, k, B: int, T: int):
         """Taylor linear attention (attention/linear.py), its chunked form. Per token: the inputs of c_qk and c_v
         (2 a C under autocast, else 4 C), RoPE's tables over the feature dimension f, the merged output (c_proj's
-        input, a C). Per position and head, with F = 1 + f + f^2 features, chunk L and head dim D, in float32:
-        phi(q) and phi(k) (2 F), q and k (2 f), q k^T and the masked kernel (2 L), the numerator and v copied for
-        two matmuls (3 D), the denominator (1), and per chunk the states before it, S (F D) and z (F).
-        The form runs inside the caller's autocast, so under bf16 autocast its matmuls cast their operands to
-        bf16 one matmul at a time (phi(q) twice, v twice, q and k besides their float32 selves, the states) and
-        return bf16 (q k^T, the kernel, the numerator and denominator)."""
+        input, a C). Per position and head, in float32 also under autocast (the recurrence core turns it off): what
+        the core's chunked form keeps with the Taylor map over v with its column of ones (D + 1 values;
+        attention/ops/recurrence/memory.py), and the reads the normalisation divides (D + 1)."""
         C, H, D, a, tokens = m.n_embd, m.n_head, m.head_dim, k.act, B * T
         f, L = self.feature_dim, self.chunk
         Fdim, n = 1 + f + f * f, padded(T, L)
         saved = {"linear inputs": tokens * linear_inputs(k, 2, C)}
         if self.rope_theta is not None:
             saved["RoPE cos/sin tables"] = rope_tables(T, f)
-        if k.autocast:
-            per_head = 3 * a * Fdim + (2 * F32 + 2 * a) * f + 2 * a * L + 3 * a * D + a + a * Fdim * (D + 1) / L
-        else:
-            per_head = F32 * (2 * Fdim + 2 * f + 2 * L + 3 * D + 1 + Fdim * (D + 1) / L)
-        saved["chunked form"] = int(B * H * n * per_head)
+        per_head = chunked_saved(L, f, D + 1, features=TAYLOR) + (D + 1)
+        saved["chunked form (fp32)"] = int(F32 * B * H * n * per_head)
         saved["merged output"] = a * tokens * C
-        matmuls = int(k.act * B * H * n * (L + 2 * D + 1 + Fdim * D / L)) + a * tokens * (2 * H * f + 2 * C)
+        matmuls = int(F32 * B * H * n * (L + 2 * (D + 1) + Fdim * (D + 1) / L)) + a * tokens * (2 * H * f + 2 * C)
         return saved, matmuls

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from attention.edges import Causal
-from attention.kernels import resolve_backend
+from attention.kernels import plan_attention, resolve_backend
 from attention.ops.blocks import block_structure
 
 F32 = 4  # bytes of a float32 element: the residual stream, norms' statistics, recurrent states, the loss
@@ -97,16 +97,24 @@ def attention_saved(mixer, m, k: Kernels, B: int, T: int) -> tuple[dict[str, int
         kernel              output a C and lse 4 H (see kernel_saved)
         merged heads        a C: (B, H, T, D) -> (B, T, C) is a copy, saved by the gate or c_proj
         gate (attn_gate)    sigmoid(W y) and sigmoid(W y) * y: 2 a C
-    plus RoPE's cos/sin tables (rope_tables). Returns the saved tensors and the matmul and kernel outputs
-    selective checkpointing keeps."""
+    plus RoPE's cos/sin tables (rope_tables). Where the CPU's chunked kernel gathers every head's keys by index
+    (compacted tiles, gathered_key_heads) it keeps copies of k and v with one zero row after the end instead of k and
+    v themselves: then of q, k and v only q survives (after RoPE; without RoPE q is a view that keeps qkv). Returns
+    the saved tensors and the matmul and kernel outputs selective checkpointing keeps."""
     C, H, D, a, tokens = m.n_embd, m.n_head, m.head_dim, k.act, B * T
-    saved = {"c_attn input": tokens * linear_inputs(k, 1, C), "qkv": 3 * a * C * tokens}
+    kernels = [(rule, resolve_backend(mixer.backend, rule, torch.device(k.device), D)) for rule in mixer.paths()]
+    gathered = [gathered_key_heads(kernel, rule, k, T, H, D) for rule, kernel in kernels]
+    only_copies = all(heads == H for heads in gathered)  # every path reads its own copies of k and v
+    saved = {"c_attn input": tokens * linear_inputs(k, 1, C)}
+    if not (only_copies and mixer.rope_theta is not None):
+        saved["qkv"] = 3 * a * C * tokens
     if mixer.rope_theta is not None:
-        saved["q, k after RoPE"] = 2 * a * C * tokens
+        saved["q after RoPE" if only_copies else "q, k after RoPE"] = (1 if only_copies else 2) * a * C * tokens
         saved["RoPE cos/sin tables"] = rope_tables(T, D)
+    if any(gathered):
+        saved["k and v gathered copies"] = sum(2 * a * B * heads * (T + 1) * D for heads in gathered)
     kernel_out = 0
-    for rule in mixer.paths():
-        kernel = resolve_backend(mixer.backend, rule, torch.device(k.device), D)
+    for rule, kernel in kernels:
         for name, size in kernel_saved(kernel, rule, mixer.activation, k, B, H, D, T).items():
             saved[name] = saved.get(name, 0) + size
         kernel_out += a * tokens * C + F32 * B * H * T
@@ -117,6 +125,15 @@ def attention_saved(mixer, m, k: Kernels, B: int, T: int) -> tuple[dict[str, int
     return saved, matmuls + kernel_out
 
 
+def gathered_key_heads(kernel: str, rule, k: Kernels, T: int, H: int, D: int) -> int:
+    """The heads whose keys the CPU's chunked kernel gathers by index from copies of k and v (compacted tiles:
+    attention/ops/chunked/groups.py, key_source) rather than slicing a band of them: read off its plan."""
+    if kernel != "chunked" or k.device != "cpu":
+        return 0
+    plan = plan_attention(rule, "chunked", T, H, D, "cpu")
+    return sum(len(group.heads) for group in plan.data.groups if getattr(group.data, "band", 0) is None)
+
+
 def window_path_saved(rule, k: Kernels, B: int, H: int, D: int, T: int) -> dict[str, int]:
     """The bridge path of branch fusion (attention/ops/window.py: window_attention): one (R rows x K keys) tile
     per boundary window j < J, gathered by index_select and run through one masked SDPA call, then scattered
@@ -125,7 +142,8 @@ def window_path_saved(rule, k: Kernels, B: int, H: int, D: int, T: int) -> dict[
         cuda (memory-efficient SDPA)  q tiles J R D, k and v tiles 2 J K D, output J R D (per batch and head,
                                       activation bytes), lse J R (fp32), and the mask as a bias (H J R K,
                                       activation bytes, shared by the batch)
-        cpu (SDPA's math path)        q and k scaled (J R D + J K D), probabilities J R K, v tiles J K D (fp32)
+        cpu (SDPA's math path)        q and k scaled (J R D + J K D), probabilities J R K, v tiles J K D, in
+                                      float32 also under bf16 autocast (the math path computes in float32 there)
     """
     first_row, _, R, K = rule.window_tiles(T)
     J, a = len(first_row), k.act
@@ -135,7 +153,7 @@ def window_path_saved(rule, k: Kernels, B: int, H: int, D: int, T: int) -> dict[
         saved = {"bridge tiles q, k, v": a * rows * J * (R + 2 * K) * D, "bridge tile output": a * rows * J * R * D,
                  "bridge tile lse (fp32)": F32 * rows * J * R, "bridge tile mask as bias": a * H * J * R * K}
     else:
-        saved = {"bridge tiles q, k, v (scaled)": a * rows * J * (R + 2 * K) * D,
-                 "bridge tile probabilities": a * rows * J * R * K}
+        saved = {"bridge tiles q, k, v (scaled, fp32)": F32 * rows * J * (R + 2 * K) * D,
+                 "bridge tile probabilities (fp32)": F32 * rows * J * R * K}
     saved["bridge rows scattered back"] = a * rows * inside * D
     return saved

@@ -42,6 +42,8 @@ from attention.memory import F32, linear_inputs, padded
 from attention.ops.mlstm.op import (TRITON_CHUNK, mlstm_sequence, triton_available, triton_head_problem,
                                     triton_runs_on)
 from attention.ops.mlstm.cell import mlstm_cell
+from attention.ops.recurrence import FORMS
+from attention.ops.recurrence.memory import chunked_saved
 from attention.call import MixerCall
 from attention.registry import RecurrentMixer, Setting, chunk_loop_problem, register
 
@@ -68,7 +70,9 @@ class MLSTMLayer(RecurrentMixer):
     paper = "003"
     summary = "every j <= i, through xLSTM 7B's matrix memory (exponential input, sigmoid forget gates)"
     settings = (MLSTM_N_HEAD, MLSTM_QK_DIM_FACTOR, MLSTM_GATE_SOFT_CAP, MLSTM_CHUNK, MLSTM_KERNEL)
+    forms = FORMS
     takes_documents = True  # every form restarts the state at a document's first token
+    translation_invariant = True  # a state from zero at a document's start, RoPE's relative positions
     gpu_kernel = ("mlstm_kernel", "triton", "mlstm_kernels", "kernel triton")
 
     @classmethod
@@ -172,7 +176,7 @@ class MLSTMLayer(RecurrentMixer):
             h, cache.state = mlstm_cell(q, k, v, i, f, cache.state, starts=starts, form="step")
             return h
         h, state = mlstm_sequence(q, k, v, i, f, None if cache is None else cache.state, self.chunk, kernel,
-                                  need_state=cache is not None, starts=starts)
+                                  need_state=cache is not None, starts=starts, form=self.form)
         if cache is not None:
             cache.state = state
         return h
@@ -215,11 +219,10 @@ class MLSTMLayer(RecurrentMixer):
 
         Cell, triton (mlstm_kernels, CUDA): q, k, v as given (the linears' outputs, a (2 d_qk + d_v) per head)
         and the float32 normaliser and stabiliser per head and position (8 H); the chunk states are recomputed.
-        Cell, native (the cell's chunked form, float32 for every input): per position and head, with chunk L, d_qk = dk,
-        d_v = dv, four L-wide tensors (log weights, q k^T, their exponential, the weights), 6 dk (k, q copied
-        for three matmuls, k^T and the chunk's decayed keys), 4 dv (the numerator, q C_before, v copied for two
-        matmuls) and ~14 scalars (stabilisers, normalisers, gates); per chunk, the state before it, its own
-        contribution and the scan's states, 3 (dk dv + dk)."""
+        Cell, native (float32 for every input): per position and head, what the recurrence core's stabilised
+        chunked form keeps over v with its column of ones (dv + 1 values; attention/ops/recurrence/memory.py), and
+        the cell's own: q and k cast to float32 (2 dk), the reads its normalised read divides (dv + 1) and ~5
+        gates and denominators."""
         C, H, a, tokens = m.n_embd, self.n_head, k.act, B * T  # the memory's heads (mlstm_n_head)
         dk, dv = self.qk_dim // H, self.v_head_dim
         triton = k.device == "cuda" and self.kernel != "native" and not self.narrow  # (installed on the GPU)
@@ -232,7 +235,7 @@ class MLSTMLayer(RecurrentMixer):
         else:
             L = self.chunk
             n = padded(T, L)
-            per_head = 4 * L + 6 * dk + 4 * dv + 14 + 3 * (dk * dv + dk) / L
+            per_head = chunked_saved(L, dk, dv + 1, decay=True, gain=True, stabilised=True) + 2 * dk + (dv + 1) + 5
             saved["chunkwise cell (fp32)"] = int(F32 * B * H * n * per_head)
             matmuls = int(F32 * B * H * n * (L + 2 * dv + 1 + dk * dv / L))
         saved["cell output h (fp32) and norm statistics"] = F32 * tokens * (C + 2 * H)

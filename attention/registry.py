@@ -91,9 +91,12 @@ class Mixer(nn.Module):
     # whether a position's output is independent of the sequence's length (how far it was padded): false for sa,
     # whose permutation is drawn over the whole length
     length_independent = True
-    # declared, never inspected: whether init_cache gives a generation state, and whether forward honours call.docs
+    # declared, never inspected: whether init_cache gives a generation state, whether forward honours call.docs,
+    # and whether a position's output depends on relative positions alone (a document's outputs are the same
+    # wherever it starts: windows and recurrences under RoPE, not blocks at fixed boundaries or sa's permutation)
     supports_cache = False
     takes_documents = False
+    translation_invariant = False
 
     @classmethod
     def check_config(cls, config) -> None:
@@ -133,6 +136,10 @@ class RecurrentMixer(Mixer):
     every earlier token can reach every later one, and generation keeps only the state."""
 
     supports_cache = True
+    # the recurrence core's forms (attention/ops/recurrence: FORMS) a mixer built on it declares; its training and
+    # prompts run `form`, which the conformance tests switch to hold the forms to each other (empty: its own forms)
+    forms: tuple = ()
+    form = "chunked"
 
     def init_cache(self, batch_size, max_len, device, dtype):
         return RecurrentState()
@@ -264,6 +271,12 @@ def example_cases(window: int) -> dict[str, dict]:
 def used_settings(config) -> set[str]:
     """The names of the mixer settings (Mixer.settings) some layer of this config reads."""
     return {setting_name(s) for name in set(layer_names(config)) for s in MIXERS[name].settings}
+
+
+def pattern_settings(attn_pattern: str) -> set[str]:
+    """The names of the mixer settings the mixers of a pattern read (aliases expanded), before any config exists:
+    what a command may pass for it (a run refuses the others)."""
+    return {setting_name(s) for name in set(pattern_names(attn_pattern)) if name in MIXERS for s in MIXERS[name].settings}
 
 
 def mixer_settings() -> set[str]:

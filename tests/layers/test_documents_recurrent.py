@@ -130,20 +130,18 @@ def test_simulated_fla_gated_deltanet_forgets_the_state_at_document_starts():
 
 if torch.cuda.is_available():
 
-    @pytest.mark.gpu
-    @pytest.mark.parametrize("mixer", ["mlstm", "gated_deltanet"])
-    def test_cuda_kernels_with_documents_equal_native_forms_in_bf16(mixer, device):
-        # the real Triton kernels (mlstm_kernels', fla's) on packed documents, against the native forms' exact
-        # masks on the same weights, under bf16 autocast: each kernel's own tolerance of its test without docs
-        from attention.ops.gated_deltanet.fla_kernel import fla_chunk_kernel
-        from attention.ops.mlstm.op import triton_available
+    from attention.capabilities import gpu_kernel
+    from attention.registry import MIXERS
 
-        kernel = {"mlstm": dict(mlstm_kernel="triton"), "gated_deltanet": dict(gdn_kernel="fla")}[mixer]
-        if not (triton_available() if mixer == "mlstm" else fla_chunk_kernel() is not None):
-            pytest.skip(f"{mixer}'s GPU kernel is not installed")
+    @pytest.mark.gpu
+    @pytest.mark.parametrize("mixer", [name for name, cls in MIXERS.items() if gpu_kernel(cls) and cls.takes_documents])
+    def test_cuda_kernels_with_documents_equal_native_forms_in_bf16(mixer, device):
+        # each GPU kernel a mixer declares (mlstm_kernels', fla's) on packed documents, against the native forms'
+        # exact masks on the same weights, under bf16 autocast: each kernel's own tolerance of its test without docs
+        setting, value = gpu_kernel(MIXERS[mixer])[:2]
         cfg = tiny_config(mixer, n_head=2, n_embd=128, mlstm_n_head=2, block_size=256, document_mask=True, eot_id=7,
-                          **kernel)
-        reference = dataclasses.replace(cfg, mlstm_kernel="native", gdn_kernel="native")
+                          **{setting: value})
+        reference = dataclasses.replace(cfg, **{setting: "native"})
         torch.manual_seed(0)
         models = [GPT(cfg).to(device), GPT(reference).to(device)]
         models[1].load_state_dict(models[0].state_dict())

@@ -75,14 +75,14 @@ def test_hybrid_trains_one_step(monkeypatch):
     opt.step()
     import attention.gated_deltanet as gdn_module
 
-    seen, original = [], gdn_module.chunked_recurrence
+    seen, original = [], gdn_module.recurrence
 
-    def spy(q, k, v, gates, *args, **kwargs):
+    def spy(form, q, k, v, gates, *args, **kwargs):
         tensors = (q, k, v, gates.log_decay, gates.beta)
         seen.append({t.dtype for t in tensors if isinstance(t, torch.Tensor)})
-        return original(q, k, v, gates, *args, **kwargs)
+        return original(form, q, k, v, gates, *args, **kwargs)
 
-    monkeypatch.setattr(gdn_module, "chunked_recurrence", spy)
+    monkeypatch.setattr(gdn_module, "recurrence", spy)
     with torch.no_grad():
         full, _ = model(idx)
         seen.clear()

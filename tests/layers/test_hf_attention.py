@@ -148,7 +148,11 @@ def test_what_the_variants_cannot_honour_is_refused():
 @pytest.mark.e2e
 def test_recurrent_mixers_inside_a_pretrained_model_are_refused_with_the_reason(tmp_path):
     folder, data_dir = tiny_hf.build_tiny_hf_model(tmp_path / "hf")
-    for pattern in ("mlstm", "gated_deltanet", "linear", "swax"):
+    from attention.registry import MIXERS, PATTERN_ALIASES, RecurrentMixer
+
+    recurrent = [name for name, cls in MIXERS.items() if issubclass(cls, RecurrentMixer)]
+    hybrid = next(alias for alias, pattern in PATTERN_ALIASES.items() if set(pattern.split(",")) & set(recurrent))
+    for pattern in (*recurrent, hybrid):
         proc = run(["-m", "eval"], f"--hf={folder}", f"--data_dir={data_dir}", f"--attn_pattern={pattern}",
                    f"--out_dir={tmp_path / pattern}", "--limit=1", "--progress=False")
         assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr

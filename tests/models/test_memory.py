@@ -9,21 +9,20 @@ import sys
 import pytest
 import torch
 
+from attention.registry import example_cases
 from config import ModelConfig
 from conftest import REPO
 from model import GPT, chunked_cross_entropy, token_nll
 from runtime.parallelize import apply_activation_checkpointing
 
-FAMILIES = ["full", "swa", "block", "mswa", "sa", "sa_swa", "swat", "linear", "mlstm", "gated_deltanet", "pbb",
-            "se_bridge", "swax", "moba"]
+CASES = example_cases(32)  # every registered mixer, its check variants and each pattern alias
 
 
-def model_of(pattern, dropout=0.1, **kw):
-    kw = {"vocab_size": 128, **kw}
-    cfg = ModelConfig(arch="llama", n_layer=4, n_head=4, n_embd=64, block_size=128, bias=False, attn_pattern=pattern,
-                      swa_window=32, block_len=32, bridge_width=32, bridge_extension=16, moba_block=16, dropout=dropout, **kw)
+def model_of(case, dropout=0.1, **kw):
+    settings = {"arch": "llama", "n_layer": 4, "n_head": 4, "n_embd": 64, "block_size": 128, "bias": False,
+                "vocab_size": 128, "dropout": dropout, **CASES[case], **kw}
     torch.manual_seed(0)
-    return GPT(cfg)
+    return GPT(ModelConfig(**settings))
 
 
 def step(model, idx, loss_chunk=0):
@@ -36,11 +35,11 @@ def step(model, idx, loss_chunk=0):
     return loss.detach(), grads, torch.get_rng_state()
 
 
-@pytest.mark.parametrize("pattern", FAMILIES)
-def test_checkpointed_gradients_equal_plain_gradients(pattern):
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_checkpointed_gradients_equal_plain_gradients(case):
     # dropout is on: recomputation must replay its masks; sa's permutation is drawn once per forward, before
     # the blocks (GPT.plan), so the recomputation sees the same edges and draws nothing more
-    reference = model_of(pattern)
+    reference = model_of(case)
     idx = torch.randint(0, 128, (2, 129), generator=torch.Generator().manual_seed(1))
     loss, grads, rng = step(copy.deepcopy(reference), idx)
     for mode in ("full", "selective"):

@@ -133,3 +133,8 @@ def test_a_kv_cache_grows_past_the_length_it_was_allocated_for():
     # the memory a generation holds is measured from the caches the layers build, nothing allocated
     one = model.generation_bytes(2, 1000)
     assert model.generation_bytes(2, 2000) - one == 1000 * 2 * (8 + 2 * 2 * model.config.n_embd * 4)
+
+
+def test_document_mask_needs_the_end_of_text_token():
+    with pytest.raises(ValueError, match="eot_id"):
+        GPT(ModelConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=61, document_mask=True, eot_id=-1))

@@ -1,124 +1,15 @@
-"""scripts/plan_memory.py: its activation estimate against the tensors autograd really keeps for backward (small
-CPU models), the numbers its command line prints, and the paper recipes' fit on 80 GB GPUs."""
+"""scripts/plan_memory.py: the numbers its command line prints and the paper recipes' fit on 80 GB GPUs (its
+activation estimate against the tensors autograd keeps, for every case of the registry, is the conformance kit's:
+tests/models/test_conformance.py)."""
 
 import json
 import subprocess
 import sys
 
 import pytest
-import torch
 
-from config import ModelConfig
 from conftest import REPO
-from model import GPT
-from runtime.parallelize import apply_activation_checkpointing
-from runtime.memory_plan import GIB, Kernels, PlanOptions, block_activations, head_saved, plan
-
-SMALL = dict(arch="llama", n_layer=2, n_head=4, n_embd=96, block_size=256, bias=False, dropout=0.0, vocab_size=320,
-             swa_window=32, block_len=32, bridge_width=32, bridge_extension=16)
-CASES = {  # name: the model's differences from SMALL
-    "full": {"attn_pattern": "full"},
-    "swa": {"attn_pattern": "swa", "n_embd": 128, "block_size": 512},
-    "sa": {"attn_pattern": "sa"},
-    "sa_swa": {"attn_pattern": "sa_swa"},
-    "mswa": {"attn_pattern": "mswa", "n_layer": 4},
-    "pbb": {"attn_pattern": "pbb"},
-    "swat": {"attn_pattern": "swat"},
-    "swax": {"attn_pattern": "swax"},  # swa, mlstm
-    "gated_deltanet": {"attn_pattern": "gated_deltanet"},
-    "linear": {"attn_pattern": "linear"},
-    "moba": {"attn_pattern": "moba", "moba_block": 32},
-    "gpt2_full": {"arch": "gpt2", "bias": True, "attn_pattern": "full"},
-}
-BATCH = 2
-
-
-def small_model(name: str) -> GPT:
-    torch.manual_seed(0)
-    return GPT(ModelConfig(**{**SMALL, **CASES[name]}))
-
-
-def saved_for_backward(model: GPT, autocast: bool = False) -> tuple[list[int], int]:
-    """Bytes autograd keeps after one forward: every saved tensor's storage counted once (many saved tensors are
-    views of one storage), parameters and autocast's copies of them excluded (the plan counts those as weights).
-    Returns the bytes first saved inside each block, and the rest (embedding, final norm, head, loss)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    weight_shapes = {tuple(p.shape) for p in model.parameters()} | {tuple(p.shape[::-1]) for p in model.parameters()}
-    owner, seen = ["outside"], {}
-
-    def enter(index):
-        def hook(module, args):
-            owner.append(index)
-        return hook
-
-    def leave(module, args, output):
-        owner.pop()
-
-    hooks = [hook for i, block in enumerate(model.blocks)
-             for hook in (block.register_forward_pre_hook(enter(i)), block.register_forward_hook(leave))]
-
-    def pack(t):
-        storage = t.untyped_storage()
-        weight_copy = (t.dtype == torch.bfloat16 and tuple(t.shape) in weight_shapes
-                       and storage.nbytes() == 2 * t.numel())
-        if storage.data_ptr() not in params and not weight_copy:
-            seen.setdefault(storage.data_ptr(), (owner[-1], storage.nbytes()))
-        return t
-
-    idx = torch.randint(0, model.config.vocab_size, (BATCH, model.config.block_size + 1))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-            torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        model(idx[:, :-1], idx[:, 1:])
-    for hook in hooks:
-        hook.remove()
-    per_block = [sum(size for where, size in seen.values() if where == i) for i in range(len(model.blocks))]
-    return per_block, sum(size for where, size in seen.values() if where == "outside")
-
-
-def assert_close(estimated: int, measured: int, what: str, tolerance: float = 0.2):
-    assert abs(estimated - measured) <= tolerance * measured, \
-        f"{what}: estimated {estimated:,} bytes, measured {measured:,} ({estimated / measured - 1:+.1%})"
-
-
-@pytest.mark.parametrize("name", CASES)
-def test_activation_estimate_matches_the_tensors_saved_for_backward(name):
-    model = small_model(name)
-    m, kernels = model.config, Kernels("cpu", 4)  # float32 on the CPU kernels (chunked, ChunkedFlashCPU)
-    per_block, outside = saved_for_backward(model)
-    layers = [block_activations(block, m, kernels, BATCH, m.block_size) for block in model.blocks]
-    for i, (layer, measured) in enumerate(zip(layers, per_block)):
-        assert_close(layer.total, measured, f"{name} block {i} ({layer.mixer})")
-    head = sum(head_saved(m, kernels, BATCH, m.block_size, loss_chunk=0).values())
-    assert_close(head, outside, f"{name} final norm, head and loss")
-    assert_close(sum(layer.total for layer in layers) + head, sum(per_block) + outside, f"{name} in all")
-
-
-@pytest.mark.parametrize("name", ["swa", "sa_swa", "swax", "gated_deltanet", "linear", "gpt2_full"])
-def test_bf16_autocast_estimate_matches_the_tensors_saved_for_backward(name):
-    # autocast casts the float32 input of every linear layer on its own and returns bf16: the GPU's accounting
-    model = small_model(name)
-    m, kernels = model.config, Kernels("cpu", 2)
-    per_block, outside = saved_for_backward(model, autocast=True)
-    estimated = sum(block_activations(block, m, kernels, BATCH, m.block_size).total for block in model.blocks)
-    estimated += sum(head_saved(m, kernels, BATCH, m.block_size, loss_chunk=0).values())
-    assert_close(estimated, sum(per_block) + outside, f"{name} under bf16 autocast")
-
-
-@pytest.mark.parametrize("name", ["swa", "sa_swa", "swax", "gated_deltanet"])
-def test_full_checkpointing_keeps_only_the_block_inputs(name):
-    # through the forward each checkpointed block keeps its input (and positions), saved by the checkpoint;
-    # its activations (the amount the first test checks) are recomputed in backward, one block at a time
-    model = small_model(name)
-    m, kernels = model.config, Kernels("cpu", 4)
-    apply_activation_checkpointing(model, "full")
-    per_block, outside = saved_for_backward(model)
-    layers = [block_activations(block, m, kernels, BATCH, m.block_size) for block in model.blocks]
-    for i, (layer, measured) in enumerate(zip(layers, per_block)):
-        assert_close(layer.kept("full"), measured, f"{name} block {i} with full checkpointing")
-    head = sum(head_saved(m, kernels, BATCH, m.block_size, loss_chunk=0).values())
-    assert_close(sum(layer.kept("full") for layer in layers) + head, sum(per_block) + outside,
-                 f"{name} with full checkpointing, in all")
-
+from runtime.memory_plan import GIB, PlanOptions, plan
 
 def run_plan(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "scripts.plan_memory", *args], cwd=REPO, capture_output=True, text=True,

@@ -15,14 +15,16 @@ from attention.documents import begins_document
 from attention.ops.linear.feature_map import TAYLOR
 from attention.ops.recurrence import (IDENTITY, Gates, State, chunked_recurrence, parallel_recurrence,
                                       stepwise_recurrence)
+from attention.ops.recurrence.memory import chunked_saved
 from attention.ops.recurrence.summary import apply, combine, summarise
 from conftest import generator
 from helpers import LargestTensor, packed_documents
 
 ROWS, HEADS, DK, DV = 3, 2, 4, 5
 # the kinds of gates the mixers give the core: linear attention (Taylor features, no gates), the mLSTM (decay and
-# exponential gains, stabilised), Gated DeltaNet (decay and the delta rule), and two the core serves as well
-KINDS = ("taylor", "stabilised", "delta", "decay_gain", "delta_no_decay")
+# exponential gains, stabilised), Gated DeltaNet (decay and the delta rule), retention (a decay alone:
+# examples/retention.py), and those the core serves as well
+KINDS = ("taylor", "stabilised", "delta", "decay", "decay_gain", "gain", "delta_no_decay")
 
 
 def inputs(kind, n, seed=0, dtype=torch.float64, state=False):
@@ -38,6 +40,10 @@ def inputs(kind, n, seed=0, dtype=torch.float64, state=False):
         leaves = {"log_decay": F.logsigmoid(randn(n) * 2 + 4), "log_gain": randn(n) * 3 - 10}
     elif kind == "decay_gain":
         leaves = {"log_decay": -F.softplus(randn(n)), "log_gain": randn(n) * 0.5}
+    elif kind == "decay":
+        leaves = {"log_decay": -F.softplus(randn(n))}
+    elif kind == "gain":
+        leaves = {"log_gain": randn(n) * 0.5}
     else:  # the delta rule: unit keys, q scaled as Gated DeltaNet's
         q, k = F.normalize(q, dim=-1) / 2, F.normalize(k, dim=-1)
         leaves = {"beta": torch.sigmoid(randn(n))}
@@ -267,3 +273,35 @@ def test_summaries_compose_in_any_grouping_to_the_state_one_pass_leaves(kind, wi
     grouped = combine(maps[0], combine(combine(maps[1], maps[2]), maps[3]))
     for whole in (left, grouped):
         assert_all_close(state_leaves(apply(whole, state)), state_leaves(final))
+
+
+def saved_bytes(fn) -> int:
+    """Bytes of every tensor autograd keeps for backward during fn(), each storage counted once."""
+    seen = {}
+
+    def pack(t):
+        seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n, chunk, width, values", [(128, 64, 16, 16), (64, 32, 8, 24), (128, 64, 4, 9)])
+def test_the_byte_model_is_what_the_chunked_form_keeps(kind, n, chunk, width, values):
+    # the gates are made before the call, from leaves: only what the form itself keeps is measured
+    g = generator(0)
+    leaf = lambda *shape: torch.randn(ROWS, HEADS, *shape, generator=g).requires_grad_()  # noqa: E731
+    q, k, v = leaf(n, width), leaf(n, width), leaf(n, values)
+    gates = {"stabilised": dict(log_decay=-F.softplus(leaf(n)), log_gain=leaf(n), stabilised=True),
+             "delta": dict(log_decay=-F.softplus(leaf(n)), beta=torch.sigmoid(leaf(n))),
+             "delta_no_decay": dict(beta=torch.sigmoid(leaf(n))),
+             "decay_gain": dict(log_decay=-F.softplus(leaf(n)), log_gain=leaf(n)),
+             "decay": dict(log_decay=-F.softplus(leaf(n))), "gain": dict(log_gain=leaf(n))}.get(kind, {})
+    features = TAYLOR if kind == "taylor" else IDENTITY
+    measured = saved_bytes(lambda: chunked_recurrence(q, k, v, Gates(**gates), None, chunk, None, features))
+    estimated = 4 * ROWS * HEADS * n * chunked_saved(
+        chunk, width, values, decay="log_decay" in gates, gain="log_gain" in gates, delta="beta" in gates,
+        stabilised=gates.get("stabilised", False), features=features)
+    assert abs(estimated - measured) <= 0.03 * measured, (estimated, measured)

@@ -6,10 +6,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from attention.ops.recurrence import Gates, chunked_recurrence, parallel_recurrence, stepwise_recurrence
+from attention.ops.recurrence import Gates, recurrence
 
 EPS = 1e-6
-FORMS = {"chunked": chunked_recurrence, "step": stepwise_recurrence, "parallel": parallel_recurrence}
 
 
 def mlstm_cell(q, k, v, i, f, state=None, chunk: int = 64, eps: float = EPS, starts=None, form: str = "chunked",
@@ -28,8 +27,7 @@ def mlstm_cell(q, k, v, i, f, state=None, chunk: int = 64, eps: float = EPS, sta
     q = q * q.shape[-1] ** -0.5
     gates = Gates(log_decay=F.logsigmoid(f), log_gain=i, stabilised=True)
     values = torch.cat([v, torch.ones_like(v[..., :1])], -1)
-    extra = {"chunk": chunk} if form == "chunked" else {}
-    reads, m, state = FORMS[form](q, k, values, gates, state, starts=starts, **extra)
+    reads, m, state = recurrence(form, q, k, values, gates, state, starts, chunk=chunk)
     numerator, qn = reads[..., :-1], reads[..., -1:]
     denominator = torch.maximum(qn.abs(), torch.exp(-m)[..., None])
     h = numerator / (denominator + eps)

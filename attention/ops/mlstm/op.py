@@ -176,12 +176,13 @@ def _bw_samples():
 
 
 def mlstm_sequence(q, k, v, i, f, state=None, chunk: int = 64, kernel: str = "auto", need_state: bool = True,
-                  starts=None):
+                  starts=None, form: str = "chunked"):
     """A whole sequence in the training form: mlstm_kernels' Triton kernel on CUDA when it is installed (its CPU
     stand-in while simulating CUDA; kernel auto or triton, from a zero state, when the final state is not
     needed), else the mLSTM's cell on the recurrence core in its chunked form. starts (B, n) bool: the tokens that begin a document, where the state
     restarts from zero (the Triton kernel closes the forget gate there: RESTART_FORGET); None: none.
-    Returns h and the final state (None from the Triton kernel). The Triton kernel takes q, k, v in their own
+    form: the cell's form where the Triton kernel does not run (the conformance tests switch it). Returns h and the
+    final state (None from the Triton kernel). The Triton kernel takes q, k, v in their own
     dtype (bfloat16 under bf16 training: its matmuls run in bf16 with float32 accumulation, as xLSTM 7B
     trains) and the gates in float32; the chunked form computes in float32 or better."""
     triton = kernel != "native" and simulate_cuda.gpu_path(q.device) and state is None and not need_state
@@ -192,7 +193,7 @@ def mlstm_sequence(q, k, v, i, f, state=None, chunk: int = 64, kernel: str = "au
         triton = False
     if not triton:
         compute = torch.promote_types(q.dtype, torch.float32)
-        return mlstm_cell(*(t.to(compute) for t in (q, k, v, i, f)), state, chunk, starts=starts)
+        return mlstm_cell(*(t.to(compute) for t in (q, k, v, i, f)), state, chunk, starts=starts, form=form)
     length, kernel_chunk = q.shape[2], TRITON_CHUNK
     pad = -length % kernel_chunk  # the kernel wants whole chunks; padding after the end changes no output
     i, f = i.float(), f.float()

@@ -23,10 +23,29 @@ and what context parallelism composes (summary.py): the effect of a stretch of t
 map, which combine in any grouping, so the maps of several shards combine in parallel.
 """
 
+import torch
+
 from attention.ops.recurrence.chunk import chunked_recurrence
 from attention.ops.recurrence.gates import IDENTITY, FeatureMap, Gates, State
 from attention.ops.recurrence.naive import parallel_recurrence
 from attention.ops.recurrence.step import stepwise_recurrence
 
-__all__ = ["IDENTITY", "FeatureMap", "Gates", "State", "chunked_recurrence", "parallel_recurrence",
-           "stepwise_recurrence"]
+FORMS = ("chunked", "step", "parallel")
+
+
+def recurrence(form: str, q, k, v, gates: Gates = Gates(), state: State | None = None, starts=None,
+               features: FeatureMap = IDENTITY, chunk: int = 64):
+    """The recurrence in one of its FORMS (chunk: the chunked form's chunk length), in the inputs' own dtype:
+    autocast is off inside, so that no matmul of the state runs in bf16. Returns (reads, m or None, state)."""
+    with torch.autocast(q.device.type, enabled=False):
+        if form == "chunked":
+            return chunked_recurrence(q, k, v, gates, state, chunk, starts, features)
+        if form == "step":
+            return stepwise_recurrence(q, k, v, gates, state, starts, features)
+        if form == "parallel":
+            return parallel_recurrence(q, k, v, gates, state, starts, features)
+    raise ValueError(f"unknown recurrence form {form!r}: expected one of {', '.join(FORMS)}")
+
+
+__all__ = ["FORMS", "IDENTITY", "FeatureMap", "Gates", "State", "chunked_recurrence", "parallel_recurrence",
+           "recurrence", "stepwise_recurrence"]
