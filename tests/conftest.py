@@ -475,6 +475,36 @@ def run_in_process(command, *args) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess([sys.executable, *command, *args], status or 0, *captured.text)
 
 
+@pytest.fixture
+def python_children_in_process(monkeypatch):
+    """A tool under test that runs `python COMMAND ...` with subprocess.run (a sweep's training runs, evaluations
+    and comparison) has that command run in this process (run_in_process) and gets back what subprocess.run
+    gives: the exit status (CalledProcessError with check=True), the output captured with capture_output=True
+    (text or bytes), else written on as a child's would be. Calls with other arguments (env, stdin, input, ...),
+    another working directory or another program start their process as before."""
+    real = subprocess.run
+
+    def run(command, *args, **kwargs):
+        handled = {"cwd", "check", "capture_output", "text", "timeout"}
+        if args or set(kwargs) - handled or not isinstance(command, (list, tuple)) or not command or \
+                command[0] != sys.executable or len(command) < 2 or \
+                Path(kwargs.get("cwd") or os.getcwd()).resolve() != REPO:
+            return real(command, *args, **kwargs)
+        proc = run_in_process([str(part) for part in command[1:]])
+        if not kwargs.get("capture_output"):
+            sys.stdout.write(proc.stdout)
+            sys.stderr.write(proc.stderr)
+            proc.stdout = proc.stderr = None
+        elif not kwargs.get("text"):
+            proc.stdout, proc.stderr = proc.stdout.encode(), proc.stderr.encode()
+        proc.args = command
+        if kwargs.get("check"):
+            proc.check_returncode()
+        return proc
+
+    monkeypatch.setattr(subprocess, "run", run)
+
+
 def train_in_process(args, check=True):
     """python train.py ARGS in this process (run_in_process): the run train_subprocess starts, without starting
     python."""

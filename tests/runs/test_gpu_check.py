@@ -169,9 +169,28 @@ def test_bad_options_exit_with_status_2(tmp_path, monkeypatch, args, message):
     assert not (tmp_path / "report.json").exists()
 
 
+@pytest.fixture(scope="session")
+def gpu_test_ids(tmp_path_factory):
+    """budgets.collected_gpu_tests(), the collection the check runs (pytest --collect-only over gpu_tests.GPU_TESTS
+    in a process of its own: half a minute), once per session: the xdist workers share it through a file in the
+    folder they share."""
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the run's folder, above each worker's own
+    path = shared / "gpu_test_ids.json"
+    with FileLock(f"{path}.lock"):
+        if not path.exists():
+            path.write_text(json.dumps(budgets.collected_gpu_tests()))
+        ids = json.loads(path.read_text())
+    return None if ids is None else tuple(ids)
+
+
 @pytest.mark.e2e
-def test_plan_fits_20_minutes_on_one_h100_with_budgets_from_counted_compilations(tmp_path):
-    # in this process: the plan and the budgets below share one collection of the gpu tests (budgets.py caches it)
+def test_plan_fits_20_minutes_on_one_h100_with_budgets_from_counted_compilations(tmp_path, monkeypatch, gpu_test_ids):
+    # in this process, its budgets from the session's one collection of the gpu tests (budgets caches it per process)
+    monkeypatch.setattr(budgets, "collected_gpu_tests", lambda: gpu_test_ids)
     proc = run_in_process(["-m", "scripts.gpu_check"], "--plan", f"--out={tmp_path}")
     assert proc.returncode == 0, proc.stderr
     total = next(line for line in proc.stdout.splitlines() if line.startswith("total"))
@@ -245,12 +264,11 @@ def test_riskiest_steps_and_runs_come_first():
 
 
 @pytest.mark.e2e
-def test_gpu_tests_are_selected_by_marker_never_by_name():
+def test_gpu_tests_are_selected_by_marker_never_by_name(gpu_test_ids):
     # `-k cuda` ignored case and picked this file's "CUDA is not available" case, a whole GPU check inside the
-    # check; the marker selects exactly the tests of GPU paths
-    # the collection the check runs (pytest --collect-only over gpu_tests.GPU_TESTS in a process of its own), cached
-    # for the plan's budgets in this process: None when pytest failed or selected nothing
-    selected = budgets.collected_gpu_tests()
+    # check; the marker selects exactly the tests of GPU paths. gpu_test_ids: None when pytest failed or selected
+    # nothing
+    selected = gpu_test_ids
     assert selected is not None and len(selected) >= 25, selected
     assert not [t for t in selected if "test_gpu_check.py" in t or "gpu_check" in t.partition("::")[2]]
     assert {t.partition("::")[0] for t in selected} >= {"tests/ops/test_attention.py", "tests/layers/test_sa.py",

@@ -7,7 +7,7 @@ from conftest import REPO, run_in_process
 
 
 @pytest.mark.e2e
-def test_sweep_trains_compares_and_resumes(tmp_path):
+def test_sweep_trains_compares_and_resumes(tmp_path, python_children_in_process):
     configs = []
     for pattern in ("full", "swa"):
         path = tmp_path / f"tiny_{pattern}.py"
@@ -17,7 +17,8 @@ def test_sweep_trains_compares_and_resumes(tmp_path):
                         f'attn_pattern = "{pattern}"\n{window}')
         configs.append(str(path))
     out = tmp_path / "sweep"
-    # the sweep in this process; its training runs, evaluations and comparison start their own
+    # the sweep in this process, and the training runs, evaluations and comparison it starts too (conftest's
+    # python_children_in_process): its resume logic is what is checked here, not its processes
     args = [*configs, f"--out={out}", "--eval=--tasks=ppl --ppl_lengths=16"]
     first = run_in_process(["-m", "scripts.sweep"], *args)
     assert first.returncode == 0, first.stderr[-2000:]
