@@ -108,8 +108,8 @@ class EvalRunConfig:
     diag_samples: int = 0  # examples per cell (distance, offset); 0: the paper's prompts per probe (1,600 needle, 400 bridge window, ...)
     diag_distances: str = "16,32,48,64,96,128,192,256,384,512,768"  # needle and semantic distances (< length)
     diag_length: int = 0  # context length; 0: the run's block_size
-    diag_block: int = 0  # block size b of the boundaries; 0: the run's block_len
-    diag_half: int = 0  # bridge half-width h; 0: the run's bridge_width / 2
+    diag_block: int = 0  # block size b of the boundaries; 0: the run's block_len (a run without one must say)
+    diag_half: int = 0  # bridge half-width h; 0: the run's bridge_width / 2 (se_bridge: its extension; else b / 2)
     progress: bool = True
     # a Hugging Face causal LM instead of a run (the attention settings are model config keys on the command line)
     hf: str = ""  # hub name or save_pretrained folder
@@ -325,6 +325,21 @@ def run_recall(e: EvalRunConfig, ctx) -> dict:
     return {"rows": rows, "per_example": per_example}
 
 
+def diagnostics_geometry(e: EvalRunConfig, model_config) -> diagnostics_task.Geometry:
+    """The probes' geometry: what the command gives, else the run's own block size b and bridge half-width h
+    (bridge_width / 2, or se_bridge's extension e; a block run's h = b / 2, the paper's w = b). A run whose layers
+    read no block_len (full, swa) has no boundaries of its own: its b is asked for, never a default's."""
+    own = used_settings(model_config)
+    block = e.diag_block or (model_config.block_len if "block_len" in own else 0)
+    if not block:
+        raise ConfigError(f"--tasks=diagnostics: the run's layers ({model_config.attn_pattern}) read no block_len, so "
+                          "the probes have no block size of their own: pass --diag_block=B and --diag_half=H, the "
+                          "geometry of the runs it is compared with")
+    half = e.diag_half or (model_config.bridge_width // 2 if "bridge_width" in own else
+                           model_config.bridge_extension if "bridge_extension" in own else block // 2)
+    return diagnostics_task.Geometry(e.diag_length or model_config.block_size, block, half)
+
+
 def run_diagnostics(e: EvalRunConfig, ctx) -> dict:
     cfg, meta = ctx["cfg"], ctx["meta"]
     fact_format = e.diag_format
@@ -340,8 +355,7 @@ def run_diagnostics(e: EvalRunConfig, ctx) -> dict:
                           f"(dataset {cfg.data.dataset}): expected some of {', '.join(available)}"
                           + ("; the semantic probes need --diag_format=notes and a natural-language run"
                              if fact_format == "recall" else ""))
-    geometry = diagnostics_task.Geometry(e.diag_length or cfg.model.block_size, e.diag_block or cfg.model.block_len,
-                                         e.diag_half or cfg.model.bridge_width // 2)
+    geometry = diagnostics_geometry(e, cfg.model)
     haystack = filler_text(open_tokens(ctx["data_dir"], "val"), meta["eot_id"])
     result = diagnostics_task.run(ctx["model"], ctx["tokenizer"], haystack, geometry, probes,
                                   min(e.diag_samples or e.limit, e.limit or e.diag_samples),  # the smaller of those set; 0: none

@@ -303,8 +303,9 @@ def run_python(command, *args, timeout=300):
 # from the repository with that sys.argv, one torch thread per OMP_NUM_THREADS, a fresh interpreter's warning
 # filters and empty compiler caches, its stdout and stderr captured at the file descriptors (torch's C++
 # messages too), its exit status from SystemExit (an uncaught exception: its traceback on stderr and status 1).
-# What it changed in the process is put back afterwards: the environment (train.py sets OMP_WAIT_POLICY, which
-# later subprocesses would inherit), signal handlers, RNG states, logging handlers, a process group left open.
+# What it registered to run at exit runs as it ends (a run folder's lock is released then), and what it changed in
+# the process is put back: the environment (train.py sets OMP_WAIT_POLICY, which later subprocesses would
+# inherit), signal handlers, RNG states, logging handlers, a process group left open.
 
 # a fresh interpreter's warning filters (python -W and PYTHONWARNINGS aside)
 FRESH_WARNING_FILTERS = [("default", None, DeprecationWarning, "__main__", 0),
@@ -408,10 +409,9 @@ class _FreshProcessState:
         return self
 
     def __exit__(self, *exc):
+        import atexit
         import logging
         import random
-
-        import atexit
         import traceback
 
         import numpy as np
@@ -482,13 +482,15 @@ def python_children_in_process(monkeypatch):
     gives: the exit status (CalledProcessError with check=True), the output captured with capture_output=True
     (text or bytes), else written on as a child's would be. Calls with other arguments (env, stdin, input, ...),
     another working directory or another program start their process as before."""
-    real = subprocess.run
+    real, handled = subprocess.run, {"cwd", "check", "capture_output", "text", "timeout"}
+
+    def python_here(command, args, kwargs) -> bool:
+        return (not args and not set(kwargs) - handled and isinstance(command, (list, tuple)) and len(command) > 1
+                and command[0] == sys.executable and (command[1] == "-m" or str(command[1]).endswith(".py"))
+                and Path(kwargs.get("cwd") or os.getcwd()).resolve() == REPO)
 
     def run(command, *args, **kwargs):
-        handled = {"cwd", "check", "capture_output", "text", "timeout"}
-        if args or set(kwargs) - handled or not isinstance(command, (list, tuple)) or not command or \
-                command[0] != sys.executable or len(command) < 2 or \
-                Path(kwargs.get("cwd") or os.getcwd()).resolve() != REPO:
+        if not python_here(command, args, kwargs):
             return real(command, *args, **kwargs)
         proc = run_in_process([str(part) for part in command[1:]])
         if not kwargs.get("capture_output"):

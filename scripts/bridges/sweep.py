@@ -41,11 +41,14 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIGS = {"cpu": "configs/bridges/bridges_cpu_{}.py", "cpu_recall": "configs/bridges/bridges_cpu_recall_{}.py",
            "124m": "configs/bridges/owt_124m_{}.py"}
 # what every run is evaluated with (python -m eval arguments; diagnostics are required)
-EVAL = {"cpu": "--tasks=ppl,diagnostics --diag_samples=25 --progress=False",
+# and the scale's geometry (b, h = b / 2) given to every family alike: full and swa runs read no block_len
+EVAL = {"cpu": "--tasks=ppl,diagnostics --diag_samples=25 --diag_block=64 --diag_half=32 --progress=False",
         # answers only (no text perplexity); needles at the trained distances: further back, a statement is
         # always an earlier document's, which a model trained on this corpus rightly ignores
-        "cpu_recall": "--tasks=diagnostics --diag_samples=200 --diag_distances=16,32,48,64,80,96 --progress=False",
-        "124m": "--tasks=ppl,diagnostics --progress=False"}  # the paper's prompts per probe and seed
+        "cpu_recall": "--tasks=diagnostics --diag_samples=200 --diag_distances=16,32,48,64,80,96 --diag_block=64 "
+                      "--diag_half=32 --progress=False",
+        # the paper's prompts per probe and seed
+        "124m": "--tasks=ppl,diagnostics --diag_block=128 --diag_half=64 --progress=False"}
 
 
 def run_dir(out: Path, config: str, seed: int) -> Path:

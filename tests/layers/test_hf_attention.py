@@ -151,7 +151,7 @@ def test_recurrent_mixers_inside_a_pretrained_model_are_refused_with_the_reason(
     from attention.registry import MIXERS, PATTERN_ALIASES, RecurrentMixer
 
     recurrent = [name for name, cls in MIXERS.items() if issubclass(cls, RecurrentMixer)]
-    hybrid = next(alias for alias, pattern in PATTERN_ALIASES.items() if set(pattern.split(",")) & set(recurrent))
+    hybrid = next(name for name, alias in PATTERN_ALIASES.items() if set(alias.pattern.split(",")) & set(recurrent))
     for pattern in (*recurrent, hybrid):
         proc = run(["-m", "eval"], f"--hf={folder}", f"--data_dir={data_dir}", f"--attn_pattern={pattern}",
                    f"--out_dir={tmp_path / pattern}", "--limit=1", "--progress=False")

@@ -3,15 +3,13 @@ never results."""
 
 import copy
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from attention.registry import example_cases
 from config import ModelConfig
-from conftest import REPO
+from conftest import train_in_process
 from model import GPT, chunked_cross_entropy, token_nll
 from runtime.parallelize import apply_activation_checkpointing
 
@@ -93,9 +91,7 @@ TRAIN = ["configs/quickstart.py", "--n_layer=2", "--n_head=2", "--n_embd=32", "-
 
 def train_losses(tmp_path, name, args):
     out = tmp_path / name
-    proc = subprocess.run([sys.executable, "train.py", *TRAIN, f"--out_dir={out}", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    train_in_process([*TRAIN, f"--out_dir={out}", *args])  # the run as python train.py runs it, in this process
     records = [json.loads(line) for line in open(out / "metrics.jsonl")]
     return {(r["step"], key): r[key] for r in records for key in ("train_loss", "val_loss") if key in r}
 

@@ -92,8 +92,10 @@ def test_scoring_ranks_by_nll_over_balanced_candidates(builder):
     assert all("context" not in r and r["probe"] == "needle" for r in records)
 
 
-def train(out, pattern, config="configs/bridges/bridges_cpu_base.py"):
-    return train_in_process([config, f"--out_dir={out}", f"--attn_pattern={pattern}", "--n_layer=2", "--n_embd=32",
+def train(out, pattern, data="bridges_cpu"):
+    """The paper's CPU config for PATTERN (its own file: a bridge setting on the command line of a pattern that
+    reads none is refused), made tiny."""
+    return train_in_process([f"configs/bridges/{data}_{pattern}.py", f"--out_dir={out}", "--n_layer=2", "--n_embd=32",
                              "--max_iters=2", "--eval_interval=2", "--eval_iters=1", "--batch_size=2"], check=False)
 
 
@@ -122,7 +124,7 @@ def test_one_command_runs_every_diagnostic_and_one_compares_two_checkpoints(tmp_
 
 @pytest.mark.e2e
 def test_a_run_trained_on_recall_is_asked_in_the_recall_format(tmp_path):
-    assert train(tmp_path, "pbb", "configs/bridges/bridges_cpu_recall_base.py").returncode == 0
+    assert train(tmp_path, "pbb", "bridges_cpu_recall").returncode == 0
     evaluate = lambda *extra: run_in_process(["-m", "eval"], f"--out_dir={tmp_path}",  # noqa: E731
                                              "--tasks=diagnostics", "--diag_samples=2", "--progress=False", *extra)
     proc = evaluate()
@@ -202,3 +204,20 @@ def test_facts_corpus_asks_every_fact_back_after_stating_it():
                 assert f"{where[1]} keeps the {where[2]} in the {where[3]}." in lines[:i]
             asked += bool(code or where)
     assert asked > 200
+
+
+def test_the_probes_geometry_is_the_runs_own_and_a_run_without_blocks_is_asked_for_it():
+    from config import ConfigError, ModelConfig
+    from eval.__main__ import EvalRunConfig, diagnostics_geometry
+
+    def geometry(pattern, **given):
+        model = ModelConfig(attn_pattern=pattern, block_size=512, block_len=64, bridge_width=48, bridge_extension=16)
+        g = diagnostics_geometry(EvalRunConfig(**given), model)
+        return g.length, g.block, g.half
+
+    assert geometry("pbb") == (512, 64, 24)  # h = w / 2
+    assert geometry("se_bridge") == (512, 64, 16)  # h = e
+    assert geometry("block") == (512, 64, 32)  # h = b / 2: the paper's w = b
+    assert geometry("full", diag_block=128, diag_half=40, diag_length=256) == (256, 128, 40)
+    with pytest.raises(ConfigError, match="read no block_len.*--diag_block=B"):
+        geometry("swa")
