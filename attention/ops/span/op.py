@@ -264,7 +264,9 @@ def naive_in_slots(q, k, v, lo, hi, order, slopes, offset, sigmoid, docs, halo: 
                                   None if docs is None else docs.index_select(1, rows))
     main = torch.empty(n, dtype=torch.long, device=rows.device)
     main[rows[halo:halo + n]] = torch.arange(halo, halo + n, device=rows.device)  # each token's main row
-    return y.index_select(2, main), lse[:, :, halo:halo + n]  # the log-sum-exps per slot, as the kernels keep them
+    # the log-sum-exps per main row, their own tensor as the kernels' (a view into the slots' would carry an
+    # offset that the op's fake kernel, and so a compiled graph, does not)
+    return y.index_select(2, main), lse[:, :, halo:halo + n].contiguous()
 
 
 @span_forward.register_kernel("cpu")
