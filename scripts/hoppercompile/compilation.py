@@ -54,9 +54,19 @@ def compilation_tasks(launches: list[Launch]) -> list[dict]:
     return list(tasks.values())
 
 
+def ptxas_counts(log: str) -> dict | None:
+    """Registers and spilled bytes from ptxas -v's report (None when the text holds none)."""
+    registers = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    if not registers or not spills:
+        return None
+    return {"registers": int(registers.group(1)), "spill_stores": int(spills.group(1)),
+            "spill_loads": int(spills.group(2))}
+
+
 def ptxas_report(ptx: str, options) -> dict:
     """Registers and spilled bytes from ptxas -v, run on the kernel's PTX as Triton runs it (its flags): Triton
-    keeps the cubin, not ptxas' report."""
+    keeps the cubin, not ptxas' report, so a kernel taken from Triton's cache has it assembled again."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
@@ -66,13 +76,10 @@ def ptxas_report(ptx: str, options) -> dict:
     with triton.knobs.nvidia.scope(), contextlib.redirect_stdout(log):
         triton.knobs.nvidia.dump_ptxas_log = True  # Triton prints ptxas' report (always made: it passes -v)
         backend.make_cubin(ptx, {}, options, CAPABILITY)
-    text = log.getvalue()
-    registers = re.search(r"Used (\d+) registers", text)
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
-    if not registers or not spills:
-        raise RuntimeError(f"no register or spill count in ptxas' report:\n{text}")
-    return {"registers": int(registers.group(1)), "spill_stores": int(spills.group(1)),
-            "spill_loads": int(spills.group(2))}
+    counts = ptxas_counts(log.getvalue())
+    if counts is None:
+        raise RuntimeError(f"no register or spill count in ptxas' report:\n{log.getvalue()}")
+    return counts
 
 
 def disassemble(cubin: bytes) -> str:
@@ -97,9 +104,17 @@ def compile_task(task: dict) -> dict:
     try:
         fn = getattr(importlib.import_module(task["module"]), task["kernel"])
         source = ASTSource(fn, task["signature"], task["constexprs"], task["attrs"])
-        compiled = triton.compile(source, target=GPUTarget("cuda", CAPABILITY, 32), options=task["options"])
-        options = make_backend(GPUTarget("cuda", CAPABILITY, 32)).parse_options(task["options"])
-        row.update(ptxas_report(compiled.asm["ptx"], options))
+        log = io.StringIO()
+        with triton.knobs.nvidia.scope(), contextlib.redirect_stdout(log):
+            # ptxas' report of the compilation itself (ptxas runs once per kernel); none where Triton's cache
+            # had the kernel and ran no ptxas
+            triton.knobs.nvidia.dump_ptxas_log = True
+            compiled = triton.compile(source, target=GPUTarget("cuda", CAPABILITY, 32), options=task["options"])
+        counts = ptxas_counts(log.getvalue())
+        if counts is None:
+            options = make_backend(GPUTarget("cuda", CAPABILITY, 32)).parse_options(task["options"])
+            counts = ptxas_report(compiled.asm["ptx"], options)
+        row.update(counts)
         row["shared"] = compiled.metadata.shared
         row["sass"] = disassemble(compiled.asm["cubin"])
     except Exception as e:  # a kernel that does not compile is a result: the others still report
