@@ -15,6 +15,18 @@ from config import ModelConfig
 from conftest import generator
 from model import GPT
 
+# ---- sampled parametrisations ------------------------------------------------------------------------------
+
+
+def covering(*axes) -> list[tuple]:
+    """A sample of the product of AXES in which every value of every axis appears at least once, as many cases as
+    the longest axis has values (case i takes value i mod len of each axis): for a parametrisation whose axes each
+    exercise their own code path and whose full product would cost minutes, every path runs, the product does
+    not. covering([1, 2, 3], "ab") == [(1, "a"), (2, "b"), (3, "a")]."""
+    axes = [list(axis) for axis in axes]
+    return [tuple(axis[i % len(axis)] for axis in axes) for i in range(max(len(axis) for axis in axes))]
+
+
 # ---- the attention kernels: rules of every kind, inputs, the dense reference's checks -----------------------
 
 

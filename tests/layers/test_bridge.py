@@ -119,7 +119,8 @@ def test_branch_is_two_separate_softmaxes_summed_and_zero_outside_write_back():
 @pytest.mark.parametrize("fusion", ["branch", "union"])
 @pytest.mark.parametrize("backend", ["chunked", "sdpa", "span"])  # span: the Triton kernels, interpreted on the CPU
 def test_backends_equal_dense_forward_and_backward(kind, fusion, backend):
-    idx = torch.randint(0, 50, (2, 75), generator=torch.Generator().manual_seed(1))
+    # 40 positions: two boundaries, the second's window cut by the end; short, since the interpreter runs span
+    idx = torch.randint(0, 50, (2, 41), generator=torch.Generator().manual_seed(1))
     results = []
     for name in ("dense", backend):
         m = model(kind, bridge_fusion=fusion, attn_backend=name)

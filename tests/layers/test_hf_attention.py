@@ -10,7 +10,7 @@ from attention.kernels import attend
 from attention.moba import MixtureOfBlockAttention
 from attention.ops.moba.naive import moba_choose, moba_dense
 from attention.stochastic import StochasticAttention, stochastic_attention
-from conftest import run_python as run, train_subprocess
+from conftest import run_in_process, train_in_process
 from eval.hf_model import use_variant_attention
 from scripts.gpucheck import tiny_hf
 
@@ -153,11 +153,11 @@ def test_recurrent_mixers_inside_a_pretrained_model_are_refused_with_the_reason(
     recurrent = [name for name, cls in MIXERS.items() if issubclass(cls, RecurrentMixer)]
     hybrid = next(name for name, alias in PATTERN_ALIASES.items() if set(alias.pattern.split(",")) & set(recurrent))
     for pattern in (*recurrent, hybrid):
-        proc = run(["-m", "eval"], f"--hf={folder}", f"--data_dir={data_dir}", f"--attn_pattern={pattern}",
+        proc = run_in_process(["-m", "eval"], f"--hf={folder}", f"--data_dir={data_dir}", f"--attn_pattern={pattern}",
                    f"--out_dir={tmp_path / pattern}", "--limit=1", "--progress=False")
         assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
         assert "parameters or state of its own" in proc.stderr
-    proc = train_subprocess(["configs/quickstart.py", f"--init_from=hf:{folder}", f"--data_dir={data_dir}",
+    proc = train_in_process(["configs/quickstart.py", f"--init_from=hf:{folder}", f"--data_dir={data_dir}",
                              "--attn_pattern=swax", f"--out_dir={tmp_path / 'run'}", "--max_iters=1"], check=False)
     assert proc.returncode == 2 and "mlstm layers, which have no counterpart" in proc.stderr, proc.stderr
     assert "n_kv_head" not in proc.stderr

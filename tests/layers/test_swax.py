@@ -4,8 +4,6 @@ no recompilation when the window switches), test-time windows, constant-memory g
 import json
 import math
 import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -13,15 +11,16 @@ import torch
 
 from attention import layer_names
 from attention.cache import state_bytes
-from conftest import REPO, TINY, train_subprocess
+from conftest import TINY, run_in_process, train_in_process
 from config import ModelConfig
 from model import GPT
 from training.schedules import window_for_step
 
 
 def run(args, out_dir, check=True):
-    """python train.py: the tiny model of the training tests (dropout on, the rate decaying over 12 steps)."""
-    return train_subprocess([*TINY, "--lr_decay_iters=12", "--dropout=0.1", f"--out_dir={out_dir}", *args],
+    """python train.py (in this process: the process itself is not what these tests check): the tiny model of the
+    training tests (dropout on, the rate decaying over 12 steps)."""
+    return train_in_process([*TINY, "--lr_decay_iters=12", "--dropout=0.1", f"--out_dir={out_dir}", *args],
                             check=check)
 
 
@@ -118,6 +117,7 @@ def test_stochastic_training_logs_its_windows_and_resumes_exactly(tmp_path):
     assert {expected[s] for s in (10, 11, 12)} == {16} and 4 in expected.values()
 
     # interrupted after 6 steps and resumed: the same windows and the same losses as one uninterrupted run
+    # (no annealing: its last fraction follows each command's max_iters)
     uninterrupted, resumed = tmp_path / "uninterrupted", tmp_path / "resumed"
     run([*args, "--max_iters=12", "--swax_anneal_frac=0"], uninterrupted)
     run([*args, "--max_iters=6", "--swax_anneal_frac=0", "--ckpt_interval=3"], resumed)
@@ -137,12 +137,11 @@ def test_stochastic_training_logs_its_windows_and_resumes_exactly(tmp_path):
     assert stochastic_loss[first_short] != fixed_loss[first_short]
 
     # sampling with a test-time window; a model without sliding-window layers refuses one
-    sample = [sys.executable, "sample.py", "--window=4", "--temperature=0", "--max_new_tokens=8", "--num_samples=1"]
-    proc = subprocess.run([*sample, f"--out_dir={reference}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    sample = ["--window=4", "--temperature=0", "--max_new_tokens=8", "--num_samples=1"]
+    proc = run_in_process(["sample.py"], *sample, f"--out_dir={reference}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     run(["--max_iters=1"], tmp_path / "full")
-    proc = subprocess.run([*sample, f"--out_dir={tmp_path / 'full'}"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+    proc = run_in_process(["sample.py"], *sample, f"--out_dir={tmp_path / 'full'}")
     assert proc.returncode == 2 and "no sliding-window layers" in proc.stderr
 
 

@@ -18,7 +18,7 @@ from attention.capabilities import gpu_kernel
 from attention.kernels import plans_in, resolve_backend
 from attention.registry import MIXERS, example_cases, pattern_names
 from config import ModelConfig
-from conftest import REPO, read_metrics
+from conftest import REPO, read_metrics, run_in_process
 from scripts.gpucheck import options
 from model import GPT
 from runtime.parallelize import compile_blocks
@@ -143,11 +143,39 @@ def compiled_training(name: str, autocast: bool, gpu_kernels: bool = True, **opt
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_compiled_training_equals_the_dense_reference_in_float32(name):
+def test_compiled_training_equals_the_dense_reference_in_float32_and_under_bf16_autocast(name):
     # the CUDA path's kernels in compiled blocks (FlexAttention under the variants' block masks, forward and
-    # backward; the GPU kernels' stand-ins) against the dense reference: equal to float32 rounding
-    _, (loss, grads), (ref_loss, ref_grads) = compiled_training(name, autocast=False)
-    assert_close_to_reference(loss, grads, ref_loss, ref_grads, FLOAT32)
+    # backward; the GPU kernels' stand-ins) against the dense reference: equal to float32 rounding. Then train.py
+    # on a GPU: the same model's blocks compiled afresh (aot_eager standing in for inductor) under bf16 autocast,
+    # and an evaluation forward. One reference serves both: its float32 step is what each is compared with
+    from torch._dynamo.utils import counters
+
+    tokens = batch()
+    reference = reference_model(name)
+    ref_loss, ref_grads = step(reference, tokens, autocast=False)
+    with simulate_cuda.simulating():
+        model = simulated_model(name, reference)
+        assert_cuda_kernels(model)
+    for autocast, tolerance in ((False, FLOAT32), (True, BF16)):
+        torch._dynamo.reset()
+        counters.clear()
+        with simulate_cuda.simulating():
+            compile_blocks(model, "cpu", torch.bfloat16 if autocast else torch.float32)
+            calls = simulate_cuda.STAND_IN_CALLS.copy()
+            loss, grads = step(model, tokens, autocast=autocast)
+        assert_stand_ins_ran(model, calls)
+        assert_close_to_reference(loss, grads, ref_loss, ref_grads, tolerance)
+    tokens = tokens[:, :-1]
+    with torch.no_grad():
+        torch.manual_seed(7)
+        ref_logits = reference(tokens)[0]
+        with simulate_cuda.simulating(), torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.manual_seed(7)
+            logits = model.eval()(tokens)[0]
+    assert counters["stats"]["unique_graphs"] >= 2, dict(counters["stats"])  # compiled: training and evaluation
+    if not all(b.mixer.length_independent for b in model.blocks):  # sa: evaluation draws fresh permutations
+        return
+    assert logits.dtype == torch.bfloat16 and relative_error(logits, ref_logits) <= BF16
 
 
 def triton_kernel_cases() -> list[str]:
@@ -280,32 +308,12 @@ def test_flex_block_masks_are_narrowed_to_the_documents_once_per_batch(name, mon
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_compiled_training_and_evaluation_under_bf16_autocast(name):
-    # train.py on a GPU: blocks compiled (aot_eager standing in for inductor), bf16 autocast, FlexAttention's
-    # forward and backward inside the compiled blocks, the GPU kernels' stand-ins; then an evaluation forward
-    from torch._dynamo.utils import counters
-
-    counters.clear()
-    model, (loss, grads), (ref_loss, ref_grads) = compiled_training(name, autocast=True)
-    assert_close_to_reference(loss, grads, ref_loss, ref_grads, BF16)
-    tokens = batch()[:, :-1]
-    with torch.no_grad():
-        torch.manual_seed(7)
-        ref_logits = reference_model(name)(tokens)[0]
-        with simulate_cuda.simulating(), torch.autocast("cpu", dtype=torch.bfloat16):
-            torch.manual_seed(7)
-            logits = model.eval()(tokens)[0]
-    assert counters["stats"]["unique_graphs"] >= 2, dict(counters["stats"])  # compiled: training and evaluation
-    if not all(b.mixer.length_independent for b in model.blocks):  # sa: evaluation draws fresh permutations
-        return
-    assert logits.dtype == torch.bfloat16 and relative_error(logits, ref_logits) <= BF16
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_training_with_bf16_weights(name):
+def test_training_and_cached_generation_with_bf16_weights(name):
     # FSDP's MixedPrecisionPolicy(param_dtype=bfloat16) computes every layer with bf16 weights and activations
     # (no autocast): each layer must keep its float32 parts to itself and hand bf16 on, with its GPU kernel and,
-    # as on a GPU without the kernel's package, with its built-in form
+    # as on a GPU without the kernel's package, with its built-in form. Then sample.py and bench_generate.py
+    # --dtype=bfloat16 on a GPU with the same model: a prompt's prefill through the layers' caches (FlexAttention
+    # for the prompt), then one token at a time
     tokens = batch()
     reference = reference_model(name)
     ref_loss, ref_grads = step(reference, tokens, autocast=False)
@@ -321,15 +329,10 @@ def test_training_with_bf16_weights(name):
         assert all(g.dtype == torch.bfloat16 for g in grads.values())
         assert_close_to_reference(loss, grads, ref_loss, ref_grads, BF16)
 
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_cached_generation_with_bf16_weights(name):
-    # sample.py and bench_generate.py --dtype=bfloat16 on a GPU: the model in bf16, a prompt's prefill through
-    # the layers' caches (FlexAttention for the prompt), then one token at a time
-    tokens = batch()[:, :LENGTH // 2 + 8]
+    tokens = tokens[:, :LENGTH // 2 + 8]
     prompt, decoded = LENGTH // 2, 8
     with simulate_cuda.simulating():
-        model = simulated_model(name, reference_model(name)).to(torch.bfloat16).eval()
+        model.eval()
         torch.manual_seed(7)
         with torch.no_grad():
             if not all(b.mixer.supports_cache for b in model.blocks):  # sa: re-runs the context per token
@@ -352,8 +355,12 @@ GPU_KERNEL_MIXERS = [name for name, cls in MIXERS.items() if gpu_kernel(cls)]
 
 
 def test_every_custom_op_passes_opcheck_with_its_cpu_stand_in():
-    # opcheck runs each op on its samples (its CPU stand-in) and compares what its fake kernel says (shapes,
-    # dtypes, strides) with what ran, under autograd and AOTAutograd's dynamic shapes
+    # opcheck runs each op on its samples and compares what its fake kernel says (shapes, dtypes, strides) with
+    # what ran, under autograd and AOTAutograd's dynamic shapes. What the kernel a CUDA run calls returns (span
+    # attention's and MoBA's Triton code, interpreted on CPU tensors; the mLSTM's stand-in) is checked against the
+    # fake kernel and for mutated or aliased inputs; tracing (the fake kernel under dynamic shapes, the autograd
+    # formula, compiled against eager) does not depend on which kernel runs, and runs on the CPU stand-ins (whose
+    # outputs are held to the fake kernel too: a simulated run compiles them): the interpreter would take minutes
     from torch._library.custom_ops import OPDEFS  # every torch.library.custom_op defined in this process
 
     ops = sorted(name for name in OPDEFS if name.startswith("efficient_attention::"))
@@ -361,20 +368,26 @@ def test_every_custom_op_passes_opcheck_with_its_cpu_stand_in():
         f"custom ops {ops}, with opcheck samples: {sorted(simulate_cuda.OPCHECK_SAMPLES)}"
     for name in ops:
         op = getattr(torch.ops.efficient_attention, name.partition("::")[2]).default
-        for args in simulate_cuda.OPCHECK_SAMPLES[name]():
-            torch.library.opcheck(op, args)
+        samples = simulate_cuda.OPCHECK_SAMPLES[name]()
+        for args in samples:
+            torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+        with simulate_cuda.simulating():
+            for args in samples:
+                torch.library.opcheck(op, args, test_utils=("test_faketensor", "test_autograd_registration",
+                                                             "test_aot_dispatch_dynamic"))
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("gpu_kernel", [True, False], ids=["gpu_kernel", "built_in"])
-@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
 @pytest.mark.parametrize("name", GPU_KERNEL_MIXERS)
-def test_gpu_kernel_stand_ins_compile_forward_and_backward(name, backend, gpu_kernel):
-    # a model of the mixer alone, compiled by both backends under bf16 autocast: with its GPU kernel forced (the
+def test_gpu_kernel_stand_ins_compile_forward_and_backward(name, gpu_kernel):
+    # a model of the mixer alone, compiled by inductor under bf16 autocast: with its GPU kernel forced (the
     # compiled graph holds the kernel's op, or, for a kernel its package keeps out of compiled graphs, breaks
-    # around it), and with its built-in form, as a GPU without the kernel's package compiles it
+    # around it), and with its built-in form, as a GPU without the kernel's package compiles it. aot_eager's
+    # compilation is the first half of inductor's (Dynamo and AOTAutograd, then code generation), and with the GPU
+    # kernel it is test_compiled_training_and_evaluation_under_bf16_autocast's case of the mixer
     _, (loss, grads), (ref_loss, ref_grads) = compiled_training(name, autocast=True, gpu_kernels=gpu_kernel,
-                                                                backend=backend)
+                                                                backend="inductor")
     assert_close_to_reference(loss, grads, ref_loss, ref_grads, BF16)
 
 
@@ -391,17 +404,19 @@ def test_the_gpu_tests_pass_on_the_simulated_cuda_path():
 
 
 @pytest.mark.e2e
-def test_the_gpu_checks_setting_runs_and_resume_on_the_simulated_cuda_path(tmp_path):
+def test_the_gpu_checks_setting_runs_and_resume_on_the_simulated_cuda_path(tmp_path, monkeypatch):
     # scripts/gpu_check.py with the switch on: its runs compile (aot_eager), demand the GPU kernels (their
     # stand-ins) and train in bf16; the riskiest case (swa + mLSTM) under every setting a GPU run depends on
     # (FSDP2 with bf16 MixedPrecisionPolicy in one gloo process, full and selective activation checkpointing
-    # around compiled blocks, float16 with its GradScaler, loss_chunk), then killed after a checkpoint and resumed
+    # around compiled blocks, float16 with its GradScaler, loss_chunk), then killed after a checkpoint and resumed.
+    # The check itself runs in this process (its runs are processes of their own, which inherit the switch); its
+    # resume step is run end to end here alone (tests/runs/test_gpu_check.py: the quick check leaves it out)
+    monkeypatch.setenv(simulate_cuda.ENV, "1")
     window = options.REDUCED["train_runs"]["window"]
     base = next(iter(options.train_runs(window)))
     settings = [f"{base}_{setting}" for setting in options.SETTING_RUNS]
-    proc = subprocess.run([sys.executable, "-m", "scripts.gpu_check", "--device=cpu", "--quick", f"--out={tmp_path}",
-                           "--steps=train_runs,resume", f"--runs={','.join([base, *settings])}"], cwd=REPO,
-                          env={**os.environ, simulate_cuda.ENV: "1"}, capture_output=True, text=True, timeout=600)
+    proc = run_in_process(["-m", "scripts.gpu_check"], "--device=cpu", "--quick", f"--out={tmp_path}",
+                          "--steps=train_runs,resume", f"--runs={','.join([base, *settings])}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     steps = json.loads((tmp_path / "report.json").read_text())["steps"]
     assert steps["train_runs"]["reduced"] == "reduced (CPU, --quick, simulated CUDA)"
@@ -416,3 +431,8 @@ def test_the_gpu_checks_setting_runs_and_resume_on_the_simulated_cuda_path(tmp_p
         assert losses.keys() == plain.keys() and max(abs(losses[s] - plain[s]) for s in plain) < 1e-2, name
     resume = steps["resume"]["results"]
     assert steps["resume"]["status"] == "passed" and resume["bitwise"], steps["resume"]["summary"]
+    assert steps["resume"]["reduced"] == "reduced (CPU, --quick, simulated CUDA)"
+    assert resume["compared_steps"] == list(range(resume["checkpoint_at"] + 1, resume["max_iters"] + 1))
+    # the checkpoint it resumed from (a later one than the first when the kill came late, as on a busy machine)
+    assert resume["checkpoint_at"] % options.REDUCED["resume"]["checkpoint_at"] == 0
+    assert resume["killed_after_step"] >= resume["checkpoint_at"]

@@ -3,16 +3,13 @@ model exactly (checked on small random ones written by save_pretrained, shaped l
 under any attention pattern, and what cannot load is refused with a message."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import transformers
 
 from config import ModelConfig
-from conftest import REPO, train_subprocess
+from conftest import REPO, train_in_process
 from model import GPT
 from runtime.pretrained import PretrainedError, load_hf_model, load_pretrained_weights, pretrained_model_config
 
@@ -150,7 +147,7 @@ def test_training_continues_from_a_qwen3_checkpoint_with_its_own_tokenizer(tmp_p
             num_proc=1, quiet=True)
     args = ["configs/quickstart.py", f"--init_from=hf:{folder}", f"--data_dir={data_dir}", "--block_size=32",
             "--batch_size=4", "--eval_iters=2", "--dropout=0.0"]
-    train_subprocess([*args, "--eval_only=True", f"--out_dir={tmp_path / 'eval'}"])
+    train_in_process([*args, "--eval_only=True", f"--out_dir={tmp_path / 'eval'}"])
     val_loss = [json.loads(line)["val_loss"] for line in open(tmp_path / "eval" / "metrics.jsonl")][0]
     hf = load_hf_model(str(folder))
     val = WindowSampler(str(data_dir), "val", 32, 4, 2)
@@ -158,7 +155,7 @@ def test_training_continues_from_a_qwen3_checkpoint_with_its_own_tokenizer(tmp_p
         expected = sum(torch.nn.functional.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()).item()
                        for x, y in (val.batch(0, i) for i in range(2))) / 2
     assert val_loss == pytest.approx(expected, abs=1e-5)
-    proc = train_subprocess([*args, "--attn_pattern=sa_swa", "--swa_window=8", "--max_iters=2", "--eval_interval=2",
+    proc = train_in_process([*args, "--attn_pattern=sa_swa", "--swa_window=8", "--max_iters=2", "--eval_interval=2",
                              "--warmup_iters=1", "--lr_decay_iters=2", f"--out_dir={tmp_path / 'sa_swa'}"])
     assert "loaded" in proc.stdout and "done" in proc.stdout
 
@@ -169,7 +166,7 @@ def test_training_starts_from_the_pretrained_weights(gpt2_dir, tmp_path):
 
     args = ["configs/quickstart.py", f"--init_from=hf:{gpt2_dir}", "--block_size=32", "--batch_size=4",
             "--eval_iters=2", "--dropout=0.0"]
-    proc = train_subprocess([*args, "--eval_only=True", f"--out_dir={tmp_path / 'eval'}"])
+    proc = train_in_process([*args, "--eval_only=True", f"--out_dir={tmp_path / 'eval'}"])
     assert "warning" in proc.stdout and "tokenized with 'byte'" in proc.stdout  # a local path's tokenizer
     saved = json.load(open(tmp_path / "eval" / "config.json"))["model"]
     assert (saved["n_layer"], saved["n_embd"], saved["vocab_size"], saved["gelu"]) == (2, 64, 320, "tanh")
@@ -183,20 +180,18 @@ def test_training_starts_from_the_pretrained_weights(gpt2_dir, tmp_path):
                        for x, y in batches) / 2
     assert val_loss == pytest.approx(expected, abs=1e-5)
     # uptraining the full-attention checkpoint to a sliding window
-    proc = train_subprocess([*args, "--attn_pattern=swa", "--swa_window=8", "--max_iters=3", "--eval_interval=3",
+    proc = train_in_process([*args, "--attn_pattern=swa", "--swa_window=8", "--max_iters=3", "--eval_interval=3",
                              "--warmup_iters=1", "--lr_decay_iters=3", f"--out_dir={tmp_path / 'swa'}"])
     assert "loaded" in proc.stdout and "done" in proc.stdout
 
 
 @pytest.mark.e2e
-def test_bad_pretrained_settings_exit_with_status_2(gpt2_dir, tmp_path):
-    env_offline = {**os.environ, "HF_HUB_OFFLINE": "1"}
+def test_bad_pretrained_settings_exit_with_status_2(gpt2_dir, tmp_path, offline):
     for extra, message in ((["--attn_pattern=mlstm"], "no counterpart"), (["--block_size=128"], "is longer"),
                            ([], None)):
         init = f"--init_from=hf:{gpt2_dir}" if message else "--init_from=gpt2"  # gpt2: no network here
-        proc = subprocess.run([sys.executable, "train.py", "configs/quickstart.py", init, "--block_size=32", *extra,
-                               f"--out_dir={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True,
-                              timeout=300, env=env_offline)
+        proc = train_in_process(["configs/quickstart.py", init, "--block_size=32", *extra,
+                                 f"--out_dir={tmp_path / 'run'}"], check=False)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
         assert (message or "cannot read the checkpoint") in proc.stderr
         assert not (tmp_path / "run").exists()

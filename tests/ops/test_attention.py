@@ -2,8 +2,6 @@
 
 import dataclasses
 import json
-import subprocess
-import sys
 from dataclasses import dataclass
 
 import pytest
@@ -15,7 +13,7 @@ from attention.ops.chunked.op import chunked_attention
 from attention.ops.dense import dense_attention
 from attention.ops.flex.op import FLEX_MIN_HEAD_DIM
 from config import ConfigError, ModelConfig, load_config
-from conftest import REPO
+from conftest import run_in_process
 from helpers import (BRIDGED, CUDA_HEAD_DIM, GLOBAL, RULES, LargestTensor, PerHeadRule, flex_has_backward, fwd_bwd, qkv,
                      tiny)
 from model import GPT
@@ -263,9 +261,8 @@ def test_mask_stats_reproduces_the_score_counts_of_004_table_2():
     counts = {}
     own = {"full": [], "swa": ["--swa_window=128"], "block": ["--block_len=128"]}  # a run refuses the others'
     for pattern in ("full", "swa", "block"):
-        proc = subprocess.run([sys.executable, "-m", "scripts.mask_stats", "--config", "configs/quickstart.py",
-                               "--seq_len", "1024", "--json", f"--attn_pattern={pattern}", *own[pattern],
-                               "--n_layer=2"], cwd=REPO, capture_output=True, text=True, timeout=120)
+        proc = run_in_process(["-m", "scripts.mask_stats"], "--config", "configs/quickstart.py", "--seq_len", "1024",
+                              "--json", f"--attn_pattern={pattern}", *own[pattern], "--n_layer=2")
         assert proc.returncode == 0, proc.stderr
         report = json.loads(proc.stdout)
         heads = report["layers"][0]["heads"]
@@ -314,9 +311,8 @@ def test_the_kernels_scores_are_counted_against_the_edges_so_a_costly_rule_shows
     assert block_layout > 20 and ratios["fixed", "chunked"] < 2.5 and ratios["fixed", "flex"] < 3.5
     dense = plan_attention(SlidingWindow(256), "dense", n, heads, 64, "cpu")
     assert computed_scores(dense, heads) == heads * n * n
-    proc = subprocess.run([sys.executable, "-m", "scripts.mask_stats", "--config", "configs/quickstart.py", "--seq_len",
-                           "1024", "--json", "--attn_pattern=swa", "--swa_window=128", "--n_layer=1",
-                           "--receptive_field=no"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = run_in_process(["-m", "scripts.mask_stats"], "--config", "configs/quickstart.py", "--seq_len", "1024",
+                          "--json", "--attn_pattern=swa", "--swa_window=128", "--n_layer=1", "--receptive_field=no")
     assert proc.returncode == 0, proc.stderr
     layer = json.loads(proc.stdout)["layers"][0]
     assert layer["kernel"] == "chunked" and 1.0 < layer["kernel_vs_edges"] < 2.0 and layer["flex_vs_edges"] > 1.0
@@ -452,10 +448,10 @@ def test_a_union_with_far_keys_takes_its_local_rules_chunk():
 
 @pytest.mark.e2e
 def test_bench_attention_runs_cases_with_settings_on_the_cpu(tmp_path):
-    """The documented CASE:KEY=VALUE form, for a built-in case: measured in its own process like any other."""
-    proc = subprocess.run([sys.executable, "-m", "scripts.bench_attention", "--variants=swa:swa_window=32,block",
-                           "--lengths=128", "--repeats=1", f"--json={tmp_path / 'bench.json'}"], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    """The documented CASE:KEY=VALUE form, for a built-in case: measured in its own process like any other (the
+    command line that starts them runs in this process)."""
+    proc = run_in_process(["-m", "scripts.bench_attention"], "--variants=swa:swa_window=32,block", "--lengths=128",
+                          "--repeats=1", f"--json={tmp_path / 'bench.json'}")
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     results = json.loads((tmp_path / "bench.json").read_text())["results"]
     assert [r["variant"] for r in results] == ["swa:swa_window=32", "block"] and all(r["ms"] > 0 for r in results)

@@ -327,7 +327,8 @@ def aligned_and_odd_documents(B, n, device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_span_kernels_mask_documents(device, dtype):
-    n, H = (700 if device == "cuda" else 64), 4  # the interpreter is slow: fewer rows on the CPU
+    # the interpreter is slow: fewer rows on the CPU, still past the narrowest window and ending in a short tile
+    n, H = (700 if device == "cuda" else 45), 4
     docs = aligned_and_odd_documents(2, n, device)
     cases = [(SlidingWindow(130), None, "softmax"), (Causal(), None, "softmax"),
              (HeadWindows((32, 64, 128, 256)), None, "softmax"),

@@ -18,7 +18,7 @@ from attention.ops.recurrence import (IDENTITY, Gates, State, chunked_recurrence
 from attention.ops.recurrence.memory import chunked_saved
 from attention.ops.recurrence.summary import apply, combine, summarise
 from conftest import generator
-from helpers import LargestTensor, packed_documents
+from helpers import LargestTensor, covering, packed_documents
 
 ROWS, HEADS, DK, DV = 3, 2, 4, 5
 # the kinds of gates the mixers give the core: linear attention (Taylor features, no gates), the mLSTM (decay and
@@ -103,9 +103,10 @@ def assert_all_close(a, b, **tolerance):
         torch.testing.assert_close(x, y, **tolerance)
 
 
+# every kind at every length and chunk; the state to start from is a path of its own, taken at some of them
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("n, chunk", [(37, 8), (32, 16), (5, 8), (1, 4), (9, 1)])
-@pytest.mark.parametrize("with_state", [False, True], ids=["zero_state", "from_state"])
+@pytest.mark.parametrize("n, chunk, with_state", [(n, chunk, with_state) for (n, chunk), with_state in covering(
+    [(37, 8), (32, 16), (5, 8), (1, 4), (9, 1)], [False, True])])
 def test_forms_agree_forward_and_backward(kind, n, chunk, with_state):
     tensors, gates, features, state = inputs(kind, n, state=with_state)
     leaves = tensors + state_leaves(state)
@@ -140,34 +141,36 @@ def by_document(tensors, gates, features, state, starts):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("form", ["parallel", "chunked", "step"])
-@pytest.mark.parametrize("n, chunk", [(37, 8), (29, 16), (6, 4), (1, 4)])
-@pytest.mark.parametrize("continues", [False, True], ids=["zero_state", "from_state"])
-def test_each_document_equals_itself_alone_forward_and_backward(kind, form, n, chunk, continues):
+@pytest.mark.parametrize("n, chunk, continues", [(n, chunk, continues) for (n, chunk), continues in covering(
+    [(37, 8), (29, 16), (6, 4), (1, 4)], [False, True])])
+def test_each_document_equals_itself_alone_forward_and_backward(kind, n, chunk, continues):
     # odd lengths, documents of length 1, an end-of-text token at the first position (row 0), a row with none;
-    # continues: the other rows carry the state they start from
+    # continues: the other rows carry the state they start from. Every form against one reference (the documents
+    # run one by one, stepwise), its gradients taken once
     tensors, gates, features, state = inputs(kind, n, state=continues)
     starts = document_starts_of(n, continues=continues)
-    result = outputs(run(form, tensors, gates, features, state, starts, chunk))
     reference = outputs(by_document(tensors, gates, features, state, starts))
-    assert_all_close(result, reference)
     leaves = tensors + state_leaves(state)
-    grads = probe_grads(result, leaves)
-    assert all(g is None or torch.isfinite(g).all() for g in grads)
-    assert_all_close(grads, probe_grads(reference, leaves))
+    reference_grads = probe_grads(reference, leaves)
+    for form in ("parallel", "chunked", "step"):
+        result = outputs(run(form, tensors, gates, features, state, starts, chunk))
+        assert_all_close(result, reference)
+        grads = probe_grads(result, leaves)
+        assert all(g is None or torch.isfinite(g).all() for g in grads), form
+        assert_all_close(grads, reference_grads)
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("form", ["parallel", "chunked", "step"])
-def test_no_gradient_reaches_an_earlier_document(kind, form):
+def test_no_gradient_reaches_an_earlier_document(kind):
     # exactly zero, not rounding's residue of cancelling terms: row 0's reads from its document starting at 19
-    # (inside a chunk) on send nothing to its tokens before
+    # (inside a chunk) on send nothing to its tokens before, in every form
     tensors, gates, features, _ = inputs(kind, 37, seed=5)
     starts = document_starts_of(37)
     starts[0, 19] = True
-    reads = run(form, tensors, gates, features, starts=starts)[0]
-    for grad in torch.autograd.grad(reads[0, :, 19:].square().sum(), tensors):
-        assert not grad[0, :, :19].any() and grad[0, :, 19:].any()
+    for form in ("parallel", "chunked", "step"):
+        reads = run(form, tensors, gates, features, starts=starts)[0]
+        for grad in torch.autograd.grad(reads[0, :, 19:].square().sum(), tensors):
+            assert not grad[0, :, :19].any() and grad[0, :, 19:].any(), form
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -181,22 +184,22 @@ def test_end_of_text_at_the_last_position_and_documents_in_every_chunk(kind):
 
 
 @pytest.mark.parametrize("simulate", [False, True], ids=["cpu", "simulated_cuda"])
-@pytest.mark.parametrize("form", ["parallel", "chunked", "step"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_documents_without_a_boundary_change_no_bit(kind, form, simulate):
+def test_documents_without_a_boundary_change_no_bit(kind, simulate):
     # a sequence that is one document: its first token begins it (nothing before it to drop), or, continuing a
-    # state, no token does; alone, and as the last row beside rows with boundaries. simulate: the CPU standing in
-    # for CUDA, where nothing may ask the data on the host
+    # state, no token does; alone, and as the last row beside rows with boundaries; in every form. simulate: the
+    # CPU standing in for CUDA, where nothing may ask the data on the host
     tensors, gates, features, state = inputs(kind, 37, state=True)
     one = torch.zeros(ROWS, 37, dtype=torch.bool)
     one[:, 0] = True
     cases = [(None, one, slice(None)), (state, torch.zeros_like(one), slice(None)),
              (None, document_starts_of(37), -1), (state, document_starts_of(37, continues=True), -1)]
     with torch.no_grad(), simulate_cuda.simulating(simulate):
-        for state_in, starts, rows in cases:
-            with_docs, without = (outputs(run(form, tensors, gates, features, state_in, s)) for s in (starts, None))
-            for a, b in zip(with_docs, without):
-                assert torch.equal(a[rows], b[rows])
+        for form in ("parallel", "chunked", "step"):
+            for state_in, starts, rows in cases:
+                with_docs, without = (outputs(run(form, tensors, gates, features, state_in, s)) for s in (starts, None))
+                for a, b in zip(with_docs, without):
+                    assert torch.equal(a[rows], b[rows]), form
 
 
 @pytest.mark.parametrize("form", ["chunk1", "chunk2", "chunk4", "step", "parallel"])
@@ -240,7 +243,7 @@ def test_strong_decay_does_not_overflow():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_chunked_form_with_documents_never_builds_an_n_by_n_tensor(kind):
-    n, chunk = 2048, 64
+    n, chunk = 1024, 64  # 16 chunks: an n x n tensor would be 16 times the bound
     tensors, gates, features, _ = inputs(kind, n, dtype=torch.float32)
     tensors = [t.detach()[:1, :1].requires_grad_() for t in tensors]
     names = [name for name in ("log_decay", "log_gain", "beta") if getattr(gates, name) is not None]

@@ -16,7 +16,7 @@ from attention.ops.span.naive import span_attention_naive, span_mask
 from attention.ops.span.spans import KEY_GROUP, band_spans, rule_spans, span_scores, spans_problem, static_spans
 from attention.stochastic import PermutedWindow
 from attention.swat import AlibiBias
-from helpers import assert_close_at_scale
+from helpers import assert_close_at_scale, covering
 
 RULES = {
     "swa": SlidingWindow(9),
@@ -77,8 +77,10 @@ def test_the_tests_run_the_triton_kernels_under_the_interpreter():
     torch.testing.assert_close(out, span_attention_naive(q, k, v, spans.lo, spans.hi)[0].detach())
 
 
-@pytest.mark.parametrize("name", sorted(RULES))
-@pytest.mark.parametrize("n", [45, 77])
+# the bridges past their configured context (48), the windows and blocks at a shorter odd length: every rule and
+# both lengths run, not every pair of them
+@pytest.mark.parametrize("name, n", [(name, 77 if isinstance(RULES[name], (BoundaryWindows, AnyOf)) else 45)
+                                     for name in sorted(RULES)])
 def test_span_kernels_equal_the_dense_reference_forward_and_backward(name, n):
     rule = RULES[name]
     q, k, v = inputs(n)
@@ -91,8 +93,10 @@ def test_span_kernels_equal_the_dense_reference_forward_and_backward(name, n):
         torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kind,fused", [("bridge", False), ("pbb", False), ("se_bridge", False), ("bridge", True)])
-@pytest.mark.parametrize("documents", [False, True])
+# each kind of bridge, the fused projection and packed documents are paths of their own: every one runs, not every
+# combination of them
+@pytest.mark.parametrize("kind,fused,documents", [(kind, fused, documents) for (kind, fused), documents in covering(
+    [("bridge", False), ("pbb", False), ("se_bridge", False), ("bridge", True)], [False, True])])
 def test_two_paths_summed_in_one_call_equal_the_dense_reference(kind, fused, documents, monkeypatch):
     """Branch fusion (a layer's two separately normalised span paths, summed: Kernel.run_sum): the second pass adds
     the first's output and gradients in as it stores them, and equals the two paths' dense references added,
@@ -123,7 +127,7 @@ def test_two_paths_summed_in_bfloat16_stay_close_to_float32():
     bfloat16 and added to by the second pass, against the float32 references of both paths added."""
     from attention.kernels import attend_paths
 
-    n, block = 77, 16
+    n, block = 45, 16
     rules = (FixedBlock(block), BoundaryWindows("bridge", block, 8, n))
     q, k, v = inputs(n, H=4, H_kv=2, dtype=torch.bfloat16)
     plans = tuple(plan_attention(rule, "span", n, 4, 16, "cpu") for rule in rules)
@@ -137,8 +141,7 @@ def test_two_paths_summed_in_bfloat16_stay_close_to_float32():
         assert_close_at_scale(ours, theirs, torch.bfloat16)
 
 
-@pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("documents", [False, True])
+@pytest.mark.parametrize("fused, documents", covering([False, True], [True, False]))  # each path, not each pair
 def test_two_paths_apart_in_one_call_equal_the_dense_reference(fused, documents, monkeypatch):
     """Two paths with outputs of their own over one q, k, v (sa_swa's sa in slots and its swa: Kernel.run_apart):
     one op, whose backward runs sa's kernels in slots and then swa's adding their gradients into sa's; each output
@@ -148,10 +151,10 @@ def test_two_paths_apart_in_one_call_equal_the_dense_reference(fused, documents,
     from attention.kernels import attend_apart
     from attention.stochastic import plan_stochastic, stochastic_attention
 
-    n, window = 83, 14
+    n, window = 57, 14
     q, k, v = (fused_inputs if fused else inputs)(n, H=4, H_kv=2)
     order = torch.randperm(n, generator=torch.Generator().manual_seed(5), device="cpu")
-    docs = two_rows_of_documents(n, (3, 40, 41, 70)) if documents else None
+    docs = two_rows_of_documents(n, (3, 27, 28, 47)) if documents else None
     sa = plan_stochastic(order, window, "span", 4, 16, "cpu", documents)
     swa = plan_attention(SlidingWindow(window), "span", n, 4, 16, "cpu", documents=documents)
     calls = []
@@ -218,14 +221,14 @@ def test_stochastic_band_in_slots_reads_each_row_at_its_token(monkeypatch):
         raise AssertionError("span attention in slots gathered q, k, v to the layout")
 
     monkeypatch.setattr(stochastic, "to_layout", gathered)
-    n, window = 150, 22
+    n, window = 100, 22  # 120 layout rows: two of the GPU's row tiles, the second short
     order = torch.randperm(n, generator=torch.Generator().manual_seed(4), device="cpu")
-    starts = (0, 1, 37, 38, 90, 149)  # documents of one token, and one at the last position
+    starts = (0, 1, 37, 38, 70, 99)  # documents of one token, and one at the last position
     docs = torch.tensor([max(s for s in starts if s <= t) for t in range(n)], device="cpu").expand(2, n)
     for blocks in ((16, 16), (64, 64)):
         monkeypatch.setattr(op, "TEST_BLOCKS", blocks)
         for documents in (None, docs):
-            q, k, v = inputs(n)
+            q, k, v = inputs(n, H=2, H_kv=2)
             y = stochastic.stochastic_attention(q, k, v, order, window, "span", docs=documents)
             ref = stochastic.stochastic_attention(q, k, v, order, window, "dense", docs=documents)
             torch.testing.assert_close(y, ref, atol=2e-5, rtol=1e-4)
@@ -280,7 +283,8 @@ def test_a_window_costs_its_band_not_the_sequence():
 @pytest.mark.gpu  # on CUDA where it exists (the GPU's tiles, compiled Triton), else on the CPU's interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_span_kernels_equal_the_dense_reference(device, dtype):
-    n, H = (700 if device == "cuda" else 96), 4  # the interpreter is slow: fewer rows on the CPU
+    # the interpreter is slow: fewer rows on the CPU, still past the narrowest window and ending in a short tile
+    n, H = (700 if device == "cuda" else 45), 4
     generator = torch.Generator(device=device).manual_seed(0)
     cases = [(SlidingWindow(130), None, "softmax"), (HeadWindows((32, 64, 128, 256)), None, "softmax"),
              (AnyOf((FixedBlock(128), BoundaryWindows("pbb", 128, 128, 512))), None, "softmax"),

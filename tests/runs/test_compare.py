@@ -4,7 +4,6 @@ import dataclasses
 import json
 import math
 import random
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from config import Config
-from conftest import REPO, load_script
+from conftest import load_script, run_in_process
 from eval.paired import paired, render_paired
 from eval.plots import plot_all, seed_group_records
 from eval.records import load_local_run, wandb_record
@@ -87,8 +86,9 @@ def runs(tmp_path):
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "scripts.compare", *map(str, args)], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+    """python -m scripts.compare ARGS, run in this process: the command line's parsing, output and exit status are
+    what is checked, not a fresh interpreter."""
+    return run_in_process(["-m", "scripts.compare"], *map(str, args))
 
 
 def table_rows(text, section="## Runs"):

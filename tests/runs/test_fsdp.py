@@ -3,6 +3,7 @@ another number of processes), survive a kill mid-save, and load in one process f
 
 import json
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -31,63 +32,83 @@ def train(out_dir, *args, processes=1, check=True):
 metrics = read_metrics
 
 
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory):
+    """Two sharded processes under torchrun, which passes SIGTERM on: both finish the step and save their shards.
+    Stopped whenever the signal lands, well before its max_iters (however slowly this machine runs): (the run
+    folder, returncode, stdout, stderr). Tests resume copies of the folder."""
+    out = tmp_path_factory.mktemp("fsdp_interrupted") / "run"
+    return (out, *sigterm_after_two_steps([*SWAX, "--max_iters=1000", "--parallelism=fsdp"], out, processes=2))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, interrupted):
+    """Uninterrupted runs to a few steps past the interrupted run's checkpoint (the learning rate follows
+    lr_decay_iters, not max_iters), each run once for every test that compares with it: one plain process
+    (parallelism=ddp), one process under FSDP (a process group of one) and two sharded processes."""
+    root = tmp_path_factory.mktemp("fsdp_runs")
+    steps = max(12, load_sharded_meta(interrupted[0] / "ckpt_last")["step"] + 6)
+    train(root / "single", f"--max_iters={steps}")
+    train(root / "fsdp1", f"--max_iters={steps}", "--parallelism=fsdp")
+    train(root / "fsdp2", f"--max_iters={steps}", "--parallelism=fsdp", processes=2)
+    return root, steps
+
+
 @pytest.mark.e2e
-def test_two_sharded_processes_match_one_process(tmp_path):
-    train(tmp_path / "single", "--max_iters=20")  # parallelism=ddp, one process: the plain run
-    train(tmp_path / "fsdp", "--max_iters=20", "--parallelism=fsdp", processes=2)
+def test_two_sharded_processes_match_one_process(runs):
+    runs, steps = runs
     for key in ("train_loss", "val_loss"):
-        assert_losses_close(metrics(tmp_path / "single", key), metrics(tmp_path / "fsdp", key), 1e-5, key)
-    assert len(metrics(tmp_path / "fsdp")) == 20
-    assert json.load(open(tmp_path / "fsdp" / "config.json"))["train"]["parallelism"] == "fsdp"
+        assert_losses_close(metrics(runs / "single", key), metrics(runs / "fsdp2", key), 1e-5, key)
+    assert len(metrics(runs / "fsdp2")) == steps
+    assert json.load(open(runs / "fsdp2" / "config.json"))["train"]["parallelism"] == "fsdp"
     # the checkpoint is a folder of both processes' shards
-    shards = sorted(p.name for p in (tmp_path / "fsdp" / "ckpt_last").iterdir())
-    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"] and not (tmp_path / "fsdp" / "ckpt_last.pt").exists()
-    assert load_sharded_meta(tmp_path / "fsdp" / "ckpt_last")["step"] == 20
+    shards = sorted(p.name for p in (runs / "fsdp2" / "ckpt_last").iterdir())
+    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"] and not (runs / "fsdp2" / "ckpt_last.pt").exists()
+    assert load_sharded_meta(runs / "fsdp2" / "ckpt_last")["step"] == steps
 
     # sample.py and python -m eval read the sharded folder in one process: the weights are the whole model's
-    model, cfg, meta = load_model(tmp_path / "fsdp", "last")
-    reference, _, _ = load_model(tmp_path / "single", "last")
-    assert cfg.train.parallelism == "fsdp" and meta["step"] == 20
+    model, cfg, meta = load_model(runs / "fsdp2", "last")
+    reference, _, _ = load_model(runs / "single", "last")
+    assert cfg.train.parallelism == "fsdp" and meta["step"] == steps
     for (name, value), (_, expected) in zip(model.state_dict().items(), reference.state_dict().items()):
         assert torch.allclose(value, expected, atol=1e-5), name
-    sample = run_in_process(["sample.py"], f"--out_dir={tmp_path / 'fsdp'}", "--max_new_tokens=8", "--num_samples=1",
+    sample = run_in_process(["sample.py"], f"--out_dir={runs / 'fsdp2'}", "--max_new_tokens=8", "--num_samples=1",
                             "--start=ab")
     assert sample.returncode == 0 and sample.stdout.strip(), sample.stderr
-    evaluation = run_in_process(["-m", "eval"], f"--out_dir={tmp_path / 'fsdp'}", "--tasks=ppl", "--ckpt=last")
+    evaluation = run_in_process(["-m", "eval"], f"--out_dir={runs / 'fsdp2'}", "--tasks=ppl", "--ckpt=last")
     assert evaluation.returncode == 0, evaluation.stderr[-2000:]
     assert "warning" not in evaluation.stderr.lower()
-    assert json.load(open(tmp_path / "fsdp" / "eval" / "ppl.json"))
+    assert json.load(open(runs / "fsdp2" / "eval" / "ppl.json"))
     from eval.lm_eval_adapter import EfficientAttentionLM  # lm-evaluation-harness's view of the same folder
 
-    lm = EfficientAttentionLM(pretrained=str(tmp_path / "fsdp"), ckpt="last", device="cpu")
-    assert lm.get_model_info()["step"] == 20
+    lm = EfficientAttentionLM(pretrained=str(runs / "fsdp2"), ckpt="last", device="cpu")
+    assert lm.get_model_info()["step"] == steps
 
 
 @pytest.mark.e2e
-def test_resume_on_another_number_of_processes(tmp_path):
-    train(tmp_path / "uninterrupted", "--max_iters=12", "--parallelism=fsdp")
-    reference = metrics(tmp_path / "uninterrupted")
-    for first, then in ((2, 1), (1, 2)):
-        out = tmp_path / f"{first}to{then}"
-        train(out, "--max_iters=6", "--ckpt_interval=3", "--parallelism=fsdp", processes=first)
-        proc = train(out, "--max_iters=12", "--parallelism=fsdp", "--init_from=resume", processes=then)
+def test_resume_on_another_number_of_processes(runs, interrupted, tmp_path):
+    runs, steps = runs
+    reference = metrics(runs / "fsdp1")
+    written_by_two = shutil.copytree(interrupted[0], tmp_path / "2to1")  # shards of two processes
+    written_by_one = tmp_path / "1to2"
+    train(written_by_one, "--max_iters=6", "--ckpt_interval=3", "--parallelism=fsdp")
+    for out, first, then in ((written_by_two, 2, 1), (written_by_one, 1, 2)):
+        proc = train(out, f"--max_iters={steps}", "--parallelism=fsdp", "--init_from=resume", processes=then)
         assert "resumed from" in proc.stdout
         assert f"RNG states for {first} processes, not {then}" in proc.stdout  # dropout is off: no effect
         assert_losses_close(metrics(out), reference, 1e-6, f"written by {first}, resumed on {then}")
 
 
 @pytest.mark.e2e
-def test_sigterm_then_resume_is_exact_under_fsdp(tmp_path):
-    # two processes under torchrun, which passes SIGTERM on: both finish the step and save their shards
-    args = ["--max_iters=12", "--parallelism=fsdp", "--n_embd=256", "--n_layer=4"]  # slow enough to interrupt
-    train(tmp_path / "ref", *args, processes=2)
-    out = tmp_path / "run"
-    returncode, stdout, stderr = sigterm_after_two_steps([*SWAX, *args], out, processes=2)
+def test_sigterm_then_resume_is_exact_under_fsdp(runs, interrupted, tmp_path):
+    runs, steps = runs
+    run, returncode, stdout, stderr = interrupted
     assert returncode != 0, stderr  # torchrun reports the signal it received
-    stopped = load_sharded_meta(out / "ckpt_last")["step"]
-    assert 2 <= stopped < 12 and f"at step {stopped}; ckpt_last saved" in stdout
-    train(out, *args, "--init_from=resume", processes=2)
-    assert metrics(out) == metrics(tmp_path / "ref")  # exact
+    stopped = load_sharded_meta(run / "ckpt_last")["step"]
+    assert 2 <= stopped < steps and f"at step {stopped}; ckpt_last saved" in stdout
+    out = shutil.copytree(run, tmp_path / "run")
+    train(out, f"--max_iters={steps}", "--parallelism=fsdp", "--init_from=resume", processes=2)
+    assert metrics(out) == metrics(runs / "fsdp2")  # exact
 
 
 @pytest.mark.e2e
@@ -134,9 +155,11 @@ def test_fsdp_refuses_float16_before_writing_anything(tmp_path):
 
 @pytest.mark.e2e
 def test_sharding_composes_with_compiled_blocks_and_activation_checkpointing(tmp_path):
-    # runtime/parallelize.py: checkpoint wrapper, then each block compiled, then fully_shard per block and the root
-    train(tmp_path / "plain", "--max_iters=4")
-    train(tmp_path / "fsdp", "--max_iters=4", "--parallelism=fsdp", "--compile=True",
+    # runtime/parallelize.py: checkpoint wrapper, then each block compiled, then fully_shard per block and the root.
+    # swa layers alone: the layout is what is checked, and compiling mlstm's chunk loop would double the time (swa +
+    # mLSTM under FSDP2, checkpointing and compiled blocks together: test_gpu_sim's run of the GPU check's settings)
+    train(tmp_path / "plain", "--max_iters=4", "--attn_pattern=swa")
+    train(tmp_path / "fsdp", "--max_iters=4", "--attn_pattern=swa", "--parallelism=fsdp", "--compile=True",
           "--activation_checkpointing=selective", "--fsdp_reshard_after_forward=False")  # a group of one process
     for key in ("train_loss", "val_loss"):
         assert_losses_close(metrics(tmp_path / "plain", key), metrics(tmp_path / "fsdp", key), 1e-5, key)

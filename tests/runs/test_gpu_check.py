@@ -33,13 +33,20 @@ def gpu_check(out, *args) -> subprocess.CompletedProcess:
     return run_in_process(["-m", "scripts.gpu_check"], "--device=cpu", "--quick", f"--out={out}", *args)
 
 
+# two runs of the grid, the riskiest (their mixers' GPU kernels, on the CPU their built-in forms), and a run only a GPU
+# makes (recorded as not applicable here): the other runs train every registry case through the same step, which
+# the simulated CUDA path trains compiled (tests/models/test_gpu_sim.py) and the grid's cover is asserted below
+QUICK_RUNS = ("swax", "swax_gdn", "swax_fp16")
+
+
 @pytest.mark.e2e
 def test_quick_cpu_check_runs_every_step_and_writes_the_report(tmp_path):
     # every step but gpu_tests, which would run this suite's GPU tests inside the suite (the suite runs them
-    # itself; the step's logic is checked below with a stand-in for its pytest run), and compile_check, minutes
-    # on 2 cores (skipped unless named: below)
-    chosen = [name for name in options.STEPS if name not in ("gpu_tests", "compile_check")]
-    proc = gpu_check(tmp_path, f"--steps={','.join(chosen)}")
+    # itself; the step's logic is checked below with a stand-in for its pytest run), compile_check, minutes
+    # on 2 cores (skipped unless named: below), and resume, which the same command runs end to end on the
+    # simulated CUDA path (tests/models/test_gpu_sim.py: its results asserted there)
+    chosen = [name for name in options.STEPS if name not in ("gpu_tests", "compile_check", "resume")]
+    proc = gpu_check(tmp_path, f"--steps={','.join(chosen)}", f"--runs={','.join(QUICK_RUNS)}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     written = json.loads((tmp_path / "report.json").read_text())
     recorded = written["steps"]
@@ -55,16 +62,14 @@ def test_quick_cpu_check_runs_every_step_and_writes_the_report(tmp_path):
     assert all(c["passed"] for c in compared["cases"])
     runs = {r["mixer"]: r for r in recorded["train_runs"]["results"]["runs"]}
     window = options.REDUCED["train_runs"]["window"]
-    assert set(runs) == set(options.train_runs(window)) >= set(MIXERS)  # every registered mixer trains
+    assert set(runs) == set(QUICK_RUNS)
     trained = [r for r in runs.values() if r["status"] == "passed"]
-    assert {r["mixer"] for r in trained} == set(options.train_runs(window)) - set(options.cuda_only_runs(window))
+    assert {r["mixer"] for r in trained} == set(QUICK_RUNS) - set(options.cuda_only_runs(window))
+    assert runs["swax_fp16"]["status"] == "not applicable"
     assert all(r["val_loss_end"] < r["val_loss_start"] for r in trained)
-    resumed = recorded["resume"]["results"]
-    assert resumed["bitwise"] and resumed["compared_steps"] == list(range(resumed["checkpoint_at"] + 1,
-                                                                          resumed["max_iters"] + 1))
-    # the checkpoint it resumed from (a later one than the first when the kill came late, as on a busy machine)
-    assert resumed["checkpoint_at"] % options.REDUCED["resume"]["checkpoint_at"] == 0
-    assert resumed["killed_after_step"] >= resumed["checkpoint_at"]
+    # without --runs the step trains the whole grid: every registered mixer
+    assert options.grid_runs(options.REDUCED["train_runs"]) == list(options.train_runs(window))
+    assert set(options.train_runs(window)) >= set(MIXERS) | set(QUICK_RUNS)
     assert recorded["memory"]["results"]["estimated_gib"] > 0 and recorded["memory"]["results"]["measured_gib"] is None
     markdown = (tmp_path / "report.md").read_text()
     assert "reduced (CPU, --quick)" in markdown and "| train_runs | **passed** |" in markdown
@@ -118,20 +123,20 @@ def test_the_resume_check_passes_only_when_a_run_resumed(tmp_path, monkeypatch, 
 
 @pytest.mark.e2e
 def test_a_failing_step_is_recorded_and_the_next_one_still_runs(tmp_path):
-    # the memory step fails (injected) and is rerun: one of the shortest on the CPU (every step runs in the quick
-    # check above)
-    proc = gpu_check(tmp_path, "--steps=preflight,memory,generate", "--fail_steps=memory")
+    # the first step fails (injected) and is rerun; the next one, multi_gpu, records why it skips on the CPU: steps
+    # that start no training (every step runs in the quick check above, the failure path is the runner's alone)
+    proc = gpu_check(tmp_path, "--steps=preflight,multi_gpu", "--fail_steps=preflight")
     assert proc.returncode == 1
     recorded = json.loads((tmp_path / "report.json").read_text())["steps"]
-    assert recorded["memory"]["status"] == "failed" and "injected failure" in recorded["memory"]["summary"]
-    assert "Traceback" in recorded["memory"]["error"]
-    assert recorded["generate"]["status"] == "passed"
-    assert f"## {options.STEPS.index('memory') + 1}. memory: failed" in (tmp_path / "report.md").read_text()
+    assert recorded["preflight"]["status"] == "failed" and "injected failure" in recorded["preflight"]["summary"]
+    assert "Traceback" in recorded["preflight"]["error"]
+    assert recorded["multi_gpu"]["status"] == "skipped" and "two or more GPUs" in recorded["multi_gpu"]["summary"]
+    assert f"## {options.STEPS.index('preflight') + 1}. preflight: failed" in (tmp_path / "report.md").read_text()
     # --only reruns the failed step into the same report and keeps the others' results
-    proc = gpu_check(tmp_path, "--only=memory")
+    proc = gpu_check(tmp_path, "--only=preflight")
     assert proc.returncode == 0, proc.stdout[-3000:]
     written = json.loads((tmp_path / "report.json").read_text())
-    assert [written["steps"][s]["status"] for s in ("preflight", "memory", "generate")] == ["passed"] * 3
+    assert [written["steps"][s]["status"] for s in ("preflight", "multi_gpu")] == ["passed", "skipped"]
     assert len(written["runs"]) == 2
 
 
@@ -171,18 +176,28 @@ def test_bad_options_exit_with_status_2(tmp_path, monkeypatch, args, message):
 
 @pytest.fixture(scope="session")
 def gpu_test_ids(tmp_path_factory):
-    """budgets.collected_gpu_tests(), the collection the check runs (pytest --collect-only over gpu_tests.GPU_TESTS
-    in a process of its own: half a minute), once per session: the xdist workers share it through a file in the
-    folder they share."""
+    """budgets.collected_gpu_tests(), the collection the check runs (pytest --collect-only over gpu_tests.GPU_TESTS),
+    once per session: the xdist workers share it through a file in the folder they share. Its pytest runs in this
+    process (run_in_process): what is checked is what it collects, and a fresh interpreter importing torch and
+    the test modules would cost half a minute."""
     from filelock import FileLock
 
     shared = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         shared = shared.parent  # the run's folder, above each worker's own
     path = shared / "gpu_test_ids.json"
+    real_run = subprocess.run
+
+    def pytest_here(command, *args, **kwargs):
+        if list(command[:3]) != [sys.executable, "-m", "pytest"] or kwargs.get("cwd") != REPO:
+            return real_run(command, *args, **kwargs)
+        return run_in_process(list(command[1:]))
+
     with FileLock(f"{path}.lock"):
         if not path.exists():
-            path.write_text(json.dumps(budgets.collected_gpu_tests()))
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(subprocess, "run", pytest_here)
+                path.write_text(json.dumps(budgets.collected_gpu_tests.__wrapped__()))
         ids = json.loads(path.read_text())
     return None if ids is None else tuple(ids)
 

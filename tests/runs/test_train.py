@@ -92,14 +92,16 @@ def test_a_resumed_run_keeps_every_command_and_says_when_its_best_was_measured_o
 
 
 @pytest.mark.e2e
-def test_sigterm_saves_and_resume_is_exact(reference_run, tmp_path):
-    args = ["--max_iters=12", "--eval_interval=4", "--n_embd=256", "--n_layer=4"]  # slow enough to interrupt
-    ref = tmp_path / "ref"
-    run(args, ref)
-    returncode, out, err = sigterm_after_two_steps([*TINY, *args], tmp_path)
+def test_sigterm_saves_and_resume_is_exact(tmp_path):
+    # stopped whenever the signal lands, long before its max_iters; the reference runs a few steps past that (the
+    # learning rate follows lr_decay_iters, not max_iters)
+    returncode, out, err = sigterm_after_two_steps([*TINY, "--max_iters=1000", "--eval_interval=4"], tmp_path)
     assert returncode == 128 + signal.SIGTERM, err
     stopped = load_checkpoint(tmp_path / "ckpt_last.pt")["step"]
-    assert 2 <= stopped < 12 and f"at step {stopped}" in out
+    assert 2 <= stopped < 1000 and f"at step {stopped}" in out
+    args = [f"--max_iters={stopped + 6}", "--eval_interval=4"]
+    ref = tmp_path / "ref"
+    run(args, ref)
     run([*args, "--init_from=resume"], tmp_path)
     assert metrics(tmp_path) == metrics(ref)
 
@@ -109,7 +111,7 @@ def test_sigkill_while_checkpointing_keeps_the_last_checkpoint(tmp_path):
     cmd = [sys.executable, "train.py", *TINY, f"--out_dir={tmp_path}", "--max_iters=1000", "--ckpt_interval=1",
            "--n_embd=256", "--n_layer=4"]  # a ~13 MB checkpoint written after every step
     rng = random.Random(0)
-    for attempt in range(3):
+    for attempt in range(2):  # a fresh run, then a resumed one
         proc = subprocess.Popen(cmd + (["--init_from=resume"] if attempt else []), cwd=REPO,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         last = tmp_path / "ckpt_last.pt"

@@ -3,11 +3,9 @@ training run's summary. Runs log offline into their run folder; the tests read w
 run-ID.wandb log of wandb_internal_pb2.Record protobufs that `wandb sync` uploads)."""
 
 import json
-import os
 import shutil
 import struct
-import subprocess
-import sys
+import time
 
 import pytest
 from wandb.proto import wandb_internal_pb2
@@ -15,12 +13,29 @@ from wandb.proto import wandb_internal_pb2
 from runtime import wandb_run
 from config import ConfigError, load_config
 from eval.summaries import evaluation_summary
-from conftest import REPO, train_subprocess
+from conftest import run_in_process
 
 TOKENS_PER_STEP = 4 * 2 * 32  # batch_size x gradient_accumulation_steps x block_size
 TINY = ["configs/quickstart.py", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
         "--gradient_accumulation_steps=2", "--eval_iters=2", "--log_interval=1", "--eval_interval=2",
         "--warmup_iters=1", "--wandb_log=True", "--wandb_mode=offline"]
+
+
+def in_process(command, *args):
+    """python COMMAND ARGS in this process (conftest.run_in_process), ended as a process's exit ends wandb: its
+    service writes out the run's files and forgets the settings it read (as a fresh process starts without them)."""
+    import wandb
+
+    try:
+        return run_in_process(command, *args)
+    finally:
+        wandb.teardown()
+
+
+def train(*args):
+    proc = in_process(["train.py"], *args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
 
 
 @pytest.fixture(autouse=True)
@@ -87,8 +102,8 @@ def swa_run(tmp_path_factory):
     """3 steps of a 2-layer swa model logging to wandb offline (validation at steps 0, 2 and 3), with a tag added to
     those it is given."""
     out = tmp_path_factory.mktemp("swa")
-    train_subprocess([*TINY, f"--out_dir={out}", "--attn_pattern=swa", "--swa_window=16", "--max_iters=3",
-                      "--wandb_tags=+ablation"])
+    train(*TINY, f"--out_dir={out}", "--attn_pattern=swa", "--swa_window=16", "--max_iters=3",
+          "--wandb_tags=+ablation")
     return out
 
 
@@ -122,8 +137,8 @@ def test_a_resumed_run_continues_its_wandb_run_its_tags_and_its_token_count(swa_
     run = shutil.copytree(swa_run, tmp_path / "run")
     run_id = json.loads((run / "wandb.json").read_text())["id"]
     # resumed without the tag, in another group, and with half the tokens per step from here on
-    proc = train_subprocess([*TINY, f"--out_dir={run}", "--attn_pattern=swa", "--swa_window=16", "--max_iters=5",
-                             "--init_from=resume", "--gradient_accumulation_steps=1", "--wandb_group=sweep_a"])
+    proc = train(*TINY, f"--out_dir={run}", "--attn_pattern=swa", "--swa_window=16", "--max_iters=5",
+                 "--init_from=resume", "--gradient_accumulation_steps=1", "--wandb_group=sweep_a")
     assert f"wandb: run {run_id} (offline) in group 'sweep_a'" in proc.stdout
     first, second = segments(run, run_id)
     assert second["run"].run_group == "sweep_a" and list(second["run"].tags) == list(first["run"].tags)
@@ -153,10 +168,17 @@ def test_bad_groups_and_tags_are_refused_with_the_fix(setting, message):
         load_config(["configs/quickstart.py", setting])
 
 
-def run_eval(run, *args, env=None):
-    proc = subprocess.run([sys.executable, "-m", "eval", f"--out_dir={run}", "--progress=False", "--tasks=ppl",
-                           "--ppl_lengths=32", "--ppl_max_tokens=2000", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=300, env=env)
+_last_evaluation = {"ended": 0.0}
+
+
+def run_eval(run, *args):
+    # wandb names a run's offline folder by the second it was opened in, and an evaluation run in this process
+    # can start and end within one second: the next one waits for a new second, so each keeps a folder of its own
+    while int(time.time()) <= int(_last_evaluation["ended"]):
+        time.sleep(0.02)
+    proc = in_process(["-m", "eval"], f"--out_dir={run}", "--progress=False", "--tasks=ppl", "--ppl_lengths=32",
+                      "--ppl_max_tokens=2000", *args)
+    _last_evaluation["ended"] = time.time()
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -182,8 +204,9 @@ def test_evaluation_results_go_into_the_training_runs_summary(swa_run, tmp_path)
     # text other than the run's own validation split: labelled in the key, the run's own number left as it was
     essay = tmp_path / "essay.txt"
     essay.write_text("\n\n".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog." * 3 for i in range(60)))
-    subprocess.run([sys.executable, "-m", "data.prepare", f"--dataset={essay}", f"--out_dir={tmp_path / 'essay'}",
-                    "--val_fraction=0.2"], cwd=REPO, check=True, capture_output=True, timeout=120)
+    prepared = run_in_process(["-m", "data.prepare"], f"--dataset={essay}", f"--out_dir={tmp_path / 'essay'}",
+                              "--val_fraction=0.2")
+    assert prepared.returncode == 0, prepared.stderr[-2000:]
     run_eval(run, f"--data_dir={tmp_path / 'essay'}")
     *_, other = segments(run, run_id)
     assert other["summary"]["eval/ppl/ppl@L=32 (data essay)"] == ppl_of(run, "essay") != own
@@ -218,9 +241,10 @@ def test_an_unreachable_or_missing_wandb_is_a_note_and_the_results_stay_local(sw
     run = shutil.copytree(swa_run, tmp_path / "run")
     record = json.loads((run / "wandb.json").read_text())
     (run / "wandb.json").write_text(json.dumps({**record, "mode": "online"}))
-    env = {k: v for k, v in os.environ.items() if k not in ("WANDB_MODE", "WANDB_API_KEY")}
-    env["HOME"] = str(tmp_path)  # no ~/.netrc: no login
-    proc = run_eval(run, env=env)
+    for name in ("WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: no login
+    proc = run_eval(run)
     assert "wandb is not reachable (no wandb login" in proc.stderr and "offline copy" in proc.stderr
     assert f"results of ppl written to the summary of run {record['id']} (offline" in proc.stdout
     assert segments(run, record["id"])[-1]["summary"]["eval/ppl/ppl@L=32"] == ppl_of(run, "embedded_byte")
