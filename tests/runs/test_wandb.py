@@ -21,15 +21,23 @@ TINY = ["configs/quickstart.py", "--n_layer=2", "--n_head=2", "--n_embd=32", "--
         "--warmup_iters=1", "--wandb_log=True", "--wandb_mode=offline"]
 
 
+_last_command = {"ended": 0.0}
+
+
 def in_process(command, *args):
     """python COMMAND ARGS in this process (conftest.run_in_process), ended as a process's exit ends wandb: its
-    service writes out the run's files and forgets the settings it read (as a fresh process starts without them)."""
+    service writes out the run's files and forgets the settings it read (as a fresh process starts without them).
+    wandb names a run's offline folder by the second it was opened in, and a command here can start and end within
+    one second: the next one waits for a new second, so each (a resume, an evaluation) keeps a folder of its own."""
     import wandb
 
+    while int(time.time()) <= int(_last_command["ended"]):
+        time.sleep(0.02)
     try:
         return run_in_process(command, *args)
     finally:
         wandb.teardown()
+        _last_command["ended"] = time.time()
 
 
 def train(*args):
@@ -168,17 +176,9 @@ def test_bad_groups_and_tags_are_refused_with_the_fix(setting, message):
         load_config(["configs/quickstart.py", setting])
 
 
-_last_evaluation = {"ended": 0.0}
-
-
 def run_eval(run, *args):
-    # wandb names a run's offline folder by the second it was opened in, and an evaluation run in this process
-    # can start and end within one second: the next one waits for a new second, so each keeps a folder of its own
-    while int(time.time()) <= int(_last_evaluation["ended"]):
-        time.sleep(0.02)
     proc = in_process(["-m", "eval"], f"--out_dir={run}", "--progress=False", "--tasks=ppl", "--ppl_lengths=32",
                       "--ppl_max_tokens=2000", *args)
-    _last_evaluation["ended"] = time.time()
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
