@@ -273,11 +273,12 @@ def main(argv):
         lr = get_lr(step, t)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        if step % ev.eval_interval == 0 or step == t.max_iters or ev.eval_only:
+        data_changed = progress.data_change is not None and step == start_step  # the new data's first loss
+        if step % ev.eval_interval == 0 or step == t.max_iters or ev.eval_only or data_changed:
             improved = evaluate_and_log(run, hooks)
             if ev.eval_only:
                 break
-            if improved and step > start_step:
+            if improved and (step > start_step or data_changed):
                 save(run, "best")
         if step > start_step and (step % ckpt_interval == 0 or step == t.max_iters or stopping):
             save(run, "last")

@@ -72,6 +72,13 @@ def read_metrics(path: Path, warn=None) -> list[dict]:
     return records
 
 
+def on_current_data(records: list[dict]) -> list[dict]:
+    """The records logged since the run's last change of data (a resume with --allow_data_change=True logs a
+    data_change record): the ones whose losses compare with each other and with the run's data now."""
+    changes = [i for i, record in enumerate(records) if "data_change" in record]
+    return records[changes[-1] + 1:] if changes else records
+
+
 @contextmanager
 def held(lock_path: Path):
     """An exclusive lock held for a short read-modify-write of a file that several processes update (two

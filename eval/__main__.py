@@ -62,7 +62,7 @@ from runtime.checkpoint import (CheckpointError, checkpoint_path, checkpoint_tok
                                 git_hash, load_model, run_tokenizer)
 from common.outputs import atomic_write, write_json
 from runtime.pretrained import PretrainedError
-from common.run_folder import held, holds_run, read_metrics, writable_folder_problem
+from common.run_folder import held, holds_run, on_current_data, read_metrics, writable_folder_problem
 from runtime.wandb_run import read_record, report_evaluation
 
 REPO = Path(__file__).resolve().parent.parent
@@ -252,9 +252,10 @@ def run_ppl(e: EvalRunConfig, ctx) -> dict:
 
 
 def best_val_loss(out_dir: Path) -> float | None:
-    """The lowest val_loss a run's metrics.jsonl records (None without one)."""
+    """The lowest val_loss a run's metrics.jsonl records on the data it trains on now (after its last change of
+    data), None without one."""
     path = out_dir / "metrics.jsonl"
-    losses = [r["val_loss"] for r in read_metrics(path) if "val_loss" in r] if path.exists() else []
+    losses = [r["val_loss"] for r in on_current_data(read_metrics(path)) if "val_loss" in r] if path.exists() else []
     return min(losses) if losses else None
 
 

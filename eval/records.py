@@ -8,7 +8,7 @@ from pathlib import Path
 
 from data.meta import tokenizer_identity, tokenizer_mismatch
 from eval.compare import CompareError, is_number, warn
-from common.run_folder import read_metrics
+from common.run_folder import on_current_data, read_metrics
 
 STANDARD_METRICS = {"step", "train_loss", "val_loss", "best_val_loss", "lr", "tokens_per_s", "mfu", "tokens_seen",
                     "elapsed_s"}
@@ -104,7 +104,12 @@ def load_local_run(path) -> dict:
         raise CompareError(f"{path / 'config.json'} does not hold a config object")
     metrics = read_metrics(path / "metrics.jsonl", warn) if (path / "metrics.jsonl").is_file() else []
     train = [(m["step"], m["train_loss"]) for m in metrics if is_number(m.get("train_loss"))]
-    val = [(m["step"], m["val_loss"]) for m in metrics if is_number(m.get("val_loss"))]
+    current = on_current_data(metrics)
+    if len(current) < len(metrics):  # a resume on other data: validation losses of two datasets never mix
+        changed_at = [m["step"] for m in metrics if "data_change" in m][-1]
+        warn(f"{path}: its data changed at step {changed_at} (--allow_data_change=True); its validation losses and "
+             "best here are those on the new data, from that step on")
+    val = [(m["step"], m["val_loss"]) for m in current if is_number(m.get("val_loss"))]
     extra = {}
     for m in sorted(metrics, key=lambda m: m["step"]):  # last value of every other numeric key
         for key, value in m.items():

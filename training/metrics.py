@@ -43,7 +43,8 @@ class MetricsLog:
                 kept.append(line)
         atomic_write(self.path, lambda f: f.write("".join(line + "\n" for line in kept).encode()))
 
-    def log(self, step: int, **values) -> None:
+    def log(self, step: int, to_wandb: bool = True, **values) -> None:
+        """A record of step; to_wandb=False keeps it to metrics.jsonl (a record that is not a metric's value)."""
         try:
             with open(self.path, "a") as f:
                 f.write(json.dumps({"step": step, **values}) + "\n")
@@ -51,7 +52,7 @@ class MetricsLog:
             if self.on_write_error is None:
                 raise
             self.on_write_error(self.path.name, e)
-        if self.wandb_run is not None:
+        if self.wandb_run is not None and to_wandb:
             self.wandb_run.log({**values, X_AXIS: self.tokens_at(step)}, step=step)
 
 

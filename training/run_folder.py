@@ -3,6 +3,7 @@ the data's meta), the run's tokenizer, metrics.jsonl and wandb (opened here, cut
 resume); what the run trains is said once, as the folder is opened."""
 
 import json
+import os
 from pathlib import Path
 
 from attention.capabilities import resolved_settings as mixer_resolved_settings
@@ -66,6 +67,8 @@ def run_invocations(path: Path, cfg: Config, info: dict, progress: Progress) -> 
     entry = {**info, "from_step": progress.step}
     if changed:
         entry["changed"] = changed
+    if progress.data_change:
+        entry["data_change"] = progress.data_change["changes"]
     return [*earlier, entry]
 
 
@@ -130,7 +133,9 @@ def open_run_folder(cfg: Config, rt: Runtime, data: RunData, raw_model, progress
     folder.metrics = MetricsLog(out_dir / "metrics.jsonl", wandb_run, on_write_error=folder.cannot_write,
                                 tokens_at=progress.tokens_at)
     step = progress.step
-    if step > 0:
+    if progress.data_change:
+        keep_records_before_data_change(folder, progress)
+    elif step > 0:
         try:  # the evaluation at the resumed step runs again (in the loop): its earlier records are dropped
             folder.metrics.truncate_after(step, reevaluated=step % ev.eval_interval == 0 or step == t.max_iters
                                           or ev.eval_only)
@@ -138,12 +143,49 @@ def open_run_folder(cfg: Config, rt: Runtime, data: RunData, raw_model, progress
             fail(str(e))
         except OSError as e:
             folder.cannot_write("metrics.jsonl", e)
-        print(f"resumed from {out_dir / (f'ckpt_{t.resume_from}' + ('' if rt.fsdp else '.pt'))} at step {step} "
-              f"(best val loss {progress.best_val_loss:.4f})")
+    elif (out_dir / "metrics.jsonl").exists():
+        (out_dir / "metrics.jsonl").unlink()  # a resume from step 0: its log starts again
+    if progress.ckpt_step is not None:
+        print(f"resumed from {out_dir / (f'ckpt_{t.resume_from}' + ('' if rt.fsdp else '.pt'))} at step {step}"
+              + ("" if progress.data_change else f" (best val loss {progress.best_val_loss:.4f})"))
         if progress.best_budget not in (None, eval_budget(cfg)):
             print(f"note: that best val loss was measured with {describe_budget(progress.best_budget)}; this run "
                   f"evaluates with {describe_budget(eval_budget(cfg))}, another number over other windows: until a "
                   "loss of this run beats it, every line says which budget the best comes from")
-    elif (out_dir / "metrics.jsonl").exists():
-        (out_dir / "metrics.jsonl").unlink()  # a resume from step 0: its log starts again
     return folder
+
+
+def keep_records_before_data_change(folder: RunFolder, progress: Progress) -> None:
+    """A resume on other data (allow_data_change): every record the run wrote up to its checkpoint's step stays as
+    it is (the evaluation there included: the loop evaluates again, on the new data, and logs it after them), the
+    change is logged, and the best checkpoint so far, best on the earlier data, is kept under a name that says so;
+    the best on the new data starts from the next evaluation."""
+    step, change, out_dir = progress.step, progress.data_change, folder.out_dir
+    try:
+        folder.metrics.truncate_after(step, reevaluated=False)
+    except ValueError as e:
+        fail(str(e))
+    except OSError as e:
+        folder.cannot_write("metrics.jsonl", e)
+    kept = ""
+    for best in (out_dir / "ckpt_best.pt", out_dir / "ckpt_best"):
+        if best.exists():
+            renamed = out_dir / earlier_best_name(out_dir, step, best.suffix)
+            try:
+                os.replace(best, renamed)
+            except OSError as e:
+                folder.cannot_write(renamed.name, e)
+            kept = f"; the best checkpoint on the earlier data is kept as {renamed.name}"
+    folder.metrics.log(step, to_wandb=False, data_change=change)
+    print(f"data changed at step {step} (--allow_data_change=True): " + "; ".join(change["changes"])
+          + f". Losses from here are on the new data, recorded in metrics.jsonl after the change; the best val loss "
+          f"starts again at this step's evaluation{kept}")
+
+
+def earlier_best_name(out_dir: Path, step: int, suffix: str) -> str:
+    """ckpt_best_data_before_step{step}[.pt]: the best checkpoint of the data a run trained on before step."""
+    name, n = f"ckpt_best_data_before_step{step}", 1
+    while (out_dir / f"{name}{suffix}").exists():  # a second change at the same step
+        n += 1
+        name = f"ckpt_best_data_before_step{step}_{n}"
+    return name + suffix

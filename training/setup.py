@@ -227,7 +227,10 @@ def read_resume_checkpoint(cfg: Config, rt: Runtime, data: RunData, out_dir: Pat
                                  f"the run in {out_dir}")
     if problem:  # training on would relabel the run's checkpoints and compare losses of other token streams
         fail(f"cannot resume: {problem}", status=2)
-    changes = data_changes(saved_data_identity(ckpt, out_dir), data.meta)
+    saved_identity = saved_data_identity(ckpt, out_dir)
+    changes = data_changes(saved_identity, data.meta)
+    if changes:  # allowed: the run's best so far is on the earlier data (restore and open_run_folder act on it)
+        ckpt["data_change"] = {"changes": changes, "before": saved_identity, "after": data_identity(data.meta)}
     if changes and not t.allow_data_change:  # its losses would then continue on other text, unlabelled
         fail(f"cannot resume: the data in {data.data_dir} is not the data the run in {out_dir} trained on: "
              + "; ".join(changes) + ". Prepare it as it was, point --data_dir at the run's data, or pass "
@@ -297,6 +300,7 @@ class Progress:
     best_budget: dict | None = None  # the evaluation that measured best_val_loss (eval_budget)
     elapsed_before: float = 0.0  # seconds the run spent in its earlier invocations (a resumed run's checkpoint)
     started: float = dataclasses.field(default_factory=time.time)  # when this invocation's training began
+    data_change: dict | None = None  # a resume on other data (allow_data_change): its changes, identity before/after
 
     def elapsed(self) -> float:
         """Seconds of the run so far, over every invocation (what compare reports as its wall time)."""
@@ -327,6 +331,9 @@ def restore(ckpt: dict | None, rt: Runtime, raw_model, optimizer, scaler, tokens
     progress.wandb_run_id, progress.ckpt_step = ckpt.get("wandb_run_id"), ckpt["step"]
     # checkpoints from before tokens were counted: every step of the run had this run's tokens per step
     progress.tokens_seen = ckpt.get("tokens_seen", ckpt["step"] * tokens_per_step)
+    if ckpt.get("data_change"):  # a loss on the new data is never compared with a best on the old
+        progress.data_change = ckpt["data_change"]
+        progress.best_val_loss, progress.best_budget = float("inf"), None
     if len(ckpt["rng"]) == rt.world_size:
         try:
             set_rng_state(ckpt["rng"][rt.rank])

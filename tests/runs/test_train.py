@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -371,8 +372,36 @@ def test_resume_refuses_data_whose_identity_differs_from_the_runs(reference_run,
     error = proc.stderr.strip().splitlines()[-1]
     assert "is not the data the run" in error and "val_fraction" in error and "--allow_data_change=True" in error
     assert load_checkpoint(out / "ckpt_last.pt")["step"] == 12  # nothing trained, nothing written
-    run(["--max_iters=13", "--init_from=resume", f"--data_dir={data}", "--allow_data_change=True"], out)
-    assert load_checkpoint(out / "ckpt_last.pt")["step"] == 13
+    val = data / "val.bin"  # other validation text of the same size: its losses differ from the run's
+    val.write_bytes(np.fromfile(val, dtype=np.uint16)[::-1].tobytes())
+    before = (out / "metrics.jsonl").read_text()
+    best_before = (out / "ckpt_best.pt").read_bytes()
+    proc = run(["--max_iters=16", "--init_from=resume", f"--data_dir={data}", "--allow_data_change=True"], out)
+    assert "data changed at step 12" in proc.stdout and "val_fraction" in proc.stdout
+    assert load_checkpoint(out / "ckpt_last.pt")["step"] == 16
+
+    # every record of the run before the change stays as it was, then the change, then the new data's records
+    after = (out / "metrics.jsonl").read_text()
+    assert after.startswith(before), "a record of the run was dropped or rewritten"
+    records = [json.loads(line) for line in after[len(before):].splitlines()]
+    change = records[0]
+    assert change["step"] == 12 and "val_fraction" in change["data_change"]["changes"][0]
+    assert change["data_change"]["before"]["split"] != change["data_change"]["after"]["split"]
+    old_val = [r["val_loss"] for r in map(json.loads, before.splitlines()) if "val_loss" in r and r["step"] == 12]
+    new_val = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
+    assert sorted(new_val) == [12, 16] and new_val[12] != old_val[0]  # step 12 evaluated again, on the new data
+    assert [r["best_val_loss"] for r in records if "val_loss" in r] == [new_val[12], min(new_val.values())]
+
+    # the earlier best is kept under a name that says so; ckpt_best, eval's default, is the new data's best
+    assert (out / "ckpt_best_data_before_step12.pt").read_bytes() == best_before
+    best = load_checkpoint(out / "ckpt_best.pt")
+    assert best["best_val_loss"] == min(new_val.values()) and best["step"] == min(new_val, key=new_val.get)
+    from eval.__main__ import best_val_loss
+    from eval.records import load_local_run
+    assert best_val_loss(out) == min(new_val.values())  # eval's "the run's best validation loss in training"
+    record = load_local_run(out)
+    assert record["best_val_loss"] == min(new_val.values()) and [s for s, _ in record["val"]] == [12, 16]
+    assert "val_fraction" in json.loads((out / "config.json").read_text())["invocations"][-1]["data_change"][0]
 
 
 @pytest.mark.e2e
