@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import attention  # noqa: F401  (imports every variant module: each registers its mixer and settings)
 from attention import has_window_layers
 from attention import validate_config as validate_attention
-from attention.registry import SETTINGS, pattern_names, setting_readers, used_settings
+from attention.registry import MIXERS, SETTINGS, pattern_names, setting_readers, used_settings
 
 
 class ConfigError(ValueError):
@@ -152,6 +152,10 @@ class TrainConfig:
     # fsdp: FSDP2 shards them over the processes (each block its own unit, then the root), computes in bf16
     # through its mixed-precision policy, and checkpoints sharded (folders ckpt_last/, ckpt_best/)
     parallelism: str = "ddp"
+    # processes per sequence (context parallelism, docs/context_parallel.md): under torchrun each sequence of
+    # block_size tokens is cut into context_parallel contiguous shards, one per process of a group, and the
+    # processes form data parallel x context parallel groups; 1: every process trains whole sequences
+    context_parallel: int = 1
     fsdp_reshard_after_forward: bool = True  # free each block's gathered weights after its forward (less memory)
     # activation memory: none | full (each block keeps only its input and recomputes the rest in backward) |
     # selective (keeps its matmul and attention outputs, recomputes norms, activations and elementwise work)
@@ -566,6 +570,31 @@ def cuda_graphs_problem(t: TrainConfig) -> None:
                           "--cuda_graphs=False")
 
 
+def context_parallel_check(m, t) -> None:
+    """context_parallel's own refusals, before any process group or data: the length, the layers, the settings it
+    does not compose with yet."""
+    P = t.context_parallel
+    if P < 1:
+        raise ConfigError(f"context_parallel={P}: must be >= 1 (1: whole sequences on every process)")
+    if P == 1:
+        return
+    if m.block_size % P:
+        raise ConfigError(f"context_parallel={P}: block_size={m.block_size} does not cut into {P} equal shards; use a "
+                          f"block_size divisible by {P}")
+    served = {name: MIXERS[name].context_parallel for name in pattern_names(m.attn_pattern) if name in MIXERS}
+    if not all(served.values()):
+        unserved = ", ".join(sorted(name for name, ok in served.items() if not ok))
+        raise ConfigError(f"context_parallel={P}: the {unserved} layers have no context-parallel form (their edges "
+                          "are drawn over the whole sequence, or their kernel was not written for shards: "
+                          "docs/context_parallel.md); train them with context_parallel=1")
+    for key, on in (("parallelism=fsdp", t.parallelism == "fsdp"), ("compile=True", t.compile),
+                    ("cuda_graphs=True", t.cuda_graphs),
+                    (f"activation_checkpointing={t.activation_checkpointing}", t.activation_checkpointing != "none")):
+        if on:
+            raise ConfigError(f"context_parallel={P} with {key}: not supported yet (docs/context_parallel.md); "
+                              f"drop {key.split('=')[0]} or use context_parallel=1")
+
+
 def validate(cfg: Config) -> None:
     """Check values that a type alone does not constrain; raise ConfigError naming the fix."""
     m, t = cfg.model, cfg.train
@@ -597,6 +626,7 @@ def validate(cfg: Config) -> None:
     choice("window_schedule", t.window_schedule, ("fixed", "stochastic"))
     choice("activation_checkpointing", t.activation_checkpointing, ("none", "full", "selective"))
     choice("parallelism", t.parallelism, ("ddp", "fsdp"))
+    context_parallel_check(m, t)
     if t.parallelism == "fsdp" and t.dtype == "float16":
         raise ConfigError("parallelism=fsdp trains in bfloat16 or float32 (float16 would need a sharded gradient "
                           "scaler): use --dtype=bfloat16, or --parallelism=ddp for float16")

@@ -59,8 +59,8 @@ class Block(nn.Module):
         self.ln_2 = make_norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x, pos, cache=None, plan=None, docs=None):
-        x = x + self.mixer(self.ln_1(x), MixerCall(pos, cache, plan, docs))
+    def forward(self, x, pos, cache=None, plan=None, docs=None, shard=None):
+        x = x + self.mixer(self.ln_1(x), MixerCall(pos, cache, plan, docs, shard))
         return x + self.mlp(self.ln_2(x))
 
 
@@ -109,14 +109,17 @@ class GPT(nn.Module):
             n -= self.wte.weight.numel() + (self.wpe.weight.numel() if self.wpe is not None else 0)
         return n
 
-    def forward(self, idx, targets=None, caches=None, start_pos: int = 0, loss_chunk: int = 0):
+    def forward(self, idx, targets=None, caches=None, start_pos: int = 0, loss_chunk: int = 0, shard=None):
         """Logits (B, T, vocab) and, given targets, the mean cross-entropy (targets < 0 are ignored).
 
         With caches (one per layer, from init_caches) the call continues a sequence whose first start_pos
         tokens the caches already hold. loss_chunk > 0 computes the head and the loss loss_chunk tokens at a
         time without keeping their logits (returned as None): see chunked_cross_entropy. With document_mask, each
         end-of-text token of idx begins a document that nothing before it reaches (attention/documents.py).
+        With shard (context parallelism): see forward_shard.
         """
+        if shard is not None:
+            return self.forward_shard(idx, targets, shard, loss_chunk)
         B, T = idx.shape
         if start_pos and caches is None:
             raise ValueError("start_pos continues a sequence held in caches; without caches a sequence starts at 0")
@@ -136,6 +139,45 @@ class GPT(nn.Module):
             loss = chunked_cross_entropy(x, self.lm_head.weight, targets, loss_chunk) / count
             return None, loss.to(torch.promote_types(x.dtype, torch.float32))
         return self.head(x, targets)
+
+    def forward_shard(self, idx, targets, shard, loss_chunk: int = 0):
+        """Context parallelism: this process's shard of the sequences idx (B, n), the whole of them on every process
+        of the shard's group (token ids are cheap; each layer exchanges what its rule reaches, attention/ops/
+        shard.py). Returns the shard's logits (B, n / P, vocab), or None with loss_chunk, and, given targets (B, n),
+        the loss of the whole sequences, equal on every process of the group, whose gradient is this shard's part
+        of it: the processes' gradients summed are the gradient of the loss."""
+        B, n = idx.shape
+        if n != shard.n:
+            raise ValueError(f"the shard cuts sequences of {shard.n} tokens; these have {n}")
+        s, e = shard.bounds()
+        every = torch.arange(n, device=idx.device)
+        docs = self.documents(idx, every)
+        shard = shard.with_docs(docs)
+        pos = every[s:e]
+        if self.wpe is not None and n > self.config.block_size:
+            raise ValueError(f"sequence of length {n} exceeds block_size {self.config.block_size} "
+                             "(learned positions cannot extrapolate)")
+        x = self.embed(idx[:, s:e], pos)
+        for block in self.blocks:
+            x = block(x, pos, None, None, None if docs is None else docs[:, s:e], shard)
+        if targets is None:
+            return self.head(x)
+        count = (targets != -1).sum().clamp(min=1)  # the whole sequences' targets, as one process counts them
+        x = self.ln_f(x)
+        if loss_chunk:
+            logits, nll = None, chunked_cross_entropy(x, self.lm_head.weight, targets[:, s:e], loss_chunk)
+        else:
+            logits = self.lm_head(x)
+            nll = token_nll(logits, targets[:, s:e])
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        whole = nll.detach().clone()  # the sum over the group in float64, as one process sums its tokens
+        torch.distributed.all_reduce(whole, group=shard.group)
+        part = (nll / count).to(dtype)
+        return logits, part + ((whole / count).to(dtype) - part).detach()
+
+    def context_parallel_problems(self) -> list[str]:
+        """Why some layers cannot run a shard of a sequence (context parallelism); none: empty."""
+        return list(dict.fromkeys(p for block in self.blocks if (p := block.mixer.context_parallel_problem())))
 
     def documents(self, idx, pos, caches=None):
         """Where each token's document begins (B, T), or None without document_mask; a cached call continues the

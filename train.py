@@ -97,8 +97,8 @@ def evaluate_and_log(run: Run, hooks: list) -> bool:
         hook.before_eval(run.raw_model)
     model = StepMarked(run.model) if t.cuda_graphs else run.model
     with isolated_rng(t.seed + rt.rank, rt.device):
-        val_loss = evaluate(model, data.val, ev.eval_iters, rt.rank, rt.world_size, rt.autocast, rt.device,
-                            t.loss_chunk, sharded=rt.fsdp)
+        val_loss = evaluate(model, data.val, ev.eval_iters, rt.dp_rank, rt.dp_size, rt.autocast, rt.device,
+                            t.loss_chunk, sharded=rt.fsdp, shard=rt.shard)
         improved = val_loss < progress.best_val_loss
         budget = eval_budget(cfg)
         if improved:
@@ -147,9 +147,11 @@ def train_step(run: Run, stop_signals: list) -> tuple[float, bool]:
         if t.cuda_graphs:  # a new step of the CUDA graph trees: the last replay's outputs may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
         with rt.autocast:
-            _, loss = model(x, y, loss_chunk=t.loss_chunk)
+            _, loss = model(x, y, loss_chunk=t.loss_chunk, **({"shard": rt.shard} if rt.shard else {}))
         loss_sum += loss.detach()  # added now: a replay's loss is overwritten by the next one
-        scaler.scale(loss / micro_steps).backward()
+        # under context parallelism the loss's gradient is this shard's part: the parts are summed, so the P
+        # processes of a sequence scale theirs by P against DDP's mean over every process
+        scaler.scale(loss * rt.cp / micro_steps).backward()
     # one small collective per step: the mean loss over ranks, and whether any rank was told to stop
     status = torch.stack([loss_sum / micro_steps, torch.tensor(float(bool(stop_signals)), device=rt.device)])
     if rt.distributed:
@@ -241,7 +243,7 @@ def close_process_group() -> None:
 def main(argv):
     cfg: Config = exit_on_config_error(load_config, argv)  # any error here exits 2 before anything is written
     t, ev = cfg.train, cfg.eval
-    rt = start_runtime(t)
+    rt = start_runtime(t, cfg.model.block_size)
     if t.cuda_graphs:
         cuda_graphs_check(t, rt)
     source, hf_model = pretrained_model(cfg, rt)  # init_from=gpt2 / hf:...: its architecture replaces the config's

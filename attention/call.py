@@ -18,12 +18,17 @@ class MixerCall:
     docs   (B, T) where each token's document begins (attention/documents.py), given when the model masks
            documents (config.document_mask) and only to mixers that declare takes_documents: no edge and no
            state may cross from one document into the next. None: the sequence is one stream.
+    shard  under context parallelism (attention/ops/shard.py), which shard of the sequence x is: pos are its
+           positions in the whole sequence, and what its rule reaches on other shards is exchanged with the
+           processes that hold them. Given only to mixers that declare context_parallel. None: x is the whole
+           sequence.
     """
 
     pos: torch.Tensor
     cache: Any = None
     plan: Any = None
     docs: torch.Tensor | None = None
+    shard: Any = None
 
     @staticmethod
     def at(seq_len: int, device, plan=None, docs=None) -> "MixerCall":

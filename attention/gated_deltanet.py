@@ -73,6 +73,8 @@ class GatedDeltaNet(RecurrentMixer):
     settings = (GDN_CHUNK, GDN_CONV_SIZE, GDN_KERNEL)
     forms = FORMS
     takes_documents = True  # every form restarts the state at a document's first token
+    context_parallel = True  # the core starts each shard from the state its earlier shards leave, its convolutions
+    #                          from the inputs before it
     translation_invariant = True  # a state from zero at a document's start, RoPE's relative positions
     gpu_kernel = ("gdn_kernel", "fla", "flash-linear-attention", "kernel fla")
 
@@ -99,13 +101,13 @@ class GatedDeltaNet(RecurrentMixer):
         q, k = (F.normalize(t.float(), dim=-1, eps=1e-6) for t in (q, k))
         return self.delta_rule(q * self.head_dim ** -0.5, k, v.float(), decay, beta)[0]
 
-    def delta_rule(self, q, k, v, g, beta, state=None, starts=None, form=None):
+    def delta_rule(self, q, k, v, g, beta, state=None, starts=None, form=None, shard=None):
         """The core's delta rule over q (normalised and scaled), k (normalised), v (B, H, n, D) with log decay g
         and strength beta (B, H, n), from state S (None: zero), in the recurrence's form (None: the layer's,
         chunked unless set otherwise): the reads and the state S after the last token."""
         state = None if state is None else State(state)
         y, _, final = recurrence(form or self.form, q, k, v, Gates(log_decay=g, beta=beta), state, starts,
-                                 chunk=self.chunk)
+                                 chunk=self.chunk, shard=shard)
         return y, final.S
 
     def expected_graph_breaks(self, device, dtype):
@@ -193,9 +195,12 @@ class GatedDeltaNet(RecurrentMixer):
         conv = (None, None, None) if cache is None or cache.conv is None else cache.conv
         reach = None if docs is None else pos - docs  # the earlier tokens of each token's document
         starts = None if docs is None else begins_document(docs, pos)
-        q, q_state = causal_conv(self.c_q(x), self.q_conv.weight, conv[0], reach)
-        k, k_state = causal_conv(self.c_k(x), self.k_conv.weight, conv[1], reach)
-        v, v_state = causal_conv(self.c_v(x), self.v_conv.weight, conv[2], reach)
+        projected = self.c_q(x), self.c_k(x), self.c_v(x)
+        if call.shard is not None:  # the convolutions continue from the last inputs of the shard before
+            conv = conv_halos(call.shard, projected, self.conv_size)
+        q, q_state = causal_conv(projected[0], self.q_conv.weight, conv[0], reach)
+        k, k_state = causal_conv(projected[1], self.k_conv.weight, conv[1], reach)
+        v, v_state = causal_conv(projected[2], self.v_conv.weight, conv[2], reach)
         q, k, v = (F.silu(t).view(B, T, H, D) for t in (q, k, v))
         # the state sums many decayed terms: keep the recurrence in float32 or better under autocast
         compute = torch.promote_types(v.dtype, torch.float32)
@@ -203,7 +208,7 @@ class GatedDeltaNet(RecurrentMixer):
         decay_logit = self.c_decay(x).to(compute) + self.dt_offset.to(compute)
         previous = None if cache is None else cache.state
 
-        kernel = None if cache is not None and T == 1 else self.fla_kernel(v)
+        kernel = None if cache is not None and T == 1 or call.shard is not None else self.fla_kernel(v)
         if kernel is not None:
             beta = torch.sigmoid(beta_logit)
             g = -self.A_log.to(compute).exp() * F.softplus(decay_logit)
@@ -224,7 +229,7 @@ class GatedDeltaNet(RecurrentMixer):
             # autocast would run the products with the state (and build A) in bf16 again
             with torch.autocast(x.device.type, enabled=False):
                 y, state = self.delta_rule(q, k, v32, g, beta, previous, starts,
-                                           "step" if cache is not None and T == 1 else None)
+                                           "step" if cache is not None and T == 1 else None, call.shard)
             y = y.transpose(1, 2)
         if cache is not None:
             cache.state = state.to(compute)
@@ -297,3 +302,16 @@ class GatedDeltaNet(RecurrentMixer):
         saved["output norm and gate"] = tokens * (4 * F32 * C + F32 * H + 2 * a * C)
         linear_outputs = a * tokens * (5 * C + 2 * H)  # c_q, c_k, c_v, c_gate, c_proj; beta, decay
         return saved, matmuls + linear_outputs
+
+
+def conv_halos(shard, projected, width: int) -> tuple:
+    """Each short convolution's state at a shard's start under context parallelism: the width - 1 inputs before
+    it, received from the shards that hold them (zeros before the sequence), as causal_conv takes a state
+    (B, C, width - 1). The inputs of the three convolutions travel as one exchange."""
+    if width == 1:
+        return (None, None, None)
+    inputs = torch.cat(projected, -1)  # (B, T, 3C)
+    halo = shard.gather_range(inputs, lambda r: (shard.bounds(r)[0] - width + 1, shard.bounds(r)[0]), 1,
+                              "convolution halo")
+    return tuple(part.transpose(1, 2) for part in halo.split(projected[0].shape[-1], -1))
+

@@ -9,6 +9,7 @@ with the matching generation cache; most variants only say which rule (see atten
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from attention.cache import KVCache, RollingKVCache
@@ -106,6 +107,11 @@ class Attention(Mixer):
         return self.attend(q, k, v, MixerCall.at(T, q.device, self.plan(B, T, q.device), docs))
 
 
+def context_parallel_refusal(layer) -> str:
+    return (f"{type(layer).__name__} draws its edges afresh at every forward over the whole sequence: no "
+            "context-parallel form yet (docs/context_parallel.md)")
+
+
 def merge_heads(y):
     B, H, T, D = y.shape
     return y.transpose(1, 2).reshape(B, T, H * D)
@@ -124,6 +130,7 @@ class MaskedAttention(Attention):
     takes_documents = True
     supports_cache = True
     native_gqa = True  # attend_planned and masked_attention take grouped-query k, v; the KV cache keeps n_kv_head
+    context_parallel = True  # a shard receives the keys its rules reach on other shards (attend_shard)
 
     def __init__(self, config, layer_idx: int, rule: EdgeRule):
         super().__init__(config, layer_idx)
@@ -152,6 +159,8 @@ class MaskedAttention(Attention):
     def attend(self, q, k, v, call: MixerCall):
         """The sum of attention under each of the paths' rules, each normalised on its own."""
         dropout_p = self.dropout if self.training else 0.0
+        if call.shard is not None:
+            return self.attend_shard(q, k, v, call.shard, dropout_p)
         cache, pos = call.cache, call.pos
         if cache is None or (cache.empty and q.shape[2] > 1):  # training, or a prompt's first pass (from 0)
             plan = call.plan or self.plan(q.shape[0], q.shape[2], q.device, 0 if cache is None else int(pos[0]))
@@ -161,6 +170,32 @@ class MaskedAttention(Attention):
             return y
         keys, values, key_pos = cache.update(k, v, pos)
         return self.attend_cached(q, keys, values, pos, key_pos, call.docs)
+
+    def key_span(self, shard, rank: int) -> tuple[int, int]:
+        """The positions [lo, hi) that the queries of shard `rank` and their keys span: its own and every key its
+        paths' rules may reach from it (key_ranges), within the sequence."""
+        q_lo, q_hi = shard.bounds(rank)
+        ranges = [r for rule in self.paths() for r in rule.key_ranges(q_lo, q_hi)]
+        return max(0, min([q_lo] + [lo for lo, _ in ranges])), min(shard.n, max([q_hi] + [hi for _, hi in ranges]))
+
+    def attend_shard(self, q, k, v, shard, dropout_p: float):
+        """A shard's queries (context parallelism) over the keys its rules reach: the keys and values of
+        key_span, received from the processes that hold them, run through the same kernels as one process runs
+        the stretch at its own positions (queries of other shards' positions zero, their rows dropped), so no
+        kernel knows of shards. A window's shard receives its w - 1 keys before it; a rule that reaches every
+        earlier key receives all of them (docs/context_parallel.md)."""
+        if not all(rule.static for rule in self.paths()):
+            raise ValueError(context_parallel_refusal(self))
+        lo, hi = self.key_span(shard, shard.rank)
+        s, e = shard.bounds()
+        kv = shard.gather_range(torch.stack([k, v]), lambda r: self.key_span(shard, r), 3, "keys and values")
+        q = F.pad(q, (0, 0, s - lo, hi - e))
+        plan = self.plan(q.shape[0], hi - lo, q.device, lo)
+        docs = None if shard.docs is None else shard.docs[:, lo:hi]
+        return attend_paths(q, kv[0], kv[1], plan, dropout_p, docs)[:, :, s - lo:e - lo]
+
+    def context_parallel_problem(self) -> str:
+        return "" if all(rule.static for rule in self.paths()) else context_parallel_refusal(self)
 
     def attend_cached(self, q, keys, values, pos, key_pos, docs=None):
         """New queries at positions pos over cached keys at key_pos (-1: an empty slot): generation's step, here

@@ -37,6 +37,7 @@ class TaylorLinearAttention(RecurrentMixer):
     settings = (LINEAR_FEATURE_DIM, LINEAR_CHUNK)
     forms = FORMS
     takes_documents = True  # every form restarts the state at a document's first token
+    context_parallel = True  # the core starts each shard from the state its earlier shards leave
     translation_invariant = True  # a state from zero at a document's start, RoPE's relative positions
 
     def kernel_inputs(self, batch, seq_len, device, dtype, generator=None):
@@ -50,12 +51,13 @@ class TaylorLinearAttention(RecurrentMixer):
         compute = torch.promote_types(q.dtype, torch.float32)
         return self.attend(q.to(compute), k.to(compute), v.to(compute))[0]
 
-    def attend(self, q, k, v, state=None, starts=None, form=None):
-        """Normalised reads of q, k (B, H, n, f) and v (B, H, n, D) from state (None: zero), in the recurrence's
-        form (None: the layer's, chunked unless set otherwise), and the state after the last token."""
+    def attend(self, q, k, v, state=None, starts=None, form=None, shard=None):
+        """Normalised reads of q, k (B, H, n, f) and v (B, H, n, D) from state (None: zero; under context
+        parallelism, shard: the state the earlier shards leave), in the recurrence's form (None: the layer's,
+        chunked unless set otherwise), and the state after the last token."""
         ones = torch.ones_like(v[..., :1])  # the normaliser z: the state's column for a column of ones
         reads, _, state = recurrence(form or self.form, q, k, torch.cat([v, ones], -1), Gates(), state, starts,
-                                     TAYLOR, self.chunk)
+                                     TAYLOR, self.chunk, shard)
         return reads[..., :-1] / reads[..., -1:], state
 
     @classmethod
@@ -88,7 +90,8 @@ class TaylorLinearAttention(RecurrentMixer):
         compute = torch.promote_types(q.dtype, torch.float32)
         q, k, v32 = q.to(compute), k.to(compute), v.to(compute)
         previous = None if cache is None else cache.state
-        y, state = self.attend(q, k, v32, previous, starts, "step" if cache is not None and T == 1 else None)
+        y, state = self.attend(q, k, v32, previous, starts, "step" if cache is not None and T == 1 else None,
+                               call.shard)
         if cache is not None:
             cache.state = state
         y = y.to(v.dtype).transpose(1, 2).reshape(B, T, C)

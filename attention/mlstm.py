@@ -72,6 +72,7 @@ class MLSTMLayer(RecurrentMixer):
     settings = (MLSTM_N_HEAD, MLSTM_QK_DIM_FACTOR, MLSTM_GATE_SOFT_CAP, MLSTM_CHUNK, MLSTM_KERNEL)
     forms = FORMS
     takes_documents = True  # every form restarts the state at a document's first token
+    context_parallel = True  # the core starts each shard from the state its earlier shards leave
     translation_invariant = True  # a state from zero at a document's start, RoPE's relative positions
     gpu_kernel = ("mlstm_kernel", "triton", "mlstm_kernels", "kernel triton")
 
@@ -160,23 +161,24 @@ class MLSTMLayer(RecurrentMixer):
         # exponential gates and long sums: float32 or better, also under autocast (the Triton kernel takes
         # q, k, v in the autocast dtype and does the same inside); the output goes back in the projections' dtype
         compute, activation = torch.promote_types(q.dtype, torch.float32), q.dtype
-        triton = self.triton and triton_runs_on(x.device) and cache is None
+        triton = self.triton and triton_runs_on(x.device) and cache is None and call.shard is None
         with torch.autocast(x.device.type, enabled=False):
             if not triton:
                 q, k, v = (t.to(compute) for t in (q, k, v))
-            h = self.cell(q, k, v, i.to(compute), f.to(compute), cache, "triton" if triton else "native", starts)
+            h = self.cell(q, k, v, i.to(compute), f.to(compute), cache, "triton" if triton else "native", starts,
+                          call.shard)
             h = h.to(compute)
             # per-head LayerNorm without bias, weight shared layout with xLSTM 7B's MultiHeadLayerNorm
             h = F.layer_norm(h.transpose(1, 2), (self.v_head_dim,), eps=NORM_EPS).reshape(B, T, C)
         h = (h * self.norm_weight.to(compute)).to(activation)
         return self.resid_dropout(self.c_proj(torch.sigmoid(self.o_gate(x)) * h))
 
-    def cell(self, q, k, v, i, f, cache, kernel="native", starts=None):
+    def cell(self, q, k, v, i, f, cache, kernel="native", starts=None, shard=None):
         if cache is not None and q.shape[2] == 1:
             h, cache.state = mlstm_cell(q, k, v, i, f, cache.state, starts=starts, form="step")
             return h
         h, state = mlstm_sequence(q, k, v, i, f, None if cache is None else cache.state, self.chunk, kernel,
-                                  need_state=cache is not None, starts=starts, form=self.form)
+                                  need_state=cache is not None, starts=starts, form=self.form, shard=shard)
         if cache is not None:
             cache.state = state
         return h

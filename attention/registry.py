@@ -97,6 +97,9 @@ class Mixer(nn.Module):
     supports_cache = False
     takes_documents = False
     translation_invariant = False
+    # whether forward honours call.shard (context parallelism, attention/ops/shard.py): a shard of the sequence,
+    # exact against the whole sequence in one process
+    context_parallel = False
 
     @classmethod
     def check_config(cls, config) -> None:
@@ -122,6 +125,13 @@ class Mixer(nn.Module):
 
     def init_weights(self) -> None:
         pass
+
+    def context_parallel_problem(self) -> str:
+        """Why this layer cannot run a shard of a sequence under context parallelism ("" when it can)."""
+        if not self.context_parallel:
+            return (f"{type(self).__name__} has no context-parallel form (it declares no context_parallel: "
+                    "docs/context_parallel.md says what a mixer does for it)")
+        return ""
 
     def describe(self) -> str:
         """A line for the start-up summary (e.g. per-head windows); empty when there is nothing to add."""

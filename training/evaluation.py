@@ -32,21 +32,22 @@ def isolated_rng(seed: int, device):
 
 @torch.no_grad()  # no autograd graph: evaluation holds one batch's activations at a time
 def evaluate(model, val_data: WindowSampler, eval_iters: int, rank: int, world_size: int, autocast, device,
-             loss_chunk: int = 0, sharded: bool = False):
+             loss_chunk: int = 0, sharded: bool = False, shard=None):
     """Mean validation loss over a fixed set of eval_iters batches, split across ranks and averaged. A sharded
     model gathers each block's weights in every forward, a collective: every rank then runs the same number
-    of forwards, those past eval_iters uncounted."""
+    of forwards, those past eval_iters uncounted. Under context parallelism (shard) rank and world_size count
+    data-parallel replicas, whose processes each score the same batches' shards."""
     model.eval()
     total = torch.zeros(2, device=device, dtype=torch.float64)
     rounds = -(-eval_iters // world_size) if sharded else len(range(rank, eval_iters, world_size))
     for index in range(rank, rank + rounds * world_size, world_size):
         x, y = val_data.batch(0, min(index, eval_iters - 1))
         with autocast:
-            _, loss = model(x, y, loss_chunk=loss_chunk)
+            _, loss = model(x, y, loss_chunk=loss_chunk, **({"shard": shard} if shard else {}))
         if index < eval_iters:
             total[0] += loss.detach().double()
             total[1] += 1
-    if world_size > 1:
+    if world_size > 1:  # over every process: the P processes of a sequence count its batches alike
         dist.all_reduce(total)
     model.train()
     return (total[0] / total[1]).item()

@@ -104,7 +104,7 @@ def open_run_folder(cfg: Config, rt: Runtime, data: RunData, raw_model, progress
     n_params = raw_model.num_params()
     print(f"model: {m.arch}, {m.n_layer} layers x {m.n_head} heads x {m.n_embd}, mixers {m.attn_pattern!r}: "
           f"{n_params / 1e6:.2f}M parameters ({raw_model.num_params(exclude_embeddings=True) / 1e6:.2f}M "
-          "without embeddings)")
+          "without embeddings)" + ("; packed documents masked (document_mask)" if m.document_mask else ""))
     layers_of = {}  # e.g. per-head windows of multi-scale variants; layers alike are said once
     for i, block in enumerate(raw_model.blocks):
         if block.mixer.describe():
@@ -113,7 +113,9 @@ def open_run_folder(cfg: Config, rt: Runtime, data: RunData, raw_model, progress
         print(f"  layer{'s' if len(layers) > 1 else ''} {', '.join(layers)}: {description}")
     print(f"data: {data.data_dir} ({meta['tokenizer']} tokenizer, {meta['train_tokens']:,} train / "
           f"{meta['val_tokens']:,} val tokens); {progress.tokens_per_step:,} tokens per step; "
-          f"{rt.world_size} process(es) on {rt.device}, {str(rt.dtype).removeprefix('torch.')}")
+          f"{rt.world_size} process(es) on {rt.device}, {str(rt.dtype).removeprefix('torch.')}"
+          + (f"; context parallel: each sequence cut into {rt.cp} shards of {m.block_size // rt.cp} tokens, "
+             f"{rt.dp_size} data-parallel group(s) of {rt.cp}" if rt.cp > 1 else ""))
     print(f"unigram baseline (val token entropy): {unigram:.4f} nats")
     if schedule_warning(t):
         print(schedule_warning(t))

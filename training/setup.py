@@ -13,8 +13,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from attention import simulate_cuda
+from attention.ops.shard import Shard
 from common.run_folder import RunFolderError
 from common.run_folder import claim as claim_run_folder
 from config import Config, ConfigError, process_device, resolve_device, unread_settings, validate
@@ -48,13 +50,28 @@ class Runtime:
     dtype: torch.dtype
     autocast: object  # the forward's autocast context (nullcontext in float32 and under FSDP's own policy)
     wandb_mode: str  # the mode to log to wandb in; "" without wandb
+    shard: Shard | None = None  # context parallelism: this process's shard of each sequence, and its group
 
     @property
     def master(self) -> bool:
         return self.rank == 0
 
+    @property
+    def cp(self) -> int:
+        """Processes per sequence (context_parallel)."""
+        return 1 if self.shard is None else self.shard.size
 
-def start_runtime(t) -> Runtime:
+    @property
+    def dp_rank(self) -> int:
+        """Which data-parallel replica this process is part of: the processes of one sequence are consecutive."""
+        return self.rank // self.cp
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.cp
+
+
+def start_runtime(t, block_size: int) -> Runtime:
     """Resolve the device, check wandb, start the process group and fix the precision: a bad setting exits 2
     before anything is built or written."""
     distributed = "RANK" in os.environ  # set by torchrun
@@ -83,6 +100,7 @@ def start_runtime(t) -> Runtime:
         dist.init_process_group(backend=backend)
     elif fsdp:  # FSDP shards over a process group, even one of a single process
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+    shard = context_parallel_shard(t, distributed, world_size, device, block_size)
     if t.dtype == "auto":  # the CPU standing in for CUDA (attention/simulate_cuda.py) trains as a bf16 GPU does
         dtype_name = simulate_cuda.auto_dtype(device, older_gpu="float16")
     else:
@@ -102,7 +120,24 @@ def start_runtime(t) -> Runtime:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     return Runtime(rank, local_rank, world_size, distributed, fsdp, device, dtype, autocast,
-                   wandb_mode if use_wandb else "")
+                   wandb_mode if use_wandb else "", shard)
+
+
+def context_parallel_shard(t, distributed: bool, world_size: int, device, block_size: int) -> Shard | None:
+    """context_parallel=P: the processes as a data parallel x context parallel mesh (DeviceMesh; the P
+    processes of one sequence consecutive) and this process's shard of each sequence; None for P = 1. Refused
+    (exit 2) without torchrun or when P does not divide the processes."""
+    P = t.context_parallel
+    if P == 1:
+        return None
+    if not distributed:
+        fail(f"context_parallel={P} cuts each sequence over {P} processes: start them with torchrun "
+             f"(torchrun --standalone --nproc_per_node={P} train.py ...), a multiple of {P} in all", status=2)
+    if world_size % P:
+        fail(f"context_parallel={P} with {world_size} processes: the processes form groups of {P}, one per sequence; "
+             f"start a multiple of {P} (--nproc_per_node)", status=2)
+    mesh = init_device_mesh(device.type, (world_size // P, P), mesh_dim_names=("dp", "cp"))
+    return Shard(mesh["cp"].get_group(), mesh.get_local_rank("cp"), P, block_size)
 
 
 def pretrained_model(cfg: Config, rt: Runtime):
@@ -185,8 +220,9 @@ def open_data(cfg: Config, rt: Runtime, source) -> RunData:
                  "count: check the marker, or re-prepare the data (python -m data.prepare) if its format changed",
                  status=2)
     try:
+        # the processes of one sequence (context parallelism) read the same windows: one data-parallel replica
         train_data = WindowSampler(data_dir, "train", m.block_size, t.batch_size, t.gradient_accumulation_steps,
-                                   rt.rank, rt.world_size, seed=t.seed, device=str(rt.device), loss_after=loss_after)
+                                   rt.dp_rank, rt.dp_size, seed=t.seed, device=str(rt.device), loss_after=loss_after)
         val_data = WindowSampler(data_dir, "val", m.block_size, t.batch_size, cfg.eval.eval_iters,
                                  device=str(rt.device), loss_after=loss_after)
     except ValueError as e:

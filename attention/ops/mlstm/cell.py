@@ -12,7 +12,7 @@ EPS = 1e-6
 
 
 def mlstm_cell(q, k, v, i, f, state=None, chunk: int = 64, eps: float = EPS, starts=None, form: str = "chunked",
-               return_stats: bool = False):
+               return_stats: bool = False, shard=None):
     """h (B, H, n, d_v) of q, k (B, H, n, d_qk), v (B, H, n, d_v) and the gate pre-activations i, f (B, H, n):
     the core's stabilised recurrence with log decay log sigmoid(f) and log write weight i, over v with a column of
     ones appended (the normaliser n is that column's state), read as C q~ / (max(|n . q~|, exp(-m)) + eps) with
@@ -27,7 +27,7 @@ def mlstm_cell(q, k, v, i, f, state=None, chunk: int = 64, eps: float = EPS, sta
     q = q * q.shape[-1] ** -0.5
     gates = Gates(log_decay=F.logsigmoid(f), log_gain=i, stabilised=True)
     values = torch.cat([v, torch.ones_like(v[..., :1])], -1)
-    reads, m, state = recurrence(form, q, k, values, gates, state, starts, chunk=chunk)
+    reads, m, state = recurrence(form, q, k, values, gates, state, starts, chunk=chunk, shard=shard)
     numerator, qn = reads[..., :-1], reads[..., -1:]
     denominator = torch.maximum(qn.abs(), torch.exp(-m)[..., None])
     h = numerator / (denominator + eps)

@@ -176,7 +176,7 @@ def _bw_samples():
 
 
 def mlstm_sequence(q, k, v, i, f, state=None, chunk: int = 64, kernel: str = "auto", need_state: bool = True,
-                  starts=None, form: str = "chunked"):
+                  starts=None, form: str = "chunked", shard=None):
     """A whole sequence in the training form: mlstm_kernels' Triton kernel on CUDA when it is installed (its CPU
     stand-in while simulating CUDA; kernel auto or triton, from a zero state, when the final state is not
     needed), else the mLSTM's cell on the recurrence core in its chunked form. starts (B, n) bool: the tokens that begin a document, where the state
@@ -185,7 +185,9 @@ def mlstm_sequence(q, k, v, i, f, state=None, chunk: int = 64, kernel: str = "au
     final state (None from the Triton kernel). The Triton kernel takes q, k, v in their own
     dtype (bfloat16 under bf16 training: its matmuls run in bf16 with float32 accumulation, as xLSTM 7B
     trains) and the gates in float32; the chunked form computes in float32 or better."""
-    triton = kernel != "native" and simulate_cuda.gpu_path(q.device) and state is None and not need_state
+    # a shard under context parallelism starts from its earlier shards' state: the cell on the core
+    triton = (kernel != "native" and simulate_cuda.gpu_path(q.device) and state is None and not need_state
+              and shard is None)
     if triton and not triton_runs_on(q.device):
         if kernel == "triton":
             raise RuntimeError("mlstm_kernel=triton needs the mlstm_kernels package (pip install -r "
@@ -193,7 +195,8 @@ def mlstm_sequence(q, k, v, i, f, state=None, chunk: int = 64, kernel: str = "au
         triton = False
     if not triton:
         compute = torch.promote_types(q.dtype, torch.float32)
-        return mlstm_cell(*(t.to(compute) for t in (q, k, v, i, f)), state, chunk, starts=starts, form=form)
+        return mlstm_cell(*(t.to(compute) for t in (q, k, v, i, f)), state, chunk, starts=starts, form=form,
+                          shard=shard)
     length, kernel_chunk = q.shape[2], TRITON_CHUNK
     pad = -length % kernel_chunk  # the kernel wants whole chunks; padding after the end changes no output
     i, f = i.float(), f.float()

@@ -29,15 +29,23 @@ from attention.ops.recurrence.chunk import chunked_recurrence
 from attention.ops.recurrence.gates import IDENTITY, FeatureMap, Gates, State
 from attention.ops.recurrence.naive import parallel_recurrence
 from attention.ops.recurrence.step import stepwise_recurrence
+from attention.ops.recurrence.summary import incoming_state
 
 FORMS = ("chunked", "step", "parallel")
 
 
 def recurrence(form: str, q, k, v, gates: Gates = Gates(), state: State | None = None, starts=None,
-               features: FeatureMap = IDENTITY, chunk: int = 64):
+               features: FeatureMap = IDENTITY, chunk: int = 64, shard=None):
     """The recurrence in one of its FORMS (chunk: the chunked form's chunk length), in the inputs' own dtype:
-    autocast is off inside, so that no matmul of the state runs in bf16. Returns (reads, m or None, state)."""
+    autocast is off inside, so that no matmul of the state runs in bf16. Returns (reads, m or None, state).
+    shard (attention/ops/shard.py): q, k, v are one process's shard of a sequence under context parallelism, which
+    starts from the state the earlier shards leave (summary.py: incoming_state) instead of zero."""
     with torch.autocast(q.device.type, enabled=False):
+        if shard is not None:
+            if state is not None or form == "step":
+                raise ValueError("a shard of a sequence starts from the state its earlier shards leave: no state of "
+                                 "its own, and not one token at a time")
+            state = incoming_state(shard, k, v, gates, starts, chunk, features)
         if form == "chunked":
             return chunked_recurrence(q, k, v, gates, state, chunk, starts, features)
         if form == "step":

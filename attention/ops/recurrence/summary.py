@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from attention.ops.recurrence.chunk import chunked_recurrence
-from attention.ops.recurrence.gates import IDENTITY, FeatureMap, Gates, State
+from attention.ops.recurrence.gates import IDENTITY, FeatureMap, Gates, State, zero_state
 
 
 class Summary(NamedTuple):
@@ -75,3 +75,30 @@ def apply(summary: Summary, state: State) -> State:
     m = torch.maximum(summary.log_M + state.m, summary.g)
     S = torch.exp(summary.log_M + state.m - m)[..., None] * state.S + torch.exp(summary.g - m)[..., None] * summary.C
     return State(S, m)
+
+
+def incoming_state(shard, k, v, gates: Gates, starts=None, chunk: int = 64,
+                   features: FeatureMap = IDENTITY) -> State:
+    """The state flowing into this process's shard of a sequence (attention/ops/shard.py): every process
+    summarises its own shard, the summaries are all-gathered (one exchange, whatever the number of processes),
+    and the maps of the shards before this one are combined and applied to the zero state. The gradient of the
+    state reaches the earlier shards' keys, values and gates through the exchange's backward, in which every
+    process takes part: the first shard's zero state depends on the exchange too, with weight zero."""
+    mine = summarise(k, v, gates, starts, chunk, features)
+    present = [name for name in Summary._fields if getattr(mine, name) is not None]
+    parts = [getattr(mine, name) for name in present]
+    flat = shard.all_gather(torch.cat([t.reshape(-1) for t in parts]), "recurrent state")
+    zero = zero_state(features.dim(k), v, gates.stabilised)
+    if shard.rank == 0:
+        return State(zero.S + (0 * flat).nan_to_num(0.0).sum(), zero.m)  # a -inf log decay times 0 is not 0
+    maps = []
+    for r in range(shard.rank):
+        fields, offset = dict.fromkeys(Summary._fields), 0
+        for name, t in zip(present, parts):
+            fields[name] = flat[r, offset:offset + t.numel()].view(t.shape)
+            offset += t.numel()
+        maps.append(Summary(**fields))
+    total = maps[0]
+    for later in maps[1:]:
+        total = combine(total, later)
+    return apply(total, zero)

@@ -1,0 +1,82 @@
+"""Context parallelism against one process: every case of the mixer registry, its sequence cut into P shards on
+gloo processes (tests/models/cp_worker.py), gives one process's loss and every parameter's gradient, with and
+without packed documents whose boundaries fall at a shard's start and one token before another's, and with a
+window longer than a shard; a case whose mixers declare no context-parallel form is refused in one line. The bytes
+each process receives are the rule's halo and the recurrences' summaries, counted by the exchanges."""
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from attention.registry import MIXERS, example_cases, pattern_names
+from conftest import REPO
+
+N, WINDOW = 96, 32  # shards of 48, 32 and 24 tokens: the window is longer than a shard at P = 4
+CASES = example_cases(WINDOW)
+TOLERANCE = 1e-5  # relative, float32
+LAYERS, BATCH, HEADS, HEAD_DIM = 2, 2, 4, 8  # cp_worker's models: n_embd 32 over 4 heads
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_group(tmp_path, world: int, cp: int, cases) -> list[dict]:
+    out, port = tmp_path / "results.json", str(free_port())
+    procs = [subprocess.Popen([sys.executable, "tests/models/cp_worker.py", str(rank), str(world), str(cp), port,
+                               str(out), ",".join(cases), f"--n={N}", f"--window={WINDOW}"],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in range(world)]
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    return json.loads(out.read_text())
+
+
+def serves(case: str) -> bool:
+    return all(MIXERS[name].context_parallel for name in pattern_names(CASES[case]["attn_pattern"]))
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("world, cp", [(3, 3), (4, 4), (4, 2)], ids=["cp3", "cp4", "dp2xcp2"])
+def test_every_case_equals_one_process_or_is_refused(tmp_path, world, cp):
+    # dp 2 x cp 2: two groups of two, each its own sequence's shards (P = 2 within each)
+    results = run_group(tmp_path, world, cp, sorted(CASES))
+    for rank, by_case in enumerate(results):
+        for case in CASES:
+            if not serves(case):
+                refusal = by_case[case]["refused"]
+                assert len(refusal) == 1 and "no context-parallel form" in refusal[0], (case, refusal)
+                continue
+            for name in (case, f"{case}+documents"):
+                r = by_case[name]
+                assert r["loss_error"] <= TOLERANCE, (rank, name, r)
+                assert r["grad_error"] <= TOLERANCE, (rank, name, r)
+        if cp == 4:
+            check_bytes(rank, by_case)
+    # the refusals follow what the mixers declare; most cases are served
+    assert sum(serves(case) for case in CASES) >= len(CASES) - 3
+
+
+def check_bytes(rank: int, by_case: dict) -> None:
+    """A window's shard receives its halo and a recurrence's one summary from each other process."""
+    shard = N // 4
+    traffic = by_case["swa"]["traffic"]
+    # keys and values of the w - 1 positions before the shard (fewer where the sequence begins), from one or
+    # (the window longer than a shard) two processes; as many go back in backward as gradients
+    halo = min(WINDOW - 1, rank * shard)
+    per_position = 2 * BATCH * HEADS * HEAD_DIM * 4
+    sent_forward, received_forward = traffic.get("keys and values forward", [0, 0])
+    sent_backward, received_backward = traffic.get("keys and values backward", [0, 0])
+    assert received_forward == LAYERS * halo * per_position, (rank, traffic)
+    assert sent_backward == received_forward and received_backward == sent_forward
+    # the Taylor state: (1 + f + f^2) features x (head_dim + 1) values and the log decay, per head, from each
+    # other process, whatever the length
+    features = 1 + 16 + 16 ** 2
+    summary = BATCH * HEADS * (features * (HEAD_DIM + 1) + 1) * 4
+    sent, received = by_case["linear"]["traffic"]["recurrent state forward"]
+    assert received == LAYERS * 3 * summary, (rank, by_case["linear"]["traffic"])

@@ -1,0 +1,56 @@
+"""train.py with --context_parallel: each sequence cut over the processes of a torchrun group trains as one process
+does, step for step, and a run resumes under another number of shards; what context parallelism cannot serve is
+refused in one line before any data is read."""
+
+import types
+
+import pytest
+import torch
+
+from conftest import read_metrics, run_in_process, train_in_process, train_subprocess
+
+# swa and mLSTM layers with packed documents: a window's halo, the recurrence's state and the documents' cuts all
+# cross the shards' boundary (block_size 64: shards of 32 tokens, a window of 16)
+SMALL = ["configs/quickstart.py", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=64", "--batch_size=4",
+         "--eval_iters=2", "--eval_interval=4", "--log_interval=1", "--warmup_iters=2", "--lr_decay_iters=8",
+         "--dropout=0.0", "--attn_pattern=swax", "--swa_window=16", "--document_mask=True"]
+TOLERANCE = 1e-5
+
+
+def losses(out_dir) -> dict:
+    return {(key, step): value for key in ("train_loss", "val_loss")
+            for step, value in read_metrics(out_dir, key).items()}
+
+
+@pytest.mark.e2e
+def test_two_shards_train_as_one_process_and_resume_under_one(tmp_path):
+    whole, sharded = tmp_path / "whole", tmp_path / "sharded"
+    train_in_process([*SMALL, "--max_iters=8", f"--out_dir={whole}"])
+    proc = train_subprocess([*SMALL, "--max_iters=4", f"--out_dir={sharded}", "--context_parallel=2"], processes=2)
+    assert "each sequence cut into 2 shards of 32 tokens" in proc.stdout
+    # and the run goes on in one process from the sharded run's checkpoint
+    train_in_process([*SMALL, "--max_iters=8", f"--out_dir={sharded}", "--init_from=resume"])
+    expected, got = losses(whole), losses(sharded)
+    assert set(got) == set(expected) and len(expected) >= 10
+    for key, value in expected.items():
+        assert abs(got[key] - value) <= TOLERANCE * abs(value), (key, got[key], value)
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--context_parallel=3"], "block_size=64 does not cut into 3 equal shards"),
+    (["--context_parallel=2", "--attn_pattern=sa"], "the sa layers have no context-parallel form"),
+    (["--context_parallel=2", "--compile=True"], "context_parallel=2 with compile=True: not supported yet"),
+    (["--context_parallel=2"], "start them with torchrun"),
+])
+def test_what_context_parallelism_cannot_serve_is_refused_before_the_data(tmp_path, args, said):
+    proc = run_in_process(["train.py"], *SMALL, f"--out_dir={tmp_path / 'run'}", "--data_dir=/nonexistent", *args)
+    assert proc.returncode == 2 and said in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
+
+
+def test_processes_that_do_not_divide_into_groups_are_refused(capsys):
+    from training.setup import context_parallel_shard
+
+    with pytest.raises(SystemExit) as exit_:
+        context_parallel_shard(types.SimpleNamespace(context_parallel=2), True, 3, torch.device("cpu"), 64)
+    assert exit_.value.code == 2 and "with 3 processes" in capsys.readouterr().err
