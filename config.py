@@ -626,6 +626,9 @@ def validate(cfg: Config) -> None:
     choice("window_schedule", t.window_schedule, ("fixed", "stochastic"))
     choice("activation_checkpointing", t.activation_checkpointing, ("none", "full", "selective"))
     choice("parallelism", t.parallelism, ("ddp", "fsdp"))
+    if t.init_from == "resume" and t.replace_run:
+        raise ConfigError("init_from=resume continues the run in out_dir, and replace_run=True moves it aside to start "
+                          "a fresh one there: pass one of them")
     context_parallel_check(m, t)
     if t.parallelism == "fsdp" and t.dtype == "float16":
         raise ConfigError("parallelism=fsdp trains in bfloat16 or float32 (float16 would need a sharded gradient "

@@ -35,6 +35,7 @@ class SampleConfig:
     dtype: str = "auto"  # auto: bfloat16 on capable GPUs, float32 otherwise
     use_cache: bool = True  # KV / recurrent caches: one step per new token instead of re-running the context
     window: int = 0  # sliding-window layers use this window instead of the trained one (0: as trained)
+    stop_at_eot: bool = False  # print each sample up to its first end-of-text token after the prompt
 
 
 def parse(argv) -> SampleConfig:
@@ -120,8 +121,26 @@ def main(argv):
     y = model.generate(x, s.max_new_tokens, temperature=s.temperature, top_k=s.top_k or None,
                        top_p=s.top_p, generator=generator, use_cache=s.use_cache)
     for row in y.tolist():
-        print(tokenizer.decode(row))
+        print(sample_text(tokenizer, row, len(ids), s.stop_at_eot))
         print("---------------")
+
+
+EOT_TEXT = "<|endoftext|>"
+
+
+def sample_text(tokenizer, ids: list[int], prompt_len: int, stop_at_eot: bool = False) -> str:
+    """A sample's text with every end-of-text token shown as <|endoftext|>, whatever the tokenizer (the byte
+    tokenizer's decode drops it, and documents would run together); stop_at_eot ends it at the first one after the
+    prompt."""
+    eot = tokenizer.eot_id
+    if stop_at_eot and eot in ids[prompt_len:]:
+        ids = ids[:prompt_len + ids[prompt_len:].index(eot)]
+    pieces, start = [], 0
+    for i, token in enumerate(ids + [eot]):
+        if token == eot:
+            pieces.append(tokenizer.decode(ids[start:i]))
+            start = i + 1
+    return EOT_TEXT.join(pieces)
 
 
 if __name__ == "__main__":

@@ -97,6 +97,7 @@ DOCS_PER_BATCH = 256
 BYTES_PER_BATCH = 1 << 20  # ... or fewer documents once they hold a MiB of text
 MIN_VAL_TOKENS = 1024  # for a single-document split: enough to evaluate on, unless the data is tiny
 VAL_FRACTION = 0.005  # documents drawn for val
+MOST_VAL_SHARE = 0.10  # more of the tokens than this in validation is warned of
 # a local corpus's default: validation large enough to compare runs on, where the corpus has it
 VAL_MIN_DOCUMENTS, VAL_MIN_TOKENS, VAL_MOST = 32, 100_000, 0.1
 SINGLE_DOCUMENT_VAL_FRACTION = 0.1  # the tail of a single document (nanoGPT's split of a text file)
@@ -247,6 +248,9 @@ def locate_unreadable(dataset) -> str | None:
         extension = os.path.splitext(path)[1]
         if extension not in (".txt", ".jsonl"):
             continue
+        if extension == ".jsonl" and not any(line.strip() for line in open(path, "rb")):
+            return (f"{path} holds no lines, so no documents: give it one JSON object per line, such as "
+                    '{"text": "..."}, or leave it out of --dataset')
         with open(path, "rb") as f:
             for number, line in enumerate(f, start=1):
                 if b"\x00" in line:  # NUL bytes: a binary file, which no conversion makes text
@@ -267,6 +271,13 @@ def locate_unreadable(dataset) -> str | None:
                         return (f'{path}, line {number}: not an object with a string "text" field (fields: '
                                 f'{", ".join(row) if isinstance(row, dict) else type(row).__name__}): each line '
                                 'needs one')
+                    try:
+                        row["text"].encode("utf-8")
+                    except UnicodeEncodeError as e:  # JSON's \ud800 escapes: half of a UTF-16 pair, no character
+                        return (f"{path}, line {number}: the text holds a lone UTF-16 surrogate "
+                                f"({row['text'][e.start]!a} at character {e.start + 1}), which is not a character: "
+                                "remove it, or re-encode the file replacing it (python: text.encode('utf-8', "
+                                "'replace'))")
     return None
 
 
@@ -275,8 +286,9 @@ def chain_first(first, rest):
     yield from rest
 
 
-def documents_from_rows(rows, dataset, keep_sets):
-    """(text, set name or None, split or None) for every non-empty document, keeping only keep_sets if given."""
+def documents_from_rows(rows, dataset, keep_sets, dropped=None):
+    """(text, set name or None, split or None) for every non-empty document, keeping only keep_sets if given;
+    dropped["empty"] counts the empty ones left out."""
     for number, row in enumerate(rows, start=1):
         if "text" not in row:
             raise DataError(f"rows of --dataset={dataset} have no 'text' field (fields: {', '.join(row)})")
@@ -294,6 +306,8 @@ def documents_from_rows(rows, dataset, keep_sets):
                 continue
         if row["text"]:
             yield row["text"], set_name, row.get("split")
+        elif dropped is not None:
+            dropped["empty"] = dropped.get("empty", 0) + 1
 
 
 def batched(items, n, max_chars=None):
@@ -423,6 +437,28 @@ class TokenFiles:
         for path in self.paths.values():
             if os.path.exists(path):
                 os.remove(path)
+
+
+def remove_dead_temp_files(out_dir) -> list[str]:
+    """Remove the temporary files a prepare killed mid-write left in out_dir (.tmp-PID-...: those of processes
+    that are gone; never a live process's, which may be preparing there now). Returns their names."""
+    removed = []
+    for name in os.listdir(out_dir):
+        pid = name.split("-")[1] if name.startswith(".tmp-") and name.count("-") >= 3 else ""
+        if pid.isdigit() and not process_alive(int(pid)):
+            os.remove(os.path.join(out_dir, name))
+            removed.append(name)
+    return removed
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def temp_path(out_dir, name):
@@ -555,6 +591,7 @@ def token_files(out_dir, dtype):
     are removed, and so is the folder if it was made for them."""
     made_dir = not os.path.isdir(out_dir)
     os.makedirs(out_dir, exist_ok=True)
+    remove_dead_temp_files(out_dir)
     files = TokenFiles(out_dir, dtype)
     try:
         files.open()  # inside the try: an interrupt while the files are made removes them too
@@ -628,7 +665,15 @@ def prepare(dataset, tokenizer="byte", out_dir=None, max_tokens=None, val_fracti
     if wikitext_val not in ("validation", "test"):
         raise DataError(f"--wikitext_val={wikitext_val}: expected validation or test")
     # fails here, before anything is written, if the data cannot be reached
-    rows = load_rows(dataset, quiet, split_articles, wikitext_val, text_extensions)
+    try:
+        rows = load_rows(dataset, quiet, split_articles, wikitext_val, text_extensions)
+    except (DataError, KeyboardInterrupt, SystemExit, TokenizerUnavailable):
+        raise
+    except Exception as e:  # an unreadable local file fails deep inside datasets / pyarrow: say where
+        where = None if is_named_source(dataset) else locate_unreadable(dataset)
+        if where is None:
+            raise
+        raise DataError(where) from e
     size = None if is_named_source(dataset) else local_bytes(dataset, text_extensions)
     chosen_by = ""
     if val_fraction is None and not is_named_source(dataset) and not split_articles:
@@ -662,7 +707,13 @@ def prepare(dataset, tokenizer="byte", out_dir=None, max_tokens=None, val_fracti
               f"train {meta['train_tokens']:,} tokens in {meta['train_documents']:,} documents, "
               f"val {meta['val_tokens']:,} tokens " + (f"in {meta['val_documents']:,} documents" if meta['val_documents']
                                                        else "from the end of the document (one document: split by "
-                                                            "tokens)"))
+                                                            "tokens)")
+              + (f"; {meta['empty_documents_dropped']:,} empty document(s) left out"
+                 if meta.get("empty_documents_dropped") else ""))
+        if meta.get("max_tokens_cut"):
+            cut = meta["max_tokens_cut"]
+            print(f"note: --max_tokens={max_tokens:,} cut the last document after {cut['kept_tokens']:,} of its "
+                  f"{cut['document_tokens']:,} tokens: it ends mid-text, with no end-of-text token after it")
     line, warnings = describe_validation(meta)
     if not quiet:
         print(line)
@@ -696,6 +747,12 @@ def describe_validation(meta: dict) -> tuple[str, list[str]]:
         warnings.append(f"validation is a single document ({tokens:,} tokens" + (f"; {split['note']}" if split.get("note")
                                                                                  else "") +
                         f"): every evaluation will measure that one text. For several documents: {fix}")
+    elif method == "document" and share > MOST_VAL_SHARE and share > 1.25 * asked:  # chance, not what was asked
+        suggest = float(f"{asked * MOST_VAL_SHARE / share:.2g}")
+        warnings.append(f"validation holds {100 * share:.2g}% of the tokens ({docs:,} of {total_docs:,} documents, "
+                        f"longer ones than the rest), more than {100 * MOST_VAL_SHARE:.0f}%: training sees that much "
+                        f"less. --val_fraction={suggest} draws about {100 * MOST_VAL_SHARE:.0f}% (or another --seed "
+                        "draws other documents)")
     elif method in ("document", "token_tail") and asked and not asked / 3 <= share <= asked * 3:
         warnings.append(f"validation holds {100 * share:.2g}% of the tokens, far from the asked --val_fraction={asked} "
                         f"({'of the documents' if method == 'document' else 'of the tokens'}): "
@@ -730,7 +787,7 @@ def local_bytes(dataset, text_as="") -> int | None:
 
 def local_documents(dataset, text_as="") -> int | None:
     """How many documents a local dataset holds, counted without tokenising: a text file is one, a .jsonl line one,
-    a .parquet row one; None when a file's count is not known so cheaply (.json)."""
+    a .parquet row one, a .json array's element one; None when a file's count is not known (another .json)."""
     total = 0
     for path in local_files(dataset, text_extensions(text_as), quiet=True):
         extension = os.path.splitext(path)[1]
@@ -741,8 +798,15 @@ def local_documents(dataset, text_as="") -> int | None:
             import pyarrow.parquet
 
             total += pyarrow.parquet.ParquetFile(path).metadata.num_rows
-        elif extension == ".json":
-            return None
+        elif extension == ".json":  # an array of rows (the datasets library's other .json forms: not counted)
+            try:
+                with open(path, "rb") as f:
+                    rows = json.load(f)
+            except (ValueError, OSError):
+                return None
+            if not isinstance(rows, list):
+                return None
+            total += len(rows)
         else:
             total += 1
     return total
@@ -794,7 +858,8 @@ def write_tokens(files, rows, tok, dataset, keep_sets, max_tokens, val_fraction,
     last_doc_tokens = {"train": 0, "val": 0}  # for moving a whole document between splits at the end
     set_counts = Counter()
     total, official = 0, False
-    batches = batched(documents_from_rows(rows, dataset, keep_sets), DOCS_PER_BATCH, BYTES_PER_BATCH)
+    dropped = {}
+    batches = batched(documents_from_rows(rows, dataset, keep_sets, dropped), DOCS_PER_BATCH, BYTES_PER_BATCH)
     # local files: their bytes read (a known total); other sources: tokens written (against --max_tokens)
     by_bytes = size is not None and max_tokens is None
     progress = progress_bar(total=size if by_bytes else max_tokens, enabled=not quiet,
@@ -806,7 +871,10 @@ def write_tokens(files, rows, tok, dataset, keep_sets, max_tokens, val_fraction,
                 ends = np.cumsum(lengths)
                 keep = int(np.searchsorted(ends, max_tokens - total, side="left")) + 1
                 lengths = lengths[:keep].copy()
-                lengths[-1] -= ends[keep - 1] - (max_tokens - total)
+                cut = int(ends[keep - 1] - (max_tokens - total))
+                if cut:  # the last document stops mid-text, without its end-of-text token: said and recorded
+                    dropped["cut"] = {"kept_tokens": int(lengths[-1] - cut), "document_tokens": int(lengths[-1])}
+                lengths[-1] -= cut
                 tokens, batch = tokens[:max_tokens - total], batch[:keep]
             forced = [split for _, _, split in batch]
             if any(split is not None for split in forced):  # the source's own split (WikiText's)
@@ -833,6 +901,10 @@ def write_tokens(files, rows, tok, dataset, keep_sets, max_tokens, val_fraction,
         split = {**split, "method": "source", "note": "the source's own train and validation splits"}
 
     meta = token_meta(tok, files, docs, dataset, split, max_tokens)
+    if dropped.get("empty"):
+        meta["empty_documents_dropped"] = dropped["empty"]
+    if dropped.get("cut"):
+        meta["max_tokens_cut"] = dropped["cut"]
     if set_counts:
         meta["sets"] = dict(sorted(set_counts.items()))
     if keep_sets:
@@ -935,6 +1007,12 @@ def main(argv=None):
         prepare(**kwargs)
     except (DataError, TokenizerUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a full disk, a quota, a read-only folder: the temporary files are gone already
+        out_dir = kwargs["out_dir"] or default_out_dir(kwargs["dataset"], kwargs["tokenizer"])
+        print(f"error: cannot write {display_path(out_dir)}: {e.strerror or e}"
+              + (f" ({e.filename})" if e.filename else "") + "; nothing was written (its earlier data, if any, is "
+              "intact): free space or give --out_dir a folder on another disk", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # the temporary files are removed on the way out; the folder is as it was
         out_dir = kwargs["out_dir"] or default_out_dir(kwargs["dataset"], kwargs["tokenizer"])

@@ -32,6 +32,7 @@ class MultiScaleRetention(RecurrentMixer):
     settings = (RETENTION_CHUNK,)
     forms = FORMS
     takes_documents = True  # the core restarts the state at each document's first token
+    context_parallel = True  # the core starts a shard from the state its earlier shards leave (call.shard)
     translation_invariant = True  # a state from zero at a document's start, RoPE's relative positions
 
     def __init__(self, config, layer_idx):
@@ -55,7 +56,7 @@ class MultiScaleRetention(RecurrentMixer):
         state = None if call.cache is None else call.cache.state
         form = "step" if call.cache is not None and T == 1 else self.form
         y, _, state = recurrence(form, q.to(compute) * self.head_dim ** -0.5, k.to(compute), v.to(compute),
-                                 Gates(log_decay=decay), state, starts, chunk=self.chunk)
+                                 Gates(log_decay=decay), state, starts, chunk=self.chunk, shard=call.shard)
         if call.cache is not None:
             call.cache.state = state
         y = F.group_norm(y.transpose(1, 2).reshape(B * T, C), self.n_head).view(B, T, C)

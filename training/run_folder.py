@@ -102,9 +102,14 @@ def open_run_folder(cfg: Config, rt: Runtime, data: RunData, raw_model, progress
         print(f"warning: the run keeps no copy of its tokenizer ({str(e).splitlines()[0]}): sampling and evaluation "
               f"will need {meta['tokenizer']!r} where it is now")
     n_params = raw_model.num_params()
+    embedding_share = 1 - raw_model.num_params(exclude_embeddings=True) / n_params
     print(f"model: {m.arch}, {m.n_layer} layers x {m.n_head} heads x {m.n_embd}, mixers {m.attn_pattern!r}: "
           f"{n_params / 1e6:.2f}M parameters ({raw_model.num_params(exclude_embeddings=True) / 1e6:.2f}M "
           "without embeddings)" + ("; packed documents masked (document_mask)" if m.document_mask else ""))
+    if embedding_share > 0.5:  # e.g. GPT-2's 50K tokens at the quick start's n_embd: a much slower model
+        print(f"note: the embedding is {100 * embedding_share:.0f}% of the parameters ({m.vocab_size:,} tokens x "
+              f"{m.n_embd}): the vocabulary, not the layers, sets this model's size and speed; a smaller vocabulary "
+              "(the byte tokenizer) or a larger model puts them in the layers")
     layers_of = {}  # e.g. per-head windows of multi-scale variants; layers alike are said once
     for i, block in enumerate(raw_model.blocks):
         if block.mixer.describe():

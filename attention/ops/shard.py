@@ -27,17 +27,21 @@ import torch.distributed as dist
 
 @dataclass
 class Traffic:
-    """Bytes this process sent and received: {(label, "forward" | "backward"): [sent, received]}."""
+    """Bytes this process sent and received: {(label, "forward" | "backward"): [sent, received]}, and how many
+    exchanges each (one per layer and forward or backward): {(label, direction): count}."""
 
     bytes: dict = field(default_factory=lambda: defaultdict(lambda: [0, 0]))
+    calls: dict = field(default_factory=lambda: defaultdict(int))
 
     def add(self, label: str, direction: str, sent: int, received: int) -> None:
         entry = self.bytes[(label, direction)]
         entry[0] += sent
         entry[1] += received
+        self.calls[(label, direction)] += 1
 
     def clear(self) -> None:
         self.bytes.clear()
+        self.calls.clear()
 
 
 @dataclass(eq=False)
@@ -96,6 +100,12 @@ class Shard:
 def _overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
     lo, hi = max(a[0], b[0]), min(a[1], b[1])
     return (lo, hi) if lo < hi else None
+
+
+def received_positions(shard: Shard, needs) -> int:
+    """How many positions this process receives in a gather_range with needs (what the exchange's plan gives:
+    benchmarks project bytes from it without running the exchange)."""
+    return sum(b - a for _, a, b in _plan(shard, needs)[1])
 
 
 def _plan(shard: Shard, needs) -> tuple[list, list]:

@@ -2,9 +2,12 @@
 case, the loss and every parameter's gradient of one forward and backward over shards, against the same model run
 whole in this process. Writes {case: {...}} as JSON (rank 0).
 
-    python tests/models/cp_worker.py RANK WORLD CP PORT OUT CASE[,CASE...] [--n=N] [--window=W]
+    python tests/models/cp_worker.py RANK WORLD CP PORT OUT CASE[,CASE...] --n=N --window=W [--modules=FILE,...]
+
+--modules: variant files to register first (a variant written in one file, outside attention/).
 """
 
+import importlib.util
 import json
 import os
 import sys
@@ -18,14 +21,14 @@ import torch.distributed as dist  # noqa: E402
 
 from attention.ops.shard import Shard  # noqa: E402
 from attention.registry import example_cases  # noqa: E402
-from config import ModelConfig  # noqa: E402
-from model import GPT  # noqa: E402
 
 EOT = 5
 VOCAB = 61
 
 
-def config_for(case: str, n: int, window: int) -> ModelConfig:
+def config_for(case: str, n: int, window: int):
+    from config import ModelConfig  # after --modules (see main)
+
     settings = {"arch": "llama", "n_layer": 2, "n_head": 4, "n_embd": 32, "block_size": n, "vocab_size": VOCAB,
                 "bias": False, "eot_id": EOT, "dropout": 0.0, **example_cases(window)[case]}
     return ModelConfig(**settings)
@@ -53,6 +56,10 @@ def main(argv):
     cases = argv[5].split(",")
     options = dict(a.removeprefix("--").split("=") for a in argv[6:])
     n, window = int(options["n"]), int(options["window"])
+    for i, path in enumerate(filter(None, options.get("modules", "").split(","))):
+        spec = importlib.util.spec_from_file_location(f"variant_{i}", REPO / path)
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))  # registers its mixer
+    from model import GPT  # after --modules: the config takes the settings their variants declare
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo", rank=rank, world_size=world)

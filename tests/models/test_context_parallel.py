@@ -26,10 +26,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_group(tmp_path, world: int, cp: int, cases) -> list[dict]:
+def run_group(tmp_path, world: int, cp: int, cases, modules=()) -> list[dict]:
     out, port = tmp_path / "results.json", str(free_port())
     procs = [subprocess.Popen([sys.executable, "tests/models/cp_worker.py", str(rank), str(world), str(cp), port,
-                               str(out), ",".join(cases), f"--n={N}", f"--window={WINDOW}"],
+                               str(out), ",".join(cases), f"--n={N}", f"--window={WINDOW}",
+                               f"--modules={','.join(modules)}"],
                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for rank in range(world)]
     logs = [p.communicate(timeout=600)[0] for p in procs]
@@ -80,3 +81,17 @@ def check_bytes(rank: int, by_case: dict) -> None:
     summary = BATCH * HEADS * (features * (HEAD_DIM + 1) + 1) * 4
     sent, received = by_case["linear"]["traffic"]["recurrent state forward"]
     assert received == LAYERS * 3 * summary, (rank, by_case["linear"]["traffic"])
+
+
+@pytest.mark.e2e
+def test_a_rule_and_a_recurrent_mixer_each_written_in_one_file_get_their_exchange(tmp_path):
+    # docs/adding_a_variant.md's two examples, registered from their own files: the rule's halo comes from its
+    # allowed() and key_ranges, the recurrence's state from the core, with nothing else written for them
+    results = run_group(tmp_path, 3, 3, ["dilated_window", "retention"],
+                        modules=["examples/dilated_window.py", "examples/retention.py"])
+    for rank, by_case in enumerate(results):
+        for name in ("dilated_window", "dilated_window+documents", "retention", "retention+documents"):
+            r = by_case[name]
+            assert r["loss_error"] <= TOLERANCE and r["grad_error"] <= TOLERANCE, (rank, name, r)
+        assert by_case["dilated_window"]["traffic"]["keys and values forward"][1] > 0 or rank == 0
+        assert by_case["retention"]["traffic"]["recurrent state forward"][1] > 0

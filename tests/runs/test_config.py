@@ -28,6 +28,7 @@ def test_file_then_overrides_with_types(tmp_path):
     (["--attn_pattern=ful"], "did you mean 'full'"),
     (["--n_layer=3", "--attn_pattern=full,full"], "does not divide n_layer"),
     (["max_iters=5"], "cannot read config file"),
+    (["--init_from=resume", "--replace_run=True"], "pass one of them"),
 ])
 def test_bad_values_name_the_problem(args, expected):
     with pytest.raises(ConfigError, match=expected):

@@ -248,7 +248,7 @@ def test_default_out_dir_names():
     assert prepare_module.default_out_dir("books/moby.txt", "byte").endswith(os.path.join("data", "moby_byte"))
 
 
-def test_max_tokens_caps_the_total(tmp_path):
+def test_max_tokens_caps_the_total(tmp_path, capsys):
     docs = make_docs(30)
     source = write_jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in docs])
     total = sum(len(d.encode()) + 1 for d in docs)
@@ -263,6 +263,11 @@ def test_max_tokens_caps_the_total(tmp_path):
     complete = [d for d in got if d in docs]
     assert len(complete) == len(got) - 1  # all whole but the one the cap cut
     assert sorted(complete) == sorted(docs[:len(got) - 1])
+    # the cut is recorded and said: the last document ends mid-text, without its end-of-text token
+    cut = meta["max_tokens_cut"]
+    assert 0 < cut["kept_tokens"] < cut["document_tokens"] == len(docs[len(got) - 1].encode()) + 1
+    status = main([f"--dataset={source}", f"--out_dir={tmp_path / 'again'}", f"--max_tokens={cap}", "--num_proc=1"])
+    assert status == 0 and f"cut the last document after {cut['kept_tokens']:,} of its" in capsys.readouterr().out
 
 
 class WideTokenizer:
@@ -901,3 +906,77 @@ def test_a_bad_json_line_is_one_line_naming_the_files_line_not_the_librarys_row(
     said = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and len(said) == 1, proc.stderr
     assert said[0].startswith(f"error: {source}, line 3000: not valid JSON")
+
+
+@pytest.mark.parametrize("content, said", [
+    ("", "holds no lines, so no documents"),
+    ('{"text": "fine"}\n{"text": "half a pair \\ud800 here"}\n', "line 2: the text holds a lone UTF-16 surrogate"),
+], ids=["empty", "lone_surrogate"])
+def test_a_jsonl_the_json_reader_fails_on_is_one_line_naming_the_file(tmp_path, content, said):
+    source = tmp_path / "corpus.jsonl"
+    source.write_text(content)
+    proc = run(["-m", "data.prepare"], f"--dataset={source}", f"--out_dir={tmp_path / 'out'}", "--num_proc=1")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith(f"error: {source}"), proc.stderr
+    assert said in lines[0]
+    assert not (tmp_path / "out").exists()  # nothing partial left
+
+
+def test_a_full_disk_while_preparing_is_one_line_and_keeps_the_data(prepared, monkeypatch, capsys):
+    import errno
+
+    before = {name: (prepared / name).read_bytes() for name in ("train.bin", "val.bin", "meta.json")}
+    big = write_jsonl(prepared.parent / "big.jsonl", [{"text": d} for d in make_docs(50)])
+    monkeypatch.setattr(prepare_module, "DOCS_PER_BATCH", 4)
+
+    def full(self, split, tokens):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(prepare_module.TokenFiles, "write", full)
+    status = main([f"--dataset={big}", f"--out_dir={prepared}", "--replace_data=True", "--num_proc=1"])
+    said = capsys.readouterr().err.strip().splitlines()
+    assert status == 1 and len(said) == 1 and "No space left on device" in said[0], said
+    assert "nothing was written" in said[0] and "free space" in said[0]
+    assert sorted(os.listdir(prepared)) == ["meta.json", "train.bin", "val.bin"]  # no temporary file left
+    assert {name: (prepared / name).read_bytes() for name in before} == before
+
+
+def test_a_prepare_removes_what_a_killed_prepare_left_but_never_a_live_ones(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    left = out / f".tmp-{dead.pid}-0a1b2c3d-train.bin"  # what `kill -9` during a prepare leaves
+    live = out / f".tmp-{os.getpid()}-4e5f6a7b-val.bin"  # another prepare, still writing
+    left.write_bytes(b"x")
+    live.write_bytes(b"y")
+    run_prepare(write_jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in make_docs(10)]), out)
+    assert not left.exists() and live.exists()
+
+
+def test_a_json_array_gets_the_local_corpus_default_as_the_same_rows_in_jsonl_do(tmp_path):
+    rows = [{"text": d} for d in make_docs(200)]
+    (tmp_path / "docs.json").write_text(json.dumps(rows))
+    as_array = run_prepare(tmp_path / "docs.json", tmp_path / "a")
+    as_lines = run_prepare(write_jsonl(tmp_path / "docs.jsonl", rows), tmp_path / "b")
+    assert as_array["split"]["val_fraction"] == as_lines["split"]["val_fraction"] > prepare_module.VAL_FRACTION
+    assert "local corpus of 200 documents" in as_array["split"]["chosen_by"]
+    assert as_array["val_documents"] == as_lines["val_documents"] > 10  # not the 0.5% default's one or two
+
+
+def test_more_than_a_tenth_of_the_tokens_in_validation_is_warned_with_what_to_pass(tmp_path, capsys):
+    drawn = prepare_module.val_mask(0, 0, 40, 0.1)  # the documents the split will draw, made long
+    docs = [("long " if drawn[i] else "") * 200 + d for i, d in enumerate(make_docs(40))]
+    meta = run_prepare(write_jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in docs]), tmp_path / "out",
+                       val_fraction=0.1, quiet=False)
+    share = meta["val_tokens"] / (meta["val_tokens"] + meta["train_tokens"])
+    warned = [line for line in capsys.readouterr().err.splitlines() if "more than 10%" in line]
+    assert share > 0.1 and len(warned) == 1 and f"{100 * share:.2g}% of the tokens" in warned[0], warned
+    suggested = float(re.search(r"--val_fraction=([0-9.e-]+)", warned[0]).group(1))
+    assert suggested < 0.1
+
+
+def test_empty_documents_are_counted_where_the_documents_are(tmp_path, capsys):
+    rows = [{"text": d} for d in make_docs(20)] + [{"text": ""}] * 5
+    meta = run_prepare(write_jsonl(tmp_path / "docs.jsonl", rows), tmp_path / "out", quiet=False)
+    assert meta["empty_documents_dropped"] == 5 and meta["train_documents"] + meta["val_documents"] == 20
+    assert "5 empty document(s) left out" in capsys.readouterr().out

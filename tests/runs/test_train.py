@@ -195,6 +195,17 @@ def test_sample_generates_from_a_checkpoint(reference_run, tmp_path):
     assert again.stdout == proc.stdout  # seeded
 
 
+def test_a_sample_shows_each_end_of_text_token_and_can_stop_at_the_first():
+    from data.tokenizer import get_tokenizer
+    from sample import sample_text
+
+    for name in ("byte", "gpt2"):  # the byte tokenizer's decode drops the token; GPT-2's prints it
+        tok = get_tokenizer(name)
+        ids = tok.encode("Once") + tok.encode(" upon") + [tok.eot_id] + tok.encode("Next doc") + [tok.eot_id]
+        assert sample_text(tok, ids, 1) == "Once upon<|endoftext|>Next doc<|endoftext|>", name
+        assert sample_text(tok, ids, 1, stop_at_eot=True) == "Once upon", name
+
+
 @pytest.mark.e2e
 def test_sample_reports_a_missing_checkpoint(tmp_path):
     proc = run_in_process(["sample.py"], f"--out_dir={tmp_path}")
@@ -431,3 +442,13 @@ def test_a_stop_during_a_long_evaluation_is_said_at_once_and_a_second_one_stops_
     assert proc.returncode == 128 + signal.SIGINT
     assert "stopping now" in (tmp_path / "stderr").read_text()
     assert (out / "ckpt_last.pt").read_bytes() == saved  # the last complete checkpoint, untouched
+
+
+def test_the_model_line_says_when_the_vocabulary_is_most_of_the_model_and_when_documents_are_masked(tmp_path):
+    # GPT-2's vocabulary at the quick start's width makes an 88% embedding: said where the model is described
+    proc = run(["--max_iters=1", "--vocab_size=4096", "--document_mask=True", "--dropout=0.0"], tmp_path / "run")
+    model_line = next(line for line in proc.stdout.splitlines() if line.startswith("model:"))
+    assert "packed documents masked (document_mask)" in model_line
+    assert "note: the embedding is 8" in proc.stdout and "4,096 tokens x 32" in proc.stdout
+    plain = run(["--max_iters=1"], tmp_path / "plain")
+    assert "note: the embedding" not in plain.stdout and "document_mask" not in plain.stdout
