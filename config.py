@@ -587,9 +587,7 @@ def context_parallel_check(m, t) -> None:
         raise ConfigError(f"context_parallel={P}: the {unserved} layers have no context-parallel form (their edges "
                           "are drawn over the whole sequence, or their kernel was not written for shards: "
                           "docs/context_parallel.md); train them with context_parallel=1")
-    for key, on in (("parallelism=fsdp", t.parallelism == "fsdp"), ("compile=True", t.compile),
-                    ("cuda_graphs=True", t.cuda_graphs),
-                    (f"activation_checkpointing={t.activation_checkpointing}", t.activation_checkpointing != "none")):
+    for key, on in (("cuda_graphs=True", t.cuda_graphs),):
         if on:
             raise ConfigError(f"context_parallel={P} with {key}: not supported yet (docs/context_parallel.md); "
                               f"drop {key.split('=')[0]} or use context_parallel=1")

@@ -190,9 +190,13 @@ class MaskedAttention(Attention):
         s, e = shard.bounds()
         kv = shard.gather_range(torch.stack([k, v]), lambda r: self.key_span(shard, r), 3, "keys and values")
         q = F.pad(q, (0, 0, s - lo, hi - e))
-        plan = self.plan(q.shape[0], hi - lo, q.device, lo)
+        plan = self.shard_plan(q.shape[0], hi - lo, q.device, lo)
         docs = None if shard.docs is None else shard.docs[:, lo:hi]
         return attend_paths(q, kv[0], kv[1], plan, dropout_p, docs)[:, :, s - lo:e - lo]
+
+    @torch.compiler.disable  # planning runs outside compiled code (GPT.plan does the same for whole sequences)
+    def shard_plan(self, batch_size, n, device, start):
+        return self.plan(batch_size, n, device, start)
 
     def context_parallel_problem(self) -> str:
         return "" if all(rule.static for rule in self.paths()) else context_parallel_refusal(self)

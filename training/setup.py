@@ -226,7 +226,9 @@ def open_data(cfg: Config, rt: Runtime, source) -> RunData:
         val_data = WindowSampler(data_dir, "val", m.block_size, t.batch_size, cfg.eval.eval_iters,
                                  device=str(rt.device), loss_after=loss_after)
     except ValueError as e:
-        fail(str(e), status=2)
+        groups = (f" (under context_parallel={rt.cp} the processes count in data-parallel groups: {rt.world_size} "
+                  f"processes make {rt.dp_size} groups of {rt.cp})" if rt.cp > 1 else "")
+        fail(str(e) + groups, status=2)
     return RunData(data_dir, meta, data_tokenizer, train_data, val_data)
 
 

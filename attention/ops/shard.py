@@ -85,6 +85,7 @@ class Shard:
         """The global rank of the group's rank-th process."""
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
+    @torch.compiler.disable  # point-to-point sends: compiled blocks break around the exchange
     def gather_range(self, x: torch.Tensor, needs: Callable[[int], tuple[int, int]], dim: int,
                      label: str = "") -> torch.Tensor:
         """x (this shard's positions along dim) widened to [lo, hi) = needs(this rank): positions of other shards
@@ -92,6 +93,7 @@ class Shard:
         r: every process calls this with the same function."""
         return _GatherRange.apply(x, self, needs, dim, label)
 
+    @torch.compiler.disable
     def all_gather(self, x: torch.Tensor, label: str = "") -> torch.Tensor:
         """Every process's x, stacked (size, *x.shape), differentiable."""
         return _AllGather.apply(x, self, label)

@@ -5,6 +5,8 @@ whole in this process. Writes {case: {...}} as JSON (rank 0).
     python tests/models/cp_worker.py RANK WORLD CP PORT OUT CASE[,CASE...] --n=N --window=W [--modules=FILE,...]
 
 --modules: variant files to register first (a variant written in one file, outside attention/).
+--compile=BACKEND: the shards' blocks torch.compiled with BACKEND (as train.py's compile does).
+--documents=0|1: only without, or only with, document_mask (default: both).
 """
 
 import importlib.util
@@ -68,7 +70,7 @@ def main(argv):
     group = groups[rank // cp]
     results = {}
     for case in cases:
-        for document_mask in (False, True):
+        for document_mask in [bool(int(options["documents"]))] if "documents" in options else (False, True):
             config = config_for(case, n, window)
             config.document_mask = document_mask
             torch.manual_seed(0)
@@ -82,6 +84,10 @@ def main(argv):
             loss.backward()
             expected = {name: p.grad.clone() for name, p in model.named_parameters()}
             model.zero_grad()
+            if options.get("compile"):  # the shards' blocks compiled (the reference ran eagerly)
+                torch._dynamo.reset()
+                for block in model.blocks:
+                    block.compile(backend=options["compile"])
             shard = Shard(group, rank % cp, cp, n)
             _, sharded = model(idx, targets, shard=shard)
             sharded.backward()
@@ -96,7 +102,8 @@ def main(argv):
             results[f"{case}{'+documents' if document_mask else ''}"] = {
                 "loss": sharded.item(), "expected_loss": loss.item(),
                 "loss_error": abs(sharded.item() - loss.item()) / abs(loss.item()),
-                "grad_error": errors[worst], "worst": worst, "traffic": traffic}
+                "grad_error": errors[worst], "worst": worst, "traffic": traffic,
+                "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]}
     gathered = [None] * world
     dist.all_gather_object(gathered, results)
     if rank == 0:

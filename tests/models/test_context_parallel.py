@@ -26,11 +26,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_group(tmp_path, world: int, cp: int, cases, modules=()) -> list[dict]:
+def run_group(tmp_path, world: int, cp: int, cases, modules=(), compile_backend="", *options) -> list[dict]:
     out, port = tmp_path / "results.json", str(free_port())
     procs = [subprocess.Popen([sys.executable, "tests/models/cp_worker.py", str(rank), str(world), str(cp), port,
                                str(out), ",".join(cases), f"--n={N}", f"--window={WINDOW}",
-                               f"--modules={','.join(modules)}"],
+                               f"--modules={','.join(modules)}", f"--compile={compile_backend}", *options],
                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for rank in range(world)]
     logs = [p.communicate(timeout=600)[0] for p in procs]
@@ -95,3 +95,15 @@ def test_a_rule_and_a_recurrent_mixer_each_written_in_one_file_get_their_exchang
             assert r["loss_error"] <= TOLERANCE and r["grad_error"] <= TOLERANCE, (rank, name, r)
         assert by_case["dilated_window"]["traffic"]["keys and values forward"][1] > 0 or rank == 0
         assert by_case["retention"]["traffic"]["recurrent state forward"][1] > 0
+
+
+@pytest.mark.e2e
+def test_compiled_blocks_break_around_the_exchanges_and_equal_one_process(tmp_path):
+    # train.py's compile: each block compiled on its own (aot_eager here: Dynamo and AOTAutograd, inductor's first
+    # half), the halo's sends, the summaries' gather and the shard's plan left out of the graphs
+    results = run_group(tmp_path, 2, 2, ["swa", "linear"], (), "aot_eager", "--documents=1")
+    for rank, by_case in enumerate(results):
+        assert set(by_case) == {"swa+documents", "linear+documents"}
+        for name, r in by_case.items():
+            assert r["loss_error"] <= TOLERANCE and r["grad_error"] <= TOLERANCE, (rank, name, r)
+            assert r["compiled_graphs"] >= 2, r  # the blocks did compile, in pieces around the exchanges

@@ -36,10 +36,25 @@ def test_two_shards_train_as_one_process_and_resume_under_one(tmp_path):
         assert abs(got[key] - value) <= TOLERANCE * abs(value), (key, got[key], value)
 
 
+@pytest.mark.e2e
+def test_fsdp_over_two_groups_of_two_shards_with_checkpointing_trains_as_one_process(tmp_path):
+    # dp 2 x cp 2 on 4 processes: FSDP2 shards the parameters over all four, each sequence is cut over a pair,
+    # and each block recomputes its forward, exchanges included, in backward (selective checkpointing)
+    whole, sharded = tmp_path / "whole", tmp_path / "sharded"
+    batch = ["--batch_size=2", "--gradient_accumulation_steps=2", "--max_iters=4"]
+    train_in_process([*SMALL, *batch, f"--out_dir={whole}"])
+    train_subprocess([*SMALL, *batch, f"--out_dir={sharded}", "--context_parallel=2", "--parallelism=fsdp",
+                      "--activation_checkpointing=selective"], processes=4)
+    expected, got = losses(whole), losses(sharded)
+    assert set(got) == set(expected) and len(expected) >= 5
+    for key, value in expected.items():
+        assert abs(got[key] - value) <= TOLERANCE * abs(value), (key, got[key], value)
+
+
 @pytest.mark.parametrize("args, said", [
     (["--context_parallel=3"], "block_size=64 does not cut into 3 equal shards"),
     (["--context_parallel=2", "--attn_pattern=sa"], "the sa layers have no context-parallel form"),
-    (["--context_parallel=2", "--compile=True"], "context_parallel=2 with compile=True: not supported yet"),
+    (["--context_parallel=2", "--cuda_graphs=True"], "context_parallel=2 with cuda_graphs=True: not supported yet"),
     (["--context_parallel=2"], "start them with torchrun"),
 ])
 def test_what_context_parallelism_cannot_serve_is_refused_before_the_data(tmp_path, args, said):
