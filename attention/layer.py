@@ -20,6 +20,7 @@ from attention.edges import AnyOf, EdgeRule
 from attention.kernels import BACKENDS, attend_paths, plan_attention
 from attention.memory import attention_saved
 from attention.ops.dense import masked_attention, repeat_kv
+from attention.ops.shard import Shard, received_positions
 from attention.registry import Mixer
 from attention.rope import apply_rope
 
@@ -193,6 +194,17 @@ class MaskedAttention(Attention):
         plan = self.shard_plan(q.shape[0], hi - lo, q.device, lo)
         docs = None if shard.docs is None else shard.docs[:, lo:hi]
         return attend_paths(q, kv[0], kv[1], plan, dropout_p, docs)[:, :, s - lo:e - lo]
+
+    def context_parallel_exchange(self, shard, bytes_per_element: int) -> str:
+        """The most positions' keys and values any process receives (the plan gather_range follows), their bytes,
+        and whether that is every earlier position: the all-gather a rule that reaches far falls back to."""
+        most = max(received_positions(Shard(None, r, shard.size, shard.n), lambda q: self.key_span(shard, q))
+                   for r in range(shard.size))
+        size = most * 2 * self.n_kv_head * self.head_dim * bytes_per_element
+        every = most >= shard.n - shard.length
+        return (f"{most:,} positions' keys and values ({size / 2**20:.3g} MiB per sequence)"
+                + (": every earlier position, as much as all-gathering them (its rule reaches every earlier key)"
+                   if every and most else ""))
 
     @torch.compiler.disable  # planning runs outside compiled code (GPT.plan does the same for whole sequences)
     def shard_plan(self, batch_size, n, device, start):

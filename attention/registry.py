@@ -126,6 +126,11 @@ class Mixer(nn.Module):
     def init_weights(self) -> None:
         pass
 
+    def context_parallel_exchange(self, shard, bytes_per_element: int) -> str:
+        """What one process of a context-parallel group receives for this layer in a forward, per sequence, for the
+        start-up log (attention/ops/shard.py). A recurrent mixer on the core: its state's summaries."""
+        return "one state summary per head from each other process of the group, whatever the length"
+
     def context_parallel_problem(self) -> str:
         """Why this layer cannot run a shard of a sequence under context parallelism ("" when it can)."""
         if not self.context_parallel:

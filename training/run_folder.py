@@ -6,7 +6,10 @@ import json
 import os
 from pathlib import Path
 
+import torch
+
 from attention.capabilities import resolved_settings as mixer_resolved_settings
+from attention.registry import MIXERS
 from common.machine import openmp_note
 from common.outputs import write_json
 from config import Config
@@ -121,6 +124,13 @@ def open_run_folder(cfg: Config, rt: Runtime, data: RunData, raw_model, progress
           f"{rt.world_size} process(es) on {rt.device}, {str(rt.dtype).removeprefix('torch.')}"
           + (f"; context parallel: each sequence cut into {rt.cp} shards of {m.block_size // rt.cp} tokens, "
              f"{rt.dp_size} data-parallel group(s) of {rt.cp}" if rt.cp > 1 else ""))
+    if rt.shard is not None:  # what each layer exchanges, and where a rule falls back to every earlier key
+        exchanges, names = {}, {cls: name for name, cls in MIXERS.items()}
+        for block in raw_model.blocks:
+            line = block.mixer.context_parallel_exchange(rt.shard, torch.finfo(rt.dtype).bits // 8)
+            exchanges.setdefault(f"{names.get(type(block.mixer), type(block.mixer).__name__)} layers: {line}")
+        print("context parallel, per layer and process in forward (as much back in backward): "
+              + "; ".join(exchanges))
     print(f"unigram baseline (val token entropy): {unigram:.4f} nats")
     if schedule_warning(t):
         print(schedule_warning(t))

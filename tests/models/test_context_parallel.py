@@ -107,3 +107,17 @@ def test_compiled_blocks_break_around_the_exchanges_and_equal_one_process(tmp_pa
         for name, r in by_case.items():
             assert r["loss_error"] <= TOLERANCE and r["grad_error"] <= TOLERANCE, (rank, name, r)
             assert r["compiled_graphs"] >= 2, r  # the blocks did compile, in pieces around the exchanges
+
+
+def test_a_rule_that_reaches_every_earlier_key_says_it_falls_back_to_all_of_them():
+    from attention.ops.shard import Shard
+    from config import ModelConfig
+    from model import GPT
+
+    def exchange(pattern, **extra):
+        model = GPT(ModelConfig(arch="llama", n_layer=1, n_head=4, n_embd=32, block_size=N, vocab_size=64,
+                                attn_pattern=pattern, **extra))
+        return model.blocks[0].mixer.context_parallel_exchange(Shard(None, 0, 4, N), 2)
+    # the last of 4 processes receives the 72 positions before its shard: every earlier one, 72 x 2 x 4 x 8 x 2 bytes
+    assert exchange("full").startswith("72 positions' keys and values (0.00879 MiB per sequence): every earlier")
+    assert exchange("swa", swa_window=WINDOW) == "31 positions' keys and values (0.00378 MiB per sequence)"

@@ -28,10 +28,27 @@ def test_two_shards_train_as_one_process_and_resume_under_one(tmp_path):
     train_in_process([*SMALL, "--max_iters=8", f"--out_dir={whole}"])
     proc = train_subprocess([*SMALL, "--max_iters=4", f"--out_dir={sharded}", "--context_parallel=2"], processes=2)
     assert "each sequence cut into 2 shards of 32 tokens" in proc.stdout
+    # what each layer exchanges, said once at start-up: a window of 16 receives 15 positions
+    assert "swa layers: 15 positions' keys and values" in proc.stdout
+    assert "mlstm layers: one state summary per head from each other process" in proc.stdout
     # and the run goes on in one process from the sharded run's checkpoint
     train_in_process([*SMALL, "--max_iters=8", f"--out_dir={sharded}", "--init_from=resume"])
     expected, got = losses(whole), losses(sharded)
     assert set(got) == set(expected) and len(expected) >= 10
+    for key, value in expected.items():
+        assert abs(got[key] - value) <= TOLERANCE * abs(value), (key, got[key], value)
+
+
+@pytest.mark.e2e
+def test_the_quick_starts_full_attention_over_two_shards_trains_as_one_process(tmp_path):
+    # the quick start's own pattern (full): every earlier key travels, and the losses are one process's
+    small = [a for a in SMALL if not a.startswith(("--attn_pattern", "--swa_window", "--document_mask"))]
+    whole, sharded = tmp_path / "whole", tmp_path / "sharded"
+    train_in_process([*small, "--max_iters=4", f"--out_dir={whole}"])
+    proc = train_subprocess([*small, "--max_iters=4", f"--out_dir={sharded}", "--context_parallel=2"], processes=2)
+    assert "full layers: 32 positions' keys and values" in proc.stdout and "every earlier position" in proc.stdout
+    expected, got = losses(whole), losses(sharded)
+    assert set(got) == set(expected) and len(expected) >= 5
     for key, value in expected.items():
         assert abs(got[key] - value) <= TOLERANCE * abs(value), (key, got[key], value)
 
