@@ -80,6 +80,18 @@ class Attention(Mixer):
         another), else None."""
         raise NotImplementedError
 
+    # why a layer that receives every other shard's keys does so (the start-up line under context parallelism)
+    reaches_far = "its rule reaches every earlier key"
+
+    def context_parallel_exchange(self, shard, bytes_per_element: int) -> str:
+        """The most positions' keys and values any process of the group receives (context_parallel_received), their
+        bytes, and whether that is every earlier position: the all-gather a rule that reaches far falls back to."""
+        most = max(self.context_parallel_received(Shard(None, r, shard.size, shard.n)) for r in range(shard.size))
+        size = most * 2 * self.n_kv_head * self.head_dim * bytes_per_element
+        return (f"{most:,} positions' keys and values ({size / 2**20:.3g} MiB per sequence)"
+                + (f": every position of the other shards, as much as all-gathering them ({self.reaches_far})"
+                   if most and most >= shard.n - shard.length else ""))
+
     def pretrained_problem(self):
         """Attention with no parameters or state beyond a pretrained model's runs inside its attention."""
         if self.gate is not None or any(True for _ in self.buffers()):
@@ -195,16 +207,10 @@ class MaskedAttention(Attention):
         docs = None if shard.docs is None else shard.docs[:, lo:hi]
         return attend_paths(q, kv[0], kv[1], plan, dropout_p, docs)[:, :, s - lo:e - lo]
 
-    def context_parallel_exchange(self, shard, bytes_per_element: int) -> str:
-        """The most positions' keys and values any process receives (the plan gather_range follows), their bytes,
-        and whether that is every earlier position: the all-gather a rule that reaches far falls back to."""
-        most = max(received_positions(Shard(None, r, shard.size, shard.n), lambda q: self.key_span(shard, q))
-                   for r in range(shard.size))
-        size = most * 2 * self.n_kv_head * self.head_dim * bytes_per_element
-        every = most >= shard.n - shard.length
-        return (f"{most:,} positions' keys and values ({size / 2**20:.3g} MiB per sequence)"
-                + (": every earlier position, as much as all-gathering them (its rule reaches every earlier key)"
-                   if every and most else ""))
+    def context_parallel_received(self, shard) -> int:
+        """The positions whose keys and values this process receives per layer: key_span's, on other shards (the
+        plan gather_range follows)."""
+        return received_positions(shard, lambda r: self.key_span(shard, r))
 
     @torch.compiler.disable  # planning runs outside compiled code (GPT.plan does the same for whole sequences)
     def shard_plan(self, batch_size, n, device, start):

@@ -56,6 +56,8 @@ class MixtureOfBlockAttention(Attention):
     settings = Attention.settings + (MOBA_BLOCK, MOBA_TOPK)
     supports_cache = True  # every key kept: a new query may choose any earlier block
     takes_documents = True
+    # a shard's queries route over every earlier block: they receive every earlier position's keys (attend)
+    context_parallel = True
 
     @classmethod
     def example_settings(cls, window):
@@ -89,9 +91,18 @@ class MixtureOfBlockAttention(Attention):
         return (own_blocks(self.block, seq_len, str(device)),) if self.uses_triton(device) else ()
 
     def attend(self, q, k, v, call: MixerCall):
+        if call.shard is not None:  # context parallelism: the shard's queries over every earlier key, as in decoding
+            shard = call.shard
+            kv = shard.gather_range(torch.stack([k, v]), lambda r: (0, shard.bounds(r)[1]), 3, "keys and values")
+            return self.attend_over(q, kv[0], kv[1], call.pos, self.kernel, None, call.docs)
         if call.cache is not None:
             k, v, _ = call.cache.update(k, v, call.pos)
         return self.attend_over(q, k, v, call.pos, self.kernel, call.plan, call.docs)
+
+    reaches_far = "its routing reads every earlier block"
+
+    def context_parallel_received(self, shard) -> int:
+        return shard.start  # every position before the shard
 
     def attend_over(self, q, keys, values, pos, kernel=None, plan=None, docs=None):
         """Queries at positions pos over the keys at 0 .. len - 1 (a prompt, or decoding over a cache). plan: plan()'s

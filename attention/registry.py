@@ -126,6 +126,11 @@ class Mixer(nn.Module):
     def init_weights(self) -> None:
         pass
 
+    def context_parallel_received(self, shard) -> int:
+        """The positions whose keys and values this shard's process receives per layer (a recurrence: none, its
+        state's summaries travel instead)."""
+        return 0
+
     def context_parallel_exchange(self, shard, bytes_per_element: int) -> str:
         """What one process of a context-parallel group receives for this layer in a forward, per sequence, for the
         start-up log (attention/ops/shard.py). A recurrent mixer on the core: its state's summaries."""

@@ -209,6 +209,8 @@ class StochasticAttention(Attention):
     supports_cache = False
     takes_documents = True
     length_independent = False
+    # a shard's queries: the whole sequence's keys, under one permutation for the group (mix_shard)
+    context_parallel = True
 
     @classmethod
     def check_config(cls, config):
@@ -241,17 +243,48 @@ class StochasticAttention(Attention):
             return torch.randperm(n, device=device)
         return torch.rand(batch_size, n, device=device).argsort(dim=-1)
 
-    def sa_plans(self, batch_size, seq_len, device) -> tuple:
-        """This forward's permutation(s), drawn now, and their plans: one shared by the batch, or one per
-        sequence."""
-        orders = self.draw_orders(batch_size, seq_len, device)
+    def sa_plans(self, batch_size, seq_len, device, orders=None) -> tuple:
+        """This forward's permutation(s), drawn now (or given), and their plans: one shared by the batch, or one
+        per sequence."""
+        orders = self.draw_orders(batch_size, seq_len, device) if orders is None else orders
         self.last_order = orders
         return tuple(plan_stochastic(order, self.window, self.backend, self.n_head, self.head_dim, device,
                                      self.document_mask)
                      for order in (orders[None] if orders.dim() == 1 else orders))
 
-    def plan(self, batch_size, seq_len, device, start=0):
-        return self.sa_plans(batch_size, seq_len, device)
+    def plan(self, batch_size, seq_len, device, start=0, orders=None):
+        return self.sa_plans(batch_size, seq_len, device, orders)
+
+    @torch.compiler.disable  # a collective and planning: outside compiled code
+    def group_plan(self, shard, batch_size, device):
+        """The plan of the whole sequence under context parallelism: the permutation the group's first process
+        draws, sent to the others, so that every shard sees the same edges (and, with the same RNG state, the
+        edges one process draws)."""
+        orders = self.draw_orders(batch_size, shard.n, device).contiguous()
+        torch.distributed.broadcast(orders, src=shard.peer(0), group=shard.group)
+        return self.plan(batch_size, shard.n, device, orders=orders)
+
+    def mix(self, q, k, v, call: MixerCall):
+        if call.shard is not None:
+            return self.mix_shard(q, k, v, call)
+        return super().mix(q, k, v, call)
+
+    def mix_shard(self, q, k, v, call: MixerCall):
+        """Context parallelism's fallback for a rule drawn over the whole sequence: every position's keys and
+        values received, the shard's queries in their rows of the whole sequence (the others zero), the layer's
+        mix over it under the group's permutation, and the shard's rows kept."""
+        shard = call.shard
+        s, e = shard.bounds()
+        kv = shard.gather_range(torch.stack([k, v]), lambda r: (0, shard.n), 3, "keys and values")
+        q = torch.nn.functional.pad(q, (0, 0, s, shard.n - e))
+        whole = MixerCall(torch.arange(shard.n, device=q.device), None, self.group_plan(shard, q.shape[0], q.device),
+                          shard.docs)
+        return self.mix(q, kv[0], kv[1], whole)[:, s:e]
+
+    reaches_far = "its permutation reaches across the whole sequence"
+
+    def context_parallel_received(self, shard) -> int:
+        return shard.n - shard.length  # every other shard's positions
 
     def compile_key(self):  # the permutation is an input of the compiled block, drawn anew at every step
         return (type(self).__name__, self.window, self.swa_rule)
@@ -329,11 +362,13 @@ class GatedStochasticSlidingAttention(StochasticAttention):
         self.gate_sa = nn.Linear(inner, inner, bias=False)
         self.gate_swa = nn.Linear(inner, inner, bias=False)
 
-    def plan(self, batch_size, seq_len, device, start=0):
-        return self.sa_plans(batch_size, seq_len, device), plan_attention(
+    def plan(self, batch_size, seq_len, device, start=0, orders=None):
+        return self.sa_plans(batch_size, seq_len, device, orders), plan_attention(
             self.swa_rule, self.backend, seq_len, self.n_head, self.head_dim, device, documents=self.document_mask)
 
     def mix(self, q, k, v, call: MixerCall):
+        if call.shard is not None:
+            return self.mix_shard(q, k, v, call)
         if call.cache is not None:
             raise NotImplementedError("sa draws a new permutation every forward: generate without a cache")
         y_sa, y_swa = (merge_heads(y) for y in self.both_paths(q, k, v, call.plan, call.docs))

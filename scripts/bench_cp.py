@@ -35,8 +35,8 @@ import torch.distributed as dist
 if not __package__:  # run as a file, the project's modules cannot be imported: say how to run it
     sys.exit("run it from the repository root as a module: python -m scripts.bench_cp ...")
 
-from attention.layer import MaskedAttention  # noqa: E402
-from attention.ops.shard import Shard, received_positions  # noqa: E402
+from attention.layer import Attention  # noqa: E402
+from attention.ops.shard import Shard  # noqa: E402
 from attention.registry import MIXERS, example_cases, pattern_names  # noqa: E402
 from common.outputs import write_json  # noqa: E402
 from config import ModelConfig  # noqa: E402
@@ -82,9 +82,9 @@ def step(model, idx, targets, shard=None):
 
 
 def planned_positions(model: GPT, shard: Shard) -> list[int]:
-    """The positions this process receives in each attention layer, by the exchange's plan."""
-    layers = [b.mixer for b in model.blocks if isinstance(b.mixer, MaskedAttention)]
-    return [received_positions(shard, lambda r, m=m: m.key_span(shard, r)) for m in layers]
+    """The positions this process receives in each layer that receives keys, by the layer's plan."""
+    received = [b.mixer.context_parallel_received(shard) for b in model.blocks]
+    return [r for b, r in zip(model.blocks, received) if isinstance(b.mixer, Attention)]
 
 
 def worker(rank: int, args) -> None:
@@ -160,10 +160,7 @@ def projection(case: str, row: dict, args) -> dict:
     """Bytes per layer per process at --project_n over --project_P, from the exchange plans."""
     n, P = args.project_n, args.project_P
     model = model_for(case, args.window * 4, args)  # the rules alone: their layers at any length
-    shard = Shard(None, 0, P, n)
-    positions = max(received_positions(Shard(None, r, P, n), lambda q, m=m: m.key_span(shard, q))
-                    for r in range(P) for m in [b.mixer for b in model.blocks if isinstance(b.mixer, MaskedAttention)]) \
-        if any(isinstance(b.mixer, MaskedAttention) for b in model.blocks) else 0
+    positions = max(b.mixer.context_parallel_received(Shard(None, r, P, n)) for r in range(P) for b in model.blocks)
     kv = 2 * args.project_heads * args.project_head_dim * args.project_bytes
     per_summary_head = row["state_forward_bytes"] / max(args.P - 1, 1) / (args.batch * args.heads)
     return {"kv_bytes": positions * kv, "state_bytes": per_summary_head * args.project_heads * (P - 1),

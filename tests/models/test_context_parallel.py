@@ -119,5 +119,5 @@ def test_a_rule_that_reaches_every_earlier_key_says_it_falls_back_to_all_of_them
                                 attn_pattern=pattern, **extra))
         return model.blocks[0].mixer.context_parallel_exchange(Shard(None, 0, 4, N), 2)
     # the last of 4 processes receives the 72 positions before its shard: every earlier one, 72 x 2 x 4 x 8 x 2 bytes
-    assert exchange("full").startswith("72 positions' keys and values (0.00879 MiB per sequence): every earlier")
+    assert exchange("full").startswith("72 positions' keys and values (0.00879 MiB per sequence): every position")
     assert exchange("swa", swa_window=WINDOW) == "31 positions' keys and values (0.00378 MiB per sequence)"

@@ -46,7 +46,7 @@ def test_the_quick_starts_full_attention_over_two_shards_trains_as_one_process(t
     whole, sharded = tmp_path / "whole", tmp_path / "sharded"
     train_in_process([*small, "--max_iters=4", f"--out_dir={whole}"])
     proc = train_subprocess([*small, "--max_iters=4", f"--out_dir={sharded}", "--context_parallel=2"], processes=2)
-    assert "full layers: 32 positions' keys and values" in proc.stdout and "every earlier position" in proc.stdout
+    assert "full layers: 32 positions' keys and values" in proc.stdout and "every position of the other shards" in proc.stdout
     expected, got = losses(whole), losses(sharded)
     assert set(got) == set(expected) and len(expected) >= 5
     for key, value in expected.items():
@@ -70,7 +70,6 @@ def test_fsdp_over_two_groups_of_two_shards_with_checkpointing_trains_as_one_pro
 
 @pytest.mark.parametrize("args, said", [
     (["--context_parallel=3"], "block_size=64 does not cut into 3 equal shards"),
-    (["--context_parallel=2", "--attn_pattern=sa"], "the sa layers have no context-parallel form"),
     (["--context_parallel=2", "--cuda_graphs=True"], "context_parallel=2 with cuda_graphs=True: not supported yet"),
     (["--context_parallel=2"], "start them with torchrun"),
 ])
@@ -78,6 +77,16 @@ def test_what_context_parallelism_cannot_serve_is_refused_before_the_data(tmp_pa
     proc = run_in_process(["train.py"], *SMALL, f"--out_dir={tmp_path / 'run'}", "--data_dir=/nonexistent", *args)
     assert proc.returncode == 2 and said in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_mixer_that_declares_no_context_parallel_form_is_refused_before_the_data(tmp_path, monkeypatch):
+    from attention.stochastic import StochasticAttention
+
+    monkeypatch.setattr(StochasticAttention, "context_parallel", False)  # as a mixer that does not declare it
+    proc = run_in_process(["train.py"], *SMALL, f"--out_dir={tmp_path / 'run'}", "--data_dir=/nonexistent",
+                          "--context_parallel=2", "--attn_pattern=sa")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "the sa layers have no context-parallel form" in proc.stderr.strip().splitlines()[-1]
 
 
 def test_processes_that_do_not_divide_into_groups_are_refused(capsys):
