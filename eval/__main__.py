@@ -78,6 +78,9 @@ class EvalRunConfig:
     batch_size: int = 8
     seed: int = 1337
     limit: int = 0  # quick checks: at most this many windows per ppl cell and examples per niah cell (0: all)
+    # processes per window (context parallelism, docs/context_parallel.md): under torchrun with as many processes,
+    # each window of the ppl task cut into that many shards, for lengths one process cannot hold
+    context_parallel: int = 1
     data_dir: str = ""  # default: the run's own prepared data
     # ppl
     ppl_lengths: str = ""  # comma-separated; default: the run's block_size
@@ -160,6 +163,11 @@ def parse(argv) -> tuple[EvalRunConfig, dict]:
     unknown = set(e.tasks.split(",")) - set(TASKS)
     if unknown:
         raise ConfigError(f"unknown task(s) {', '.join(sorted(unknown))}: expected some of {', '.join(TASKS)}")
+    if e.context_parallel < 1:
+        raise ConfigError(f"context_parallel={e.context_parallel}: must be >= 1 (1: whole windows in one process)")
+    if e.context_parallel > 1 and (e.tasks != "ppl" or e.hf):
+        raise ConfigError(f"context_parallel={e.context_parallel} scores perplexity (--tasks=ppl) of a run's own "
+                          "model; evaluate the other tasks, and --hf models, with context_parallel=1")
     unknown = set(e.niah_kinds.split(",")) - set(niah_task.KINDS)
     if unknown:
         raise ConfigError(f"unknown niah subtask(s) {', '.join(sorted(unknown))}: expected {', '.join(niah_task.KINDS)}")
@@ -225,7 +233,8 @@ def run_ppl(e: EvalRunConfig, ctx) -> dict:
                 rows.append({"length": length, "window": window, "ppl": None, "nll": None, "tokens": 0, "note": note})
                 print(f"ppl  L={length:<6} skipped: {note}")
                 continue
-            row = ppl_task.perplexity(model, docs, length, e.batch_size, ctx["device"], e.progress, e.limit or None)
+            row = ppl_task.perplexity(model, docs, length, e.batch_size, ctx["device"], e.progress, e.limit or None,
+                                      ctx.get("shards"))
             window_nll, window_tokens = row.pop("window_nll"), row.pop("window_tokens")
             positions.append({"length": length, "window": window, "nll": row.pop("nll_by_position")})
             # the same windows for every run scored with the same data and settings: pairable
@@ -485,12 +494,29 @@ def load_hf(e: EvalRunConfig, settings: dict, device: str, dtype_name: str):
     return model, cfg, tokenizer, e.data_dir, model.with_changes, source
 
 
+def start_context_parallel(P: int, device: str) -> tuple:
+    """context_parallel=P: the process group of torchrun's P processes (exit 2 without torchrun or with another
+    number of processes), and (group, rank, P); the processes after the first print and write nothing."""
+    world = int(os.environ.get("WORLD_SIZE", 0))
+    if "RANK" not in os.environ or world != P:
+        print(f"error: context_parallel={P} scores each window over {P} processes: run it under torchrun with "
+              f"exactly {P} (torchrun --standalone --nproc_per_node={P} -m eval ...)", file=sys.stderr)
+        sys.exit(2)
+    rank = int(os.environ["RANK"])
+    torch.distributed.init_process_group("nccl" if str(device).startswith("cuda") else "gloo")
+    if rank:
+        sys.stdout = sys.stderr = open(os.devnull, "w")
+    return None, rank, P
+
+
 def main(argv):
     # --wandb is where results go, not how they are computed: outside EvalRunConfig, whose fields make the setting
     wandb_args = [arg for arg in argv if arg.partition("=")[0] == "--wandb"]
     to_wandb = exit_on_config_error(coerce, "wandb", wandb_args[-1].partition("=")[2], bool) if wandb_args else True
     e, settings = exit_on_config_error(parse, [arg for arg in argv if arg not in wandb_args])
     device = exit_on_config_error(resolve_device, e.device)
+    shards = start_context_parallel(e.context_parallel, device) if e.context_parallel > 1 else None
+    master = shards is None or shards[1] == 0
     problem = writable_folder_problem(Path(e.out_dir) / "eval")  # before any work: results go there
     if problem:
         print(f"error: cannot write the results: {problem}", file=sys.stderr)
@@ -520,6 +546,9 @@ def main(argv):
     except (CheckpointError, TokenizerUnavailable, DataError, PretrainedError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)
+    if shards is not None and model.context_parallel_problems():
+        print(f"error: context_parallel={e.context_parallel}: {model.context_parallel_problems()[0]}", file=sys.stderr)
+        sys.exit(2)
     if drawn_per_forward(cfg.model):
         print(f"note: the results are drawn per forward: {drawn_per_forward(cfg.model)} (and --seed)",
               file=sys.stderr)
@@ -532,7 +561,7 @@ def main(argv):
               f"from the run's own, labelled data={data['name']} (in summary.md and scripts/compare.py)",
               file=sys.stderr)
     ctx = {"model": model, "cfg": cfg, "meta": meta, "tokenizer": tokenizer, "data_dir": data_dir,
-           "device": device, "with_config": with_config, "own_data": data["own"]}
+           "device": device, "with_config": with_config, "own_data": data["own"], "shards": shards}
     eval_dir = Path(e.out_dir) / "eval"
     eval_dir.mkdir(parents=True, exist_ok=True)
     if e.hf:  # the evaluated model's resolved config, so scripts/compare.py reads the folder as a run
@@ -561,9 +590,15 @@ def main(argv):
                   + f"{', '.join(tasks[number:])} not (their earlier results, if any, are as they were); "
                   f"summary.md in {eval_dir}", file=sys.stderr)
             sys.exit(130)
+        if not master:  # the group's other processes scored the same windows: the first writes the results
+            continue
         with held(eval_dir / ".lock"):  # another evaluation of this run may be merging into the same file
             write_json(merged_report(eval_dir / f"{task}.json", task, result, e, data_dir,
                                      {**provenance, "seconds": time.time() - started}), eval_dir / f"{task}.json")
+    if shards is not None:
+        torch.distributed.destroy_process_group()
+        if not master:
+            return
     atomic_write(eval_dir / "summary.md", lambda f: f.write(summary_markdown(eval_dir).encode()))
     done = [t for t in tasks if t not in failed]
     print(f"wrote {', '.join(f'{t}.json' for t in done) or 'no task result'}; summary.md in {eval_dir}")

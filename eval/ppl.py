@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from attention.ops.shard import Shard
 from eval.ranking import length_batches, length_independent
 from common.progress import progress_bar
 
@@ -83,12 +84,31 @@ def windows(docs: list[np.ndarray], length: int):
 
 
 @torch.no_grad()
+def window_nlls(model, x, y, shards=None):
+    """Each target's NLL (batch, width) of windows x against targets y (-1: none, NLL 0). With shards (group, rank,
+    P): each process scores its shard of the windows (padded to a multiple of P with targets -1) and the NLLs of
+    the group's shards are gathered: n numbers per window travel, never its logits."""
+    if shards is None:
+        logits, _ = model(x)
+        return F.cross_entropy(logits.float().transpose(1, 2), y, ignore_index=-1, reduction="none")
+    group, rank, P = shards
+    width = x.shape[1]
+    pad = -width % P
+    x, y = F.pad(x, (0, pad)), F.pad(y, (0, pad), value=-1)
+    shard = Shard(group, rank, P, width + pad)
+    s, e = shard.bounds()
+    logits, _ = model(x, shard=shard)
+    nll = F.cross_entropy(logits.float().transpose(1, 2), y[:, s:e], ignore_index=-1, reduction="none")
+    return shard.all_gather(nll.contiguous(), "window nll").permute(1, 0, 2).reshape(x.shape[0], -1)[:, :width]
+
+
 def perplexity(model, docs: list[np.ndarray], length: int, batch_size: int = 8, device="cpu",
-               progress: bool = True, limit: int | None = None) -> dict:
+               progress: bool = True, limit: int | None = None, shards=None) -> dict:
     """Perplexity of the model over the documents, evaluated in windows of `length` tokens (the first
     `limit` windows when given), with each window's mean NLL (`window_nll`, in window order) and the mean NLL
     at each window position (`nll_by_position`: entry t is over the targets at position t, None where no
-    window reaches it)."""
+    window reaches it). shards (group, rank, P): context parallelism, each window cut over the P processes of
+    the group, which all run this with the same arguments and get the same numbers (window_nlls)."""
     pairs = list(windows(docs, length))[:limit]
     window_nll = [0.0] * len(pairs)
     position_nll = torch.zeros(length, dtype=torch.float64)
@@ -102,9 +122,7 @@ def perplexity(model, docs: list[np.ndarray], length: int, batch_size: int = 8, 
             inputs, targets = pairs[i]
             x[row, :len(inputs)] = torch.from_numpy(inputs)
             y[row, :len(targets)] = torch.from_numpy(targets)
-        logits, _ = model(x.to(device))
-        nll = F.cross_entropy(logits.float().transpose(1, 2), y.to(device), ignore_index=-1,
-                              reduction="none").double().cpu()  # (batch, width), 0 at padding
+        nll = window_nlls(model, x.to(device), y.to(device), shards).double().cpu()  # (batch, width), 0 at padding
         predicted = (y != -1).double()
         for row, i in enumerate(batch):
             window_nll[i] = float(nll[row].sum() / predicted[row].sum())

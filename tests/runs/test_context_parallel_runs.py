@@ -2,12 +2,15 @@
 does, step for step, and a run resumes under another number of shards; what context parallelism cannot serve is
 refused in one line before any data is read."""
 
+import json
+import shutil
+import subprocess
 import types
 
 import pytest
 import torch
 
-from conftest import read_metrics, run_in_process, train_in_process, train_subprocess
+from conftest import REPO, launcher, read_metrics, run_in_process, train_in_process, train_subprocess
 
 # swa and mLSTM layers with packed documents: a window's halo, the recurrence's state and the documents' cuts all
 # cross the shards' boundary (block_size 64: shards of 32 tokens, a window of 16)
@@ -66,6 +69,29 @@ def test_fsdp_over_two_groups_of_two_shards_with_checkpointing_trains_as_one_pro
     assert set(got) == set(expected) and len(expected) >= 5
     for key, value in expected.items():
         assert abs(got[key] - value) <= TOLERANCE * abs(value), (key, got[key], value)
+
+
+@pytest.mark.e2e
+def test_eval_scores_each_window_over_two_processes_as_one_process_does(tmp_path):
+    # perplexity at the trained length and beyond it (RoPE), a length the shards cut unevenly (padded): the
+    # same numbers, each window's too, from the group's first process alone
+    run = tmp_path / "run"
+    train_in_process([*SMALL, "--arch=llama", "--max_iters=2", f"--out_dir={run}"])
+    shutil.copytree(run, tmp_path / "copy")
+    ppl = ["-m", "eval", "--tasks=ppl", "--ppl_lengths=64,151", "--ppl_max_tokens=2000"]
+    one = run_in_process(ppl[:2], *ppl[2:], f"--out_dir={run}")
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = subprocess.run([*launcher(2), *ppl, f"--out_dir={tmp_path / 'copy'}", "--context_parallel=2"], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-2000:]
+    assert two.stdout.count("ppl  L=") == 2 and "ppl  L=151" in two.stdout  # printed once, by the first process
+    expected, got = (json.loads((folder / "eval" / "ppl.json").read_text()) for folder in (run, tmp_path / "copy"))
+    rows = lambda result: {r["length"]: r["nll"] for r in result["results"]["rows"]}  # noqa: E731
+    examples = lambda result: [x["nll"] for x in result["per_example"]]  # noqa: E731
+    assert rows(got).keys() == rows(expected).keys() == {64, 151}
+    for length, nll in rows(expected).items():
+        assert abs(rows(got)[length] - nll) <= TOLERANCE * nll, (length, rows(got)[length], nll)
+    assert max(abs(a - b) / b for a, b in zip(examples(got), examples(expected))) <= TOLERANCE
 
 
 @pytest.mark.parametrize("args, said", [
