@@ -308,6 +308,8 @@ def build_model(cfg: Config, rt: Runtime, source, hf_model):
     t = cfg.train
     torch.manual_seed(t.seed)
     raw_model = GPT(cfg.model).to(rt.device)
+    if rt.shard is not None and raw_model.context_parallel_problems():  # a layer's own reason, beyond its class's
+        fail(f"context_parallel={rt.cp}: {raw_model.context_parallel_problems()[0]}", status=2)
     if hf_model is not None:
         try:
             fresh = load_pretrained_weights(raw_model, hf_model)
