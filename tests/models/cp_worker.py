@@ -49,6 +49,14 @@ def tokens(n: int, cp: int, batch: int = 2):
     return idx, targets
 
 
+def shard_kernel(mixer, shard, batch: int) -> str | None:
+    """The kernel the first layer's stretch ran on (attention under edge rules), planned as attend_shard plans it."""
+    if not hasattr(mixer, "key_span"):
+        return None
+    lo, hi = mixer.key_span(shard, shard.rank)
+    return mixer.shard_plan(batch, hi - lo, "cpu", lo)[0].kernel
+
+
 def relative_error(a, b) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
 
@@ -105,7 +113,8 @@ def main(argv):
                 "loss": sharded.item(), "expected_loss": loss.item(),
                 "loss_error": abs(sharded.item() - loss.item()) / abs(loss.item()),
                 "grad_error": errors[worst], "worst": worst, "traffic": traffic,
-                "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]}
+                "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+                "kernel": shard_kernel(model.blocks[0].mixer, shard, idx.shape[0])}
     gathered = [None] * world
     dist.all_gather_object(gathered, results)
     if rank == 0:

@@ -123,3 +123,18 @@ def test_a_rule_that_reaches_every_earlier_key_says_it_falls_back_to_all_of_them
     # the last of 4 processes receives the 72 positions before its shard: every earlier one, 72 x 2 x 4 x 8 x 2 bytes
     assert exchange("full").startswith("72 positions' keys and values (0.00879 MiB per sequence): every position")
     assert exchange("swa", swa_window=WINDOW) == "31 positions' keys and values (0.00378 MiB per sequence)"
+
+
+@pytest.mark.e2e
+@pytest.mark.gpu_sim
+def test_the_cuda_paths_kernels_take_the_halo_at_its_offset(tmp_path, monkeypatch):
+    # the kernels a GPU runs (span attention's, FlexAttention's), planned at the stretch's first position: the
+    # shards of the simulated CUDA path (attention/simulate_cuda.py) equal one process there too
+    from attention import simulate_cuda
+
+    monkeypatch.setenv(simulate_cuda.ENV, "1")
+    results = run_group(tmp_path, 2, 2, ["swa", "bridge", "mswa", "swat"], (), "", "--documents=1")
+    for rank, by_case in enumerate(results):
+        for name, r in by_case.items():
+            assert r["loss_error"] <= TOLERANCE and r["grad_error"] <= TOLERANCE, (rank, name, r)
+            assert r["kernel"] in ("span", "flex"), (name, r["kernel"])  # not the CPU's chunked kernel
