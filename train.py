@@ -147,7 +147,7 @@ def train_step(run: Run, stop_signals: list) -> tuple[float, bool]:
         if t.cuda_graphs:  # a new step of the CUDA graph trees: the last replay's outputs may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
         with rt.autocast:
-            _, loss = model(x, y, loss_chunk=t.loss_chunk, **({"shard": rt.shard} if rt.shard else {}))
+            _, loss = model(x, y, loss_chunk=t.loss_chunk, shard=rt.shard)
         loss_sum += loss.detach()  # added now: a replay's loss is overwritten by the next one
         # under context parallelism the loss's gradient is this shard's part: the parts are summed, so the P
         # processes of a sequence scale theirs by P against DDP's mean over every process

@@ -87,7 +87,8 @@ class Attention(Mixer):
         """The most positions' keys and values any process of the group receives (context_parallel_received), their
         bytes, and whether that is every earlier position: the all-gather a rule that reaches far falls back to."""
         most = max(self.context_parallel_received(Shard(None, r, shard.size, shard.n)) for r in range(shard.size))
-        size = most * 2 * self.n_kv_head * self.head_dim * bytes_per_element
+        heads = self.n_kv_head if self.native_gqa else self.n_head  # as the layer's attend() receives them
+        size = most * 2 * heads * self.head_dim * bytes_per_element
         return (f"{most:,} positions' keys and values ({size / 2**20:.3g} MiB per sequence)"
                 + (f": every position of the other shards, as much as all-gathering them ({self.reaches_far})"
                    if most and most >= shard.n - shard.length else ""))

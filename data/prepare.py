@@ -444,11 +444,14 @@ def remove_dead_temp_files(out_dir) -> list[str]:
     that are gone; never a live process's, which may be preparing there now). Returns their names."""
     removed = []
     for name in os.listdir(out_dir):
-        pid = name.split("-")[1] if name.startswith(".tmp-") and name.count("-") >= 3 else ""
-        if pid.isdigit() and not process_alive(int(pid)):
+        ours = TEMP_NAME.fullmatch(name)  # only what temp_path names: never a file of the user's
+        if ours and not process_alive(int(ours.group(1))):
             os.remove(os.path.join(out_dir, name))
             removed.append(name)
     return removed
+
+
+TEMP_NAME = re.compile(r"\.tmp-(\d+)-[0-9a-f]{8}-(?:train|val)\.bin")
 
 
 def process_alive(pid: int) -> bool:
@@ -637,6 +640,21 @@ def prepare_enwik8(dataset, tokenizer, out_dir, enwik8_val="val", quiet=False) -
     return meta
 
 
+@contextmanager
+def unreadable_named(dataset):
+    """An unreadable local file fails deep inside datasets / pyarrow, when its rows are listed or as they are read:
+    re-raised as a DataError naming the file and line (locate_unreadable); anything else as it was."""
+    try:
+        yield
+    except (DataError, KeyboardInterrupt, SystemExit, TokenizerUnavailable):
+        raise
+    except Exception as e:
+        where = None if is_named_source(dataset) else locate_unreadable(dataset)
+        if where is None:
+            raise
+        raise DataError(where) from e
+
+
 def prepare(dataset, tokenizer="byte", out_dir=None, max_tokens=None, val_fraction=None, num_proc=None,
             seed=0, slimpajama_sets=None, quiet=False, enwik8_val="val", split_articles=False,
             wikitext_val="validation", text_extensions="", replace_data=False) -> dict:
@@ -665,37 +683,23 @@ def prepare(dataset, tokenizer="byte", out_dir=None, max_tokens=None, val_fracti
     if wikitext_val not in ("validation", "test"):
         raise DataError(f"--wikitext_val={wikitext_val}: expected validation or test")
     # fails here, before anything is written, if the data cannot be reached
-    try:
+    with unreadable_named(dataset):
         rows = load_rows(dataset, quiet, split_articles, wikitext_val, text_extensions)
-    except (DataError, KeyboardInterrupt, SystemExit, TokenizerUnavailable):
-        raise
-    except Exception as e:  # an unreadable local file fails deep inside datasets / pyarrow: say where
-        where = None if is_named_source(dataset) else locate_unreadable(dataset)
-        if where is None:
-            raise
-        raise DataError(where) from e
     size = None if is_named_source(dataset) else local_bytes(dataset, text_extensions)
     chosen_by = ""
     if val_fraction is None and not is_named_source(dataset) and not split_articles:
         val_fraction, chosen_by = default_val_fraction(dataset, tok, seed, text_extensions)
     with token_files(out_dir, dtype) as files:
-        try:
+        with unreadable_named(dataset):
             meta = write_tokens(files, rows, tok, dataset, keep_sets, max_tokens, val_fraction, num_proc, seed, quiet,
                                 size)
-            meta["source_path"] = source_of(dataset)
-            if chosen_by and meta["split"]["method"] == "document":
-                meta["split"]["chosen_by"] = chosen_by
-            if split_articles:
-                meta["split_articles"] = True
-            if meta["split"]["method"] == "source":
-                meta["split"]["val_split"] = wikitext_val
-        except (DataError, KeyboardInterrupt, SystemExit, TokenizerUnavailable):
-            raise
-        except Exception as e:  # an unreadable local file fails deep inside datasets / pyarrow: say where
-            where = None if is_named_source(dataset) else locate_unreadable(dataset)
-            if where is None:
-                raise
-            raise DataError(where) from e
+        meta["source_path"] = source_of(dataset)
+        if chosen_by and meta["split"]["method"] == "document":
+            meta["split"]["chosen_by"] = chosen_by
+        if split_articles:
+            meta["split_articles"] = True
+        if meta["split"]["method"] == "source":
+            meta["split"]["val_split"] = wikitext_val
         files.commit(meta)
     stderr = implied_stderr(out_dir, meta)
     if stderr is not None:  # beside the data it describes (meta.json is rewritten whole, atomically)

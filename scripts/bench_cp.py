@@ -26,6 +26,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -199,7 +200,8 @@ def main(argv=None):
     if unserved or bad:
         sys.exit(f"error: {'cases ' + ', '.join(unserved) + ' are not served by context parallelism' if unserved else ''}"
                  f"{'; ' if unserved and bad else ''}{'lengths ' + ', '.join(map(str, bad)) + f' not divisible by P={args.P}' if bad else ''}")
-    out = Path(args.json or "bench_cp.json").with_suffix(".runs.json")
+    scratch = tempfile.TemporaryDirectory()  # the processes' rows, read back and removed with it
+    out = Path(scratch.name) / "runs.json"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -210,7 +212,7 @@ def main(argv=None):
     if any(p.wait() for p in procs):
         sys.exit("error: a process of the benchmark failed (its traceback is above)")
     rows = json.loads(out.read_text())
-    out.unlink()
+    scratch.cleanup()
     table = summarise(rows, args)
     cores = os.cpu_count()
     print(f"context parallelism: P={args.P} processes ({args.device}{f', {cores} cores' if args.device == 'cpu' else ''}), "

@@ -43,7 +43,7 @@ def evaluate(model, val_data: WindowSampler, eval_iters: int, rank: int, world_s
     for index in range(rank, rank + rounds * world_size, world_size):
         x, y = val_data.batch(0, min(index, eval_iters - 1))
         with autocast:
-            _, loss = model(x, y, loss_chunk=loss_chunk, **({"shard": shard} if shard else {}))
+            _, loss = model(x, y, loss_chunk=loss_chunk, shard=shard)
         if index < eval_iters:
             total[0] += loss.detach().double()
             total[1] += 1

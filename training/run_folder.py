@@ -150,16 +150,19 @@ def open_run_folder(cfg: Config, rt: Runtime, data: RunData, raw_model, progress
     folder.metrics = MetricsLog(out_dir / "metrics.jsonl", wandb_run, on_write_error=folder.cannot_write,
                                 tokens_at=progress.tokens_at)
     step = progress.step
-    if progress.data_change:
-        keep_records_before_data_change(folder, progress)
-    elif step > 0:
-        try:  # the evaluation at the resumed step runs again (in the loop): its earlier records are dropped
-            folder.metrics.truncate_after(step, reevaluated=step % ev.eval_interval == 0 or step == t.max_iters
-                                          or ev.eval_only)
+    if step > 0 or progress.data_change:
+        # the evaluation at the resumed step runs again (in the loop): its earlier records are dropped, unless the
+        # data changed (then they are the earlier data's, and stay)
+        reevaluated = not progress.data_change and (step % ev.eval_interval == 0 or step == t.max_iters
+                                                    or ev.eval_only)
+        try:
+            folder.metrics.truncate_after(step, reevaluated=reevaluated)
         except ValueError as e:
             fail(str(e))
         except OSError as e:
             folder.cannot_write("metrics.jsonl", e)
+        if progress.data_change:
+            keep_records_before_data_change(folder, progress)
     elif (out_dir / "metrics.jsonl").exists():
         (out_dir / "metrics.jsonl").unlink()  # a resume from step 0: its log starts again
     if progress.ckpt_step is not None:
@@ -173,17 +176,11 @@ def open_run_folder(cfg: Config, rt: Runtime, data: RunData, raw_model, progress
 
 
 def keep_records_before_data_change(folder: RunFolder, progress: Progress) -> None:
-    """A resume on other data (allow_data_change): every record the run wrote up to its checkpoint's step stays as
-    it is (the evaluation there included: the loop evaluates again, on the new data, and logs it after them), the
-    change is logged, and the best checkpoint so far, best on the earlier data, is kept under a name that says so;
-    the best on the new data starts from the next evaluation."""
+    """A resume on other data (allow_data_change), its log kept up to the checkpoint's step (the evaluation there
+    included: the loop evaluates again, on the new data, and logs it after them): the change is logged, and the best
+    checkpoint so far, best on the earlier data, is kept under a name that says so; the best on the new data
+    starts from the next evaluation."""
     step, change, out_dir = progress.step, progress.data_change, folder.out_dir
-    try:
-        folder.metrics.truncate_after(step, reevaluated=False)
-    except ValueError as e:
-        fail(str(e))
-    except OSError as e:
-        folder.cannot_write("metrics.jsonl", e)
     kept = ""
     for best in (out_dir / "ckpt_best.pt", out_dir / "ckpt_best"):
         if best.exists():

@@ -123,6 +123,9 @@ def test_a_rule_that_reaches_every_earlier_key_says_it_falls_back_to_all_of_them
     # the last of 4 processes receives the 72 positions before its shard: every earlier one, 72 x 2 x 4 x 8 x 2 bytes
     assert exchange("full").startswith("72 positions' keys and values (0.00879 MiB per sequence): every position")
     assert exchange("swa", swa_window=WINDOW) == "31 positions' keys and values (0.00378 MiB per sequence)"
+    # the heads that travel: grouped-query keys as they are for a rule's kernels, repeated per query head for sa's
+    assert exchange("full", n_kv_head=2).startswith("72 positions' keys and values (0.00439 MiB per sequence)")
+    assert exchange("sa", swa_window=WINDOW, n_kv_head=2).startswith("72 positions' keys and values (0.00879 MiB")
 
 
 @pytest.mark.e2e

@@ -25,6 +25,14 @@ def losses(out_dir) -> dict:
             for step, value in read_metrics(out_dir, key).items()}
 
 
+def assert_same_losses(whole, sharded, at_least: int) -> None:
+    """Every train and validation loss the sharded run logged equals the one-process run's, at every step."""
+    expected, got = losses(whole), losses(sharded)
+    assert set(got) == set(expected) and len(expected) >= at_least
+    for key, value in expected.items():
+        assert abs(got[key] - value) <= TOLERANCE * abs(value), (key, got[key], value)
+
+
 @pytest.mark.e2e
 def test_two_shards_train_as_one_process_and_resume_under_one(tmp_path):
     whole, sharded = tmp_path / "whole", tmp_path / "sharded"
@@ -36,10 +44,7 @@ def test_two_shards_train_as_one_process_and_resume_under_one(tmp_path):
     assert "mlstm layers: one state summary per head from each other process" in proc.stdout
     # and the run goes on in one process from the sharded run's checkpoint
     train_in_process([*SMALL, "--max_iters=8", f"--out_dir={sharded}", "--init_from=resume"])
-    expected, got = losses(whole), losses(sharded)
-    assert set(got) == set(expected) and len(expected) >= 10
-    for key, value in expected.items():
-        assert abs(got[key] - value) <= TOLERANCE * abs(value), (key, got[key], value)
+    assert_same_losses(whole, sharded, at_least=10)
 
 
 @pytest.mark.e2e
@@ -49,11 +54,9 @@ def test_the_quick_starts_full_attention_over_two_shards_trains_as_one_process(t
     whole, sharded = tmp_path / "whole", tmp_path / "sharded"
     train_in_process([*small, "--max_iters=4", f"--out_dir={whole}"])
     proc = train_subprocess([*small, "--max_iters=4", f"--out_dir={sharded}", "--context_parallel=2"], processes=2)
-    assert "full layers: 32 positions' keys and values" in proc.stdout and "every position of the other shards" in proc.stdout
-    expected, got = losses(whole), losses(sharded)
-    assert set(got) == set(expected) and len(expected) >= 5
-    for key, value in expected.items():
-        assert abs(got[key] - value) <= TOLERANCE * abs(value), (key, got[key], value)
+    assert "full layers: 32 positions' keys and values" in proc.stdout
+    assert "every position of the other shards" in proc.stdout
+    assert_same_losses(whole, sharded, at_least=5)
 
 
 @pytest.mark.e2e
@@ -65,10 +68,7 @@ def test_fsdp_over_two_groups_of_two_shards_with_checkpointing_trains_as_one_pro
     train_in_process([*SMALL, *batch, f"--out_dir={whole}"])
     train_subprocess([*SMALL, *batch, f"--out_dir={sharded}", "--context_parallel=2", "--parallelism=fsdp",
                       "--activation_checkpointing=selective"], processes=4)
-    expected, got = losses(whole), losses(sharded)
-    assert set(got) == set(expected) and len(expected) >= 5
-    for key, value in expected.items():
-        assert abs(got[key] - value) <= TOLERANCE * abs(value), (key, got[key], value)
+    assert_same_losses(whole, sharded, at_least=5)
 
 
 @pytest.mark.e2e

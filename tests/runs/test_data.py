@@ -947,10 +947,12 @@ def test_a_prepare_removes_what_a_killed_prepare_left_but_never_a_live_ones(tmp_
     dead.wait()
     left = out / f".tmp-{dead.pid}-0a1b2c3d-train.bin"  # what `kill -9` during a prepare leaves
     live = out / f".tmp-{os.getpid()}-4e5f6a7b-val.bin"  # another prepare, still writing
+    mine = out / f".tmp-{dead.pid}-notes.txt"  # a user's file that only looks like one
     left.write_bytes(b"x")
     live.write_bytes(b"y")
+    mine.write_bytes(b"z")
     run_prepare(write_jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in make_docs(10)]), out)
-    assert not left.exists() and live.exists()
+    assert not left.exists() and live.exists() and mine.read_bytes() == b"z"
 
 
 def test_a_json_array_gets_the_local_corpus_default_as_the_same_rows_in_jsonl_do(tmp_path):
